@@ -1,0 +1,31 @@
+"""The recognizer contract every layout module implements.
+
+A layout turns a `Snapshot` of a root into `Candidate`s with a completion verdict. Layouts are
+pure: no filesystem access, no clock (`now` is passed in), no store. Imports only model/formats.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ckptd.model import Candidate, RootOptions, Snapshot
+
+
+class Layout(Protocol):
+    """One on-disk convention (SPEC.md, "Layouts and when a checkpoint is complete")."""
+
+    name: str
+
+    def wants_content(self, rel: str) -> bool:
+        """True when the completion rule needs the bytes of this (small) file in the snapshot."""
+        ...
+
+    def candidates(
+        self, snap: Snapshot, opts: RootOptions, now: float, claimed: frozenset[str]
+    ) -> list[Candidate]:
+        """Every checkpoint of this layout in `snap`, complete or pending.
+
+        Files in `claimed` already belong to a candidate of a more specific layout and must not
+        be used. `now` is wall-clock seconds, compared with `FileInfo.changed_at`/`mtime`.
+        """
+        ...

@@ -1,0 +1,184 @@
+"""Plain data types shared by every layer: states, snapshots, candidates, records.
+
+Owns the vocabulary of SPEC.md as Python types. Imports nothing else of ckptd; holds no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class State(StrEnum):
+    PENDING = "pending"
+    COMPLETE = "complete"
+    VALID = "valid"
+    INVALID = "invalid"
+
+
+class Local(StrEnum):
+    PRESENT = "present"
+    COMPRESSED = "compressed"
+    PRUNED = "pruned"
+
+
+class Remote(StrEnum):
+    NONE = "none"
+    UPLOADING = "uploading"
+    UPLOADED = "uploaded"
+    PRUNED = "pruned"
+
+
+class Tier(StrEnum):
+    ANY = "any"
+    LOCAL = "local"
+    REMOTE = "remote"
+
+
+class Reason(StrEnum):
+    """Machine-readable reasons a checkpoint is invalid."""
+
+    MISSING_FILE = "missing_file"
+    SIZE_MISMATCH = "size_mismatch"
+    CRC_MISMATCH = "crc_mismatch"
+    TRUNCATED = "truncated"
+    BAD_HEADER = "bad_header"
+    BAD_METADATA = "bad_metadata"
+    NAN = "nan"
+    UNSAFE_PICKLE = "unsafe_pickle"
+    UNSAFE_PATH = "unsafe_path"
+    EMPTY_FILE = "empty_file"
+    IO_ERROR = "io_error"
+    CHANGED = "changed"  # files changed while being validated
+
+
+# Names that never belong to a complete checkpoint (SPEC: temporary names).
+TEMP_SUFFIXES = (".tmp", ".partial")
+TEMP_MARKERS = (".orbax-checkpoint-tmp",)
+# ckptd's own directory inside each root; never scanned as checkpoint data.
+CKPTD_DIR = ".ckptd"
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One regular file seen under a root by a scan.
+
+    `path` is relative to the root, '/'-separated. `changed_at` is the wall-clock time (seconds)
+    at which the scanner last saw this file's size or mtime differ from the scan before (or first
+    saw it), so "settled" never trusts an mtime copied from elsewhere. `open_for_write` is true
+    when the watcher saw the file opened for writing and not yet closed.
+    """
+
+    path: str
+    size: int
+    mtime: float
+    changed_at: float
+    open_for_write: bool = False
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything a completion rule may look at: names, sizes, times, and small file contents.
+
+    `files` maps relative path -> FileInfo (regular files only; symlinks that leave the root and
+    ckptd's own files are already dropped). `dirs` is the set of relative directory paths.
+    `contents` holds the bytes of small files that some layout asked for (`Layout.wants_content`),
+    read by the scanner at snapshot time. `registrations` maps step -> registered relative paths
+    (the `registered` layout; an empty tuple means "registered without paths").
+    """
+
+    files: dict[str, FileInfo]
+    dirs: frozenset[str] = frozenset()
+    contents: dict[str, bytes] = field(default_factory=dict)
+    registrations: dict[int, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RootOptions:
+    """The per-root settings a completion rule needs (a slice of the root's config)."""
+
+    settle: float = 5.0
+    world_size: int = 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint a layout recognized in a snapshot, complete or not.
+
+    `path` is the checkpoint's anchor relative to the root: its directory, or its main file for
+    layouts made of sibling files. `files` lists every member file (relative to the root).
+    `expected_sizes` maps member path -> the exact size the layout's own metadata promises;
+    `min_sizes` maps member path -> a lower bound (DCP references). `waiting_for` says in words
+    why a pending candidate is not complete yet ("" when complete). `metrics` come from the
+    layout's metadata (meta.json, trainer_state.json), when it has any.
+    """
+
+    layout: str
+    step: int
+    path: str
+    files: tuple[str, ...]
+    complete: bool
+    waiting_for: str = ""
+    expected_sizes: dict[str, int] = field(default_factory=dict)
+    min_sizes: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    invalid_reason: str = ""  # set when the layout's own metadata already proves it broken
+    invalid_message: str = ""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A checked member file: its size and content hash, as recorded in the store/manifest."""
+
+    path: str
+    size: int
+    hash: str
+    hash_alg: str
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    valid: bool
+    reason: str = ""
+    message: str = ""
+    files: tuple[FileRecord, ...] = ()
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """One checkpoint as the store knows it (the shape `ckptd ls --json` prints, plus internals)."""
+
+    id: int
+    root: str
+    step: int
+    layout: str
+    path: str
+    state: State
+    local: Local
+    remote: Remote
+    bytes: int
+    stored_bytes: int
+    metrics: dict[str, float]
+    reason: str
+    message: str
+    pinned: bool
+    created: float  # wall time when first seen
+    completed: float | None  # wall time when found complete
+    fingerprint: str  # digest of (member paths, sizes, mtimes) at completion
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "state": str(self.state),
+            "local": str(self.local),
+            "remote": str(self.remote),
+            "layout": self.layout,
+            "path": self.path,
+            "bytes": self.bytes,
+            "stored_bytes": self.stored_bytes,
+            "metrics": dict(self.metrics),
+            "reason": self.reason or None,
+            "pinned": self.pinned,
+        }
