@@ -98,8 +98,9 @@ class Client:
             conn.close()
         return resp.status, _decode(raw, resp.getheader("Content-Type", ""))
 
-    def _call(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200,),
-              timeout: float | None = None) -> Any:
+    def request_json(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200,),
+                     timeout: float | None = None) -> Any:
+        """One request whose status must be in `ok`; raises ClientError otherwise."""
         status, data = self.request(method, path, body, timeout)
         if status not in ok:
             code = data.get("error", "") if isinstance(data, dict) else ""
@@ -119,18 +120,18 @@ class Client:
     # -- API ---------------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any] | None:
-        return self._soft("health", None, self._call, "GET", "/v1/health")  # type: ignore[no-any-return]
+        return self._soft("health", None, self.request_json, "GET", "/v1/health")  # type: ignore[no-any-return]
 
     def status(self) -> dict[str, Any] | None:
-        return self._soft("status", None, self._call, "GET", "/v1/status")  # type: ignore[no-any-return]
+        return self._soft("status", None, self.request_json, "GET", "/v1/status")  # type: ignore[no-any-return]
 
     def checkpoints(self, root: str) -> list[dict[str, Any]] | None:
-        data = self._soft("list", None, self._call, "GET", f"/v1/roots/{_q(root)}/checkpoints")
+        data = self._soft("list", None, self.request_json, "GET", f"/v1/roots/{_q(root)}/checkpoints")
         return None if data is None else list(data["checkpoints"])
 
     def checkpoint(self, root: str, step: int) -> dict[str, Any] | None:
         path = f"/v1/roots/{_q(root)}/checkpoints/{int(step)}"
-        return self._soft("checkpoint", None, self._call, "GET", path)  # type: ignore[no-any-return]
+        return self._soft("checkpoint", None, self.request_json, "GET", path)  # type: ignore[no-any-return]
 
     def register(self, root: str, step: int, paths: list[str] | None = None,
                  metrics: dict[str, float] | None = None) -> bool:
@@ -141,7 +142,7 @@ class Client:
         if metrics:
             body["metrics"] = {k: float(v) for k, v in metrics.items()}
         path = f"/v1/roots/{_q(root)}/checkpoints"
-        return self._soft("register", None, self._call, "POST", path, body, (200, 202)) is not None
+        return self._soft("register", None, self.request_json, "POST", path, body, (200, 202)) is not None
 
     def latest(self, root: str, tier: str = "any",
                root_dir: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
@@ -149,7 +150,7 @@ class Client:
         when the daemon is unreachable (`root_dir` defaults to `root` when that is a directory)."""
         path = f"/v1/roots/{_q(root)}/latest?tier={_q(tier)}"
         try:
-            return self._call("GET", path)  # type: ignore[no-any-return]
+            return self.request_json("GET", path)  # type: ignore[no-any-return]
         except DaemonUnavailable as exc:
             fallback = _fallback_latest(root, root_dir)
             if fallback is not None:
@@ -191,11 +192,11 @@ class Client:
 
     def pin(self, root: str, step: int) -> bool:
         path = f"/v1/roots/{_q(root)}/checkpoints/{int(step)}/pin"
-        return self._soft("pin", None, self._call, "PUT", path) is not None
+        return self._soft("pin", None, self.request_json, "PUT", path) is not None
 
     def unpin(self, root: str, step: int) -> bool:
         path = f"/v1/roots/{_q(root)}/checkpoints/{int(step)}/pin"
-        return self._soft("unpin", None, self._call, "DELETE", path) is not None
+        return self._soft("unpin", None, self.request_json, "DELETE", path) is not None
 
     def _soft_fail(self, what: str, exc: ClientError) -> bool:
         if self.strict:

@@ -1,0 +1,283 @@
+"""The `ckptd` command line: the only place that parses argv, maps errors to exit codes and
+calls sys.exit. Client commands talk to the daemon through `ckptd.client`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptd import __version__
+from ckptd.client import Client, ClientError, DaemonUnavailable
+from ckptd.errors import CkptdError, ConfigError, DaemonUnreachable, NotFound, UsageError, exit_code
+
+EXIT_NO = 1
+DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # usage errors exit 2 with a clear line
+        self.print_usage(sys.stderr)
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _common() -> argparse.ArgumentParser:
+    """--socket/--config accepted before or after a command's own arguments."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--socket", default=argparse.SUPPRESS, help="daemon socket path")
+    p.add_argument("--config", default=argparse.SUPPRESS, help="config file (TOML)")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    p = _Parser(prog="ckptd", parents=[common],
+                description="Checkpoint daemon for ML training.")
+    p.add_argument("--version", action="version", version=f"ckptd {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def cmd(name: str, help: str) -> argparse.ArgumentParser:  # noqa: A002
+        return sub.add_parser(name, help=help, parents=[common], description=help)
+
+    cmd("run", "run the daemon in the foreground")
+    s = cmd("status", "daemon health and per-root summary")
+    s.add_argument("--json", action="store_true")
+    s = cmd("ls", "every checkpoint of a root")
+    s.add_argument("root")
+    s.add_argument("--json", action="store_true")
+    s = cmd("latest", "the latest valid checkpoint of a root")
+    s.add_argument("root")
+    s.add_argument("--tier", choices=["any", "local", "remote"], default="any")
+    s.add_argument("--json", action="store_true")
+    s = cmd("register", "tell the daemon a save finished")
+    s.add_argument("root")
+    s.add_argument("step", type=_nonneg_int)
+    s.add_argument("--path", action="append", default=[], dest="paths")
+    s.add_argument("--metric", action="append", default=[], dest="metrics", type=_metric)
+    for name in ("pin", "unpin"):
+        s = cmd(name, f"{name} a checkpoint (pinned ones are never pruned)")
+        s.add_argument("root")
+        s.add_argument("step", type=_nonneg_int)
+    s = cmd("verify", "validate one checkpoint offline (no daemon needed)")
+    s.add_argument("path")
+    s.add_argument("--deep", action="store_true", help="also load tensors and scan for NaN/Inf")
+    s.add_argument("--json", action="store_true")
+    s = cmd("config", "configuration commands")
+    csub = s.add_subparsers(dest="config_command", required=True, parser_class=_Parser)
+    c = csub.add_parser("check", help="validate a config and print the effective config",
+                        parents=[common])
+    c.add_argument("path", nargs="?")
+    cmd("demo", "run a self-contained demo in ./.demo")
+    return p
+
+
+def _nonneg_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def _metric(text: str) -> tuple[str, float]:
+    key, sep, value = text.partition("=")
+    try:
+        if not sep or not key:
+            raise ValueError
+        return key, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"metrics are KEY=NUMBER, got {text!r}") from None
+
+
+# -- entry point -------------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(COMMANDS[args.command](args))
+    except UsageError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    except CkptdError as err:
+        print(f"ckptd: {err}", file=sys.stderr)
+        return exit_code(err)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _config_path(args: argparse.Namespace) -> Path | None:
+    explicit = getattr(args, "config", None) or os.environ.get("CKPTD_CONFIG")
+    if explicit:
+        return Path(explicit)
+    from ckptd.config import DEFAULT_CONFIG_PATH
+
+    return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
+
+
+def _load_config(args: argparse.Namespace, required: bool) -> Any:
+    from ckptd.config import load_config
+
+    path = _config_path(args)
+    if path is None:
+        if required:
+            raise ConfigError("no config: pass --config PATH or set CKPTD_CONFIG"
+                              " (default /etc/ckptd/ckptd.toml does not exist)")
+        return None
+    return load_config(path)
+
+
+def _socket(args: argparse.Namespace) -> str:
+    explicit = getattr(args, "socket", None) or os.environ.get("CKPTD_SOCKET")
+    if explicit:
+        return str(explicit)
+    try:
+        cfg = _load_config(args, required=False)
+    except ConfigError:
+        cfg = None
+    return str(cfg.daemon.socket) if cfg is not None else DEFAULT_SOCKET
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(_socket(args), timeout=10.0, strict=True)
+
+
+def _call(fn: Callable[[], Any]) -> Any:
+    """Run a strict client call, translating its errors into ckptd's."""
+    try:
+        return fn()
+    except ClientError as exc:
+        raise _translate(exc) from exc
+
+
+def _translate(exc: ClientError) -> CkptdError:
+    if isinstance(exc, DaemonUnavailable):
+        return DaemonUnreachable(f"{exc.message}\n  is the daemon running? (ckptd run)")
+    if exc.status == 404:
+        return NotFound(exc.message)
+    if exc.status in (400, 413, 422):
+        return UsageError(f"ckptd: {exc.message}")
+    return CkptdError(f"daemon answered {exc.status}: {exc.message}")
+
+
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2))
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ckptd.daemon import Daemon
+    from ckptd.log import configure
+
+    cfg = _load_config(args, required=True)
+    configure(cfg.daemon.log_format, cfg.daemon.log_level)
+    return Daemon(cfg).run()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    doc = _call(lambda: _client(args).request_json("GET", "/v1/status"))
+    if args.json:
+        _print_json(doc)
+        return 0
+    from ckptd.render import render_status
+
+    print(render_status(doc))
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    c = _client(args)
+    doc = _call(lambda: c.request_json("GET", f"/v1/roots/{_q(args.root)}/checkpoints"))
+    if args.json:
+        _print_json(doc)
+        return 0
+    from ckptd.render import render_ls
+
+    print(render_ls(doc))
+    return 0
+
+
+def cmd_latest(args: argparse.Namespace) -> int:
+    c = _client(args)
+    path = f"/v1/roots/{_q(args.root)}/latest?tier={args.tier}"
+    try:
+        doc = c.request_json("GET", path)
+    except ClientError as exc:
+        if exc.status == 404 and exc.code == "no_checkpoint":
+            doc = {"root": args.root, "step": None, "path": None, "state": None,
+                   "local": None, "remote": None}
+        else:
+            raise _translate(exc) from exc
+    if args.json:
+        _print_json(doc)
+    elif doc["step"] is None:
+        print(f"{args.root}: no valid checkpoint (tier {args.tier})")
+    else:
+        print(f"{doc['root']} step {doc['step']}  {doc['path']}  local={doc['local']}"
+              f" remote={doc['remote']}")
+    return 0 if doc["step"] is not None else EXIT_NO
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    c = _client(args)
+    paths = [os.path.abspath(p) for p in args.paths]
+    _call(lambda: c.request_json("POST", f"/v1/roots/{_q(args.root)}/checkpoints",
+                                 {"step": args.step, "paths": paths,
+                                  "metrics": dict(args.metrics)}, ok=(202,)))
+    print(f"registered {args.root} step {args.step}")
+    return 0
+
+
+def _pin(args: argparse.Namespace, method: str) -> int:
+    c = _client(args)
+    _call(lambda: c.request_json(method, f"/v1/roots/{_q(args.root)}/checkpoints/{args.step}/pin"))
+    print(f"{'pinned' if method == 'PUT' else 'unpinned'} {args.root} step {args.step}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ckptd.verify import verify_path
+
+    doc = verify_path(Path(args.path), deep=args.deep)
+    if args.json:
+        _print_json(doc)
+    else:
+        status = "valid" if doc["valid"] else f"INVALID ({doc['reason']}): {doc['message']}"
+        print(f"{doc['path']}: {doc['layout']} step {doc['step']}: {status}")
+        for f in doc["files"]:
+            print(f"  {f['size']:>14,}  {f['hash']}  {f['path']}")
+    return 0 if doc["valid"] else EXIT_NO
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from ckptd.config import load_config, render_toml
+
+    path = args.path or getattr(args, "config", None) or os.environ.get("CKPTD_CONFIG")
+    if not path:
+        raise UsageError("ckptd config check: give the config file's path")
+    cfg = load_config(Path(path))
+    print(f"# {path}: OK ({len(cfg.roots)} root(s))")
+    print(render_toml(cfg.redacted()))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ckptd.demo import run_demo
+
+    return run_demo()
+
+
+def _q(s: str) -> str:
+    import urllib.parse
+
+    return urllib.parse.quote(s, safe="")
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": cmd_run, "status": cmd_status, "ls": cmd_ls, "latest": cmd_latest,
+    "register": cmd_register, "pin": lambda a: _pin(a, "PUT"),
+    "unpin": lambda a: _pin(a, "DELETE"), "verify": cmd_verify, "config": cmd_config,
+    "demo": cmd_demo,
+}

@@ -1,0 +1,259 @@
+"""The composition root: builds store, scanners, watcher, pipeline and API from a Config.
+
+Owns the state-dir lock, signals, startup recovery, the scan loop and graceful stop.
+Decides nothing about checkpoints itself; it wires the parts that do.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+from ckptd import fileio
+from ckptd.api import ApiContext, RootView, UnixHttpServer, bind_socket
+from ckptd.config import Config, RootConfig
+from ckptd.errors import StateLocked
+from ckptd.log import get_logger
+from ckptd.model import CKPTD_DIR, RootOptions, State
+from ckptd.pipeline import Changes, LatestPublisher, Pipeline, RootRuntime
+from ckptd.store import Found, Store
+from ckptd.watch import EventWatcher, OpenFiles, RootScanner
+
+STOP_GRACE_S = 20.0
+DEBOUNCE_S = 0.1
+
+
+class StateDirLock:
+    """An exclusive flock on `<state_dir>/ckptd.lock`: one daemon per state dir."""
+
+    def __init__(self, state_dir: Path) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = state_dir / "ckptd.lock"
+        self._fh: IO[str] | None = None
+
+    def acquire(self) -> None:
+        fh = open(self.path, "a+")  # noqa: SIM115 - held for the daemon's lifetime
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            fh.close()
+            raise StateLocked(f"another ckptd holds {self.path}; only one daemon may use a"
+                              " state directory") from exc
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        self._fh = fh
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.log = get_logger()
+        self.lock = StateDirLock(config.daemon.state_dir)
+        self.store: Store | None = None
+        self.changes = Changes()
+        self._scan_wake = threading.Event()
+        self._stop = threading.Event()
+        self._scanners: dict[str, RootScanner] = {}
+        self._pending_roots: set[str] = set()
+        self._threads: list[threading.Thread] = []
+        self.server: UnixHttpServer | None = None
+        self.watcher: EventWatcher | None = None
+        self.pipeline: Pipeline | None = None
+        self.ctx: ApiContext | None = None
+        self.ready = threading.Event()
+
+    # -- views of the config -----------------------------------------------------------------
+
+    def _runtimes(self) -> dict[str, RootRuntime]:
+        return {r.name: RootRuntime(r.name, r.path, r.deep_validate, r.metric, r.metric_mode)
+                for r in self.config.roots}
+
+    def _views(self) -> dict[str, RootView]:
+        return {r.name: RootView(r.name, r.path, r.metric, r.metric_mode, r.upload.enabled)
+                for r in self.config.roots}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Lock, recover, scan every root once, bind the socket, start workers. Raises
+        StateLocked when another daemon holds the state dir."""
+        self.lock.acquire()
+        cfg = self.config
+        self.store = Store(cfg.daemon.state_dir / "state.db")
+        self._recover()
+        self.watcher = EventWatcher(self.wake_scan, cfg.daemon.polling,
+                                    poll_interval=max(1.0, min(cfg.daemon.scan_interval, 5.0)))
+        for root in cfg.roots:
+            self._add_root(root)
+        self.watcher.start()
+        self.scan_all()
+        publisher = LatestPublisher(self.store)
+        for rt in self._runtimes().values():
+            publisher.publish(rt)
+        self.pipeline = Pipeline(self.store, self._runtimes, self.changes, publisher,
+                                 cfg.daemon.workers, on_resave=self.wake_scan)
+        self.ctx = ApiContext(self.store, self._views, self.changes, self.wake_scan,
+                              self._in_flight)
+        sock = bind_socket(cfg.daemon.socket, cfg.daemon.socket_group)
+        self.server = UnixHttpServer(sock, self.ctx)
+        self.pipeline.start()
+        self._spawn(self.server.serve_forever, "ckptd-api")
+        self._spawn(self._scan_loop, "ckptd-scan")
+        self.ready.set()
+        self.log.info("daemon_ready", socket=str(cfg.daemon.socket),
+                      roots=[r.name for r in cfg.roots], pid=os.getpid())
+
+    def _spawn(self, fn: Any, name: str) -> None:
+        t = threading.Thread(target=fn, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _recover(self) -> None:
+        assert self.store is not None
+        released = self.store.release_all()
+        removed = 0
+        for d in [self.config.daemon.state_dir] + [r.path / CKPTD_DIR for r in self.config.roots]:
+            removed += _remove_stale_temps(d)
+        self.log.info("daemon_recovered", leases_released=released, temp_files_removed=removed)
+
+    def _add_root(self, root: RootConfig) -> None:
+        opts = RootOptions(settle=root.settle, world_size=root.world_size)
+        open_files = OpenFiles()
+        self._scanners[root.name] = RootScanner(root.name, root.path, root.layout, opts,
+                                                open_files)
+        assert self.watcher is not None
+        if not self.watcher.watch(root.path, open_files):
+            self.log.warning("root_missing", root=root.name, path=str(root.path))
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; then stop gracefully. Returns the exit code."""
+        self._install_signals()
+        self.start()
+        while not self._stop.wait(1.0):
+            pass
+        self.stop()
+        return 0
+
+    def _install_signals(self) -> None:
+        def on_stop(signum: int, frame: FrameType | None) -> None:
+            self.log.info("daemon_stopping", signal=signal.Signals(signum).name)
+            self._stop.set()
+
+        signal.signal(signal.SIGTERM, on_stop)
+        signal.signal(signal.SIGINT, on_stop)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        if self.ctx is not None:
+            self.ctx.stopping.set()
+        self._stop.set()
+        self._scan_wake.set()
+        finished = self.pipeline.stop(grace) if self.pipeline else True
+        if not finished:
+            self.log.warning("daemon_stop_incomplete",
+                             message="in-flight stages left to resume after restart")
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            try:
+                os.unlink(self.config.daemon.socket)
+            except OSError:
+                pass
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.store is not None and finished:
+            self.store.close()
+        self.lock.release()
+        self.log.info("daemon_stopped")
+
+    # -- scanning ----------------------------------------------------------------------------
+
+    def wake_scan(self) -> None:
+        self._scan_wake.set()
+
+    def _scan_loop(self) -> None:
+        interval = self.config.daemon.scan_interval
+        while not self._stop.is_set():
+            wait = interval
+            if self._pending_roots:
+                # Something is settling: look again soon instead of a full interval later.
+                wait = min(interval, max(0.25, min(r.settle for r in self.config.roots) / 2))
+            self._scan_wake.wait(wait)
+            if self._stop.is_set():
+                return
+            time.sleep(DEBOUNCE_S)  # let a burst of events land before walking the tree
+            self._scan_wake.clear()
+            try:
+                self.scan_all()
+            except Exception as exc:  # a scan bug must not kill the loop
+                self.log.error("scan_failed", error=str(exc), exc_info=True)
+
+    def scan_all(self) -> None:
+        assert self.store is not None
+        for root in self.config.roots:
+            self._scan_root(root)
+        if self.pipeline is not None:
+            self.pipeline.wake()
+        self.changes.notify()
+
+    def _scan_root(self, root: RootConfig) -> None:
+        assert self.store is not None and self.watcher is not None
+        scanner = self._scanners[root.name]
+        if not root.path.is_dir():
+            self.store.set_root_error(root.name, f"root path {root.path} does not exist",
+                                      time.time())
+            return
+        self.watcher.watch(root.path, scanner.open_files)
+        now = time.time()
+        _, found = scanner.scan(now, self.store.registrations(root.name))
+        changes = self.store.sync_root(root.name, [Found(c, fp) for c, fp in found], now)
+        if any(not c.complete for c, _ in found):
+            self._pending_roots.add(root.name)
+        else:
+            self._pending_roots.discard(root.name)
+        for ch in changes:
+            self.log.info(ch.event, root=root.name, step=ch.step, layout=ch.layout, path=ch.path,
+                          detail=ch.detail or None)
+        if any(ch.event == "checkpoint_vanished" for ch in changes) and self.pipeline:
+            self.pipeline.publisher.publish(self._runtimes()[root.name])
+
+    def _in_flight(self) -> list[dict[str, Any]]:
+        if self.pipeline is None:
+            return []
+        return [p.as_json() for p in list(self.pipeline.inflight.values())]
+
+    def counts(self, root: str) -> dict[str, int]:
+        assert self.store is not None
+        return {k: v for k, v in self.store.counts(root).items() if k in {s.value for s in State}}
+
+
+def _remove_stale_temps(directory: Path) -> int:
+    """Delete ckptd's own temp files left by a crash (never anything else)."""
+    n = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for e in entries:
+        if e.name.startswith(fileio.TEMP_PREFIX) and e.is_file(follow_symlinks=False):
+            try:
+                os.unlink(e.path)
+                n += 1
+            except OSError:
+                pass
+    return n

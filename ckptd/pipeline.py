@@ -1,0 +1,277 @@
+"""Stage workers: claim (checkpoint, stage) work from the store under a lease, run the stage,
+record the outcome, and republish each root's latest.
+
+Owns threads, leases and priorities of background work. Stages get plain paths and options;
+only this module and the api talk to the store on their behalf.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ckptd import fileio
+from ckptd.log import get_logger
+from ckptd.model import CKPTD_DIR, Candidate, Tier, ValidationResult
+from ckptd.stages.validate import validate
+from ckptd.store import Job, Store
+from ckptd.watch import file_fingerprint
+
+LEASE_S = 60.0
+NICE = 10
+
+
+@dataclass(frozen=True)
+class RootRuntime:
+    """What the pipeline needs of one root's config."""
+
+    name: str
+    path: Path
+    deep_validate: bool
+    metric: str
+    metric_mode: str
+
+
+class Changes:
+    """A generation counter with a condition: long-polls wait here for any state change."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.generation = 0
+
+    def notify(self) -> None:
+        with self._cond:
+            self.generation += 1
+            self._cond.notify_all()
+
+    def wait(self, generation: int, timeout: float) -> int:
+        with self._cond:
+            self._cond.wait_for(lambda: self.generation != generation, timeout)
+            return self.generation
+
+
+class LatestPublisher:
+    """Keeps `<root>/.ckptd/latest.json` equal to the store's latest valid step of each root."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self.log = get_logger()
+
+    def publish(self, root: RootRuntime) -> None:
+        with self._lock:
+            rec = self.store.latest(root.name, Tier.ANY)
+            step = rec.step if rec else None
+            target = root.path / CKPTD_DIR / "latest.json"
+            published = self.store.root_info(root.name)["latest_step"]
+            if published == step and (step is None or target.exists()):
+                return
+            if rec is None:
+                target.unlink(missing_ok=True)
+            else:
+                doc = {
+                    "step": rec.step, "path": str(root.path / rec.path),
+                    "updated": datetime.now(UTC).isoformat(timespec="seconds"),
+                    "layout": rec.layout, "local": str(rec.local), "remote": str(rec.remote),
+                }
+                try:
+                    target.parent.mkdir(exist_ok=True)
+                    fileio.atomic_write_json(target, doc)
+                except OSError as exc:
+                    self.log.warning("latest_write_failed", root=root.name, error=str(exc))
+                    return
+            self.store.set_published_latest(root.name, step)
+            self.log.info("latest_changed", root=root.name, step=step, previous=published)
+
+
+class Pipeline:
+    """A pool of stage workers over the store."""
+
+    def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootRuntime]],
+                 changes: Changes, publisher: LatestPublisher, workers: int,
+                 on_resave: Callable[[], None]) -> None:
+        self.store = store
+        self.roots = roots
+        self.changes = changes
+        self.publisher = publisher
+        self.n_workers = workers
+        self.on_resave = on_resave
+        self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.progress: dict[str, float] = {}  # worker -> last time it made progress
+        self.busy: dict[str, bool] = {}
+        self.inflight: dict[int, Progress] = {}
+        self.log = get_logger()
+
+    def start(self) -> None:
+        for i in range(self.n_workers):
+            t = threading.Thread(target=self._worker, args=(f"w{i}",), name=f"ckptd-worker-{i}",
+                                 daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, grace: float) -> bool:
+        """Stop claiming work; wait up to `grace` seconds for in-flight stages. True if all done."""
+        self._stopping.set()
+        self._wake.set()
+        deadline = time.monotonic() + grace
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+    def stalled(self, now: float, limit: float) -> list[str]:
+        """Workers busy on one job without progress for longer than `limit` seconds."""
+        return [w for w, t in self.progress.items() if self.busy.get(w) and now - t > limit]
+
+    # -- worker ------------------------------------------------------------------------------
+
+    def _worker(self, name: str) -> None:
+        lower_priority()
+        self.progress[name] = time.time()
+        while not self._stopping.is_set():
+            self.progress[name] = time.time()
+            job = self.store.claim(self.owner, time.time(), LEASE_S)
+            if job is None:
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            self.busy[name] = True
+            try:
+                self._run(job, name)
+            finally:
+                self.busy[name] = False
+                self.changes.notify()
+
+    def _run(self, job: Job, worker: str) -> None:
+        root = self.roots().get(job.checkpoint.root)
+        if root is None:
+            return  # root removed from config; the lease just expires
+        rec = job.checkpoint
+        log = self.log.bind(root=rec.root, step=rec.step, stage=job.stage, layout=rec.layout)
+        fp = file_fingerprint(root.path, job.files)
+        if fp != rec.fingerprint:
+            log.info("stage_skipped", why="files changed since completion; rescanning")
+            self.store.finish_validation(job, self.owner, fp, ValidationResult(False), time.time())
+            self.on_resave()
+            return
+        log.info("stage_started")
+        started = time.monotonic()
+        total = sum(_size(root.path / f) for f in job.files)
+        progress = Progress(rec.root, rec.step, job.stage, total, lambda: self._tick(worker))
+        self.inflight[rec.id] = progress
+        with _Renewer(self.store, rec.id, self.owner):
+            try:
+                result = self._validate(root, job, progress)
+            except Exception as exc:  # a bug or an OS failure: retry later, never crash
+                delay = self.store.fail_attempt(job, self.owner, f"{type(exc).__name__}: {exc}",
+                                                time.time())
+                log.error("stage_failed", error=str(exc), retry_in_s=delay, exc_info=True)
+                return
+            finally:
+                self.inflight.pop(rec.id, None)
+        if file_fingerprint(root.path, job.files) != fp:
+            log.info("stage_skipped", why="files changed during validation; rescanning")
+            self.store.finish_validation(job, self.owner, "", result, time.time())
+            self.on_resave()
+            return
+        if self.store.finish_validation(job, self.owner, fp, result, time.time()):
+            elapsed = round(time.monotonic() - started, 3)
+            if result.valid:
+                log.info("checkpoint_valid", seconds=elapsed, bytes=sum(f.size for f in result.files))
+            else:
+                log.warning("checkpoint_invalid", reason=result.reason, message=result.message,
+                            seconds=elapsed)
+            self.publisher.publish(root)
+
+    def _tick(self, worker: str) -> None:
+        self.progress[worker] = time.time()
+
+    def _validate(self, root: RootRuntime, job: Job, progress: Progress) -> ValidationResult:
+        rec = job.checkpoint
+        cand = Candidate(
+            layout=rec.layout, step=rec.step, path=rec.path, files=job.files, complete=True,
+            expected_sizes=job.expected_sizes, min_sizes=job.min_sizes,
+            metrics=dict(rec.metrics), invalid_reason=job.invalid_reason,
+            invalid_message=job.invalid_message,
+        )
+        if cand.invalid_reason:
+            return ValidationResult(False, cand.invalid_reason, cand.invalid_message)
+        return validate(root.path, cand, deep=root.deep_validate,
+                        extra_sinks=lambda _rel: [progress])
+
+
+class Progress:
+    """A read-pass sink that counts bytes a stage has processed (status, and the watchdog's
+    notion of a worker making progress)."""
+
+    def __init__(self, root: str, step: int, stage: str, total: int,
+                 tick: Callable[[], Any]) -> None:
+        self.root, self.step, self.stage, self.total = root, step, stage, total
+        self.done = 0
+        self._tick = tick
+
+    def update(self, offset: int, chunk: memoryview) -> None:
+        self.done += len(chunk)
+        self._tick()
+
+    def finish(self, total: int) -> None:
+        self._tick()
+
+    def as_json(self) -> dict[str, Any]:
+        return {"root": self.root, "step": self.step, "stage": self.stage,
+                "done_bytes": self.done, "total_bytes": self.total}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class _Renewer:
+    """Renews a job's lease in the background while the stage runs, so a long stage keeps it
+    and a dead daemon's lease expires."""
+
+    def __init__(self, store: Store, cid: int, owner: str) -> None:
+        self._store, self._cid, self._owner = store, cid, owner
+        self._done = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True, name="ckptd-lease")
+
+    def __enter__(self) -> _Renewer:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._t.join()
+
+    def _loop(self) -> None:
+        while not self._done.wait(LEASE_S / 3):
+            self._store.renew(self._cid, self._owner, time.time(), LEASE_S)
+
+
+def lower_priority() -> None:
+    """Run the calling thread at low CPU priority (SCHED_IDLE where allowed, else nice)."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, NICE)
+    except OSError:
+        pass

@@ -1,0 +1,70 @@
+"""Human-readable renderings of the daemon's JSON documents (status, ls) for a terminal.
+
+Pure string building from the SPEC's JSON shapes; no I/O, no daemon access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    frac = 0.0 if total <= 0 else min(1.0, done / total)
+    filled = int(frac * width)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}%"
+
+
+def render_status(doc: dict[str, Any]) -> str:
+    head = f"ckptd {doc['version']}  {doc['status']}  up {doc['uptime_s']:.0f}s"
+    rows = []
+    for r in doc["roots"]:
+        counts = " ".join(f"{k}={v}" for k, v in r["counts"].items() if v)
+        rows.append([r["name"], _step(r["latest"]), _step(r["best"]), counts or "-",
+                     str(r["queue"]), human_bytes(r["disk_free_bytes"]),
+                     (r["last_error"] or "-")[:60]])
+    out = [head, "", table(["ROOT", "LATEST", "BEST", "COUNTS", "QUEUE", "DISK FREE",
+                            "LAST ERROR"], rows)]
+    if doc["in_flight"]:
+        out += ["", "in flight:"]
+        for w in doc["in_flight"]:
+            out.append(f"  {w['root']} step {w['step']} {w['stage']:<9} "
+                       f"{progress_bar(w.get('done_bytes', 0), w.get('total_bytes', 0))} "
+                       f"{human_bytes(w.get('done_bytes'))}/{human_bytes(w.get('total_bytes'))}")
+    return "\n".join(out)
+
+
+def render_ls(doc: dict[str, Any]) -> str:
+    rows = []
+    for c in doc["checkpoints"]:
+        metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(c["metrics"].items()))
+        rows.append([str(c["step"]), c["state"], c["local"], c["remote"], c["layout"],
+                     human_bytes(c["bytes"]), human_bytes(c["stored_bytes"] or None),
+                     "yes" if c["pinned"] else "", metrics or "-", c["reason"] or ""])
+    if not rows:
+        return f"{doc['root']}: no checkpoints"
+    return table(["STEP", "STATE", "LOCAL", "REMOTE", "LAYOUT", "BYTES", "STORED", "PINNED",
+                  "METRICS", "REASON"], rows)
+
+
+def _step(v: Any) -> str:
+    return "-" if v is None else str(v)

@@ -1,0 +1,256 @@
+"""Scan roots into Snapshots and Candidates; inotify (or polling) events only wake a scan early.
+
+Owns the walk of each root (never following a symlink out of it), per-file change tracking,
+and the open-for-write facts the watcher saw. Must not decide completeness (layouts do) or
+touch the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptd import layouts
+from ckptd.model import CKPTD_DIR, Candidate, FileInfo, RootOptions, Snapshot
+
+# Small marker/metadata files a layout asked for are read into the snapshot up to this size.
+MAX_CONTENT_BYTES = 64 * 1024 * 1024
+# An "opened for writing" mark with no close event expires after this long without change:
+# inotify may never report the close of a file written into a just-created directory.
+OPEN_MARK_MIN_S = 30.0
+
+
+@dataclass
+class _Seen:
+    size: int
+    mtime_ns: int
+    changed_at: float
+
+
+class OpenFiles:
+    """Files the watcher saw opened/modified for writing and not yet closed, per root."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, float] = {}
+
+    def opened(self, abspath: str, now: float) -> None:
+        with self._lock:
+            self._open[abspath] = now
+
+    def closed(self, abspath: str) -> None:
+        with self._lock:
+            self._open.pop(abspath, None)
+
+    def is_open(self, abspath: str, changed_at: float, now: float, expiry: float) -> bool:
+        with self._lock:
+            mark = self._open.get(abspath)
+            if mark is None:
+                return False
+            if now - max(mark, changed_at) > expiry:
+                del self._open[abspath]
+                return False
+            return True
+
+
+class RootScanner:
+    """Walks one root and remembers, per file, when its size or mtime last changed."""
+
+    def __init__(self, name: str, path: Path, layout: str, opts: RootOptions,
+                 open_files: OpenFiles | None = None) -> None:
+        self.name = name
+        self.path = path
+        self.layout = layout
+        self.opts = opts
+        self.open_files = open_files or OpenFiles()
+        self._seen: dict[str, _Seen] = {}
+        self._contents: dict[str, tuple[int, int, bytes]] = {}
+        self._real_root = os.path.realpath(path)
+
+    def scan(self, now: float, registrations: dict[int, tuple[str, ...]] | None = None
+             ) -> tuple[Snapshot, list[tuple[Candidate, str]]]:
+        """One full scan: the snapshot and every candidate with its fingerprint."""
+        files: dict[str, FileInfo] = {}
+        dirs: set[str] = set()
+        seen: dict[str, _Seen] = {}
+        expiry = max(OPEN_MARK_MIN_S, 6 * self.opts.settle)
+        for rel, st in self._walk(dirs):
+            prev = self._seen.get(rel)
+            if prev and prev.size == st.st_size and prev.mtime_ns == st.st_mtime_ns:
+                changed_at = prev.changed_at
+            else:
+                changed_at = now
+            seen[rel] = _Seen(st.st_size, st.st_mtime_ns, changed_at)
+            abspath = os.path.join(self.path, rel)
+            files[rel] = FileInfo(rel, st.st_size, st.st_mtime_ns / 1e9, changed_at,
+                                  self.open_files.is_open(abspath, changed_at, now, expiry))
+        self._seen = seen
+        snap = Snapshot(files=files, dirs=frozenset(dirs), contents=self._read_contents(seen),
+                        registrations=dict(registrations or {}))
+        cands = layouts.detect(snap, self.opts, now, self.layout)
+        return snap, [(c, fingerprint(c, seen)) for c in cands]
+
+    def _walk(self, dirs: set[str]) -> Iterator[tuple[str, os.stat_result]]:
+        stack = [""]
+        while stack:
+            rel_dir = stack.pop()
+            try:
+                entries = list(os.scandir(os.path.join(self.path, rel_dir)))
+            except OSError:
+                continue  # vanished or unreadable mid-scan; the next scan sees the truth
+            for entry in entries:
+                rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+                if not rel_dir and entry.name == CKPTD_DIR:
+                    continue
+                st = self._stat_inside(entry)
+                if st is None:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    if not entry.is_symlink():  # a symlinked dir is never descended
+                        dirs.add(rel)
+                        stack.append(rel)
+                elif stat.S_ISREG(st.st_mode):
+                    yield rel, st
+
+    def _stat_inside(self, entry: os.DirEntry[str]) -> os.stat_result | None:
+        """stat() the entry; a symlink is followed only when its target stays inside the root.
+        A symlink leading out is reported with its own lstat so validation can refuse it."""
+        try:
+            if not entry.is_symlink():
+                return entry.stat(follow_symlinks=False)
+            target = os.path.realpath(entry.path)
+            if target == self._real_root or target.startswith(self._real_root + os.sep):
+                return os.stat(entry.path)
+            lst = entry.stat(follow_symlinks=False)
+            # Present it as a regular file so the checkpoint completes and is judged invalid.
+            return os.stat_result((stat.S_IFREG | 0o600,) + tuple(lst)[1:])
+        except OSError:
+            return None
+
+    def _read_contents(self, seen: dict[str, _Seen]) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        cache: dict[str, tuple[int, int, bytes]] = {}
+        for rel, s in seen.items():
+            if s.size > MAX_CONTENT_BYTES or not layouts.wants_content(rel, self.layout):
+                continue
+            hit = self._contents.get(rel)
+            if hit and hit[0] == s.size and hit[1] == s.mtime_ns:
+                data = hit[2]
+            else:
+                data = _read_small(os.path.join(self.path, rel), self._real_root)
+                if data is None:
+                    continue
+            cache[rel] = (s.size, s.mtime_ns, data)
+            out[rel] = data
+        self._contents = cache
+        return out
+
+
+def _read_small(path: str, real_root: str) -> bytes | None:
+    real = os.path.realpath(path)
+    if not (real == real_root or real.startswith(real_root + os.sep)):
+        return None
+    try:
+        with open(real, "rb") as f:
+            return f.read(MAX_CONTENT_BYTES + 1)[:MAX_CONTENT_BYTES]
+    except OSError:
+        return None
+
+
+def fingerprint(cand: Candidate, seen: dict[str, Any]) -> str:
+    """Digest of the candidate's member paths, sizes and mtimes: changes when any file does."""
+    h = hashlib.sha256()
+    for rel in sorted(cand.files):
+        s = seen.get(rel)
+        h.update(rel.encode())
+        h.update(b"\0%d\0%d\n" % ((s.size, s.mtime_ns) if s else (-1, -1)))
+    return h.hexdigest()[:32]
+
+
+def file_fingerprint(root: Path, files: tuple[str, ...]) -> str:
+    """The same digest computed from the files on disk now (to detect change during a stage)."""
+    seen: dict[str, _Seen] = {}
+    for rel in files:
+        try:
+            st = os.stat(root / rel)
+        except OSError:
+            continue
+        seen[rel] = _Seen(st.st_size, st.st_mtime_ns, 0.0)
+    return fingerprint(Candidate("", 0, "", files, False), seen)
+
+
+class EventWatcher:
+    """Watchdog observers over the roots; each relevant event marks open/closed files and
+    calls `wake`. Polling mode uses watchdog's polling observer (NFS, CIFS)."""
+
+    def __init__(self, wake: Callable[[], None], polling: bool, poll_interval: float) -> None:
+        from watchdog.observers import Observer
+        from watchdog.observers.polling import PollingObserver
+
+        self._wake = wake
+        self._observer: Any = (PollingObserver(timeout=poll_interval) if polling else Observer())
+        self._watches: dict[str, Any] = {}
+        self._open: dict[str, OpenFiles] = {}
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self._observer.start()
+
+    def stop(self) -> None:
+        self._observer.stop()
+        self._observer.join(timeout=5)
+
+    def watch(self, path: Path, open_files: OpenFiles) -> bool:
+        """Start watching `path` (idempotent). False when it does not exist yet."""
+        key = str(path)
+        with self._lock:
+            if key in self._watches:
+                return True
+            if not path.is_dir():
+                return False
+            handler = _Handler(open_files, self._wake)
+            try:
+                self._watches[key] = self._observer.schedule(handler, key, recursive=True)
+            except OSError:
+                return False
+            return True
+
+    def unwatch(self, path: Path) -> None:
+        with self._lock:
+            w = self._watches.pop(str(path), None)
+            if w is not None:
+                try:
+                    self._observer.unschedule(w)
+                except (KeyError, ValueError):
+                    pass
+
+
+class _Handler:
+    """A watchdog event handler: duck-typed `dispatch` keeps watchdog types out of the API."""
+
+    def __init__(self, open_files: OpenFiles, wake: Callable[[], None]) -> None:
+        self._open = open_files
+        self._wake = wake
+
+    def dispatch(self, event: Any) -> None:
+        if f"/{CKPTD_DIR}/" in f"{event.src_path}/":
+            return
+        kind = event.event_type
+        if not event.is_directory:
+            # Only a write marks a file open: watchdog synthesizes "created" events for files found
+            # in a directory made before its watch existed, and those never get a "closed".
+            if kind == "modified":
+                self._open.opened(event.src_path, time.time())
+            elif kind == "closed":
+                self._open.closed(event.src_path)
+            elif kind == "moved":
+                self._open.closed(event.src_path)
+        if kind != "opened" and kind != "closed_no_write":
+            self._wake()
