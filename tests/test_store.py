@@ -1,0 +1,150 @@
+"""The state store on a real SQLite file: migrations, the state machine, leases, latest/best."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from ckptd.model import Candidate, FileRecord, State, Tier, ValidationResult
+from ckptd.store import MIGRATIONS, Found, Store
+
+
+def cand(step: int, complete: bool = True, files: tuple[str, ...] = ("a.pt",),
+         metrics: dict[str, float] | None = None) -> Candidate:
+    return Candidate("single", step, files[0], files, complete, metrics=metrics or {})
+
+
+def found(step: int, fp: str = "fp", **kw: object) -> Found:
+    return Found(cand(step, **kw), fp)  # type: ignore[arg-type]
+
+
+def validate_ok(store: Store, valid: bool = True, now: float = 10.0) -> int:
+    job = store.claim("me", now, 60)
+    assert job is not None
+    res = ValidationResult(valid, "" if valid else "crc_mismatch", "",
+                           files=(FileRecord(job.files[0], 5, "h", "xxh3-128"),))
+    assert store.finish_validation(job, "me", job.checkpoint.fingerprint, res, now)
+    return job.checkpoint.step
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "state.db")
+
+
+def test_schema_version_and_wal(tmp_path: Path) -> None:
+    s = Store(tmp_path / "s.db")
+    assert s.schema_version == len(MIGRATIONS)
+    mode = sqlite3.connect(tmp_path / "s.db").execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+    s.close()
+    assert Store(tmp_path / "s.db").schema_version == len(MIGRATIONS)  # reopen: no re-run
+
+
+def test_newer_schema_refused(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "s.db")
+    db.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+    db.close()
+    with pytest.raises(RuntimeError, match="newer than this ckptd"):
+        Store(tmp_path / "s.db")
+
+
+def test_pending_then_complete_then_valid(store: Store) -> None:
+    ch = store.sync_root("r", [found(5, complete=False)], 1.0)
+    assert [c.event for c in ch] == ["checkpoint_discovered"]
+    assert store.checkpoint("r", 5).state is State.PENDING  # type: ignore[union-attr]
+    assert store.claim("me", 2.0, 60) is None  # pending work is never claimed
+    ch = store.sync_root("r", [found(5)], 3.0)
+    assert [c.event for c in ch] == ["checkpoint_complete"]
+    validate_ok(store)
+    rec = store.checkpoint("r", 5)
+    assert rec is not None and rec.state is State.VALID and rec.bytes == 5
+    assert store.latest("r").step == 5  # type: ignore[union-attr]
+    assert [f.hash for f in store.files(rec.id)] == ["h"]
+
+
+def test_latest_skips_invalid_and_prefers_highest(store: Store) -> None:
+    store.sync_root("r", [found(1), found(2), found(3)], 1.0)
+    # claim order is newest first
+    for valid in (False, True, True):
+        validate_ok(store, valid)
+    assert [c.state for c in store.checkpoints("r")] == [State.VALID, State.VALID, State.INVALID]
+    assert store.latest("r").step == 2  # type: ignore[union-attr]
+    assert store.latest("r", Tier.REMOTE) is None
+
+
+def test_lease_excludes_and_expires(store: Store) -> None:
+    store.sync_root("r", [found(1)], 1.0)
+    job = store.claim("a", 10.0, 60)
+    assert job is not None
+    assert store.claim("b", 20.0, 60) is None  # held
+    assert store.claim("b", 71.0, 60) is not None  # expired: reclaimed
+    # the old owner's result is refused: it lost the lease
+    assert not store.finish_validation(job, "a", "fp", ValidationResult(True), 72.0)
+
+
+def test_release_all_on_startup(store: Store) -> None:
+    store.sync_root("r", [found(1)], 1.0)
+    assert store.claim("a", 10.0, 1e9) is not None
+    assert store.release_all() == 1
+    assert store.claim("b", 11.0, 60) is not None
+
+
+def test_resave_supersedes_and_keeps_pin(store: Store) -> None:
+    store.sync_root("r", [found(7, fp="one")], 1.0)
+    validate_ok(store)
+    assert store.set_pinned("r", 7, True)
+    ch = store.sync_root("r", [found(7, fp="two")], 5.0)
+    assert [c.event for c in ch] == ["checkpoint_superseded"]
+    rec = store.checkpoint("r", 7)
+    assert rec is not None and rec.state is State.COMPLETE and rec.pinned
+    assert store.latest("r") is None  # the re-save is not valid yet
+
+
+def test_changed_files_refuse_result(store: Store) -> None:
+    store.sync_root("r", [found(1, fp="one")], 1.0)
+    job = store.claim("me", 2.0, 60)
+    assert job is not None
+    assert not store.finish_validation(job, "me", "other", ValidationResult(True), 3.0)
+    assert store.checkpoint("r", 1).state is State.COMPLETE  # type: ignore[union-attr]
+
+
+def test_vanished_and_reappeared(store: Store) -> None:
+    store.sync_root("r", [found(1), found(2, complete=False)], 1.0)
+    ch = store.sync_root("r", [], 2.0)
+    assert [c.event for c in ch] == ["checkpoint_vanished"]
+    assert store.checkpoint("r", 2) is None  # pending and gone: forgotten
+    assert str(store.checkpoint("r", 1).local) == "pruned"  # type: ignore[union-attr]
+    ch = store.sync_root("r", [found(1)], 3.0)
+    assert [c.event for c in ch] == ["checkpoint_reappeared"]
+
+
+def test_registration_metrics_merge_and_best(store: Store) -> None:
+    store.register("r", 1, [], {"val_loss": 3.0}, 0.0)
+    store.sync_root("r", [found(1), found(2, metrics={"val_loss": 1.0}), found(3)], 1.0)
+    store.register("r", 3, [], {"val_loss": 2.0}, 1.5)
+    for _ in range(3):
+        validate_ok(store)
+    assert store.checkpoint("r", 1).metrics == {"val_loss": 3.0}  # type: ignore[union-attr]
+    assert store.best("r", "val_loss", "min").step == 2  # type: ignore[union-attr]
+    assert store.best("r", "val_loss", "max").step == 1  # type: ignore[union-attr]
+    assert store.best("r", "", "min") is None
+
+
+def test_backoff_after_failure(store: Store) -> None:
+    store.sync_root("r", [found(1)], 1.0)
+    job = store.claim("me", 10.0, 60)
+    assert job is not None
+    delay = store.fail_attempt(job, "me", "OSError: boom", 10.0)
+    assert delay > 0
+    assert store.claim("me", 10.0 + delay / 2, 60) is None
+    assert store.claim("me", 10.0 + delay, 60) is not None
+    assert store.root_info("r")["last_error"] == "OSError: boom"
+
+
+def test_counts_and_queue(store: Store) -> None:
+    store.sync_root("r", [found(1), found(2, complete=False)], 1.0)
+    assert store.counts("r") == {"pending": 1, "complete": 1, "valid": 0, "invalid": 0}
+    assert store.queue_length("r") == 1
