@@ -1,0 +1,433 @@
+"""Retention planner: decides, per checkpoint and tier, keep / compress / delete, with reasons.
+
+Pure: plain data in, an immutable `Plan` out; no I/O, no clock, imports only `ckptd.model`.
+Carrying a plan out (and re-checking the safety nets) is the executor's job. See docs/RETENTION.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Literal
+
+from ckptd.model import Local, Remote, State
+
+MetricMode = Literal["min", "max"]
+TierName = Literal["local", "remote"]
+
+
+class Action(StrEnum):
+    """What the plan does with one tier's copy of a checkpoint."""
+
+    KEEP = "keep"
+    DELETE = "delete"
+    COMPRESS = "compress"  # local only: keep just the compressed copy
+    NONE = "none"  # no copy in this tier (local pruned; remote none/uploading/pruned)
+
+
+class Tag(StrEnum):
+    """Reason vocabulary. A reason is `<tier>:<tag>` or `<tier>:<tag>=<value>`."""
+
+    PENDING = "pending"  # not validated yet: never judged
+    LATEST = "latest"  # newest valid checkpoint in this tier
+    BEST = "best"  # best metric among every valid checkpoint still available
+    PINNED = "pinned"
+    IN_USE = "in_use"  # a client is reading it
+    NOT_UPLOADED = "not_uploaded"  # local copy is the only verified one
+    INVALID = "invalid"  # kept because delete_invalid is off
+    KEEP_LAST = "keep_last"
+    KEEP_BEST = "keep_best"
+    KEEP_EVERY = "keep_every"
+    KEEP_WITHIN = "keep_within"
+    COMPRESS_OLDER = "compress_older"
+    NOT_KEPT = "not_kept"  # no rule keeps it
+    DELETE_INVALID = "delete_invalid"
+    MIN_FREE = "min_free"  # deleted to bring free space back to min_free
+    UPLOADING = "uploading"  # remote copy not committed yet
+    MIN_FREE_UNMET = "min_free_unmet"  # plan note: bytes still missing after every allowed delete
+
+
+# Tags that min_free may never override (the nets the executor enforces again).
+PROTECTED = frozenset({Tag.PENDING, Tag.LATEST, Tag.BEST, Tag.PINNED, Tag.IN_USE, Tag.NOT_UPLOADED})
+_UNJUDGED = (State.PENDING, State.COMPLETE)
+_ON_DISK = (Local.PRESENT, Local.COMPRESSED)
+
+
+@dataclass(frozen=True)
+class CheckpointView:
+    """What the planner needs to know about one checkpoint (one row per step).
+
+    `completed`: wall time it was found complete. `bytes`: what it occupies on local disk now
+    (the compressed size when `local` is compressed). `metric`: the root's metric, None if absent;
+    NaN/inf count as absent. `in_use`: a client holds a read lease on it.
+    """
+
+    step: int
+    state: State
+    local: Local
+    remote: Remote
+    completed: float
+    bytes: int
+    metric: float | None = None
+    pinned: bool = False
+    in_use: bool = False
+
+
+@dataclass(frozen=True)
+class Rules:
+    """One tier's count/age rules; 0 (or None for keep_within) turns a rule off."""
+
+    keep_last: int = 0
+    keep_best: int = 0
+    keep_every: int = 0
+    keep_within: float | None = None  # seconds
+
+    def __post_init__(self) -> None:
+        counts = (self.keep_last, self.keep_best, self.keep_every, self.keep_within or 0)
+        if min(counts) < 0:
+            raise ValueError(f"retention rules must not be negative: {self}")
+
+
+@dataclass(frozen=True)
+class LocalRules(Rules):
+    """`[roots.retention.local]` (defaults as in SPEC.md; min_free lives in `Disk`)."""
+
+    keep_last: int = 2
+    keep_best: int = 1
+    compress_older: bool = False
+    delete_invalid: bool = False
+
+
+@dataclass(frozen=True)
+class RemoteRules(Rules):
+    """`[roots.retention.remote]` (defaults as in SPEC.md)."""
+
+    keep_last: int = 10
+    keep_best: int = 3
+    keep_every: int = 5000
+    keep_within: float | None = 30 * 86400.0
+
+
+@dataclass(frozen=True)
+class Disk:
+    """Local filesystem of the root; `min_free_bytes` is already resolved from bytes or percent."""
+
+    free_bytes: int
+    total_bytes: int
+    min_free_bytes: int
+
+    def __post_init__(self) -> None:
+        if min(self.free_bytes, self.total_bytes, self.min_free_bytes) < 0:
+            raise ValueError(f"disk sizes must not be negative: {self}")
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    step: int
+    local: Action
+    remote: Action
+    reasons: tuple[str, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "local": str(self.local),
+            "remote": str(self.remote),
+            "reasons": list(self.reasons),
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The decisions for one root, ascending by step.
+
+    `freed_bytes`: local bytes the planned deletes free. `reclaimable_bytes`: that plus what
+    min_free could still delete (feed it to `preflight`). `min_free_unmet`: free space stays
+    under min_free even after every allowed delete, by `shortfall_bytes`; `notes` says so too.
+    """
+
+    items: tuple[PlanItem, ...]
+    freed_bytes: int = 0
+    reclaimable_bytes: int = 0
+    min_free_unmet: bool = False
+    shortfall_bytes: int = 0
+    notes: tuple[str, ...] = ()
+
+    def steps(self, tier: TierName, action: Action) -> tuple[int, ...]:
+        """Steps whose copy in `tier` gets `action` (the executor's work list)."""
+        return tuple(i.step for i in self.items if getattr(i, tier) is action)
+
+    def as_json(self, root: str) -> dict[str, Any]:
+        """SPEC.md's `ckptd prune ROOT --dry-run --json` document."""
+        return {"root": root, "plan": [item.as_json() for item in self.items]}
+
+
+@dataclass(frozen=True)
+class Preflight:
+    ok: bool
+    next_save_estimate: int
+    projected_free: int
+    message: str
+
+
+@dataclass(frozen=True)
+class _Decision:
+    action: Action
+    tags: tuple[str, ...]  # without the tier prefix
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    now: float
+    mode: MetricMode
+    best: int | None
+
+
+_ABSENT = _Decision(Action.NONE, ())
+_UPLOADING = _Decision(Action.NONE, (Tag.UPLOADING,))
+
+
+def plan(
+    checkpoints: Iterable[CheckpointView],
+    local_rules: LocalRules,
+    remote_rules: RemoteRules,
+    disk: Disk,
+    now: float,
+    metric_mode: MetricMode = "min",
+    upload_configured: bool = False,
+) -> Plan:
+    """Decide every checkpoint's local and remote copy. A copy is kept if ANY rule keeps it.
+
+    Per tier, over the valid checkpoints in that tier: keep_last N newest; keep_best K best by
+    metric (ties: newer step wins); keep_every M (step % M == 0); keep_within W (now - completed
+    <= W, edge kept). Always kept: pending/complete, the tier's latest, the root's best, pinned,
+    in_use. Local only: valid copies not uploaded yet (when upload is configured); invalid ones
+    unless delete_invalid; compress_older turns kept copies outside the newest keep_last (never
+    the latest or in_use ones) into `compress`; min_free (when free < min_free) deletes the
+    oldest unprotected kept copies, invalid ones first, until the projected free space reaches
+    min_free. Remote considers only `uploaded` copies. Checkpoints with no copy are left out.
+    """
+    views = _checked(checkpoints, metric_mode)
+    available = [v for v in views if v.local in _ON_DISK or v.remote is Remote.UPLOADED]
+    ranked = _ranked(available, metric_mode)
+    ctx = _Ctx(now=now, mode=metric_mode, best=ranked[0].step if ranked else None)
+    local = _decide_local(views, local_rules, ctx, upload_configured)
+    local, freed, reclaimable, shortfall = _apply_min_free(views, local, disk)
+    remote = _decide_remote(views, remote_rules, ctx)
+    items = tuple(_item(v, local, remote) for v in views if _listed(v))
+    notes = (f"local:{Tag.MIN_FREE_UNMET}={shortfall}",) if shortfall else ()
+    return Plan(items, freed, reclaimable, shortfall > 0, shortfall, notes)
+
+
+def preflight(
+    recent_sizes: Sequence[int], disk: Disk, reclaimable_bytes: int, window: int = 5
+) -> Preflight:
+    """Will the next save leave at least min_free, once everything reclaimable is pruned?
+
+    The next save is estimated as the largest of the last `window` sizes (oldest first): saves
+    rarely shrink, and underestimating costs a failed save while overestimating costs a warning.
+    """
+    estimate = max(recent_sizes[-window:], default=0) if window > 0 else 0
+    projected = disk.free_bytes + reclaimable_bytes - estimate
+    ok = projected >= disk.min_free_bytes
+    verdict = "ok" if ok else "under min_free"
+    message = (
+        f"{verdict}: next save ~{_fmt_bytes(estimate)}; free {_fmt_bytes(disk.free_bytes)}"
+        f" + reclaimable {_fmt_bytes(reclaimable_bytes)} leaves {_fmt_bytes(projected)}"
+        f" (min_free {_fmt_bytes(disk.min_free_bytes)})"
+    )
+    return Preflight(ok, estimate, projected, message)
+
+
+def parse_reason(reason: str) -> tuple[str, str, str | None]:
+    """Split `tier:tag[=value]` into (tier, tag, value)."""
+    tier, _, rest = reason.partition(":")
+    tag, sep, value = rest.partition("=")
+    return tier, tag, value if sep else None
+
+
+def _checked(checkpoints: Iterable[CheckpointView], mode: str) -> list[CheckpointView]:
+    if mode not in ("min", "max"):
+        raise ValueError(f"metric_mode must be 'min' or 'max', not {mode!r}")
+    views = sorted(checkpoints, key=lambda v: v.step)
+    steps = [v.step for v in views]
+    if len(set(steps)) != len(steps):
+        # A superseded re-save must not be planned beside its successor.
+        raise ValueError("duplicate steps in retention input")
+    return views
+
+
+def _finite(metric: float | None) -> float | None:
+    return metric if metric is not None and math.isfinite(metric) else None
+
+
+def _ranked(views: Iterable[CheckpointView], mode: MetricMode) -> list[CheckpointView]:
+    """Valid checkpoints with a metric, best first; a tie goes to the newer step."""
+    sign = 1.0 if mode == "min" else -1.0
+    scored = [
+        (sign * m, -v.step, v)
+        for v in views
+        if v.state is State.VALID and (m := _finite(v.metric)) is not None
+    ]
+    scored.sort(key=lambda t: (t[0], t[1]))
+    return [v for _, _, v in scored]
+
+
+def _newest(valid: list[CheckpointView], n: int) -> list[CheckpointView]:
+    return sorted(valid, key=lambda v: v.step, reverse=True)[:n]
+
+
+def _rule_hits(valid: list[CheckpointView], rules: Rules, ctx: _Ctx) -> dict[int, list[str]]:
+    hits: dict[int, list[str]] = {v.step: [] for v in valid}
+    for v in _newest(valid, rules.keep_last):
+        hits[v.step].append(f"{Tag.KEEP_LAST}={rules.keep_last}")
+    for v in _ranked(valid, ctx.mode)[: rules.keep_best]:
+        hits[v.step].append(f"{Tag.KEEP_BEST}={rules.keep_best}")
+    for v in valid:
+        if rules.keep_every and v.step % rules.keep_every == 0:
+            hits[v.step].append(f"{Tag.KEEP_EVERY}={rules.keep_every}")
+        # Inclusive edge, and a completion time ahead of `now` (clock skew) counts as recent.
+        if rules.keep_within is not None and ctx.now - v.completed <= rules.keep_within:
+            hits[v.step].append(f"{Tag.KEEP_WITHIN}={_fmt_duration(rules.keep_within)}")
+    return hits
+
+
+def _safety_tags(v: CheckpointView, latest: int | None, best: int | None) -> list[str]:
+    checks = (
+        (v.state in _UNJUDGED, Tag.PENDING),
+        (v.step == latest, Tag.LATEST),
+        (v.step == best, Tag.BEST),
+        (v.pinned, Tag.PINNED),
+        (v.in_use, Tag.IN_USE),
+    )
+    return [str(tag) for hit, tag in checks if hit]
+
+
+def _tier_tags(present: list[CheckpointView], rules: Rules, ctx: _Ctx) -> dict[int, list[str]]:
+    """Every keep reason each copy in one tier has, before tier-specific guards."""
+    valid = [v for v in present if v.state is State.VALID]
+    latest = max((v.step for v in valid), default=None)
+    hits = _rule_hits(valid, rules, ctx)
+    return {v.step: _safety_tags(v, latest, ctx.best) + hits.get(v.step, []) for v in present}
+
+
+def _decide_local(
+    views: list[CheckpointView], rules: LocalRules, ctx: _Ctx, upload_configured: bool
+) -> dict[int, _Decision]:
+    present = [v for v in views if v.local in _ON_DISK]
+    tags = _tier_tags(present, rules, ctx)
+    valid = [v for v in present if v.state is State.VALID]
+    recent = {v.step for v in _newest(valid, rules.keep_last)}
+    out: dict[int, _Decision] = {}
+    for v in present:
+        keep = tags[v.step] + _local_guards(v, rules, upload_configured)
+        out[v.step] = _local_decision(v, keep, rules, v.step in recent)
+    return out
+
+
+def _local_guards(v: CheckpointView, rules: LocalRules, upload_configured: bool) -> list[str]:
+    guards: list[str] = []
+    # Invalid data is never uploaded, so "not uploaded" must not pin it forever.
+    if upload_configured and v.state is State.VALID and v.remote is not Remote.UPLOADED:
+        guards.append(Tag.NOT_UPLOADED)
+    if v.state is State.INVALID and not rules.delete_invalid:
+        guards.append(Tag.INVALID)
+    return guards
+
+
+def _local_decision(
+    v: CheckpointView, keep: list[str], rules: LocalRules, recent: bool
+) -> _Decision:
+    if not keep:
+        why = Tag.DELETE_INVALID if v.state is State.INVALID else Tag.NOT_KEPT
+        return _Decision(Action.DELETE, (why,))
+    compress = (
+        rules.compress_older
+        and v.local is Local.PRESENT
+        and v.state is State.VALID
+        and not recent
+        and not {Tag.LATEST, Tag.IN_USE} & set(keep)
+    )
+    if compress:
+        return _Decision(Action.COMPRESS, (*keep, Tag.COMPRESS_OLDER))
+    return _Decision(Action.KEEP, tuple(keep))
+
+
+def _decide_remote(
+    views: list[CheckpointView], rules: RemoteRules, ctx: _Ctx
+) -> dict[int, _Decision]:
+    present = [v for v in views if v.remote is Remote.UPLOADED]
+    tags = _tier_tags(present, rules, ctx)
+    return {v.step: _remote_decision(v, tags[v.step]) for v in present}
+
+
+def _remote_decision(v: CheckpointView, keep: list[str]) -> _Decision:
+    # Invalid data is never uploaded; a copy that became invalid later waits for a human.
+    if v.state is State.INVALID:
+        keep = [*keep, Tag.INVALID]
+    if not keep:
+        return _Decision(Action.DELETE, (Tag.NOT_KEPT,))
+    return _Decision(Action.KEEP, tuple(keep))
+
+
+def _min_free_order(
+    views: list[CheckpointView], local: dict[int, _Decision]
+) -> list[CheckpointView]:
+    """Copies min_free may delete: kept, unprotected; invalid ones first, then oldest first."""
+    open_ = [
+        v
+        for v in views
+        if v.step in local
+        and local[v.step].action in (Action.KEEP, Action.COMPRESS)
+        and not PROTECTED & set(local[v.step].tags)
+    ]
+    return sorted(open_, key=lambda v: (v.state is not State.INVALID, v.step))
+
+
+def _apply_min_free(
+    views: list[CheckpointView], local: dict[int, _Decision], disk: Disk
+) -> tuple[dict[int, _Decision], int, int, int]:
+    """Add min_free deletes; returns (decisions, freed, reclaimable, shortfall) in bytes."""
+    deleted = [v for v in views if v.step in local and local[v.step].action is Action.DELETE]
+    freed = sum(v.bytes for v in deleted)
+    candidates = _min_free_order(views, local)
+    reclaimable = freed + sum(v.bytes for v in candidates)
+    if disk.free_bytes >= disk.min_free_bytes:
+        return local, freed, reclaimable, 0
+    out = dict(local)
+    for v in candidates:
+        if disk.free_bytes + freed >= disk.min_free_bytes:
+            break
+        out[v.step] = _Decision(Action.DELETE, (Tag.MIN_FREE,))
+        freed += v.bytes
+    return out, freed, reclaimable, max(0, disk.min_free_bytes - disk.free_bytes - freed)
+
+
+def _listed(v: CheckpointView) -> bool:
+    return v.local in _ON_DISK or v.remote in (Remote.UPLOADED, Remote.UPLOADING)
+
+
+def _item(v: CheckpointView, local: dict[int, _Decision], remote: dict[int, _Decision]) -> PlanItem:
+    here = local.get(v.step, _ABSENT)
+    there = remote.get(v.step, _UPLOADING if v.remote is Remote.UPLOADING else _ABSENT)
+    reasons = tuple(f"local:{t}" for t in here.tags) + tuple(f"remote:{t}" for t in there.tags)
+    return PlanItem(v.step, here.action, there.action, reasons)
+
+
+def _fmt_duration(seconds: float) -> str:
+    """Render a duration the way config writes it ("24h", "30d"), for reasons."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def _fmt_bytes(n: int) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    size, i = float(abs(n)), 0
+    while size >= 1024 and i < len(units) - 1:
+        size, i = size / 1024, i + 1
+    text = f"{size:.0f}" if i == 0 else f"{size:.1f}"
+    return ("-" if n < 0 else "") + text + units[i]
