@@ -1,0 +1,314 @@
+"""End to end: a real `ckptd run` on a real Unix socket over real torch-written checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptd.client import Client, ClientError
+
+
+def tiny_state(seed: int = 0, n: int = 64) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(n, n)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, n)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": seed}
+
+
+def save_single(root: Path, step: int, n: int = 64) -> Path:
+    path = root / f"model_step_{step}.pt"
+    torch.save(tiny_state(step, n), path)
+    return path
+
+
+def flip_byte(path: Path, where: float = 0.5) -> None:
+    with open(path, "r+b") as f:
+        f.seek(int(os.path.getsize(path) * where))
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x55]))
+
+
+def http(sock: Path, raw: bytes) -> tuple[int, dict[str, Any]]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(sock))
+    s.sendall(raw)
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = [int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length")]
+        if length and len(body) >= length[0]:
+            break
+    s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body) if body else {}
+
+
+def cli(*args: str, sock: Path | None = None, config: Path | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "ckptd", *args]
+    if sock:
+        cmd += ["--socket", str(sock)]
+    if config:
+        cmd += ["--config", str(config)]
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_SOCKET", "CKPTD_CONFIG")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_single_files_latest_skips_corrupt_and_truncated(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    root = d.roots["r1"]
+    save_single(root, 10)
+    assert d.wait_for("r1", 10)["state"] == "valid"
+    flip_byte(save_single(root, 20))
+    p30 = save_single(root, 30)
+    with open(p30, "r+b") as f:
+        f.truncate(os.path.getsize(p30) - 100)
+    (root / "model_step_40.pt").write_bytes(b"")
+    assert d.wait_for("r1", 20)["reason"] == "crc_mismatch"
+    assert d.wait_for("r1", 30)["state"] == "invalid"
+    assert d.wait_for("r1", 40)["state"] == "invalid"
+    latest = d.client.latest("r1")
+    assert latest is not None and latest["step"] == 10
+    assert latest["path"] == str(root / "model_step_10.pt")
+    doc = json.loads((root / ".ckptd" / "latest.json").read_text())
+    assert doc["step"] == 10 and doc["path"] == latest["path"]
+
+
+def test_dcp_complete_and_missing_metadata(daemon_factory: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    d = daemon_factory()
+    root = d.roots["r1"]
+    dcp.save(tiny_state(1), checkpoint_id=str(root / "step-100"))
+    dcp.save(tiny_state(2), checkpoint_id=str(root / "step-200"))
+    (root / "step-200" / ".metadata").unlink()
+    assert d.wait_for("r1", 100)["layout"] == "dcp"
+    time.sleep(1.5)
+    rec = d.client.checkpoint("r1", 200)
+    assert rec is None or rec["state"] == "pending"
+    assert d.client.latest("r1")["step"] == 100  # type: ignore[index]
+
+
+def test_split_and_ranked_layouts(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    root = d.roots["r1"]
+    st = tiny_state(3)
+    torch.save({"step": 5}, root / "step_5_meta.pt")
+    torch.save(st["model"], root / "step_5_model.pt")
+    torch.save(st["optimizer"], root / "step_5_optim.pt")
+    torch.save(st["model"], root / "model_7.pt")
+    (root / "meta_7.json").write_text(json.dumps({"step": 7, "world_size": 2}))
+    torch.save(st["optimizer"], root / "optim_7_rank0.pt")  # rank 1 missing
+    assert d.wait_for("r1", 5)["layout"] == "split"
+    time.sleep(1.5)
+    assert d.client.checkpoint("r1", 7)["state"] == "pending"  # type: ignore[index]
+    torch.save(st["optimizer"], root / "optim_7_rank1.pt")
+    assert d.wait_for("r1", 7)["layout"] == "ranked"
+    assert d.client.latest("r1")["step"] == 7  # type: ignore[index]
+
+
+def test_registered_with_paths_and_metrics(daemon_factory: Any) -> None:
+    d = daemon_factory(roots=[{"name": "r1", "metric": "val_loss"}])
+    root = d.roots["r1"]
+    (root / "run").mkdir()
+    torch.save(tiny_state(1), root / "run" / "weights.pt")
+    (root / "run" / "notes.json").write_text("{}")
+    c = d.client
+    assert c.register("r1", 3, paths=[str(root / "run")], metrics={"val_loss": 0.5})
+    rec = d.wait_for("r1", 3)
+    assert rec["state"] == "valid" and rec["layout"] == "registered"
+    assert rec["metrics"] == {"val_loss": 0.5}
+    assert c.status()["roots"][0]["best"] == 3  # type: ignore[index]
+
+
+def test_unsafe_pickle_never_runs(daemon_factory: Any, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {marker}",))
+
+    d = daemon_factory()
+    torch.save({"x": Evil()}, d.roots["r1"] / "model_step_1.pt")
+    rec = d.wait_for("r1", 1)
+    assert rec["state"] == "invalid" and rec["reason"] == "unsafe_pickle"
+    assert not marker.exists()
+
+
+def test_symlink_out_of_root_is_refused(daemon_factory: Any, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.pt"
+    torch.save(tiny_state(1), outside)
+    d = daemon_factory()
+    root = d.roots["r1"]
+    (root / "model_step_9.pt").symlink_to(outside)
+    rec = d.wait_for("r1", 9)
+    assert rec["state"] == "invalid" and rec["reason"] == "unsafe_path"
+    assert outside.exists()
+
+
+def test_api_errors(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    s = d.socket
+    post = "POST /v1/roots/r1/checkpoints HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    assert http(s, (post + "Content-Length: 5\r\n\r\n{bad}").encode())[0] == 400
+    body = json.dumps({"step": -1}).encode()
+    assert http(s, (post + f"Content-Length: {len(body)}\r\n\r\n").encode() + body)[0] == 400
+    body = json.dumps({"step": 1, "paths": ["/etc/passwd"]}).encode()
+    status, err = http(s, (post + f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+    assert status == 422 and err["error"] == "outside_root"
+    big = b"x" * (1024 * 1024 + 1)
+    assert http(s, (post + f"Content-Length: {len(big)}\r\n\r\n").encode() + big)[0] == 413
+    status, err = http(s, b"GET /v1/roots/nope/checkpoints HTTP/1.1\r\nHost: x\r\n"
+                          b"Connection: close\r\n\r\n")
+    assert status == 404 and set(err) == {"error", "message"}
+    c = Client(s, strict=True)
+    with pytest.raises(ClientError) as e:
+        c.request_json("GET", "/v1/roots/r1/checkpoints/1/wait?until=uploaded")
+    assert e.value.status == 409
+    status, _ = c.request("GET", "/v1/roots/r1/checkpoints/1/wait?until=valid&timeout=0.3")
+    assert status == 408
+    assert c.request("GET", "/v1/roots/r1/latest")[0] == 404
+    assert c.request("GET", "/v1/roots/r1/checkpoints/abc")[0] == 400
+
+
+def test_wait_long_poll_and_pins(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    c = d.client
+    t0 = time.monotonic()
+    save_single(d.roots["r1"], 4)
+    assert c.wait("r1", 4, until="valid", timeout=20)
+    assert time.monotonic() - t0 < 20
+    flip_byte(save_single(d.roots["r1"], 5))
+    status, body = c.request("GET", "/v1/roots/r1/checkpoints/5/wait?until=valid&timeout=20")
+    assert status == 409 and body["error"] == "invalid"
+    assert c.pin("r1", 4)
+    assert c.checkpoint("r1", 4)["pinned"] is True  # type: ignore[index]
+    assert c.unpin("r1", 4)
+    assert c.checkpoint("r1", 4)["pinned"] is False  # type: ignore[index]
+    with pytest.raises(ClientError):
+        c.pin("r1", 99)
+
+
+def test_socket_mode_and_single_instance(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o660
+    second = subprocess.run([sys.executable, "-m", "ckptd", "run", "--config", str(d.config)],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 75, second.stderr
+    assert "another ckptd" in second.stderr
+    assert d.client.health()["status"] == "ok"  # type: ignore[index]
+
+
+def test_kill9_mid_validation_then_restart_same_answer(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    root = d.roots["r1"]
+    save_single(root, 1)
+    d.wait_for("r1", 1)
+    big = root / "model_step_2.pt"
+    torch.save({"w": torch.randn(64, 1024, 1024)}, big)  # 256 MiB: validation takes a while
+    flip_byte(save_single(root, 3))
+    killed_in_flight = False
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        st = Client(d.socket, timeout=2).status() or {}
+        if any(w["step"] == 2 for w in st.get("in_flight", [])):
+            d.kill9()
+            killed_in_flight = True
+            break
+        time.sleep(0.01)
+    assert killed_in_flight, d.log_text()[-3000:]
+    d.start()
+    assert d.wait_for("r1", 2, timeout=60)["state"] == "valid"
+    assert d.wait_for("r1", 3)["state"] == "invalid"
+    assert d.client.latest("r1")["step"] == 2  # type: ignore[index]
+    # a clean stop then restart keeps the same answer
+    assert d.stop() == 0
+    d.start()
+    assert [c["state"] for c in d.client.checkpoints("r1")] == ["valid", "valid", "invalid"]
+
+
+def test_resave_same_step_supersedes(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    root = d.roots["r1"]
+    p = save_single(root, 8)
+    first = d.wait_for("r1", 8)
+    assert first["state"] == "valid"
+    time.sleep(0.05)
+    torch.save(tiny_state(99, n=32), p)  # re-save of the same step
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        rec = d.client.checkpoint("r1", 8)
+        if rec and rec["state"] == "valid" and rec["bytes"] != first["bytes"]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(d.log_text()[-3000:])
+    assert "checkpoint_superseded" in d.log_text()
+
+
+def test_client_falls_back_to_latest_json(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    save_single(d.roots["r1"], 6)
+    d.wait_for("r1", 6)
+    d.stop()
+    c = Client(d.socket, timeout=1)
+    info = c.latest("r1", root_dir=d.roots["r1"])
+    assert info is not None and info["step"] == 6
+    assert c.register("r1", 7) is False  # never raises into training
+    with pytest.raises(ClientError):
+        Client(d.socket, timeout=1, strict=True).register("r1", 7)
+
+
+def test_sigterm_exits_zero_and_removes_socket(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    assert d.stop(signal.SIGTERM) == 0
+    assert not d.socket.exists()
+
+
+def test_cli_commands(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    root = d.roots["r1"]
+    save_single(root, 11)
+    d.wait_for("r1", 11)
+    s = d.socket
+    st = json.loads(cli("status", "--json", sock=s).stdout)
+    assert set(st) == {"status", "version", "uptime_s", "roots", "in_flight"}
+    assert set(st["roots"][0]) == {"name", "path", "latest", "best", "counts", "queue",
+                                   "disk_free_bytes", "last_error"}
+    ls = json.loads(cli("ls", "r1", "--json", sock=s).stdout)
+    assert set(ls["checkpoints"][0]) == {"step", "state", "local", "remote", "layout", "path",
+                                         "bytes", "stored_bytes", "metrics", "reason", "pinned"}
+    r = cli("--socket", str(s), "latest", "r1", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["step"] == 11
+    r = cli("latest", "r1", "--tier", "remote", "--json", sock=s)
+    assert r.returncode == 1 and json.loads(r.stdout)["step"] is None
+    assert cli("register", "r1", "12", "--metric", "loss=1.5", sock=s).returncode == 0
+    assert cli("pin", "r1", "11", sock=s).returncode == 0
+    assert cli("unpin", "r1", "11", config=d.config).returncode == 0  # socket from config
+    assert cli("pin", "r1", "999", sock=s).returncode == 1
+    assert cli("register", "r1", "x", sock=s).returncode == 2
+    assert cli("status", sock=s).returncode == 0
+    assert "valid" in cli("ls", "r1", sock=s).stdout
+    d.stop()
+    r = cli("status", sock=s)
+    assert r.returncode == 69 and "daemon" in r.stderr
