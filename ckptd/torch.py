@@ -1,0 +1,644 @@
+"""Save and load training state in the `native` layout: one file per component, rank 0 commits.
+
+Runs inside training processes (imports torch); never imported by the daemon. Talks to the daemon
+only through `ckptd.client`, and a missing daemon never fails or blocks a training step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ckptd.errors import CkptdError, NotFound, ValidationFailed
+from ckptd.model import CKPTD_DIR
+
+__all__ = ["FORMAT", "Stateful", "load", "resolve", "save"]
+
+FORMAT = "ckptd-native/1"
+PREFIX = "_orig_mod."  # what torch.compile's OptimizedModule puts before every key
+log = logging.getLogger("ckptd.torch")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.Size)
+Entry = dict[str, Any]  # one `files` row of meta.json
+
+
+class Stateful(Protocol):
+    """Anything with the torch state_dict protocol (optimizers, schedulers, scalers, EMA)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+
+
+# ---------------------------------------------------------------------------------------- save
+
+
+def save(
+    root_dir: str | os.PathLike[str],
+    step: int,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: Stateful | None = None,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+    ema: Stateful | None = None,
+    extra: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    register: bool = True,
+    root_name: str | None = None,
+    client: Any = None,
+    timeout: float = 1800.0,
+) -> Path:
+    """Write `<root_dir>/step-<step>/` and return its path once every rank's files are in it.
+
+    Every rank calls this with its own optimizer; rank 0 also writes model, EMA, scheduler,
+    scaler and extra, then meta.json, then renames the directory into place and registers it.
+    """
+    if step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step}")
+    if extra is not None:
+        _check_plain(extra, "extra")
+    rank, world = _rank_world(rank, world_size)
+    root = Path(root_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
+    head = _meta_head(step, world, metrics, config)  # fail on bad metrics before writing
+    parts = _parts(rank, model, optimizer, scheduler, scaler, ema, extra)
+    if _dist_matches(world):
+        _save_dist(tmp, final, rank, world, parts, head)
+    else:
+        _save_files(tmp, final, rank, world, parts, head, time.monotonic() + timeout)
+    if rank == 0 and register:
+        _register(root_name or root.resolve().name, step, head["metrics"], client)
+    return final
+
+
+Part = tuple[str, str, Callable[[], Any]]  # (file name, component, builds the state to write)
+
+
+def _parts(rank: int, model: torch.nn.Module | None, optimizer: Stateful | None,
+           scheduler: Stateful | None, scaler: Stateful | None, ema: Stateful | None,
+           extra: Mapping[str, Any] | None) -> list[Part]:
+    """This rank's files in write order; each state is built only when its turn comes."""
+    shared = [("model.pt", "model", model), ("ema.pt", "ema", ema),
+              ("scheduler.pt", "scheduler", scheduler), ("scaler.pt", "scaler", scaler)]
+    parts: list[Part] = [(name, component, partial(_module_state, obj))
+                         for name, component, obj in shared if rank == 0 and obj is not None]
+    if rank == 0 and extra is not None:
+        parts.append(("extra.pt", "extra", partial(dict, extra)))
+    if optimizer is not None:
+        parts.append((f"optim.rank{rank}.pt", "optimizer", optimizer.state_dict))
+    parts.append((f"rng.rank{rank}.pt", "rng", _rng_state))
+    return parts
+
+
+def _write_parts(tmp: Path, rank: int, parts: list[Part]) -> list[Entry]:
+    entries = []
+    for name, component, build in parts:
+        state = build()
+        path = tmp / name
+        torch.save(state, path)
+        del state  # drop this component's dict (and any device->host copies) before the next
+        _fsync(path, drop_cache=True)
+        entry: Entry = {"path": name, "size": path.stat().st_size, "component": component}
+        if name.startswith(("optim.rank", "rng.rank")):
+            entry["rank"] = rank
+        entries.append(entry)
+    return entries
+
+
+def _save_dist(tmp: Path, final: Path, rank: int, world: int, parts: list[Part],
+               head: dict[str, Any]) -> None:
+    """With torch.distributed: barriers order clear -> write -> commit -> return."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        _fresh_dir(tmp)
+    dist.barrier()
+    _write_marker(tmp, rank, "", _write_parts(tmp, rank, parts))
+    dist.barrier()
+    if rank == 0:
+        _commit(tmp, final, head, _collect(tmp, world, "", time.monotonic()))
+    dist.barrier()  # every rank returns a path that exists
+
+
+def _save_files(tmp: Path, final: Path, rank: int, world: int, parts: list[Part],
+                head: dict[str, Any], deadline: float) -> None:
+    """Without torch.distributed: rendezvous through marker files in the tmp dir.
+
+    Rank 0 starts a save by creating a fresh tmp dir holding `.ready` with a new token; other
+    ranks write under that token. A rank that wrote into a leftover dir (a `.ready` from a crashed
+    save) sees the token change and writes again, so a stale file never gets committed.
+    """
+    if rank == 0:
+        token = uuid.uuid4().hex
+        _fresh_dir(tmp)
+        _write_json_atomic(tmp / ".ready", {"token": token})
+        _write_marker(tmp, 0, token, _write_parts(tmp, 0, parts))
+        _commit(tmp, final, {**head, "save_id": token}, _collect(tmp, world, token, deadline))
+        return
+    while True:
+        token = _wait_ready(tmp, deadline)
+        try:
+            _write_marker(tmp, rank, token, _write_parts(tmp, rank, parts))
+        except (OSError, RuntimeError):
+            if _token(tmp) == token:
+                raise
+            continue  # rank 0 cleared a leftover dir under us: write again under its new token
+        if _wait_commit(tmp, final, token, deadline):
+            return
+
+
+def _token(tmp: Path) -> str | None:
+    ready = _try_read_json(tmp / ".ready")
+    return None if ready is None else str(ready.get("token"))
+
+
+def _wait_ready(tmp: Path, deadline: float) -> str:
+    for _ in _polls(deadline, f"rank 0 to start the save in {tmp}"):
+        token = _token(tmp)
+        if token is not None:
+            return token
+    raise AssertionError("unreachable")
+
+
+def _wait_commit(tmp: Path, final: Path, token: str, deadline: float) -> bool:
+    """True once rank 0 committed our token's save; False when it restarted with a new token."""
+    for _ in _polls(deadline, f"rank 0 to commit {final}"):
+        meta = _try_read_json(final / "meta.json")
+        if meta is not None and meta.get("save_id") == token:
+            return True
+        current = _token(tmp)
+        if current is not None and current != token:
+            return False
+    raise AssertionError("unreachable")
+
+
+def _polls(deadline: float, what: str) -> Iterator[None]:
+    delay = 0.01
+    while True:
+        yield
+        if time.monotonic() > deadline:
+            raise CkptdError(f"ckptd.torch.save: timed out waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def _write_marker(tmp: Path, rank: int, token: str, entries: list[Entry]) -> None:
+    _write_json_atomic(tmp / f".done.rank{rank}", {"token": token, "files": entries})
+
+
+def _collect(tmp: Path, world: int, token: str, deadline: float) -> list[Entry]:
+    """Every rank's file entries, from their markers (waiting for them up to `deadline`)."""
+    entries: list[Entry] = []
+    for r in range(world):
+        for _ in _polls(deadline, f"rank {r} to finish writing into {tmp}"):
+            done = _try_read_json(tmp / f".done.rank{r}")
+            if done is not None and done.get("token") == token:
+                entries.extend(done["files"])
+                break
+    for e in entries:  # a rank's file must still be what it reported, or meta.json would lie
+        size = (tmp / e["path"]).stat().st_size
+        if size != e["size"]:
+            raise CkptdError(f"{tmp / e['path']}: size {size}, its rank reported {e['size']}")
+    return entries
+
+
+def _commit(tmp: Path, final: Path, head: dict[str, Any], entries: list[Entry]) -> None:
+    """meta.json last, then the atomic rename; an older `final` is swapped out, then removed."""
+    for p in tmp.iterdir():
+        if p.name.startswith("."):
+            p.unlink()  # rendezvous markers are not part of the checkpoint
+    _write_json(tmp / "meta.json", {**head, "files": entries})
+    _fsync(tmp)
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fresh_dir(tmp: Path) -> None:
+    if tmp.exists():
+        # Move it aside first: a rank still writing there must not make the removal fail.
+        aside = tmp.with_name(f".{tmp.name}.stale-{uuid.uuid4().hex[:8]}")
+        os.rename(tmp, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        log.warning("ckptd.torch: removed %s left by an interrupted save", tmp)
+    tmp.mkdir()
+
+
+def _meta_head(step: int, world: int, metrics: Mapping[str, Any] | None,
+               config: Mapping[str, Any] | None) -> dict[str, Any]:
+    clean: dict[str, float] = {}
+    for key, value in (metrics or {}).items():
+        number = float(value)
+        if np.isfinite(number):
+            clean[str(key)] = number
+        else:  # JSON has no NaN; losing the checkpoint over a metric would be worse
+            log.warning("ckptd.torch: metric %s=%s is not finite; left out", key, value)
+    created = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    cfg = json.loads(json.dumps(dict(config or {}), default=str))
+    return {"format": FORMAT, "step": int(step), "world_size": world, "created": created,
+            "metrics": clean, "config": cfg}
+
+
+def _register(name: str, step: int, metrics: dict[str, float], client: Any) -> None:
+    """Wake the daemon; without paths, its `native` recognizer describes the checkpoint."""
+    try:
+        if client is None:
+            from ckptd.client import Client
+
+            client = Client(timeout=1.0)  # bounds the cost of a hung daemon to the step
+        client.register(name, step, paths=None, metrics=metrics)
+    except Exception as exc:  # the save is durable already; registration is only a wake-up call
+        if getattr(client, "strict", False):
+            raise
+        log.warning("ckptd.torch: could not register %s step %s: %s", name, step, exc)
+
+
+# ---------------------------------------------------------------------------------------- load
+
+
+def load(
+    path_or_root: str | os.PathLike[str],
+    step: int | str = "latest",
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: Stateful | None = None,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+    ema: Stateful | None = None,
+    map_location: Any = "cpu",
+    rank: int | None = None,
+    strict: bool = True,
+    upcast_bf16: bool = False,
+    assign: bool = False,
+    restore_rng: bool = False,
+    root_name: str | None = None,
+    client: Any = None,
+) -> tuple[int, dict[str, Any]]:
+    """Load a checkpoint's state into the given objects in place; return `(step, meta)`.
+
+    `meta` is meta.json's content plus `path` and, when the checkpoint has one, `extra`.
+    """
+    target = resolve(path_or_root, step, root_name=root_name, client=client)
+    opts = _LoadOpts(map_location, strict, upcast_bf16, assign)
+    if target.is_file():
+        states, meta = _legacy_states(target, map_location)
+        native = None
+    else:
+        meta = _read_json(target / "meta.json")
+        meta["path"] = str(target)
+        native = _NativeReader(target, _rank_world(None, None)[0] if rank is None else rank,
+                               map_location)
+        states = native.states()
+        if (target / "extra.pt").exists():
+            meta["extra"] = _torch_load(target / "extra.pt", map_location)
+    for component, obj in (("model", model), ("ema", ema), ("optimizer", optimizer),
+                           ("scheduler", scheduler), ("scaler", scaler)):
+        if obj is not None:
+            _apply(obj, states.get(component), component, target, opts)
+    if restore_rng:
+        rng = native.rng() if native else None
+        if rng is None:
+            log.warning("ckptd.torch: %s holds no RNG state for this rank; not restored", target)
+        else:
+            _set_rng_state(rng)
+    return int(meta["step"]), meta
+
+
+class _LoadOpts:
+    def __init__(self, map_location: Any, strict: bool, upcast: bool, assign: bool) -> None:
+        self.map_location, self.strict, self.upcast, self.assign = (
+            map_location, strict, upcast, assign)
+
+
+class _NativeReader:
+    """Hands out one component's state at a time, so only one is in memory at once."""
+
+    def __init__(self, path: Path, rank: int, map_location: Any) -> None:
+        self.path, self.rank, self.map_location = path, rank, map_location
+
+    def states(self) -> dict[str, Callable[[bool], Any]]:
+        names = {"model": "model.pt", "ema": "ema.pt", "scheduler": "scheduler.pt",
+                 "scaler": "scaler.pt", "optimizer": f"optim.rank{self.rank}.pt"}
+        return {c: self._loader(n) for c, n in names.items() if (self.path / n).exists()}
+
+    def _loader(self, name: str) -> Callable[[bool], Any]:
+        return lambda mmap: _torch_load(self.path / name, self.map_location, mmap=mmap)
+
+    def rng(self) -> Any:
+        path = self.path / f"rng.rank{self.rank}.pt"
+        return _torch_load(path, "cpu") if path.exists() else None
+
+
+def _apply(obj: Stateful, state: Callable[[bool], Any] | None, component: str, where: Path,
+           opts: _LoadOpts) -> None:
+    if state is None:
+        raise NotFound(f"{where} holds no {component} state (was it saved with {component}=?)")
+    if not isinstance(obj, torch.nn.Module):
+        obj.load_state_dict(state(False))
+        return
+    # mmap: tensors are read page by page while copied into the module; not with assign=True,
+    # where the module would keep pointing into the checkpoint file.
+    sd = state(not opts.assign)
+    if opts.upcast:
+        sd = {k: v.float() if _is_bf16(v) else v for k, v in sd.items()}
+    module = _unwrap(obj)
+    module.load_state_dict(_match_prefix(sd, module), strict=opts.strict, assign=opts.assign)
+
+
+def _is_bf16(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16
+
+
+def _match_prefix(sd: Mapping[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+    """Rename keys to the module's own, adding or dropping `_orig_mod.` wherever it sits."""
+    own = {k.replace(PREFIX, ""): k for k in module.state_dict()}
+    return {own.get(k.replace(PREFIX, ""), k.replace(PREFIX, "")): v for k, v in sd.items()}
+
+
+# ------------------------------------------------------------------------------- legacy files
+
+_LEGACY_KEYS = {
+    "model": ("model", "model_state_dict", "state_dict", "model_state", "module"),
+    "optimizer": ("optimizer", "optimizer_state_dict", "optim", "optimizer_state"),
+    "scheduler": ("scheduler", "lr_scheduler", "scheduler_state_dict"),
+    "scaler": ("scaler", "grad_scaler", "scaler_state_dict"),
+    "ema": ("ema", "ema_state_dict", "model_ema", "ema_model"),
+}
+_STEP_KEYS = ("step", "global_step", "iteration", "iter", "epoch")
+_STEP_IN_NAME = re.compile(r"(?:step[_=-]|iter_|_)(\d+)(?:\.|$)")
+
+
+def _legacy_states(path: Path, map_location: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A single-file checkpoint: one dict, split into components by the usual key names."""
+    obj = _torch_load(path, map_location)
+    if not isinstance(obj, dict):
+        raise ValidationFailed("bad_metadata", f"{path}: not a dict of states", str(path))
+    if all(isinstance(v, torch.Tensor) for v in obj.values()):
+        obj = {"model": obj}  # a bare model state_dict
+    states: dict[str, Any] = {}
+    used: set[str] = set()
+    for component, keys in _LEGACY_KEYS.items():
+        key = next((k for k in keys if isinstance(obj.get(k), dict)), None)
+        if key is not None:
+            states[component] = (lambda v: lambda _mmap: v)(obj[key])
+            used.add(key)
+    extra = {k: v for k, v in obj.items() if k not in used}
+    meta = {"format": "legacy", "step": _legacy_step(path, obj), "path": str(path),
+            "metrics": {}, "config": {}, "extra": extra}
+    return states, meta
+
+
+def _legacy_step(path: Path, obj: Mapping[str, Any]) -> int:
+    for key in _STEP_KEYS:
+        value = obj.get(key)
+        if isinstance(value, int | torch.Tensor) and not isinstance(value, bool):
+            return int(value)
+    match = _STEP_IN_NAME.search(path.name)
+    return int(match.group(1)) if match else 0
+
+
+# ---------------------------------------------------------------------------- finding a step
+
+
+def resolve(path_or_root: str | os.PathLike[str], step: int | str = "latest", *,
+            root_name: str | None = None, client: Any = None) -> Path:
+    """The checkpoint `load` would read: a native step dir or a single legacy file."""
+    path = Path(path_or_root)
+    if path.is_file() or (path / "meta.json").is_file():
+        return path
+    if not path.is_dir():
+        raise NotFound(f"{path}: no such checkpoint or root directory")
+    if step != "latest":
+        found = path / f"step-{int(step)}"
+        if not _complete(found):
+            raise NotFound(f"{found}: no complete native checkpoint (if it lives only in "
+                           f"compressed or remote form, run `ckptd restore ROOT {step} --to DIR`)")
+        return found
+    return _resolve_latest(path, root_name or path.resolve().name, client)
+
+
+def _resolve_latest(root: Path, name: str, client: Any) -> Path:
+    info = _ask_latest(root, name, client)
+    if info is not None and info.get("step") is not None:
+        where = _under(root, info.get("path"))
+        if info.get("local") == "present" and where is not None and where.exists():
+            return where
+        if info.get("local") == "compressed" or info.get("remote") == "uploaded":
+            return _restore(name, int(info["step"]), root)
+        log.warning("ckptd.torch: latest %s of %s is not on disk; scanning", info["step"], name)
+    steps = sorted(_step_dirs(root), reverse=True)
+    for _, found in steps:
+        if _complete(found):
+            return found
+    raise NotFound(f"{root}: no complete checkpoint to resume from")
+
+
+def _ask_latest(root: Path, name: str, client: Any) -> dict[str, Any] | None:
+    try:
+        if client is None:
+            from ckptd.client import Client
+
+            client = Client(timeout=2.0)
+        info = client.latest(name, tier="any", root_dir=root)
+    except Exception as exc:
+        if getattr(client, "strict", False):
+            raise
+        log.warning("ckptd.torch: could not ask ckptd for the latest of %s: %s", name, exc)
+        info = None
+    if info is None:  # the daemon's last word, written next to the data
+        info = _try_read_json(root / CKPTD_DIR / "latest.json")
+        if info is not None:
+            info = {"local": "present", **info}
+    return info if isinstance(info, dict) else None
+
+
+def _under(root: Path, rel: Any) -> Path | None:
+    return None if not rel else root / str(rel)  # an absolute `rel` stays absolute
+
+
+def _step_dirs(root: Path) -> Iterator[tuple[int, Path]]:
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir():
+            yield int(match.group(1)), entry
+
+
+def _complete(step_dir: Path) -> bool:
+    """The native commit rule: meta.json there and every file it lists at its listed size."""
+    meta = _try_read_json(step_dir / "meta.json")
+    if meta is None:
+        return False
+    try:
+        return all((step_dir / f["path"]).stat().st_size == f["size"] for f in meta["files"])
+    except (OSError, KeyError, TypeError):
+        return False
+
+
+def _restore(name: str, step: int, root: Path) -> Path:
+    """Rebuild a compressed or remote-only checkpoint under `<root>/.ckptd/restored/`."""
+    try:
+        from ckptd.restore import restore_checkpoint  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as exc:
+        raise CkptdError(f"step {step} of {name} is not on local disk in loadable form and "
+                         f"this ckptd cannot restore it here; run `ckptd restore {name} {step} "
+                         "--to DIR` and load DIR") from exc
+    to = root / CKPTD_DIR / "restored" / f"step-{step}"
+    restore_checkpoint(name, step, to=to)
+    for candidate in (to, to / f"step-{step}"):
+        if _complete(candidate):
+            return candidate
+    files = [p for p in to.rglob("*") if p.is_file()]
+    if len(files) == 1:
+        return files[0]
+    raise CkptdError(f"restored step {step} of {name} into {to}, but found no checkpoint there")
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def _torch_load(path: Path, map_location: Any, mmap: bool = False) -> Any:
+    """torch.load that never runs code from the file: weights_only, always."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        raise ValidationFailed(
+            "unsafe_pickle",
+            f"{path}: refused, it needs more than plain tensors and containers to load ({exc})",
+            str(path)) from exc
+
+
+def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
+    dist_rank, dist_world = 0, 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        dist_rank, dist_world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rank = dist_rank if rank is None else rank
+    world = dist_world if world is None else world
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside world_size {world}")
+    return rank, world
+
+
+def _dist_matches(world: int) -> bool:
+    """Use torch.distributed barriers only when it is up and describes the same ranks."""
+    return (world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() == world)
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP/DataParallel: their `module.` prefix is not part of the model."""
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    while isinstance(module, wrappers):
+        module = module.module
+    return module
+
+
+def _module_state(obj: Any) -> Any:
+    if not isinstance(obj, torch.nn.Module):
+        return obj.state_dict()
+    return {k.replace(PREFIX, ""): v for k, v in _unwrap(obj).state_dict().items()}
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    """`extra` must load with weights_only=True; refuse at save time, not at resume time."""
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _check_plain(key, where)
+            _check_plain(value, f"{where}[{key!r}]")
+    elif isinstance(obj, list | tuple):
+        for i, value in enumerate(obj):
+            _check_plain(value, f"{where}[{i}]")
+    elif not isinstance(obj, _PLAIN):
+        raise TypeError(f"{where} is a {type(obj).__name__}: only tensors, numbers, strings and "
+                        "dicts/lists of them can be loaded back safely")
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every RNG's state as tensors, lists and numbers, so it loads with weights_only=True."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)  # the legacy form is always (kind, keys, ...)
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
+        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+                   "gauss_next": gauss_next},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        # only when CUDA is already up: reading its RNG must not start it in a CPU job
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(int(x) for x in p["internal"].tolist()), p["gauss_next"]))
+
+
+def _fsync(path: Path, drop_cache: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if drop_cache:  # written and durable: keep the training job's own pages in the cache
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    part = path.with_name(f"{path.name}.part-{os.getpid()}")
+    _write_json(part, data)
+    os.rename(part, path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValidationFailed("bad_metadata", f"{path}: not a JSON object", str(path))
+    return data
+
+
+def _try_read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return _read_json(path)
+    except (OSError, ValueError, ValidationFailed):
+        return None
