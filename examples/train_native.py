@@ -34,7 +34,7 @@ def build() -> dict[str, Any]:
         "optimizer": optimizer,
         "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7),
         "scaler": torch.amp.GradScaler("cpu", growth_interval=3),
-        "ema": AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9)),
+        "ema": AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9)),  # type: ignore[no-untyped-call]
     }
 
 
