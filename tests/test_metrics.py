@@ -1,0 +1,199 @@
+"""Metrics: the text rendering, parsed back with the Prometheus client's own parser, and the
+optional TCP listener that serves /metrics and nothing else."""
+
+from __future__ import annotations
+
+import http.client
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from ckptd.metrics import Metrics, MetricsServer, split_listen
+
+
+def samples(metrics: Metrics) -> dict[str, list[Sample]]:
+    """Samples by family name, from the rendered text."""
+    return {f.name: f.samples for f in text_string_to_metric_families(metrics.render())}
+
+
+def value(metrics: Metrics, sample: str, **labels: str) -> float | None:
+    for fam in text_string_to_metric_families(metrics.render()):
+        for s in fam.samples:
+            if s.name == sample and s.labels == labels:
+                return float(s.value)
+    return None
+
+
+def test_every_family_is_exported_with_its_type() -> None:
+    m = Metrics()
+    m.set_root("llm-7b", counts={"valid": 1}, queue=0)
+    m.add_bytes("read", "llm-7b", 1)
+    m.add_bytes("written", "llm-7b", 1)
+    m.add_bytes("uploaded", "llm-7b", 1)
+    m.observe_stage("validate", 1.0)
+    m.error("scan")
+    m.set_root("llm-7b", counts={}, queue=0, disk_free=1, latest=1, steps_since_remote=1,
+               ratio=0.5)
+    types = {f.name: f.type for f in text_string_to_metric_families(m.render())}
+    expected = {
+        "ckptd_checkpoints": "gauge", "ckptd_stage_duration_seconds": "histogram",
+        "ckptd_bytes_read": "counter", "ckptd_bytes_written": "counter",
+        "ckptd_bytes_uploaded": "counter", "ckptd_compression_ratio": "gauge",
+        "ckptd_queue_depth": "gauge", "ckptd_steps_since_remote_verified": "gauge",
+        "ckptd_disk_free_bytes": "gauge", "ckptd_preflight_warning": "gauge",
+        "ckptd_errors": "counter", "ckptd_latest_step": "gauge", "ckptd_up": "gauge",
+        "ckptd_build_info": "gauge", "ckptd_config_last_reload_successful": "gauge",
+        "process_resident_memory_bytes": "gauge",
+    }
+    assert {k: types.get(k) for k in expected} == expected
+
+
+def test_root_gauges_carry_labels_and_values() -> None:
+    m = Metrics(process=False)
+    m.set_root("llm-7b", counts={"valid": 3, "invalid": 1}, queue=2, disk_free=10**12,
+               latest=1200, steps_since_remote=400, preflight_warning=True, ratio=0.62)
+    m.set_root("vit", counts={"pending": 1}, queue=0)
+    assert value(m, "ckptd_checkpoints", root="llm-7b", state="valid") == 3
+    assert value(m, "ckptd_checkpoints", root="llm-7b", state="invalid") == 1
+    assert value(m, "ckptd_checkpoints", root="llm-7b", state="pending") == 0  # never stale
+    assert value(m, "ckptd_checkpoints", root="vit", state="pending") == 1
+    assert value(m, "ckptd_queue_depth", root="llm-7b") == 2
+    assert value(m, "ckptd_disk_free_bytes", root="llm-7b") == 10**12
+    assert value(m, "ckptd_latest_step", root="llm-7b") == 1200
+    assert value(m, "ckptd_steps_since_remote_verified", root="llm-7b") == 400
+    assert value(m, "ckptd_preflight_warning", root="llm-7b") == 1
+    assert value(m, "ckptd_preflight_warning", root="vit") == 0
+    assert value(m, "ckptd_compression_ratio", root="llm-7b") == pytest.approx(0.62)
+    assert value(m, "ckptd_latest_step", root="vit") is None  # unknown is absent, not 0
+
+
+def test_unknown_values_drop_their_series() -> None:
+    m = Metrics(process=False)
+    m.set_root("r", counts={}, queue=0, disk_free=5, latest=7, ratio=0.5)
+    m.set_root("r", counts={}, queue=0, disk_free=None, latest=None, ratio=None)
+    assert value(m, "ckptd_disk_free_bytes", root="r") is None
+    assert value(m, "ckptd_latest_step", root="r") is None
+    assert value(m, "ckptd_compression_ratio", root="r") is None
+
+
+def test_counters_and_histogram() -> None:
+    m = Metrics(process=False)
+    m.add_bytes("read", "r", 100)
+    m.add_bytes("read", "r", 50)
+    m.add_bytes("uploaded", "r", 7)
+    m.error("upload")
+    m.error("upload")
+    m.observe_stage("compress", 0.3)
+    m.observe_stage("compress", 45.0)
+    assert value(m, "ckptd_bytes_read_total", root="r") == 150
+    assert value(m, "ckptd_bytes_uploaded_total", root="r") == 7
+    assert value(m, "ckptd_errors_total", kind="upload") == 2
+    assert value(m, "ckptd_stage_duration_seconds_count", stage="compress") == 2
+    assert value(m, "ckptd_stage_duration_seconds_sum", stage="compress") == pytest.approx(45.3)
+    assert value(m, "ckptd_stage_duration_seconds_bucket", stage="compress", le="0.5") == 1
+    assert value(m, "ckptd_stage_duration_seconds_bucket", stage="compress", le="60.0") == 2
+    with pytest.raises(ValueError):
+        m.add_bytes("deleted", "r", 1)
+    with pytest.raises(ValueError):
+        m.add_bytes("read", "r", -1)
+
+
+def test_daemon_info_and_reload() -> None:
+    m = Metrics(version="9.9.9", process=False)
+    assert value(m, "ckptd_up") == 1
+    build = samples(m)["ckptd_build_info"][0]
+    assert build.labels["version"] == "9.9.9" and build.value == 1
+    m.reloaded(False, 1234.0)
+    assert value(m, "ckptd_config_last_reload_successful") == 0
+    assert value(m, "ckptd_config_last_reload_timestamp_seconds") == 1234.0
+
+
+def test_remove_root_drops_every_series() -> None:
+    m = Metrics(process=False)
+    m.set_root("gone", counts={"valid": 1}, queue=1, disk_free=1, latest=1,
+               steps_since_remote=1, ratio=0.5)
+    m.add_bytes("written", "gone", 1)
+    m.set_root("kept", counts={}, queue=0)
+    m.remove_root("gone")
+    assert m.roots() == {"kept"}
+    assert 'root="gone"' not in m.render()
+    assert 'root="kept"' in m.render()
+
+
+def test_registries_are_private() -> None:
+    a, b = Metrics(process=False), Metrics(process=False)
+    a.error("x")
+    assert value(b, "ckptd_errors_total", kind="x") is None
+
+
+# -- TCP listener ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")  # one listener: each shutdown waits out a poll interval
+def server() -> Iterator[tuple[Metrics, MetricsServer]]:
+    m = Metrics(process=False)
+    srv = m.serve_tcp("127.0.0.1:0")
+    try:
+        yield m, srv
+    finally:
+        srv.shutdown()
+
+
+def get(port: int, path: str, method: str = "GET") -> tuple[int, str, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request(method, path)
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type") or "", resp.read()
+    finally:
+        conn.close()
+
+
+def test_tcp_serves_metrics(server: tuple[Metrics, MetricsServer]) -> None:
+    m, srv = server
+    assert srv.address[0] == "127.0.0.1" and srv.port > 0
+    m.set_root("r", counts={"valid": 2}, queue=0)
+    status, ctype, body = get(srv.port, "/metrics")
+    assert status == 200 and ctype.startswith("text/plain")
+    fams = {f.name for f in text_string_to_metric_families(body.decode())}
+    assert "ckptd_checkpoints" in fams
+    assert get(srv.port, "/metrics?name[]=ckptd_up")[0] == 200
+    status, _, body = get(srv.port, "/metrics", method="HEAD")
+    assert status == 200 and body == b""
+
+
+@pytest.mark.parametrize("path", ["/", "/v1/status", "/metrics/", "/metricsx", "/favicon.ico"])
+def test_tcp_serves_nothing_else(server: tuple[Metrics, MetricsServer], path: str) -> None:
+    assert get(server[1].port, path)[0] == 404
+
+
+def test_tcp_rejects_other_methods(server: tuple[Metrics, MetricsServer]) -> None:
+    assert get(server[1].port, "/metrics", method="POST")[0] == 501
+
+
+def test_tcp_shutdown_frees_the_port() -> None:
+    m = Metrics(process=False)
+    srv = m.serve_tcp("127.0.0.1:0")
+    port = srv.port
+    srv.shutdown()
+    with pytest.raises(OSError):
+        get(port, "/metrics")
+    again = m.serve_tcp(f"127.0.0.1:{port}")  # the port is free to bind again
+    again.shutdown()
+
+
+@pytest.mark.parametrize(("listen", "expected"), [
+    ("127.0.0.1:9464", ("127.0.0.1", 9464)),
+    ("[::1]:9464", ("::1", 9464)),
+    ("localhost:0", ("localhost", 0)),
+])
+def test_split_listen(listen: str, expected: tuple[str, int]) -> None:
+    assert split_listen(listen) == expected
+
+
+@pytest.mark.parametrize("listen", ["9464", ":9464", "host:", "host:port", "h:70000"])
+def test_split_listen_rejects(listen: str) -> None:
+    with pytest.raises(ValueError):
+        split_listen(listen)
