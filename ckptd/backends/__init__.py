@@ -1,0 +1,99 @@
+"""Storage backends: the contract (`Backend`), its implementations and the wrappers.
+
+`make_backend` opens a URL; `wrap_backend` adds retries, a bandwidth cap and a transfer limit.
+"""
+
+from __future__ import annotations
+
+from ckptd.backends.base import DEFAULT_PART_SIZE, Backend, ObjectMeta, check_key
+from ckptd.backends.local import LocalBackend
+from ckptd.backends.objstore import ObstoreBackend
+from ckptd.backends.wrappers import LimitedBackend, RetryingBackend, ThrottledBackend, TokenBucket
+from ckptd.errors import PermanentError
+
+__all__ = [
+    "DEFAULT_PART_SIZE",
+    "Backend",
+    "LimitedBackend",
+    "LocalBackend",
+    "ObjectMeta",
+    "ObstoreBackend",
+    "RetryingBackend",
+    "ThrottledBackend",
+    "TokenBucket",
+    "check_key",
+    "make_backend",
+    "wrap_backend",
+]
+
+
+def make_backend(
+    url: str,
+    *,
+    endpoint: str = "",
+    region: str = "",
+    access_key_id: str = "",
+    secret_access_key: str = "",
+    part_size: int = DEFAULT_PART_SIZE,
+    concurrency: int = 4,
+    connect_timeout_s: float = 10.0,
+    read_timeout_s: float = 60.0,
+    request_timeout_s: float = 600.0,
+    request_retries: int = 2,
+) -> Backend:
+    """The bare backend for an upload URL (`file://`, `s3://`, `gs://`, `az://`).
+
+    `concurrency` is how many parts of one multipart upload are in flight at once; peak memory
+    of one put is about `concurrency * part_size`. Raises PermanentError for an unsupported URL
+    or unusable credentials. The timeouts and `request_retries` are those of `ObstoreBackend`.
+    """
+    if url.startswith("file:"):
+        return LocalBackend(_file_path(url), part_size=part_size)
+    return ObstoreBackend(
+        url,
+        endpoint=endpoint,
+        region=region,
+        access_key_id=access_key_id,
+        secret_access_key=secret_access_key,
+        part_size=part_size,
+        concurrency=concurrency,
+        connect_timeout_s=connect_timeout_s,
+        read_timeout_s=read_timeout_s,
+        request_timeout_s=request_timeout_s,
+        request_retries=request_retries,
+    )
+
+
+def wrap_backend(
+    backend: Backend,
+    *,
+    attempts: int = 5,
+    base_delay: float = 0.5,
+    max_delay: float = 30.0,
+    max_bytes_per_s: float | None = None,
+    max_transfers: int | None = None,
+) -> Backend:
+    """`backend` with the standard layers, innermost first: bandwidth cap, retries, limit.
+
+    The cap sits inside the retries so re-sent bytes count against it; the limit sits outside
+    so a transfer keeps its slot while it backs off instead of letting another one start.
+    """
+    wrapped: Backend = backend
+    if max_bytes_per_s:
+        wrapped = ThrottledBackend(wrapped, max_bytes_per_s)
+    wrapped = RetryingBackend(wrapped, attempts, base_delay, max_delay)
+    if max_transfers:
+        wrapped = LimitedBackend(wrapped, max_transfers)
+    return wrapped
+
+
+def _file_path(url: str) -> str:
+    """The directory of a file URL, taken literally (config has already made it absolute)."""
+    rest = url[len("file:") :]
+    if rest.startswith("//"):
+        rest = rest[2:]
+        host, slash, path = rest.partition("/")
+        if host not in ("", "localhost"):
+            raise PermanentError(f"file URL {url!r} names a host; use file:///absolute/dir")
+        rest = slash + path
+    return rest

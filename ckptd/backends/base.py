@@ -1,0 +1,163 @@
+"""The storage contract every backend implements, its metadata type and shared helpers.
+
+Owns the rules (docstring of `Backend`), key checks and OS-error classification; does no I/O.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, Protocol, runtime_checkable
+
+from ckptd.errors import PermanentError, StorageError, TransientError
+
+MiB = 1024 * 1024
+DEFAULT_PART_SIZE = 64 * MiB
+# Largest read or write handed to or taken from a caller's file object in one call.
+COPY_CHUNK = 1 * MiB
+MAX_KEY_BYTES = 1024  # S3's limit; applied everywhere so a key valid on one backend is on all
+
+Source = BinaryIO | bytes
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """What a backend knows about one stored object.
+
+    `key` is relative to the backend's base prefix. `etag` is the store's entity tag when it gives
+    one (S3: MD5 of the content for single-part puts, `<md5-of-md5s>-<parts>` for multipart ones;
+    the local backend gives None). `mtime` is seconds since the epoch (for `put`'s result: the
+    local clock when the put returned).
+    """
+
+    key: str
+    size: int
+    mtime: float
+    etag: str | None = None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A place to keep objects under '/'-separated relative keys: the whole storage contract.
+
+    Rules every implementation keeps (the conformance suite in tests/test_backends.py checks them):
+
+    - Keys are relative, '/'-separated, without empty, "." or ".." segments, at most 1024 bytes
+      (`check_key`). They live under the backend's base prefix (a directory or bucket/prefix) and
+      nothing is ever read or written outside it.
+    - `put` is atomic: a reader sees the whole new object or the old state, never a part. It is
+      idempotent for the same content. It streams a file object in bounded reads (`src` is read
+      from its current position to EOF; `size`, when given, must match what is read, else
+      PermanentError and nothing is stored). Objects above the backend's part size go up as
+      multipart uploads. `create_only=True` raises `ObjectExists` if the key is present and leaves
+      the stored object unchanged: the manifest commit relies on this. A create-only object is
+      sent in one request, so keep such objects small.
+    - `get` streams the object into `dst` (bounded memory) and returns the byte count;
+      `get_bytes` is for small objects only.
+    - `stat` gives size, etag (where the store has one) and mtime.
+    - `list(prefix)` yields every object under the directory-like `prefix` ("" = everything;
+      "a/b" matches "a/b/c", not "a/bc"), recursively. Order is not part of the contract.
+    - `delete` is idempotent: deleting a missing key is not an error.
+    - Every error is `TransientError` (retrying later may help) or `PermanentError` (it will
+      not); a missing object is `ObjectNotFound` (a PermanentError). No store library's own
+      exception types escape a backend.
+    - Backends never retry on their own beyond a few immediate per-request retries documented
+      by the implementation; backoff, bandwidth caps and concurrency limits are wrappers
+      (`ckptd.backends.wrappers`) that work on any backend.
+    - Instances are safe to share between threads.
+    """
+
+    @property
+    def url(self) -> str:
+        """Where the objects live, for messages and logs (never holds credentials)."""
+        ...
+
+    @property
+    def part_size(self) -> int:
+        """Objects larger than this go up as multipart uploads of parts this big."""
+        ...
+
+    def put(
+        self, key: str, src: Source, size: int | None = None, *, create_only: bool = False
+    ) -> ObjectMeta:
+        """Store `src` (bytes, or a binary file object read to EOF) under `key`, atomically."""
+        ...
+
+    def get(self, key: str, dst: BinaryIO) -> int:
+        """Write the object's bytes to `dst`; return how many were written."""
+        ...
+
+    def get_bytes(self, key: str) -> bytes:
+        """The whole object in memory: for small objects (manifests, pointers)."""
+        ...
+
+    def stat(self, key: str) -> ObjectMeta:
+        """Metadata of one object; `ObjectNotFound` if absent."""
+        ...
+
+    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
+        """Every object under `prefix` (directory-like), recursively."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove the object; a missing key is fine."""
+        ...
+
+
+def check_key(key: str) -> str:
+    """Return `key` if it is a valid relative key, else raise PermanentError naming it."""
+    if not isinstance(key, str) or not key:
+        raise PermanentError(f"invalid storage key {key!r}: empty")
+    if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise PermanentError(f"invalid storage key {key[:60]!r}...: longer than 1024 bytes")
+    if "\x00" in key or "\\" in key:
+        raise PermanentError(f"invalid storage key {key!r}: contains NUL or backslash")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise PermanentError(
+                f"invalid storage key {key!r}: use relative '/'-separated names without "
+                "empty, '.' or '..' parts"
+            )
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """A list prefix: "" (everything) or a key, with trailing slashes dropped."""
+    stripped = prefix.rstrip("/")
+    return check_key(stripped) if stripped else ""
+
+
+def join_url(url: str, key: str) -> str:
+    """`url` and `key` joined for messages."""
+    return f"{url.rstrip('/')}/{key}" if key else url
+
+
+# errnos where trying again cannot help; everything else (EIO, ENOSPC, ESTALE, ETIMEDOUT, ...)
+# may clear up, for instance when an NFS server comes back or a prune frees space.
+_PERMANENT_ERRNOS = frozenset(
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.ENAMETOOLONG,
+        errno.EINVAL,
+        errno.ELOOP,
+        errno.EXDEV,
+        errno.EBADF,
+        errno.EFBIG,
+        errno.EOPNOTSUPP,
+        errno.ENOTSUP,
+    }
+)
+
+
+def os_error(exc: OSError, what: str) -> StorageError:
+    """Translate an OSError met while doing `what` into a transient or permanent StorageError."""
+    detail = exc.strerror or str(exc)
+    message = f"{what}: {detail}"
+    if exc.errno in _PERMANENT_ERRNOS:
+        return PermanentError(message)
+    return TransientError(message)

@@ -1,0 +1,276 @@
+"""The `file://` backend: objects are files under one directory (a local disk or an NFS mount).
+
+Writes are temp-name, fsync, rename, fsync-dir; nothing is written or read outside `base_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from stat import S_ISREG
+from typing import BinaryIO
+
+from ckptd.backends.base import (
+    COPY_CHUNK,
+    DEFAULT_PART_SIZE,
+    ObjectMeta,
+    Source,
+    check_key,
+    check_prefix,
+    join_url,
+    os_error,
+)
+from ckptd.errors import ObjectExists, ObjectNotFound, PermanentError
+
+# Marks our in-flight temp files; list() never shows them and keys may not contain it.
+TMP_MARK = ".ckptd-tmp."
+
+
+class LocalBackend:
+    """Objects as regular files under `base_dir`; see `Backend` for the rules."""
+
+    def __init__(self, base_dir: str | os.PathLike[str], *, part_size: int = DEFAULT_PART_SIZE):
+        # realpath once: containment checks compare resolved paths against it.
+        self.base = os.path.realpath(os.fspath(base_dir))
+        self.url = "file://" + self.base
+        self.part_size = part_size
+
+    def __repr__(self) -> str:
+        return f"LocalBackend({self.base!r})"
+
+    # -- the contract ----------------------------------------------------------------------
+
+    def put(
+        self, key: str, src: Source, size: int | None = None, *, create_only: bool = False
+    ) -> ObjectMeta:
+        path = self._path(key)
+        folder = os.path.dirname(path)
+        try:
+            self._makedirs(folder)
+            tmp = self._write_temp(folder, os.path.basename(path), src, size, key)
+            try:
+                self._commit(tmp, path, create_only, key)
+            finally:
+                _unlink_quietly(tmp)
+            _fsync_dir(folder)
+            st = os.stat(path)
+        except OSError as exc:
+            raise os_error(exc, f"put {self._where(key)}") from None
+        return ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None)
+
+    def get(self, key: str, dst: BinaryIO) -> int:
+        total = 0
+        with self._open(key) as f:
+            while chunk := self._read(f, key):
+                dst.write(chunk)
+                total += len(chunk)
+        return total
+
+    def get_bytes(self, key: str) -> bytes:
+        with self._open(key) as f:
+            try:
+                return f.read()
+            except OSError as exc:
+                raise os_error(exc, f"get {self._where(key)}") from None
+
+    def stat(self, key: str) -> ObjectMeta:
+        path = self._path(key)
+        try:
+            self._inside(os.path.dirname(path), key)
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {self._where(key)}") from None
+        except NotADirectoryError:
+            raise ObjectNotFound(f"no object {self._where(key)}") from None
+        except OSError as exc:
+            raise os_error(exc, f"stat {self._where(key)}") from None
+        if not S_ISREG(st.st_mode):
+            raise ObjectNotFound(f"no object {self._where(key)}")
+        return ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
+        start = check_prefix(prefix)
+        top = os.path.join(self.base, *start.split("/")) if start else self.base
+        self._inside(top, start)
+        try:
+            yield from self._walk(top, start)
+        except OSError as exc:
+            raise os_error(exc, f"list {self._where(start)}") from None
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            self._inside(os.path.dirname(path), key)
+            os.unlink(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except IsADirectoryError:
+            return  # a "directory" key holds no object: nothing to delete
+        except OSError as exc:
+            raise os_error(exc, f"delete {self._where(key)}") from None
+        folder = os.path.dirname(path)
+        _fsync_dir_quietly(folder)
+        self._prune_empty_dirs(folder)
+
+    # -- housekeeping ----------------------------------------------------------------------
+
+    def remove_stale_temp(self, older_than_s: float, now: float | None = None) -> int:
+        """Delete temp files of interrupted puts older than `older_than_s`; return the count.
+
+        Meant for daemon start-up; a put in flight elsewhere has a younger temp file.
+        """
+        cutoff = (time.time() if now is None else now) - older_than_s
+        removed = 0
+        for folder, _dirs, files in os.walk(self.base):
+            for name in files:
+                full = os.path.join(folder, name)
+                if TMP_MARK in name and _mtime_or_now(full) < cutoff:
+                    _unlink_quietly(full)
+                    removed += 1
+        return removed
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _where(self, key: str) -> str:
+        return join_url(self.url, key)
+
+    def _path(self, key: str) -> str:
+        check_key(key)
+        if TMP_MARK in key:
+            raise PermanentError(f"invalid storage key {key!r}: contains {TMP_MARK!r}")
+        return os.path.join(self.base, *key.split("/"))
+
+    def _inside(self, path: str, key: str) -> None:
+        """Refuse a path that resolves (through a symlink) outside the base directory."""
+        real = os.path.realpath(path)
+        if real != self.base and not real.startswith(self.base + os.sep):
+            raise PermanentError(f"{self._where(key)} resolves outside {self.base}: refused")
+
+    def _makedirs(self, folder: str) -> None:
+        """Create missing directories one at a time, fsyncing each new entry's parent."""
+        missing: list[str] = []
+        probe = folder
+        while not os.path.isdir(probe):
+            missing.append(probe)
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        # Check before creating anything: a symlinked ancestor could point outside the base.
+        if probe.startswith(self.base + os.sep):
+            self._inside(probe, os.path.relpath(probe, self.base))
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                continue  # a concurrent put made it
+            _fsync_dir(os.path.dirname(d))
+
+    def _write_temp(self, folder: str, name: str, src: Source, size: int | None, key: str) -> str:
+        tmp = os.path.join(folder, f".{name}{TMP_MARK}{secrets.token_hex(6)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                written = _copy(src, out)
+                out.flush()
+                os.fsync(out.fileno())
+            if size is not None and written != size:
+                raise PermanentError(
+                    f"put {self._where(key)}: source gave {written} bytes, expected {size}"
+                )
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        return tmp
+
+    def _commit(self, tmp: str, path: str, create_only: bool, key: str) -> None:
+        if not create_only:
+            os.replace(tmp, path)
+            return
+        try:
+            # link() fails if the name exists, atomically, also on NFS: a create-only rename.
+            os.link(tmp, path)
+        except FileExistsError:
+            raise ObjectExists(f"{self._where(key)} already exists") from None
+
+    def _open(self, key: str) -> BinaryIO:
+        path = self._path(key)
+        try:
+            self._inside(path, key)
+            f = open(path, "rb")  # noqa: SIM115 - returned to the caller's with-block
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFound(f"no object {self._where(key)}") from None
+        except OSError as exc:
+            raise os_error(exc, f"get {self._where(key)}") from None
+        return f
+
+    def _read(self, f: BinaryIO, key: str) -> bytes:
+        try:
+            return f.read(COPY_CHUNK)
+        except OSError as exc:
+            raise os_error(exc, f"get {self._where(key)}") from None
+
+    def _walk(self, top: str, rel: str) -> Iterator[ObjectMeta]:
+        try:
+            entries = sorted(os.scandir(top), key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for entry in entries:
+            key = f"{rel}/{entry.name}" if rel else entry.name
+            if entry.is_dir(follow_symlinks=False):
+                yield from self._walk(entry.path, key)
+            elif entry.is_file(follow_symlinks=False) and TMP_MARK not in entry.name:
+                st = entry.stat(follow_symlinks=False)
+                yield ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None)
+
+    def _prune_empty_dirs(self, folder: str) -> None:
+        """Remove directories a delete left empty, up to (not including) the base."""
+        while folder != self.base and folder.startswith(self.base + os.sep):
+            try:
+                os.rmdir(folder)
+            except OSError:
+                return  # not empty, or gone: either way stop
+            _fsync_dir_quietly(os.path.dirname(folder))
+            folder = os.path.dirname(folder)
+
+
+def _copy(src: Source, out: BinaryIO) -> int:
+    if isinstance(src, bytes | bytearray | memoryview):
+        out.write(src)
+        return len(src)
+    total = 0
+    while chunk := src.read(COPY_CHUNK):
+        out.write(chunk)
+        total += len(chunk)
+    return total
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir_quietly(folder: str) -> None:
+    try:
+        _fsync_dir(folder)
+    except OSError:
+        pass  # durability of a delete is best effort; the object is gone either way
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _mtime_or_now(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return time.time()

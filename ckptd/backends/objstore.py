@@ -1,0 +1,524 @@
+"""The object-store backend for s3:// (any S3-compatible endpoint), gs:// and az://, on obstore.
+
+Owns store construction, credentials and the translation of obstore's exceptions: no obstore
+type or exception leaves this module. Retries with backoff live in `wrappers`, not here.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from urllib.parse import urlsplit
+
+import obstore
+from obstore import exceptions as obx
+from obstore.store import AzureStore, GCSStore, S3Store
+
+from ckptd.backends.base import (
+    COPY_CHUNK,
+    DEFAULT_PART_SIZE,
+    ObjectMeta,
+    Source,
+    check_key,
+    check_prefix,
+    join_url,
+    os_error,
+)
+from ckptd.errors import (
+    ObjectExists,
+    ObjectNotFound,
+    PermanentError,
+    StorageError,
+    TransientError,
+)
+
+if TYPE_CHECKING:
+    from obstore import GetOptions
+    from obstore.store import ClientConfig, RetryConfig, S3Config
+
+T = TypeVar("T")
+
+S3_SCHEMES = ("s3", "s3a")
+SCHEMES = (*S3_SCHEMES, "gs", "az")
+
+# S3 error codes that mean "try again" even when the HTTP status alone would say otherwise.
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+        "OperationAborted",
+        "ConditionalRequestConflict",
+    }
+)
+_STATUS = re.compile(r"status code: (\d{3})|status: (\d{3})")
+_S3_CODE = re.compile(r"<Code>([^<]+)</Code>")
+_S3_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+# Shared-file credentials are re-read this often, so a rotated file is picked up.
+_FILE_CREDENTIALS_TTL = timedelta(minutes=5)
+
+
+class ObstoreBackend:
+    """Objects in a bucket under the URL's path prefix; see `Backend` for the rules.
+
+    Timeouts: `connect_timeout_s` for a TCP/TLS connect, `read_timeout_s` for a stalled
+    connection (no byte received for that long), `request_timeout_s` for one whole request
+    (one part of a multipart upload, or one `part_size` range of a download).
+    `request_retries` is obstore's own immediate retry of a single failed request (5xx,
+    connection errors): it keeps one bad part from restarting a multi-gigabyte upload. Backoff
+    across whole operations is `RetryingBackend`'s job; pass 0 to leave every decision to it.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint: str = "",
+        region: str = "",
+        access_key_id: str = "",
+        secret_access_key: str = "",
+        part_size: int = DEFAULT_PART_SIZE,
+        concurrency: int = 4,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 60.0,
+        request_timeout_s: float = 600.0,
+        request_retries: int = 2,
+    ) -> None:
+        if part_size < 5 * 1024 * 1024 and urlsplit(url).scheme in S3_SCHEMES:
+            # S3 rejects multipart parts under 5 MiB (except the last): fail here, not mid-upload.
+            raise PermanentError(f"part_size {part_size} is below S3's minimum of 5 MiB")
+        self.url = url.rstrip("/")
+        self.part_size = part_size
+        self.concurrency = max(1, concurrency)
+        options = _client_options(endpoint, connect_timeout_s, read_timeout_s, request_timeout_s)
+        retry = _retry_config(request_retries, request_timeout_s)
+        creds = _Creds(access_key_id, secret_access_key)
+        self._store = _guard(
+            "open", self.url, lambda: _open_store(self.url, endpoint, region, creds, options, retry)
+        )
+
+    def __repr__(self) -> str:
+        return f"ObstoreBackend({self.url!r})"
+
+    # -- the contract ----------------------------------------------------------------------
+
+    def put(
+        self, key: str, src: Source, size: int | None = None, *, create_only: bool = False
+    ) -> ObjectMeta:
+        check_key(key)
+        where = join_url(self.url, key)
+        body = _Body(src, size, where)
+        payload = body.payload(self.part_size, whole=create_only)
+        result = _guard(
+            "put",
+            where,
+            lambda: obstore.put(
+                self._store,
+                key,
+                payload,
+                mode="create" if create_only else "overwrite",
+                chunk_size=self.part_size,
+                max_concurrency=self.concurrency,
+            ),
+        )
+        body.finish()
+        return ObjectMeta(key=key, size=body.count, mtime=time.time(), etag=result["e_tag"])
+
+    def get(self, key: str, dst: BinaryIO) -> int:
+        meta = self.stat(key)
+        where = join_url(self.url, key)
+        # if_match pins every range to the version stat saw: a concurrent overwrite fails the
+        # read (transient) instead of splicing two versions together.
+        written = 0
+        for rng in _ranges(meta.size, self.part_size):
+            options: GetOptions = {"if_match": meta.etag} if meta.etag else {}
+            if rng:
+                options["range"] = rng
+            written += self._get_into(key, where, options, dst)
+        if written != meta.size:
+            raise TransientError(f"get {where}: got {written} bytes of {meta.size}")
+        return written
+
+    def get_bytes(self, key: str) -> bytes:
+        check_key(key)
+        where = join_url(self.url, key)
+        result = _guard("get", where, lambda: obstore.get(self._store, key))
+        data = bytes(_guard("get", where, result.bytes))
+        if len(data) != result.meta["size"]:
+            raise TransientError(f"get {where}: got {len(data)} bytes of {result.meta['size']}")
+        return data
+
+    def stat(self, key: str) -> ObjectMeta:
+        check_key(key)
+        where = join_url(self.url, key)
+        return _meta(_guard("stat", where, lambda: obstore.head(self._store, key)))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
+        start = check_prefix(prefix)
+        where = join_url(self.url, start)
+        stream = _guard("list", where, lambda: obstore.list(self._store, start or None))
+        while (batch := _guard("list", where, lambda: next(stream, None))) is not None:
+            for item in batch:
+                yield _meta(item)
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        where = join_url(self.url, key)
+        try:
+            _guard("delete", where, lambda: obstore.delete(self._store, key))
+        except ObjectNotFound:
+            return  # idempotent; a missing *bucket* is a plain PermanentError and still raised
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _get_into(self, key: str, where: str, options: GetOptions, dst: BinaryIO) -> int:
+        result = _guard("get", where, lambda: obstore.get(self._store, key, options=options))
+        stream = result.stream(min_chunk_size=COPY_CHUNK)
+        written = 0
+        while (chunk := _guard("get", where, lambda: next(stream, None))) is not None:
+            try:
+                dst.write(chunk)
+            except OSError as exc:
+                raise os_error(exc, f"get {where}: writing the destination") from None
+            written += len(chunk)
+        return written
+
+
+class _Body:
+    """The bytes of one put: counted, size-checked, read from a file in bounded pieces."""
+
+    def __init__(self, src: Source, size: int | None, where: str) -> None:
+        self.src = src
+        self.size = size
+        self.where = where
+        self.count = 0
+
+    def payload(self, part_size: int, whole: bool) -> bytes | Iterator[bytes]:
+        """Bytes for a single-request put, or an iterator of chunks for a multipart one."""
+        if isinstance(self.src, bytes | bytearray | memoryview):
+            self.count = len(self.src)
+            self.finish()
+            return bytes(self.src)
+        first = self._read_upto(None if whole else part_size + 1)
+        if whole or len(first) <= part_size:
+            self.finish()
+            return first
+        return self._chunks(first)
+
+    def finish(self) -> None:
+        """Refuse to store an object whose source gave other than the announced size."""
+        if self.size is not None and self.count != self.size:
+            raise PermanentError(
+                f"put {self.where}: source gave {self.count} bytes, expected {self.size}"
+            )
+
+    def _chunks(self, first: bytes) -> Iterator[bytes]:
+        yield first
+        while chunk := self._read(COPY_CHUNK):
+            yield chunk
+        # Raising here, before the iterator ends, makes obstore abort the multipart upload.
+        self.finish()
+
+    def _read_upto(self, limit: int | None) -> bytes:
+        parts: list[bytes] = []
+        got = 0
+        while limit is None or got < limit:
+            want = COPY_CHUNK if limit is None else min(COPY_CHUNK, limit - got)
+            chunk = self._read(want)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+
+    def _read(self, n: int) -> bytes:
+        assert not isinstance(self.src, bytes | bytearray | memoryview)
+        try:
+            chunk = self.src.read(n)
+        except OSError as exc:
+            raise os_error(exc, f"put {self.where}: reading the source") from None
+        self.count += len(chunk)
+        return chunk
+
+
+class _Creds:
+    """Credential settings from the config; empty strings mean "not given"."""
+
+    def __init__(self, key_id: str, secret: str) -> None:
+        if bool(key_id) != bool(secret):
+            raise PermanentError(
+                "upload credentials: give both access_key_id and secret_access_key, or neither"
+            )
+        self.key_id = key_id
+        self.secret = secret
+
+    def __repr__(self) -> str:  # never show the secret, even in a traceback's locals
+        return f"_Creds(key_id={self.key_id!r}, secret=***)"
+
+
+class _StaticS3Credentials:
+    """obstore credential provider: fixed keys (config or environment) or a shared file."""
+
+    def __init__(self, key_id: str, secret: str, token: str | None, from_file: bool) -> None:
+        self._key_id = key_id
+        self._secret = secret
+        self._token = token
+        self._from_file = from_file
+
+    def __repr__(self) -> str:
+        return f"_StaticS3Credentials(key_id={self._key_id!r}, secret=***)"
+
+    def __call__(self) -> dict[str, Any]:
+        if self._from_file:
+            found = _shared_file_credentials()
+            if found is not None:
+                self._key_id, self._secret, self._token = found
+        expires = datetime.now(UTC) + _FILE_CREDENTIALS_TTL if self._from_file else None
+        return {
+            "access_key_id": self._key_id,
+            "secret_access_key": self._secret,
+            "token": self._token,
+            "expires_at": expires,
+        }
+
+
+def _open_store(
+    url: str,
+    endpoint: str,
+    region: str,
+    creds: _Creds,
+    options: ClientConfig,
+    retry: RetryConfig,
+) -> Any:
+    parts = urlsplit(url)
+    if parts.scheme in S3_SCHEMES:
+        prefix = parts.path.strip("/")
+        return _s3_store(parts.netloc, prefix, endpoint, region, creds, options, retry)
+    if parts.scheme == "gs":
+        if creds.key_id:
+            raise PermanentError(
+                "gs:// takes credentials from GOOGLE_APPLICATION_CREDENTIALS (a service account "
+                "file); access_key_id/secret_access_key are for s3:// and az://"
+            )
+        return GCSStore.from_url(url, client_options=options, retry_config=retry)
+    if parts.scheme == "az":
+        if creds.key_id:
+            return AzureStore.from_url(
+                url,
+                client_options=options,
+                retry_config=retry,
+                account_name=creds.key_id,
+                account_key=creds.secret,
+            )
+        return AzureStore.from_url(url, client_options=options, retry_config=retry)
+    raise PermanentError(f"unsupported storage URL {url!r}: use s3://, gs://, az:// or file://")
+
+
+def _s3_store(
+    bucket: str,
+    prefix: str,
+    endpoint: str,
+    region: str,
+    creds: _Creds,
+    options: ClientConfig,
+    retry: RetryConfig,
+) -> Any:
+    if not bucket:
+        raise PermanentError("s3:// URL names no bucket: use s3://bucket/prefix")
+    config: S3Config = {"skip_signature": False}
+    if endpoint:
+        config["endpoint"] = endpoint
+    if region:
+        config["region"] = region
+    return S3Store(
+        bucket,
+        prefix=prefix or None,
+        config=config,
+        client_options=options,
+        retry_config=retry,
+        credential_provider=_s3_credential_provider(creds),  # type: ignore[arg-type]
+    )
+
+
+def _s3_credential_provider(creds: _Creds) -> _StaticS3Credentials | None:
+    """Where S3 credentials come from, first match wins; None leaves it to obstore.
+
+    Order: the config's keys; AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY(/AWS_SESSION_TOKEN); the
+    shared credentials file (AWS_SHARED_CREDENTIALS_FILE or ~/.aws/credentials, profile
+    AWS_PROFILE or "default"); web-identity or container credentials named by their AWS_*
+    variables. The instance metadata service is used only when AWS_EC2_METADATA_DISABLED is
+    explicitly "false": ckptd sends nothing to an address its config does not name unless told.
+    """
+    env = os.environ
+    if creds.key_id:
+        return _StaticS3Credentials(creds.key_id, creds.secret, None, from_file=False)
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        token = env.get("AWS_SESSION_TOKEN") or None
+        return _StaticS3Credentials(
+            env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], token, from_file=False
+        )
+    found = _shared_file_credentials()
+    if found is not None:
+        return _StaticS3Credentials(*found, from_file=True)
+    if _delegated_credentials_configured(env):
+        return None
+    if env.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() == "false":
+        return None
+    raise PermanentError(
+        "no S3 credentials: set access_key_id and secret_access_key under [roots.upload], "
+        "or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or a shared credentials file "
+        "(~/.aws/credentials); to use instance-profile credentials set "
+        "AWS_EC2_METADATA_DISABLED=false"
+    )
+
+
+def _delegated_credentials_configured(env: Mapping[str, str]) -> bool:
+    """Web identity (EKS/IRSA) or container (ECS) credentials, which obstore fetches itself."""
+    web_identity = env.get("AWS_WEB_IDENTITY_TOKEN_FILE") and env.get("AWS_ROLE_ARN")
+    container = env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or env.get(
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI"
+    )
+    return bool(web_identity or container)
+
+
+def _shared_file_credentials() -> tuple[str, str, str | None] | None:
+    path = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser("~/.aws/credentials")
+    profile = os.environ.get("AWS_PROFILE") or "default"
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        if not parser.read(path):
+            return None
+    except configparser.Error as exc:
+        raise PermanentError(f"cannot parse the AWS credentials file {path}: {exc}") from None
+    if not parser.has_section(profile):
+        return None
+    section = parser[profile]
+    key_id = section.get("aws_access_key_id", "").strip()
+    secret = section.get("aws_secret_access_key", "").strip()
+    if not key_id or not secret:
+        return None
+    return key_id, secret, section.get("aws_session_token", "").strip() or None
+
+
+def _client_options(
+    endpoint: str, connect_s: float, read_s: float, request_s: float
+) -> ClientConfig:
+    return {
+        "allow_http": endpoint.startswith("http://"),
+        "connect_timeout": timedelta(seconds=connect_s),
+        "read_timeout": timedelta(seconds=read_s),
+        "timeout": timedelta(seconds=request_s),
+    }
+
+
+def _retry_config(retries: int, request_s: float) -> RetryConfig:
+    return {
+        "max_retries": max(0, retries),
+        "retry_timeout": timedelta(seconds=request_s),
+        "backoff": {
+            "init_backoff": timedelta(milliseconds=100),
+            "max_backoff": timedelta(seconds=2),
+            "base": 2,
+        },
+    }
+
+
+def _ranges(size: int, part: int) -> list[tuple[int, int] | None]:
+    """None (one plain GET) for small objects, else `part`-sized (start, end) ranges."""
+    if size <= part:
+        return [None]
+    return [(start, min(start + part, size)) for start in range(0, size, part)]
+
+
+def _meta(item: Any) -> ObjectMeta:
+    return ObjectMeta(
+        key=item["path"],
+        size=int(item["size"]),
+        mtime=item["last_modified"].timestamp(),
+        etag=item.get("e_tag"),
+    )
+
+
+# -- error translation --------------------------------------------------------------------
+
+
+def _guard(op: str, where: str, fn: Callable[[], T]) -> T:
+    """Run one obstore call; its exceptions leave as ckptd StorageErrors."""
+    try:
+        return fn()
+    except StorageError:
+        raise  # ours, raised from inside a put's source iterator
+    except (obx.BaseError, OSError, ValueError) as exc:
+        raise translate(exc, op, where) from None
+
+
+def translate(exc: BaseException, op: str, where: str) -> StorageError:
+    """Classify an obstore exception (see docs/STORAGE.md for the table)."""
+    text = str(exc)
+    status = _status(text)
+    code = _first(_S3_CODE, text)
+    detail = _detail(text, status, code, type(exc).__name__)
+    prefix = f"{op} {where}"
+    if code == "NoSuchBucket":
+        return PermanentError(f"{prefix}: the bucket does not exist ({detail})")
+    if isinstance(exc, obx.AlreadyExistsError | obx.PreconditionError):
+        if op == "put":
+            return ObjectExists(f"{where} already exists")
+        return TransientError(f"{prefix}: the object changed while being read")
+    if isinstance(exc, FileNotFoundError | obx.NotFoundError):
+        if op == "put":  # a put cannot miss its object: the bucket (or container) is missing
+            return PermanentError(f"{prefix}: the bucket does not exist ({detail})")
+        return ObjectNotFound(f"no object {where}")
+    if isinstance(exc, obx.PermissionDeniedError | obx.UnauthenticatedError) or status in (
+        401,
+        403,
+    ):
+        return PermanentError(
+            f"{prefix}: access denied ({detail}); check access_key_id/secret_access_key "
+            "or the credentials in the environment"
+        )
+    if isinstance(
+        exc,
+        obx.InvalidPathError | obx.NotSupportedError | obx.UnknownConfigurationKeyError,
+    ) or (isinstance(exc, ValueError) and status is None):
+        return PermanentError(f"{prefix}: {detail}")
+    if status is not None:
+        if status >= 500 or status in (408, 429) or code in _TRANSIENT_CODES:
+            return TransientError(f"{prefix}: {detail}")
+        return PermanentError(f"{prefix}: {detail}")
+    # No HTTP status: the request never got an answer (connect, reset, timeout, cut body).
+    return TransientError(f"{prefix}: {detail}")
+
+
+def _status(text: str) -> int | None:
+    match = _STATUS.search(text)
+    if not match:
+        return None
+    return int(match.group(1) or match.group(2))
+
+
+def _first(pattern: re.Pattern[str], text: str) -> str:
+    match = pattern.search(text)
+    return match.group(1) if match else ""
+
+
+def _detail(text: str, status: int | None, code: str, fallback: str) -> str:
+    """A one-line reason: 'HTTP 503 SlowDown: Please reduce...' or the transport error."""
+    if status is not None:
+        message = _first(_S3_MESSAGE, text)
+        words = " ".join(w for w in (f"HTTP {status}", code) if w)
+        return f"{words}: {message}" if message else words
+    if not text.strip():
+        return fallback
+    # obstore's first line reads "Generic S3 error: Error performing PUT <url> in 1ms - <why>".
+    why = text.strip().splitlines()[0].rsplit(" - ", 1)[-1].strip()
+    if "TimedOut" in text or "timed out" in text.lower():
+        why += " (timed out)"
+    return why

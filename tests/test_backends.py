@@ -1,0 +1,688 @@
+"""The storage contract, checked against every backend (a directory and a real SeaweedFS).
+
+Faults go through a real TCP proxy process (tests/faultproxy.py), never through fake backends.
+Run alone with `python -m pytest tests/test_backends.py` (needs the `weed` binary for S3 cases).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator, MutableMapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
+
+import pytest
+from structlog.testing import capture_logs
+
+from ckptd.backends import (
+    Backend,
+    LimitedBackend,
+    LocalBackend,
+    ObstoreBackend,
+    RetryingBackend,
+    ThrottledBackend,
+    TokenBucket,
+    make_backend,
+    wrap_backend,
+)
+from ckptd.backends.local import TMP_MARK
+from ckptd.errors import ObjectExists, ObjectNotFound, PermanentError, TransientError
+
+if TYPE_CHECKING:
+    from faultproxy import FaultProxy
+    from s3server import S3Server
+
+pytest_plugins = ["s3server"]  # fixtures: s3_server, s3_url, fault_proxy
+
+MiB = 1024 * 1024
+PART = 5 * MiB  # S3's smallest part: multipart cases stay small and fast
+REPO = Path(__file__).resolve().parent.parent
+
+
+def s3_backend(server: S3Server, url: str, endpoint: str = "", **kw: Any) -> ObstoreBackend:
+    """An ObstoreBackend on the test server; obstore's own retries off so ours decide."""
+    options: dict[str, Any] = {
+        "endpoint": endpoint or server.endpoint,
+        "region": server.region,
+        "access_key_id": server.access_key,
+        "secret_access_key": server.secret_key,
+        "part_size": PART,
+        "concurrency": 2,
+        "request_retries": 0,
+        "read_timeout_s": 5.0,
+        "request_timeout_s": 30.0,
+    }
+    options.update(kw)
+    return ObstoreBackend(url, **options)
+
+
+def retrying(inner: Backend, attempts: int = 4) -> RetryingBackend:
+    return RetryingBackend(inner, attempts=attempts, base_delay=0.05, max_delay=0.2)
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    """Deterministic, incompressible-looking bytes."""
+    block = hashlib.sha256(f"{seed}".encode()).digest() * 2048  # 64 KiB
+    return (block * (n // len(block) + 1))[:n]
+
+
+def get_all(backend: Backend, key: str) -> bytes:
+    out = io.BytesIO()
+    n = backend.get(key, out)
+    assert n == len(out.getvalue())
+    return out.getvalue()
+
+
+class RecordingReader(io.RawIOBase):
+    """A source file that remembers its largest single read (to show puts stream)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.largest = 0
+        self.total = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int | None = -1) -> bytes:
+        data = self.f.read(-1 if n is None else n)
+        self.largest = max(self.largest, len(data))
+        self.total += len(data)
+        return data
+
+
+@pytest.fixture(params=["local", "s3"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    """Each implementation of the contract, empty, under a fresh base prefix."""
+    if request.param == "local":
+        return LocalBackend(tmp_path / "remote", part_size=PART)
+    server = request.getfixturevalue("s3_server")
+    return s3_backend(server, request.getfixturevalue("s3_url"))
+
+
+# -- the conformance suite ----------------------------------------------------------------
+
+
+def test_round_trip_small(backend: Backend) -> None:
+    meta = backend.put("a.txt", b"hello")
+    assert meta.key == "a.txt" and meta.size == 5
+    assert get_all(backend, "a.txt") == b"hello"
+    assert backend.get_bytes("a.txt") == b"hello"
+
+
+def test_round_trip_empty(backend: Backend) -> None:
+    assert backend.put("empty", b"").size == 0
+    assert get_all(backend, "empty") == b""
+    assert backend.stat("empty").size == 0
+
+
+def test_multipart_round_trip(backend: Backend) -> None:
+    data = payload(2 * PART + 123, seed=1)
+    meta = backend.put("big.bin", io.BytesIO(data), size=len(data))
+    assert meta.size == len(data)
+    assert backend.stat("big.bin").size == len(data)
+    assert get_all(backend, "big.bin") == data
+    if isinstance(backend, ObstoreBackend):
+        assert (meta.etag or "").endswith('-3"'), "three parts expected"
+
+
+def test_put_streams_from_file_object(backend: Backend, tmp_path: Path) -> None:
+    data = payload(3 * PART // 2 + 7, seed=2)
+    src = tmp_path / "shard.bin"
+    src.write_bytes(b"HEADER" + data)
+    with open(src, "rb") as f:
+        f.seek(6)  # a put reads from the current position
+        reader = RecordingReader(f)
+        backend.put("step-1/shard.bin", cast(BinaryIO, reader), size=len(data))
+    assert reader.total == len(data)
+    assert reader.largest <= MiB, "the source is read in bounded pieces"
+    dst = tmp_path / "back.bin"
+    with open(dst, "wb") as out:
+        assert backend.get("step-1/shard.bin", out) == len(data)
+    assert dst.read_bytes() == data
+
+
+def test_create_only(backend: Backend) -> None:
+    backend.put("MANIFEST.json", b'{"step": 1}', create_only=True)
+    with pytest.raises(ObjectExists):
+        backend.put("MANIFEST.json", b'{"step": 2}', create_only=True)
+    with pytest.raises(ObjectExists):
+        backend.put("MANIFEST.json", io.BytesIO(b'{"step": 3}'), create_only=True)
+    assert backend.get_bytes("MANIFEST.json") == b'{"step": 1}'
+
+
+def test_put_overwrites_and_is_idempotent(backend: Backend) -> None:
+    backend.put("k", b"one")
+    backend.put("k", b"one")
+    assert backend.get_bytes("k") == b"one"
+    backend.put("k", b"two!")
+    assert backend.get_bytes("k") == b"two!"
+    assert backend.stat("k").size == 4
+
+
+def test_stat(backend: Backend) -> None:
+    data = b"checkpoint bytes"
+    backend.put("s/one", data)
+    meta = backend.stat("s/one")
+    assert (meta.key, meta.size) == ("s/one", len(data))
+    assert abs(meta.mtime - time.time()) < 300
+    if meta.etag is not None:  # S3: the MD5 of a single-part object
+        assert meta.etag.strip('"') == hashlib.md5(data).hexdigest()
+
+
+def test_list_by_prefix(backend: Backend) -> None:
+    for key in ("a/1", "a/2", "a/b/3", "ab/4", "c"):
+        backend.put(key, key.encode())
+    assert sorted(m.key for m in backend.list("a")) == ["a/1", "a/2", "a/b/3"]
+    assert sorted(m.key for m in backend.list("a/")) == ["a/1", "a/2", "a/b/3"]
+    assert sorted(m.key for m in backend.list("")) == ["a/1", "a/2", "a/b/3", "ab/4", "c"]
+    assert list(backend.list("zzz")) == []
+    sizes = {m.key: m.size for m in backend.list("a/b")}
+    assert sizes == {"a/b/3": 5}
+
+
+def test_delete_is_idempotent(backend: Backend) -> None:
+    backend.put("d/x", b"1")
+    backend.delete("d/x")
+    backend.delete("d/x")
+    backend.delete("never/was")
+    with pytest.raises(ObjectNotFound):
+        backend.stat("d/x")
+    assert list(backend.list("d")) == []
+
+
+def test_missing_object(backend: Backend) -> None:
+    with pytest.raises(ObjectNotFound):
+        backend.get("nope/x", io.BytesIO())
+    with pytest.raises(ObjectNotFound):
+        backend.get_bytes("nope/x")
+    with pytest.raises(ObjectNotFound) as info:
+        backend.stat("nope/x")
+    assert isinstance(info.value, PermanentError)
+    assert "nope/x" in str(info.value)
+
+
+def test_nested_keys(backend: Backend) -> None:
+    key = "llm-7b/step-1200/model/layer.0/__0_0.distcp.zst"
+    backend.put(key, b"x" * 10)
+    assert backend.get_bytes(key) == b"x" * 10
+    assert [m.key for m in backend.list("llm-7b/step-1200")] == [key]
+
+
+@pytest.mark.parametrize("key", ["", "/abs", "a//b", "../up", "a/./b", "a/..", "trailing/"])
+def test_invalid_keys_are_refused(backend: Backend, key: str) -> None:
+    with pytest.raises(PermanentError, match="invalid storage key"):
+        backend.put(key, b"x")
+
+
+def test_size_mismatch_stores_nothing(backend: Backend) -> None:
+    with pytest.raises(PermanentError, match="expected"):
+        backend.put("short", b"abc", size=4)
+    big = payload(PART + 10, seed=3)
+    with pytest.raises(PermanentError, match="expected"):
+        backend.put("short-multipart", io.BytesIO(big), size=len(big) + 1)
+    assert list(backend.list("")) == []
+
+
+def test_get_into_a_seeked_destination_rewinds_on_retry(backend: Backend) -> None:
+    backend.put("r", b"payload")
+    out = io.BytesIO(b"prefix:")
+    out.seek(0, os.SEEK_END)
+    assert retrying(backend).get("r", out) == 7
+    assert out.getvalue() == b"prefix:payload"
+
+
+def test_throttle_caps_put_and_get(backend: Backend) -> None:
+    rate = 8 * MiB
+    throttled = ThrottledBackend(backend, rate, burst_s=0.02)
+    data = payload(4 * MiB, seed=4)
+    started = time.monotonic()
+    throttled.put("slow", io.BytesIO(data))
+    put_s = time.monotonic() - started
+    started = time.monotonic()
+    assert get_all(throttled, "slow") == data
+    get_s = time.monotonic() - started
+    # Loose lower bounds (N/R = 0.5 s): a functional check, not a benchmark.
+    assert put_s >= 0.4 and get_s >= 0.4, (put_s, get_s)
+
+
+# -- wrappers, on the local backend -------------------------------------------------------
+
+
+def test_throttle_is_shared_by_concurrent_transfers(tmp_path: Path) -> None:
+    throttled = ThrottledBackend(LocalBackend(tmp_path), 8 * MiB, burst_s=0.02)
+    data = payload(2 * MiB)
+    threads = [
+        threading.Thread(target=throttled.put, args=(f"t{i}", io.BytesIO(data))) for i in range(2)
+    ]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - started >= 0.4  # 4 MiB in all at 8 MiB/s, not 2 MiB each
+
+
+def test_token_bucket_queues_reservations() -> None:
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+
+    bucket = TokenBucket(100.0, burst_s=0.0, clock=lambda: now[0], sleep=sleep)
+    bucket.take(50)
+    bucket.take(50)  # the second waits for the first one's debt too
+    assert slept == pytest.approx([0.5, 1.0])
+
+
+def test_retry_delay_is_capped_exponential_with_full_jitter(tmp_path: Path) -> None:
+    top = RetryingBackend(LocalBackend(tmp_path), base_delay=0.5, max_delay=3.0, rng=lambda: 1.0)
+    assert [top.delay(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    low = RetryingBackend(LocalBackend(tmp_path), base_delay=0.5, rng=lambda: 0.25)
+    assert low.delay(3) == 0.5
+
+
+class GateReader(io.RawIOBase):
+    """A source whose reads count how many transfers are inside put at once."""
+
+    lock = threading.Lock()
+    active = 0
+    peak = 0
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int | None = -1) -> bytes:
+        if self.done:
+            return b""
+        with GateReader.lock:
+            GateReader.active += 1
+            GateReader.peak = max(GateReader.peak, GateReader.active)
+        time.sleep(0.1)
+        with GateReader.lock:
+            GateReader.active -= 1
+        self.done = True
+        return b"x"
+
+
+def test_limited_backend_caps_concurrent_transfers(tmp_path: Path) -> None:
+    limited = LimitedBackend(LocalBackend(tmp_path), concurrency=2)
+    threads = [
+        threading.Thread(target=limited.put, args=(f"k{i}", cast(BinaryIO, GateReader())))
+        for i in range(5)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert GateReader.peak == 2
+    assert len(list(limited.list())) == 5
+
+
+def test_wrap_backend_stacks_the_layers(tmp_path: Path) -> None:
+    wrapped = wrap_backend(LocalBackend(tmp_path), max_bytes_per_s=1e9, max_transfers=3)
+    assert isinstance(wrapped, LimitedBackend)
+    assert isinstance(wrapped.inner, RetryingBackend)
+    assert isinstance(wrapped.inner.inner, ThrottledBackend)
+    wrapped.put("x", b"1")
+    assert wrapped.get_bytes("x") == b"1" and wrapped.url == f"file://{tmp_path.resolve()}"
+
+
+def test_make_backend_file_url(tmp_path: Path) -> None:
+    backend = make_backend(f"file://{tmp_path}/remote")
+    assert isinstance(backend, LocalBackend)
+    backend.put("a/b", b"1")
+    assert (tmp_path / "remote" / "a" / "b").read_bytes() == b"1"
+    with pytest.raises(PermanentError, match="unsupported"):
+        make_backend("ftp://host/x")
+
+
+# -- local backend specifics --------------------------------------------------------------
+
+
+def test_local_put_leaves_no_temp_files(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    backend.put("a/b", b"1")
+    with pytest.raises(PermanentError):
+        backend.put("a/c", b"1", size=2)
+    with pytest.raises(ObjectExists):
+        backend.put("a/b", b"2", create_only=True)
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["b"]
+
+
+def test_local_list_skips_temp_files_and_cleanup_removes_stale_ones(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    backend.put("s/x", b"1")
+    stale = tmp_path / "s" / f".y{TMP_MARK}abc"
+    stale.write_bytes(b"partial")
+    assert [m.key for m in backend.list("")] == ["s/x"]
+    assert backend.remove_stale_temp(3600, now=time.time() + 7200) == 1
+    assert not stale.exists()
+
+
+def test_local_never_writes_outside_base(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "escape").symlink_to(outside)
+    backend = LocalBackend(base)
+    with pytest.raises(PermanentError, match="outside"):
+        backend.put("escape/x", b"1")
+    with pytest.raises(PermanentError, match="outside"):
+        backend.put("escape/deeper/x", b"1")
+    (outside / "victim").write_bytes(b"keep")
+    with pytest.raises(PermanentError, match="outside"):
+        backend.delete("escape/victim")
+    assert sorted(p.name for p in outside.iterdir()) == ["victim"]
+
+
+def test_local_delete_prunes_empty_directories(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path / "r")
+    backend.put("root/step-1/a", b"1")
+    backend.put("root/step-2/a", b"1")
+    backend.delete("root/step-1/a")
+    assert sorted(p.name for p in (tmp_path / "r" / "root").iterdir()) == ["step-2"]
+
+
+def test_local_read_only_directory_is_permanent(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root ignores directory permissions")
+    (tmp_path / "ro").mkdir()
+    os.chmod(tmp_path / "ro", 0o500)
+    try:
+        with pytest.raises(PermanentError):
+            LocalBackend(tmp_path / "ro").put("x", b"1")
+    finally:
+        os.chmod(tmp_path / "ro", 0o700)
+
+
+# -- S3: errors, credentials ----------------------------------------------------------------
+
+
+def test_wrong_credentials_fail_once_with_a_clear_message(
+    s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy
+) -> None:
+    bad = retrying(
+        s3_backend(s3_server, s3_url, fault_proxy.endpoint, secret_access_key="wrong"),
+        attempts=5,
+    )
+    with capture_logs() as logs, pytest.raises(PermanentError) as info:
+        bad.put("x", b"1")
+    assert not isinstance(info.value, ObjectNotFound)
+    assert "access denied" in str(info.value) and "secret_access_key" in str(info.value)
+    assert "wrong" not in str(info.value)
+    assert [e for e in logs if e["event"] == "storage_retry"] == []
+    assert fault_proxy.stats()["requests"] == 1
+
+
+def test_missing_bucket_is_permanent_not_not_found(s3_server: S3Server) -> None:
+    backend = s3_backend(s3_server, "s3://no-such-bucket/p")
+    for call in (
+        lambda: backend.put("x", b"1"),
+        lambda: backend.get_bytes("x"),
+        lambda: list(backend.list("")),
+        lambda: backend.delete("x"),
+    ):
+        with pytest.raises(PermanentError, match="bucket does not exist") as info:
+            call()
+        assert not isinstance(info.value, ObjectNotFound)
+
+
+def test_unreachable_endpoint_is_transient(s3_server: S3Server, s3_url: str) -> None:
+    dead = s3_backend(s3_server, s3_url, "http://127.0.0.1:9", connect_timeout_s=1.0)
+    with pytest.raises(TransientError):
+        dead.put("x", b"1")
+
+
+def _clean_aws_env(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_no_credentials_is_permanent_before_any_request(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _clean_aws_env(monkeypatch, tmp_path)
+    with pytest.raises(PermanentError, match="no S3 credentials"):
+        make_backend("s3://bucket/p", endpoint="http://127.0.0.1:9")
+    with pytest.raises(PermanentError, match="both"):
+        make_backend("s3://bucket/p", endpoint="http://127.0.0.1:9", access_key_id="only")
+
+
+def test_credentials_from_environment(
+    s3_server: S3Server, s3_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _clean_aws_env(monkeypatch, tmp_path)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    backend = make_backend(s3_url, endpoint=s3_server.endpoint, request_retries=0)
+    backend.put("env", b"1")
+    assert backend.get_bytes("env") == b"1"
+
+
+def test_credentials_from_shared_file(
+    s3_server: S3Server, s3_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _clean_aws_env(monkeypatch, tmp_path)
+    creds = tmp_path / "credentials"
+    creds.write_text(
+        f"[ckptd]\naws_access_key_id = {s3_server.access_key}\n"
+        f"aws_secret_access_key = {s3_server.secret_key}\n"
+    )
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_PROFILE", "ckptd")
+    backend = make_backend(s3_url, endpoint=s3_server.endpoint, request_retries=0)
+    backend.put("file", b"1")
+    assert [m.key for m in backend.list("")] == ["file"]
+
+
+def test_small_part_size_is_refused_for_s3(s3_server: S3Server, s3_url: str) -> None:
+    with pytest.raises(PermanentError, match="5 MiB"):
+        s3_backend(s3_server, s3_url, part_size=MiB)
+
+
+# -- S3: faults through the proxy -----------------------------------------------------------
+
+
+def retry_events(logs: list[MutableMapping[str, Any]]) -> list[MutableMapping[str, Any]]:
+    return [e for e in logs if e["event"] == "storage_retry"]
+
+
+@pytest.mark.parametrize("status", [500, 503])
+def test_server_errors_are_retried(
+    s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy, status: int
+) -> None:
+    backend = retrying(s3_backend(s3_server, s3_url, fault_proxy.endpoint))
+    data = payload(PART + 1000, seed=5)
+    fault_proxy.set("status", count=2, status=status)
+    with capture_logs() as logs:
+        backend.put("step-1/shard", io.BytesIO(data), size=len(data))
+    events = retry_events(logs)
+    assert [e["attempt"] for e in events] == [1, 2]
+    assert str(status) in events[0]["error"]
+    fault_proxy.set("status", count=1, status=status)
+    assert get_all(backend, "step-1/shard") == data
+    assert fault_proxy.stats()["faults"] == 3
+
+
+def test_connection_dropped_mid_upload_is_retried(
+    s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy
+) -> None:
+    backend = retrying(s3_backend(s3_server, s3_url, fault_proxy.endpoint))
+    data = payload(2 * PART + 5, seed=6)
+    fault_proxy.set("drop", count=1, after_bytes=MiB)
+    with capture_logs() as logs:
+        meta = backend.put("step-2/shard", io.BytesIO(data), size=len(data))
+    assert len(retry_events(logs)) == 1
+    assert meta.size == len(data)
+    assert get_all(backend, "step-2/shard") == data
+    small = b"m" * 1000
+    fault_proxy.set("drop", count=1, after_bytes=100)
+    with capture_logs() as logs:
+        backend.put("step-2/small", small)
+    assert len(retry_events(logs)) == 1
+    assert backend.get_bytes("step-2/small") == small
+
+
+def test_a_dropped_upload_never_shows_a_partial_object(
+    s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy
+) -> None:
+    bare = s3_backend(s3_server, s3_url, fault_proxy.endpoint)
+    data = payload(2 * PART + 5, seed=7)
+    fault_proxy.set("drop", count=100, after_bytes=MiB)
+    with pytest.raises(TransientError):
+        bare.put("partial", io.BytesIO(data))
+    fault_proxy.set("pass")
+    with pytest.raises(ObjectNotFound):
+        bare.stat("partial")
+
+
+def test_stalled_connection_times_out_and_is_retried(
+    s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy
+) -> None:
+    inner = s3_backend(
+        s3_server, s3_url, fault_proxy.endpoint, read_timeout_s=0.5, request_timeout_s=1.0
+    )
+    backend = retrying(inner)
+    fault_proxy.set("stall", count=1, stall_s=3.0)
+    started = time.monotonic()
+    with capture_logs() as logs:
+        backend.put("stalled", b"s" * 1000)
+    assert time.monotonic() - started < 3.0, "gave up on the stall before it ended"
+    assert len(retry_events(logs)) == 1
+    # A fresh client: the first one would reuse its pooled connection and never see a stall.
+    reader = retrying(
+        s3_backend(
+            s3_server, s3_url, fault_proxy.endpoint, read_timeout_s=0.5, request_timeout_s=1.0
+        )
+    )
+    fault_proxy.set("stall", count=1, stall_s=3.0)
+    with capture_logs() as logs:
+        assert get_all(reader, "stalled") == b"s" * 1000
+    assert len(retry_events(logs)) == 1
+
+
+def test_create_only_whose_answer_was_lost_is_confirmed(
+    s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy
+) -> None:
+    backend = retrying(s3_backend(s3_server, s3_url, fault_proxy.endpoint))
+    manifest = b'{"format": "ckptd-manifest/1", "step": 3}'
+    fault_proxy.set("cut_response", count=1)
+    with capture_logs() as logs:
+        backend.put("step-3/MANIFEST.json", manifest, create_only=True)
+    names = [e["event"] for e in logs]
+    assert names == ["storage_retry", "storage_create_confirmed"]
+    # A different manifest already there is a real conflict, retried or not.
+    backend.put("step-4/MANIFEST.json", b"theirs", create_only=True)
+    fault_proxy.set("cut_response", count=1)
+    with capture_logs() as logs, pytest.raises(ObjectExists):
+        backend.put("step-4/MANIFEST.json", b"mine", create_only=True)
+    assert [e["event"] for e in logs] == ["storage_retry"]
+    assert backend.get_bytes("step-4/MANIFEST.json") == b"theirs"
+
+
+def test_retries_are_bounded(s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy) -> None:
+    backend = retrying(s3_backend(s3_server, s3_url, fault_proxy.endpoint), attempts=3)
+    fault_proxy.set("status", count=100, status=503)
+    with capture_logs() as logs, pytest.raises(TransientError, match="503"):
+        backend.put("never", b"1")
+    assert len(retry_events(logs)) == 2
+    assert [e["event"] for e in logs][-1] == "storage_gave_up"
+    assert fault_proxy.stats()["requests"] == 3
+
+
+def test_a_non_seekable_source_is_not_retried(
+    s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy
+) -> None:
+    backend = retrying(s3_backend(s3_server, s3_url, fault_proxy.endpoint))
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"streamed")
+    os.close(write_end)
+    fault_proxy.set("status", count=1, status=503)
+    with open(read_end, "rb") as pipe, pytest.raises(TransientError):
+        backend.put("pipe", pipe)
+    assert fault_proxy.stats()["requests"] == 1
+
+
+# -- only the configured endpoint is ever contacted ----------------------------------------
+
+_CHILD = """
+import io, os, sys
+from ckptd.backends import make_backend
+from ckptd.errors import PermanentError
+url, endpoint, key, secret = sys.argv[1:5]
+b = make_backend(url, endpoint=endpoint, access_key_id=key, secret_access_key=secret,
+                 part_size=5 * 1024 * 1024)
+b.put("x/one", b"1")
+b.put("x/big", io.BytesIO(os.urandom(6 * 1024 * 1024)))
+assert b.get_bytes("x/one") == b"1"
+b.get("x/big", io.BytesIO())
+b.stat("x/one")
+assert sorted(m.key for m in b.list("x")) == ["x/big", "x/one"]
+b.delete("x/one")
+for name in [n for n in os.environ if n.startswith("AWS_")]:
+    del os.environ[name]
+os.environ["HOME"] = sys.argv[5]
+try:
+    make_backend(url, endpoint=endpoint).stat("x/big")
+except PermanentError:
+    print("no-credentials refused")
+"""
+
+
+def _inet_peers(trace: str) -> set[tuple[str, int]]:
+    v4 = re.findall(r'sin_port=htons\((\d+)\), sin_addr=inet_addr\("([^"]+)"\)', trace)
+    v6 = re.findall(r'sin6_port=htons\((\d+)\).*?inet_pton\(AF_INET6, "([^"]+)"', trace)
+    return {(addr, int(port)) for port, addr in v4 + v6}
+
+
+def test_only_the_configured_endpoint_is_contacted(
+    s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace not installed")
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(_CHILD))
+    trace = tmp_path / "trace.txt"
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "PYTHONPATH": str(REPO),
+        "HOME": str(tmp_path),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    cmd = [strace, "-f", "-qq", "-e", "trace=connect,sendto,sendmsg", "-o", str(trace)]
+    cmd += [sys.executable, str(script), s3_url, fault_proxy.endpoint]
+    cmd += [s3_server.access_key, s3_server.secret_key, str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0 and "ptrace" in done.stderr:
+        pytest.skip(f"strace cannot trace here: {done.stderr.strip()[:200]}")
+    assert done.returncode == 0, done.stderr
+    assert "no-credentials refused" in done.stdout
+    assert _inet_peers(trace.read_text()) == {("127.0.0.1", fault_proxy.port)}
+    stats = fault_proxy.stats()
+    assert stats["connections"] >= 1 and stats["requests"] >= 6
+    assert all(peer.startswith("127.0.0.1:") for peer in stats["peers"])
+
+
+@pytest.fixture(autouse=True)
+def _no_metadata_lookups(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    yield
