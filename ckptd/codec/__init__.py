@@ -1,0 +1,93 @@
+"""Compression codecs for stored checkpoint files: `none`, `zstd`, `zstd-bytegroup`, `auto`.
+
+Owns the streaming encode/decode API and the container format (docs/FORMAT.md); does no file
+or network I/O of its own (callers hand it chunks and streams) and never reads a whole file.
+"""
+
+from __future__ import annotations
+
+from typing import BinaryIO
+
+from ckptd.codec.blocks import Coders, Policy
+from ckptd.codec.decoder import decode_stream
+from ckptd.codec.encoder import (
+    BLOCK_SIZE,
+    SUFFIXES,
+    AutoEncoder,
+    ContainerEncoder,
+    Encoder,
+    ZstdEncoder,
+)
+from ckptd.codec.frame import MAX_BLOCK, MIN_BLOCK
+from ckptd.codec.planes import WIDTHS
+
+CODECS = ("auto", "zstd", "zstd-bytegroup", "none")
+DEFAULT_LEVEL = 3
+MAX_THREADS = 64
+
+__all__ = [
+    "BLOCK_SIZE",
+    "CODECS",
+    "DEFAULT_LEVEL",
+    "Encoder",
+    "codec_suffix",
+    "decode_stream",
+    "make_encoder",
+]
+
+
+def codec_suffix(codec: str) -> str:
+    """The object-name suffix of a stored codec (`auto` resolves per file: see `Encoder`)."""
+    if codec not in SUFFIXES:
+        raise ValueError(f"no fixed suffix for codec {codec!r}")
+    return SUFFIXES[codec]
+
+
+def make_encoder(
+    codec: str,
+    out: BinaryIO,
+    level: int = DEFAULT_LEVEL,
+    threads: int = 1,
+    min_saving: float = 0.03,
+    width_hint: int | None = None,
+    block_size: int = BLOCK_SIZE,
+) -> Encoder:
+    """A streaming encoder writing `codec` to `out`.
+
+    `level` is the zstd level of plain-zstd data (codec `zstd`, and `auto` blocks that are not
+    numeric); byte planes always use parameters tuned for them. `width_hint` (1, 2, 4 or 8
+    bytes per element, e.g. from a tensor's dtype) skips width detection.
+    """
+    _check_args(codec, level, threads, min_saving, width_hint, block_size)
+    coders = Coders(level)
+    if codec == "none":
+        return Encoder("none", out)
+    if codec == "zstd":
+        return ZstdEncoder(out, coders, threads, block_size)
+    widths = (width_hint,) if width_hint else (2, 4)
+    policy = Policy(level, min_saving, widths, allow_plain=codec == "auto")
+    if codec == "auto":
+        return AutoEncoder(out, policy, coders, threads, block_size)
+    return ContainerEncoder(out, policy, coders, threads, block_size)
+
+
+def _check_args(
+    codec: str,
+    level: int,
+    threads: int,
+    min_saving: float,
+    width_hint: int | None,
+    block_size: int,
+) -> None:
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
+    if not -7 <= level <= 22:
+        raise ValueError(f"zstd level {level} out of range -7..22")
+    if not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"threads {threads} out of range 1..{MAX_THREADS}")
+    if not 0.0 <= min_saving < 1.0:
+        raise ValueError(f"min_saving {min_saving} out of range [0, 1)")
+    if width_hint is not None and width_hint not in WIDTHS:
+        raise ValueError(f"width_hint {width_hint} not one of {WIDTHS}")
+    if not MIN_BLOCK <= block_size <= MAX_BLOCK:
+        raise ValueError(f"block_size {block_size} out of range {MIN_BLOCK}..{MAX_BLOCK}")

@@ -1,0 +1,152 @@
+"""Byte layout of the `zstd-bytegroup` container: file header, block headers, end record.
+
+Owns packing and strict parsing of every fixed field documented in docs/FORMAT.md; holds no
+compression logic and does no I/O. Every parse failure raises CorruptData naming what broke.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from ckptd.codec.planes import WIDTHS
+from ckptd.errors import CorruptData
+
+MAGIC = b"CKZG"
+VERSION = 1
+MIN_BLOCK = 1 << 10
+MAX_BLOCK = 64 << 20
+
+METHOD_RAW = 0
+METHOD_ZSTD = 1
+TRANSFORM_NONE = 0
+TRANSFORM_SIGN_ROTATE = 1
+
+_FILE = struct.Struct("<4sBBHI")  # magic, version, flags, reserved, block_size
+_BLOCK = struct.Struct("<IBBBBQ")  # raw_len, width, transform, planes, reserved, xxh3_64
+_PLANE = struct.Struct("<BI")  # method, stored_len
+_END = struct.Struct("<IIQ")  # zero marker, block count, total raw bytes
+_CHECK = struct.Struct("<I")
+
+FILE_HEADER_SIZE = _FILE.size + _CHECK.size
+BLOCK_FIXED_SIZE = _BLOCK.size
+END_SIZE = _END.size + _CHECK.size
+
+
+@dataclass(frozen=True)
+class PlaneEntry:
+    method: int
+    stored_len: int
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    raw_len: int
+    width: int
+    transform: int
+    checksum: int
+    planes: tuple[PlaneEntry, ...]
+
+    @property
+    def plane_len(self) -> int:
+        return self.raw_len // self.width
+
+    @property
+    def tail_len(self) -> int:
+        return self.raw_len % self.width
+
+    @property
+    def stored_len(self) -> int:
+        """Payload bytes that follow the header: every plane's stored bytes, then the tail."""
+        return sum(p.stored_len for p in self.planes) + self.tail_len
+
+
+def _check(data: bytes) -> bytes:
+    return _CHECK.pack(xxhash.xxh32_intdigest(data))
+
+
+def pack_file_header(block_size: int) -> bytes:
+    head = _FILE.pack(MAGIC, VERSION, 0, 0, block_size)
+    return head + _check(head)
+
+
+def parse_file_header(data: bytes) -> int:
+    """The container's block size, after checking magic, version and header checksum."""
+    if len(data) < FILE_HEADER_SIZE:
+        raise CorruptData("zstd-bytegroup: truncated file header")
+    magic, version, flags, _, block_size = _FILE.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptData(f"zstd-bytegroup: bad magic {magic!r} (not a ckptd container)")
+    if data[_FILE.size : FILE_HEADER_SIZE] != _check(data[: _FILE.size]):
+        raise CorruptData("zstd-bytegroup: file header checksum mismatch")
+    if version != VERSION or flags != 0:
+        raise CorruptData(f"zstd-bytegroup: unsupported version {version} flags {flags}")
+    if not MIN_BLOCK <= block_size <= MAX_BLOCK:
+        raise CorruptData(f"zstd-bytegroup: block size {block_size} out of range")
+    return int(block_size)
+
+
+def pack_block_header(head: BlockHeader) -> bytes:
+    fixed = _BLOCK.pack(
+        head.raw_len, head.width, head.transform, len(head.planes), 0, head.checksum
+    )
+    table = b"".join(_PLANE.pack(p.method, p.stored_len) for p in head.planes)
+    return fixed + table + _check(fixed + table)
+
+
+def table_size(fixed: bytes) -> int:
+    """Bytes of plane table plus header check that follow a block's fixed part."""
+    return fixed[6] * _PLANE.size + _CHECK.size
+
+
+def parse_block_header(fixed: bytes, rest: bytes, index: int, block_size: int) -> BlockHeader:
+    """Parse and check one block header; `index` names the block in errors."""
+    raw_len, width, transform, nplanes, _, checksum = _BLOCK.unpack(fixed)
+    table, check = rest[: -_CHECK.size], rest[-_CHECK.size :]
+    if check != _check(fixed + table):
+        raise CorruptData(f"zstd-bytegroup: block {index}: header checksum mismatch")
+    planes = tuple(PlaneEntry(*_PLANE.unpack_from(table, i * _PLANE.size)) for i in range(nplanes))
+    head = BlockHeader(raw_len, width, transform, checksum, planes)
+    _validate(head, index, block_size)
+    return head
+
+
+def _validate(head: BlockHeader, index: int, block_size: int) -> None:
+    """Reject headers the encoder never writes, so decoding stays within bounded memory."""
+    where = f"zstd-bytegroup: block {index}"
+    if not 0 < head.raw_len <= block_size:
+        raise CorruptData(f"{where}: raw length {head.raw_len} out of range")
+    if head.width not in WIDTHS or len(head.planes) != head.width:
+        raise CorruptData(f"{where}: bad element width {head.width}/{len(head.planes)} planes")
+    if head.transform not in (TRANSFORM_NONE, TRANSFORM_SIGN_ROTATE):
+        raise CorruptData(f"{where}: unknown transform {head.transform}")
+    if head.transform == TRANSFORM_SIGN_ROTATE and head.width == 1:
+        raise CorruptData(f"{where}: sign rotation on width 1")
+    for i, plane in enumerate(head.planes):
+        if plane.method == METHOD_RAW and plane.stored_len != head.plane_len:
+            raise CorruptData(f"{where}: raw plane {i} length {plane.stored_len}")
+        if plane.method == METHOD_ZSTD and not 0 < plane.stored_len < head.plane_len:
+            raise CorruptData(f"{where}: zstd plane {i} length {plane.stored_len}")
+        if plane.method not in (METHOD_RAW, METHOD_ZSTD):
+            raise CorruptData(f"{where}: unknown plane method {plane.method}")
+
+
+def pack_end(blocks: int, total: int) -> bytes:
+    body = _END.pack(0, blocks, total)
+    return body + _check(body)
+
+
+def parse_end(data: bytes, blocks: int, total: int) -> None:
+    """Check the end record against what was decoded."""
+    if len(data) < END_SIZE:
+        raise CorruptData("zstd-bytegroup: truncated end record")
+    if data[_END.size : END_SIZE] != _check(data[: _END.size]):
+        raise CorruptData("zstd-bytegroup: end record checksum mismatch")
+    _, want_blocks, want_total = _END.unpack_from(data)
+    if (want_blocks, want_total) != (blocks, total):
+        raise CorruptData(
+            f"zstd-bytegroup: end record says {want_blocks} blocks / {want_total} bytes, "
+            f"decoded {blocks} / {total}"
+        )

@@ -1,0 +1,107 @@
+"""Byte-plane split and merge for fixed-width elements (numpy, no per-byte Python loops).
+
+Owns the layout of planes inside a block (see docs/FORMAT.md, "Planes"); knows nothing of
+compression, framing or I/O. Results live in a caller-owned `Workspace`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+Plane = npt.NDArray[np.uint8]
+Array = npt.NDArray[Any]
+
+WIDTHS = (1, 2, 4, 8)
+_UINT: dict[int, Any] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class Workspace:
+    """Reusable arrays for one block at a time.
+
+    Fresh multi-MiB numpy temporaries cost more in page faults than the arithmetic itself
+    (measured: 14 ms vs 0.8 ms for one 4 MiB merge step), so every step writes into arrays
+    kept here. Whatever `split` returns is valid until the next call with the same workspace.
+    """
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple[str, Any], Array] = {}
+
+    def get(self, name: str, dtype: Any, count: int) -> Array:
+        key = (name, np.dtype(dtype))
+        have = self._arrays.get(key)
+        if have is None or len(have) < count:
+            have = np.empty(count, dtype=dtype)
+            self._arrays[key] = have
+        return have[:count]
+
+
+def split(data: memoryview | bytes, width: int, rotate: bool, ws: Workspace) -> list[Plane]:
+    """Planes of the first `len(data) // width * width` bytes; plane i holds byte i of each element.
+
+    With `rotate`, the sign bit (top bit of each element) moves below the next 15 bits, so the
+    top plane of an IEEE float holds its exponent alone: that plane then compresses best.
+    """
+    count = len(data) // width
+    body = np.frombuffer(data, dtype=np.uint8, count=count * width)
+    if width == 1:
+        return [body]
+    words = body.view(_UINT[width])
+    planes: list[Plane] = []
+    for i in range(width - 2):
+        plane = ws.get(f"plane{i}", np.uint8, count)
+        np.right_shift(words, 8 * i, out=plane, casting="unsafe")
+        planes.append(plane)
+    top = _top16(words, width, rotate, ws)
+    low, high = ws.get("plane_mid", np.uint8, count), ws.get("plane_top", np.uint8, count)
+    np.copyto(low, top, casting="unsafe")
+    np.right_shift(top, 8, out=high, casting="unsafe")
+    return [*planes, low, high]
+
+
+def _top16(words: Array, width: int, rotate: bool, ws: Workspace) -> Array:
+    """The top 16 bits of each element (rotated left by one if asked), in a workspace array."""
+    top = ws.get("top16", np.uint16, len(words))
+    source = words
+    if width > 2:
+        np.right_shift(words, 8 * width - 16, out=top, casting="unsafe")
+        source = top
+    if rotate:
+        carry = ws.get("carry16", np.uint16, len(words))
+        np.right_shift(source, 15, out=carry)
+        np.left_shift(source, 1, out=top)
+        top |= carry
+    elif width == 2:
+        np.copyto(top, words)
+    return top
+
+
+def merge(planes: list[Plane], width: int, rotate: bool, out: memoryview, ws: Workspace) -> None:
+    """Inverse of `split`: write the interleaved elements into `out` (len = plane len * width)."""
+    if width == 1:
+        np.frombuffer(out, dtype=np.uint8)[:] = planes[0]
+        return
+    count = len(planes[0])
+    words = np.frombuffer(out, dtype=_UINT[width])
+    top = words if width == 2 else ws.get("top16", np.uint16, count)
+    np.left_shift(planes[-1], 8, out=top, dtype=np.uint16)
+    top |= planes[-2]
+    if rotate:
+        carry = ws.get("carry16", np.uint16, count)
+        np.left_shift(top, 15, out=carry)
+        top >>= 1
+        top |= carry
+    if width > 2:
+        _merge_low(planes[:-2], top, words, ws)
+
+
+def _merge_low(low: list[Plane], top: Array, words: Array, ws: Workspace) -> None:
+    """Fill `words` from the top 16 bits and the planes below them."""
+    bits = 8 * (len(low) + 2)
+    np.left_shift(top, bits - 16, out=words, dtype=words.dtype)
+    part = ws.get(f"part{bits}", words.dtype, len(words))
+    for i, plane in enumerate(low):
+        np.left_shift(plane, 8 * i, out=part, dtype=words.dtype)
+        words |= part
