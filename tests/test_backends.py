@@ -218,6 +218,14 @@ def test_nested_keys(backend: Backend) -> None:
     assert [m.key for m in backend.list("llm-7b/step-1200")] == [key]
 
 
+def test_unusual_characters_in_keys(backend: Backend) -> None:
+    key = "root/step-7/dir with space/ünï+cøde=%20&.bin"
+    backend.put(key, b"odd")
+    assert backend.get_bytes(key) == b"odd"
+    assert backend.stat(key).size == 3
+    assert [m.key for m in backend.list("root/step-7")] == [key]
+
+
 @pytest.mark.parametrize("key", ["", "/abs", "a//b", "../up", "a/./b", "a/..", "trailing/"])
 def test_invalid_keys_are_refused(backend: Backend, key: str) -> None:
     with pytest.raises(PermanentError, match="invalid storage key"):
@@ -398,6 +406,13 @@ def test_local_delete_prunes_empty_directories(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "r" / "root").iterdir()) == ["step-2"]
 
 
+def test_local_key_under_a_file_is_permanent(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    backend.put("a", b"1")
+    with pytest.raises(PermanentError, match="a/b"):
+        backend.put("a/b", b"2")  # a directory cannot share a file's name here
+
+
 def test_local_read_only_directory_is_permanent(tmp_path: Path) -> None:
     if os.geteuid() == 0:
         pytest.skip("root ignores directory permissions")
@@ -491,6 +506,13 @@ def test_credentials_from_shared_file(
     backend = make_backend(s3_url, endpoint=s3_server.endpoint, request_retries=0)
     backend.put("file", b"1")
     assert [m.key for m in backend.list("")] == ["file"]
+
+
+def test_other_clouds_are_built_without_contacting_them() -> None:
+    with pytest.raises(PermanentError, match="GOOGLE_APPLICATION_CREDENTIALS"):
+        make_backend("gs://bucket/p", access_key_id="k", secret_access_key="s")
+    azure = make_backend("az://container/p", access_key_id="account", secret_access_key="a2V5")
+    assert azure.url == "az://container/p"
 
 
 def test_small_part_size_is_refused_for_s3(s3_server: S3Server, s3_url: str) -> None:

@@ -45,7 +45,8 @@ class Backend(Protocol):
 
     - Keys are relative, '/'-separated, without empty, "." or ".." segments, at most 1024 bytes
       (`check_key`). They live under the backend's base prefix (a directory or bucket/prefix) and
-      nothing is ever read or written outside it.
+      nothing is ever read or written outside it. A key is never also the directory of other
+      keys ("a" beside "a/b"): object stores allow it, a directory cannot hold it.
     - `put` is atomic: a reader sees the whole new object or the old state, never a part. It is
       idempotent for the same content. It streams a file object in bounded reads (`src` is read
       from its current position to EOF; `size`, when given, must match what is read, else

@@ -64,7 +64,12 @@ class LocalBackend:
         total = 0
         with self._open(key) as f:
             while chunk := self._read(f, key):
-                dst.write(chunk)
+                try:
+                    dst.write(chunk)
+                except OSError as exc:
+                    raise os_error(
+                        exc, f"get {self._where(key)}: writing the destination"
+                    ) from None
                 total += len(chunk)
         return total
 
