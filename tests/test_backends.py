@@ -300,14 +300,29 @@ def test_retry_delay_is_capped_exponential_with_full_jitter(tmp_path: Path) -> N
     assert low.delay(3) == 0.5
 
 
-class GateReader(io.RawIOBase):
-    """A source whose reads count how many transfers are inside put at once."""
-
-    lock = threading.Lock()
-    active = 0
-    peak = 0
+class Gauge:
+    """How many callers are inside a section at once, and the most seen."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = 0
+        self.peak = 0
+
+    def enter(self) -> None:
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.active -= 1
+
+
+class GateReader(io.RawIOBase):
+    """A one-byte source whose read lingers, so overlapping puts show on the gauge."""
+
+    def __init__(self, gauge: Gauge) -> None:
+        self.gauge = gauge
         self.done = False
 
     def readable(self) -> bool:
@@ -316,27 +331,25 @@ class GateReader(io.RawIOBase):
     def read(self, n: int | None = -1) -> bytes:
         if self.done:
             return b""
-        with GateReader.lock:
-            GateReader.active += 1
-            GateReader.peak = max(GateReader.peak, GateReader.active)
+        self.gauge.enter()
         time.sleep(0.1)
-        with GateReader.lock:
-            GateReader.active -= 1
+        self.gauge.leave()
         self.done = True
         return b"x"
 
 
 def test_limited_backend_caps_concurrent_transfers(tmp_path: Path) -> None:
     limited = LimitedBackend(LocalBackend(tmp_path), concurrency=2)
+    gauge = Gauge()
     threads = [
-        threading.Thread(target=limited.put, args=(f"k{i}", cast(BinaryIO, GateReader())))
+        threading.Thread(target=limited.put, args=(f"k{i}", cast(BinaryIO, GateReader(gauge))))
         for i in range(5)
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert GateReader.peak == 2
+    assert gauge.peak == 2
     assert len(list(limited.list())) == 5
 
 
@@ -428,13 +441,18 @@ def test_local_read_only_directory_is_permanent(tmp_path: Path) -> None:
 # -- S3: errors, credentials ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("request_retries", [0, 2])
 def test_wrong_credentials_fail_once_with_a_clear_message(
-    s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy
+    s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy, request_retries: int
 ) -> None:
-    bad = retrying(
-        s3_backend(s3_server, s3_url, fault_proxy.endpoint, secret_access_key="wrong"),
-        attempts=5,
+    inner = s3_backend(
+        s3_server,
+        s3_url,
+        fault_proxy.endpoint,
+        secret_access_key="wrong",
+        request_retries=request_retries,
     )
+    bad = retrying(inner, attempts=5)
     with capture_logs() as logs, pytest.raises(PermanentError) as info:
         bad.put("x", b"1")
     assert not isinstance(info.value, ObjectNotFound)
@@ -583,11 +601,11 @@ def test_stalled_connection_times_out_and_is_retried(
         s3_server, s3_url, fault_proxy.endpoint, read_timeout_s=0.5, request_timeout_s=1.0
     )
     backend = retrying(inner)
-    fault_proxy.set("stall", count=1, stall_s=3.0)
+    fault_proxy.set("stall", count=1, stall_s=10.0)
     started = time.monotonic()
     with capture_logs() as logs:
         backend.put("stalled", b"s" * 1000)
-    assert time.monotonic() - started < 3.0, "gave up on the stall before it ended"
+    assert time.monotonic() - started < 8.0, "gave up on the stall before it ended"
     assert len(retry_events(logs)) == 1
     # A fresh client: the first one would reuse its pooled connection and never see a stall.
     reader = retrying(
@@ -595,7 +613,7 @@ def test_stalled_connection_times_out_and_is_retried(
             s3_server, s3_url, fault_proxy.endpoint, read_timeout_s=0.5, request_timeout_s=1.0
         )
     )
-    fault_proxy.set("stall", count=1, stall_s=3.0)
+    fault_proxy.set("stall", count=1, stall_s=10.0)
     with capture_logs() as logs:
         assert get_all(reader, "stalled") == b"s" * 1000
     assert len(retry_events(logs)) == 1
