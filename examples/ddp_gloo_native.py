@@ -4,7 +4,7 @@
 
 Each rank holds only its shard of the Adam state (ZeRO-1), so each rank passes its local
 optimizer to ckptd.torch.save and writes `optim.rank<R>.pt`; rank 0 writes the model and commits
-`step-<N>/` after both ranks are done. Then both ranks load into fresh objects and check them.
+`step-<N>/` after both ranks are done. Then both resume from the latest step and check it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import sys
 from typing import Any
 
 import torch
@@ -37,18 +38,23 @@ def worker(rank: int, world: int, port: int, root: str, steps: int) -> None:
     torch.manual_seed(100 + rank)  # each rank its own batches
     for _ in range(steps):
         zero.zero_grad()
-        model(torch.randn(4, 8)).pow(2).mean().backward()
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
         zero.step()
     # ZeRO's own state_dict() gathers every shard on one rank; the local optimizer is this shard.
-    path = ckpt.save(root, steps, model=model, optimizer=zero.optim, metrics={"steps": steps})
+    path = ckpt.save(root, steps, model=model, optimizer=zero.optim,
+                     metrics={"loss": loss.item()})
 
+    # Resume as a restarted job would: the latest complete step, each rank its own shard.
     fresh_model, fresh_zero = build()
-    step, meta = ckpt.load(path, model=fresh_model, optimizer=fresh_zero.optim)
+    step, meta = ckpt.load(root, "latest", model=fresh_model, optimizer=fresh_zero.optim)
     same = _same(zero.optim.state_dict(), fresh_zero.optim.state_dict())
     same &= all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters(),
                                                   strict=True))
-    print(json.dumps({"rank": rank, "step": step, "world_size": meta["world_size"],
-                      "path": str(path), "restored": same}), flush=True)
+    line = json.dumps({"rank": rank, "step": step, "world_size": meta["world_size"],
+                       "path": str(path), "restored": same})
+    sys.stdout.write(line + "\n")  # one write per line: the two ranks share stdout
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
