@@ -11,6 +11,7 @@ Modes (control.json {"mode": ..., "count": K, ...}; faults apply to the first K 
   status  answer HTTP `status` (500, 503, ...) to a request without forwarding it
   cut_response  forward a whole request, then reset the connection instead of passing on the
           answer (the server did the work; the client never hears of it)
+  slow    forward a request body at `bytes_per_s` (a slow link: uploads take a while)
 """
 
 from __future__ import annotations
@@ -247,10 +248,12 @@ def _requests(link: _Link, control: Control) -> None:
             return
         drop = control.claim("drop") if length > 0 else None
         limit = int(drop.get("after_bytes", 0)) if drop is not None else None
+        slow = control.claim("slow") if length > 0 else None
+        rate = float(slow.get("bytes_per_s", 1e6)) if slow is not None else None
         if control.claim("cut_response") is not None:
             link.swallow.set()
         upstream.sendall(head)
-        rest = _forward_body(client, upstream, buf, length, limit)
+        rest = _forward_body(client, upstream, buf, length, limit, rate)
         if rest is None or link.swallow.is_set():
             if link.swallow.is_set():
                 link.answered.wait(IO_TIMEOUT_S)  # the server has acted on the request
@@ -280,22 +283,33 @@ def _content_length(head: bytes) -> int:
 
 
 def _forward_body(
-    client: socket.socket, upstream: socket.socket, buf: bytes, length: int, limit: int | None
+    client: socket.socket,
+    upstream: socket.socket,
+    buf: bytes,
+    length: int,
+    limit: int | None,
+    rate: float | None = None,
 ) -> bytes | None:
-    """Send `length` body bytes upstream; None if the connection was cut at `limit` bytes."""
+    """Send `length` body bytes upstream, at most `rate` bytes/s if given.
+
+    Returns what was read past the body, or None if the connection was cut at `limit` bytes.
+    """
     sent = 0
+    started = time.monotonic()
     while sent < length:
         if not buf:
             buf = client.recv(CHUNK)
             if not buf:
                 raise ConnectionError("client closed mid-body")
-        piece = buf[: length - sent]
+        piece = buf[: min(length - sent, CHUNK)]
         if limit is not None and sent + len(piece) >= limit:
             upstream.sendall(piece[: max(0, limit - sent)])
             return None
         upstream.sendall(piece)
         sent += len(piece)
         buf = buf[len(piece) :]
+        if rate:
+            time.sleep(max(0.0, started + sent / rate - time.monotonic()))
     return buf
 
 

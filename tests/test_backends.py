@@ -619,6 +619,17 @@ def test_stalled_connection_times_out_and_is_retried(
     assert len(retry_events(logs)) == 1
 
 
+def test_a_slow_upload_is_not_taken_for_a_stall(
+    s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy
+) -> None:
+    backend = s3_backend(s3_server, s3_url, fault_proxy.endpoint, read_timeout_s=0.3)
+    data = payload(MiB, seed=8)
+    fault_proxy.set("slow", count=1, bytes_per_s=2 * MiB)  # 0.5 s of sending, nothing back
+    backend.put("slow", data)
+    assert backend.get_bytes("slow") == data
+    assert fault_proxy.stats()["faults"] == 1
+
+
 def test_create_only_whose_answer_was_lost_is_confirmed(
     s3_server: S3Server, s3_url: str, fault_proxy: FaultProxy
 ) -> None:

@@ -66,9 +66,10 @@ _S3_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 class ObstoreBackend:
     """Objects in a bucket under the URL's path prefix; see `Backend` for the rules.
 
-    Timeouts: `connect_timeout_s` for a TCP/TLS connect, `read_timeout_s` for a stalled
-    connection (no byte received for that long), `request_timeout_s` for one whole request
-    (one part of a multipart upload, or one `part_size` range of a download).
+    Timeouts: `connect_timeout_s` for a TCP/TLS connect; `read_timeout_s` for a stalled
+    download, stat, list or delete (no byte received for that long); `request_timeout_s` for
+    one whole request (one part of an upload, one `part_size` range of a download), which is
+    also what bounds a stalled upload.
     `request_retries` is obstore's own immediate retry of a single failed request (5xx,
     connection errors): it keeps one bad part from restarting a multi-gigabyte upload. Backoff
     across whole operations is `RetryingBackend`'s job; pass 0 to leave every decision to it.
@@ -95,12 +96,17 @@ class ObstoreBackend:
         self.url = url.rstrip("/")
         self.part_size = part_size
         self.concurrency = max(1, concurrency)
-        options = _client_options(endpoint, connect_timeout_s, read_timeout_s, request_timeout_s)
         retry = _retry_config(request_retries, request_timeout_s)
         creds = Creds(access_key_id, secret_access_key)
-        self._store = _guard(
-            "open", self.url, lambda: _open_store(self.url, endpoint, region, creds, options, retry)
-        )
+
+        def open_store(read_timeout: float | None) -> Any:
+            opts = _client_options(endpoint, connect_timeout_s, read_timeout, request_timeout_s)
+            return _open_store(self.url, endpoint, region, creds, opts, retry)
+
+        self._store = _guard("open", self.url, lambda: open_store(read_timeout_s))
+        # Uploads get their own client without a read timeout: while a part is being sent
+        # nothing comes back, so a slow link would look stalled. request_timeout_s bounds them.
+        self._put_store = _guard("open", self.url, lambda: open_store(None))
 
     def __repr__(self) -> str:
         return f"ObstoreBackend({self.url!r})"
@@ -118,7 +124,7 @@ class ObstoreBackend:
             "put",
             where,
             lambda: obstore.put(
-                self._store,
+                self._put_store,
                 key,
                 payload,
                 mode="create" if create_only else "overwrite",
@@ -305,16 +311,18 @@ def _s3_store(
 
 
 def _client_options(
-    endpoint: str, connect_s: float, read_s: float, request_s: float
+    endpoint: str, connect_s: float, read_s: float | None, request_s: float
 ) -> ClientConfig:
     # The endpoint may also come from the standard variables obstore reads itself.
     effective = endpoint or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT", "")
-    return {
+    options: ClientConfig = {
         "allow_http": effective.startswith("http://"),
         "connect_timeout": timedelta(seconds=connect_s),
-        "read_timeout": timedelta(seconds=read_s),
         "timeout": timedelta(seconds=request_s),
     }
+    if read_s is not None:
+        options["read_timeout"] = timedelta(seconds=read_s)
+    return options
 
 
 def _retry_config(retries: int, request_s: float) -> RetryConfig:
