@@ -388,3 +388,25 @@ def test_daemon_serves_on_an_inherited_socket(daemon_factory: Any) -> None:
     d.wait_ready()
     assert d.stop(signal.SIGTERM) == 0
     assert d.socket.exists(), "the socket file belongs to systemd's socket unit: keep it"
+
+
+_RELOAD_WIRED = ".reloading(" in (REPO / "ckptd" / "daemon.py").read_text()
+
+
+@pytest.mark.skipif(not _RELOAD_WIRED, reason="ckptd/daemon.py does not announce reloads "
+                    "through ckptd.sdnotify yet (issue 7 wiring)")
+def test_daemon_reload_is_bracketed_by_reloading_and_ready(
+        daemon_factory: Any, receiver: NotifyReceiver) -> None:
+    d = daemon_factory(start=False)
+    d.extra_env.update(NOTIFY_SOCKET=receiver.env_value)
+    d.start(wait=False)
+    receiver.recv_until("READY", timeout=30)
+    good = d.config.read_text()
+    for text in (good, good + "\nthis is not toml\n"):  # a rejected config must end the reload too
+        d.config.write_text(text)
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGHUP)
+        reloading = receiver.recv_until("RELOADING", timeout=10)[-1]
+        assert abs(int(reloading["MONOTONIC_USEC"]) - sdnotify.monotonic_usec()) < 10_000_000
+        receiver.recv_until("READY", timeout=10)
+        assert d.client.health() is not None
