@@ -411,6 +411,19 @@ def test_local_never_writes_outside_base(tmp_path: Path) -> None:
     assert sorted(p.name for p in outside.iterdir()) == ["victim"]
 
 
+def test_local_symlinks_and_directories_are_not_objects(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    backend.put("real", b"1")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    backend.put("d/x", b"2")
+    for key in ("link", "d"):
+        with pytest.raises(ObjectNotFound):
+            backend.get_bytes(key)
+        with pytest.raises(ObjectNotFound):
+            backend.stat(key)
+    assert sorted(m.key for m in backend.list()) == ["d/x", "real"]
+
+
 def test_local_delete_prunes_empty_directories(tmp_path: Path) -> None:
     backend = LocalBackend(tmp_path / "r")
     backend.put("root/step-1/a", b"1")

@@ -5,6 +5,7 @@ Writes are temp-name, fsync, rename, fsync-dir; nothing is written or read outsi
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import time
@@ -85,9 +86,7 @@ class LocalBackend:
         try:
             self._inside(os.path.dirname(path), key)
             st = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            raise ObjectNotFound(f"no object {self._where(key)}") from None
-        except NotADirectoryError:
+        except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(f"no object {self._where(key)}") from None
         except OSError as exc:
             raise os_error(exc, f"stat {self._where(key)}") from None
@@ -201,15 +200,22 @@ class LocalBackend:
             raise ObjectExists(f"{self._where(key)} already exists") from None
 
     def _open(self, key: str) -> BinaryIO:
+        """The object's file, opened for reading; symlinks and directories are not objects."""
         path = self._path(key)
+        missing = ObjectNotFound(f"no object {self._where(key)}")
         try:
-            self._inside(path, key)
-            f = open(path, "rb")  # noqa: SIM115 - returned to the caller's with-block
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise ObjectNotFound(f"no object {self._where(key)}") from None
+            self._inside(os.path.dirname(path), key)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            raise missing from None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                raise missing from None
             raise os_error(exc, f"get {self._where(key)}") from None
-        return f
+        if not S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise missing
+        return os.fdopen(fd, "rb")
 
     def _read(self, f: BinaryIO, key: str) -> bytes:
         try:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar, cast
 
-from ckptd.backends.base import Backend, ObjectMeta, Source
+from ckptd.backends.base import Backend, ObjectMeta, Source, os_error
 from ckptd.errors import ObjectExists, TransientError
 from ckptd.log import get_logger
 
@@ -153,13 +153,16 @@ class RetryingBackend(_Delegating):
             mine = bytes(src)
         else:
             rewind()
-            mine = src.read(_CONFIRM_LIMIT + 1)
+            try:
+                mine = src.read(_CONFIRM_LIMIT + 1)
+            except OSError:
+                return False
         if len(mine) > _CONFIRM_LIMIT:
             return False
         try:
             return self.inner.get_bytes(key) == mine
         except TransientError:
-            return False
+            return False  # cannot tell: report the conflict rather than guess
 
 
 def _rewinder(src: Source) -> Callable[[], None] | None:
@@ -176,7 +179,10 @@ def _rewinder(src: Source) -> Callable[[], None] | None:
 
 
 def _seek(f: BinaryIO, pos: int) -> None:
-    f.seek(pos)
+    try:
+        f.seek(pos)
+    except OSError as exc:
+        raise os_error(exc, "rewinding the source for a retry") from None
 
 
 class _DestinationGuard:
