@@ -150,9 +150,9 @@ def _encode_single(data: memoryview, choice: Choice, coders: Coders, checksum: i
     if choice.zstd_planes[0]:
         packed = coders.frame.compress(data)
         if len(packed) < len(data):
-            head = _header(data, 1, checksum, [(frame.METHOD_ZSTD, len(packed))])
+            head = _header(data, 1, checksum, [(frame.METHOD_ZSTD, len(packed))], [packed])
             return Encoded("zstd", len(data), head, [packed])
-    head = _header(data, 1, checksum, [(frame.METHOD_RAW, len(data))])
+    head = _header(data, 1, checksum, [(frame.METHOD_RAW, len(data))], [data])
     return Encoded("raw", len(data), head, [data])
 
 
@@ -175,16 +175,27 @@ def _encode_planes(
     tail = len(data) % width
     if tail:
         payload.append(data[len(data) - tail :])
-    return Encoded("planes", len(data), _header(data, width, checksum, entries), payload)
+    head = _header(data, width, checksum, entries, payload)
+    return Encoded("planes", len(data), head, payload)
 
 
-def _header(data: memoryview, width: int, checksum: int, entries: list[tuple[int, int]]) -> bytes:
+def _header(
+    data: memoryview,
+    width: int,
+    checksum: int,
+    entries: list[tuple[int, int]],
+    payload: list[bytes | memoryview],
+) -> bytes:
+    stored = xxhash.xxh3_64()
+    for piece in payload:
+        stored.update(piece)
     transform = frame.TRANSFORM_SIGN_ROTATE if width > 1 else frame.TRANSFORM_NONE
     head = BlockHeader(
         raw_len=len(data),
         width=width,
         transform=transform,
         checksum=checksum,
+        stored_checksum=stored.intdigest(),
         planes=tuple(PlaneEntry(m, n) for m, n in entries),
     )
     return frame.pack_block_header(head)

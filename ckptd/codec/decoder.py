@@ -137,6 +137,8 @@ class _BlockReader:
         where = f"zstd-bytegroup: block {index} (raw offset {offset})"
         payload = memoryview(self.payload)[: head.stored_len]
         _read_into(src, payload, f"{where} payload")
+        if xxhash.xxh3_64_intdigest(payload) != head.stored_checksum:
+            raise CorruptData(f"{where}: stored bytes corrupted (payload checksum mismatch)")
         out = memoryview(self.out)[: head.raw_len]
         body = head.plane_len * head.width
         parts: list[planes.Plane] = []
@@ -149,7 +151,7 @@ class _BlockReader:
         planes.merge(parts, head.width, rotate, out[:body], self.ws)
         out[body:] = payload[pos:]
         if xxhash.xxh3_64_intdigest(out) != head.checksum:
-            raise CorruptData(f"{where}: checksum mismatch (data corrupted)")
+            raise CorruptData(f"{where}: decoded bytes do not match the block checksum")
         return out
 
     def _plane(
@@ -208,11 +210,12 @@ def _container(src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None]) -> int:
     total = index = 0
     while True:
         where = f"zstd-bytegroup: block {index}"
-        fixed = _read_exact(src, frame.BLOCK_FIXED_SIZE, f"{where} header")
-        if fixed[:4] == b"\0\0\0\0":
-            rest = _read_exact(src, frame.END_SIZE - len(fixed), "zstd-bytegroup: end record")
-            frame.parse_end(fixed + rest, index, total)
+        marker = _read_exact(src, 4, f"{where} header")
+        if frame.is_end(marker):
+            rest = _read_exact(src, frame.END_SIZE - 4, "zstd-bytegroup: end record")
+            frame.parse_end(marker + rest, index, total)
             break
+        fixed = marker + _read_exact(src, frame.BLOCK_FIXED_SIZE - 4, f"{where} header")
         rest = _read_exact(src, frame.table_size(fixed), f"{where} header")
         head = frame.parse_block_header(fixed, rest, index, block_size)
         total += _put(dst, reader.decode(src, head, index, total), cb)

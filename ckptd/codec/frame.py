@@ -25,7 +25,8 @@ TRANSFORM_NONE = 0
 TRANSFORM_SIGN_ROTATE = 1
 
 _FILE = struct.Struct("<4sBBHI")  # magic, version, flags, reserved, block_size
-_BLOCK = struct.Struct("<IBBBBQ")  # raw_len, width, transform, planes, reserved, xxh3_64
+# raw_len, width, transform, planes, reserved, xxh3_64 of the raw block, xxh3_64 of the payload
+_BLOCK = struct.Struct("<IBBBBQQ")
 _PLANE = struct.Struct("<BI")  # method, stored_len
 _END = struct.Struct("<IIQ")  # zero marker, block count, total raw bytes
 _CHECK = struct.Struct("<I")
@@ -47,6 +48,7 @@ class BlockHeader:
     width: int
     transform: int
     checksum: int
+    stored_checksum: int
     planes: tuple[PlaneEntry, ...]
 
     @property
@@ -90,10 +92,21 @@ def parse_file_header(data: bytes) -> int:
 
 def pack_block_header(head: BlockHeader) -> bytes:
     fixed = _BLOCK.pack(
-        head.raw_len, head.width, head.transform, len(head.planes), 0, head.checksum
+        head.raw_len,
+        head.width,
+        head.transform,
+        len(head.planes),
+        0,
+        head.checksum,
+        head.stored_checksum,
     )
     table = b"".join(_PLANE.pack(p.method, p.stored_len) for p in head.planes)
     return fixed + table + _check(fixed + table)
+
+
+def is_end(marker: bytes) -> bool:
+    """Whether the 4 bytes where a block header starts begin the end record instead."""
+    return marker == b"\0\0\0\0"
 
 
 def table_size(fixed: bytes) -> int:
@@ -103,12 +116,12 @@ def table_size(fixed: bytes) -> int:
 
 def parse_block_header(fixed: bytes, rest: bytes, index: int, block_size: int) -> BlockHeader:
     """Parse and check one block header; `index` names the block in errors."""
-    raw_len, width, transform, nplanes, _, checksum = _BLOCK.unpack(fixed)
+    raw_len, width, transform, nplanes, _, checksum, stored_checksum = _BLOCK.unpack(fixed)
     table, check = rest[: -_CHECK.size], rest[-_CHECK.size :]
     if check != _check(fixed + table):
         raise CorruptData(f"zstd-bytegroup: block {index}: header checksum mismatch")
     planes = tuple(PlaneEntry(*_PLANE.unpack_from(table, i * _PLANE.size)) for i in range(nplanes))
-    head = BlockHeader(raw_len, width, transform, checksum, planes)
+    head = BlockHeader(raw_len, width, transform, checksum, stored_checksum, planes)
     _validate(head, index, block_size)
     return head
 
