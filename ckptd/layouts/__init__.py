@@ -1,0 +1,108 @@
+"""Layout recognizers: which checkpoints a root's snapshot holds and which are complete.
+`detect` runs them most specific first, each file claimed by one candidate at most.
+Pure: functions of a `Snapshot`, `RootOptions` and `now`; no I/O, no clock."""
+
+from __future__ import annotations
+
+from ckptd.layouts import (
+    common,
+    dcp,
+    deepspeed,
+    hf,
+    megatron,
+    native,
+    orbax,
+    ranked,
+    registered,
+    single,
+    split,
+)
+from ckptd.layouts.base import Layout
+from ckptd.model import Candidate, RootOptions, Snapshot
+
+__all__ = ["NAMES", "Layout", "detect", "get", "wants_content"]
+
+# SPEC.md's table order; also the accepted values of a root's `layout` (besides "auto").
+NAMES: tuple[str, ...] = (
+    "native", "registered", "dcp", "split", "ranked", "hf", "deepspeed", "megatron", "orbax",
+    "single",
+)
+
+_BY_NAME: dict[str, Layout] = {
+    native.NAME: native.LAYOUT,
+    registered.NAME: registered.LAYOUT,
+    dcp.NAME: dcp.LAYOUT,
+    split.NAME: split.LAYOUT,
+    ranked.NAME: ranked.LAYOUT,
+    hf.NAME: hf.LAYOUT,
+    deepspeed.NAME: deepspeed.LAYOUT,
+    megatron.NAME: megatron.LAYOUT,
+    orbax.NAME: orbax.LAYOUT,
+    single.NAME: single.LAYOUT,
+}
+
+# Most specific first. Why this order:
+# - registered: the client's own word about which files make the step;
+# - native with meta.json: ckptd's own format, unambiguous;
+# - hf, megatron, deepspeed before dcp: Trainer's FSDP saves and Megatron's torch_dist put DCP
+#   files inside `checkpoint-N/` and `iter_N/`, whose own commit rule (trainer_state.json, the
+#   tracker) must decide; HF before deepspeed since Trainer+DeepSpeed nests `global_stepN/`;
+# - dcp, then orbax (bare-number dirs, recognised only by Orbax's own files);
+# - split before ranked before single: `step_5_model.pt` and `model_5.pt` also look single;
+# - native dirs WITHOUT meta.json last, so a torchtitan `step-N/` being written stays dcp.
+AUTO_ORDER: tuple[Layout, ...] = (
+    registered.LAYOUT,
+    native.NativeLayout(with_meta=True, without_meta=False),
+    hf.LAYOUT,
+    megatron.LAYOUT,
+    deepspeed.LAYOUT,
+    dcp.LAYOUT,
+    orbax.LAYOUT,
+    split.LAYOUT,
+    ranked.LAYOUT,
+    single.LAYOUT,
+    native.NativeLayout(with_meta=False, without_meta=True),
+)
+
+
+def get(name: str) -> Layout:
+    """The layout called `name`; ValueError for an unknown name."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown layout {name!r}; expected 'auto' or one of {NAMES}") from None
+
+
+def _plan(layout: str) -> tuple[Layout, ...]:
+    """Layouts run for a root: all for "auto"; else registered first, then the one named.
+
+    Registrations with paths are honoured whatever the root's layout: the client said which
+    files make the step.
+    """
+    if layout == "auto":
+        return AUTO_ORDER
+    chosen = get(layout)
+    return (chosen,) if layout == registered.NAME else (registered.LAYOUT, chosen)
+
+
+def wants_content(rel: str, layout: str = "auto") -> bool:
+    """True when some layout run for this root needs the bytes of `rel` in the snapshot."""
+    return any(lay.wants_content(rel) for lay in _plan(layout))
+
+
+def detect(snap: Snapshot, opts: RootOptions, now: float, layout: str = "auto") -> list[Candidate]:
+    """Every checkpoint in `snap`, complete or pending, sorted by step.
+
+    Two candidates with the same step are both returned, the earlier-written one first (by the
+    newest mtime among their files, then by layout order): the store keeps the last one and
+    records the one before as superseded.
+    """
+    claimed: set[str] = set()
+    found: list[tuple[int, Candidate]] = []
+    for rank, lay in enumerate(_plan(layout)):
+        batch = lay.candidates(snap, opts, now, frozenset(claimed))
+        for cand in batch:
+            claimed.update(cand.files)
+            found.append((rank, cand))
+    found.sort(key=lambda rc: (rc[1].step, common.written_at(snap, rc[1]), rc[0], rc[1].path))
+    return [cand for _, cand in found]

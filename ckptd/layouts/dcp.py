@@ -1,0 +1,131 @@
+"""The `dcp` layout (torch.distributed.checkpoint, torchtitan, NeMo 2): `.metadata` + `*.distcp`.
+DCP renames `.metadata` in last; complete when it parses, every file it references has the bytes
+it references, and it is not older than a data file beside it (older: a re-save under way)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptd.errors import ValidationFailed
+from ckptd.formats.dcpmeta import parse_dcp_metadata
+from ckptd.layouts import common
+from ckptd.model import Candidate, RootOptions, Snapshot
+
+NAME = "dcp"
+METADATA = ".metadata"
+DATA_SUFFIX = ".distcp"
+
+
+def is_dcp_file(rel: str) -> bool:
+    name = common.name_of(rel)
+    return name == METADATA or name.endswith(DATA_SUFFIX)
+
+
+def dcp_dirs(files: list[str]) -> list[str]:
+    """The directories among `files` that hold DCP metadata or data files."""
+    return sorted({common.parent_of(f) for f in files
+                   if is_dcp_file(f) and not common.is_temp_path(f)})
+
+
+class DcpLayout:
+    name = NAME
+
+    def wants_content(self, rel: str) -> bool:
+        return common.name_of(rel) == METADATA and not common.is_temp_path(rel)
+
+    def candidates(
+        self, snap: Snapshot, opts: RootOptions, now: float, claimed: frozenset[str]
+    ) -> list[Candidate]:
+        out: list[Candidate] = []
+        tree = common.Tree(snap)
+        for step_dir, (step, inner) in sorted(_step_dirs(snap, claimed).items()):
+            files = common.members(tree.under(step_dir))
+            if common.touches(files, claimed):
+                continue
+            out.append(_candidate(snap, tree, step_dir, step, inner, files))
+        return out
+
+
+def _step_dirs(snap: Snapshot, claimed: frozenset[str]) -> dict[str, tuple[int, list[str]]]:
+    """step dir -> (step, DCP dirs inside it). The step dir is the DCP dir itself or its nearest
+    ancestor whose name carries a step (NeMo 2 keeps DCP in `<name>-step=N-.../weights/`)."""
+    found: dict[str, tuple[int, list[str]]] = {}
+    unclaimed = [f for f in snap.files if f not in claimed]
+    for dcp_dir in dcp_dirs(unclaimed):
+        hit = common.nearest_dir(common.join(dcp_dir, METADATA), common.dir_step)
+        if hit is None or common.is_temp_path(hit[0]):
+            continue
+        found.setdefault(hit[0], (hit[1], []))[1].append(dcp_dir)
+    return found
+
+
+def _candidate(snap: Snapshot, tree: common.Tree, step_dir: str, step: int, inner: list[str],
+               files: list[str]) -> Candidate:
+    problems = [common.open_problem(snap, files),
+                common.unfinished_problem(snap, step_dir, tree.under(step_dir))]
+    verdicts = [check_dir(snap, tree, dcp_dir) for dcp_dir in inner]
+    problems += [p for v in verdicts for p in v.problems]
+    return common.make(NAME, step, step_dir, files, problems, **verdict_extras(verdicts))
+
+
+def verdict_extras(verdicts: list[DirVerdict]) -> dict[str, Any]:
+    """Candidate fields from DCP verdicts: min sizes, and the first invalid metadata found."""
+    extra: dict[str, Any] = {"min_sizes": {k: v for d in verdicts for k, v in d.min_sizes.items()}}
+    invalid = [bad for d in verdicts for bad in d.invalid]
+    if invalid:
+        extra.update(invalid_reason=str(invalid[0][0]), invalid_message=invalid[0][1])
+    return extra
+
+
+class DirVerdict:
+    """What the DCP rule says about one directory holding `.metadata` and data files."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.min_sizes: dict[str, int] = {}
+        self.invalid: list[tuple[str, str]] = []  # (reason, message) from the parser
+
+
+def check_dir(snap: Snapshot, tree: common.Tree, dcp_dir: str) -> DirVerdict:
+    """Apply the DCP commit rule to one directory (also used by the megatron layout)."""
+    verdict = DirVerdict()
+    meta_rel = common.join(dcp_dir, METADATA)
+    meta = snap.files.get(meta_rel)
+    if meta is None:
+        verdict.problems.append(f"{meta_rel} (written last)")
+        return verdict
+    newer = [f for f in _data_files(tree, dcp_dir) if snap.files[f].mtime > meta.mtime]
+    if newer:
+        verdict.problems.append(f"re-save in progress: {newer[0]} is newer than {meta_rel}")
+        return verdict
+    data = snap.contents.get(meta_rel)
+    if data is None:
+        verdict.problems.append(f"{meta_rel} to be readable")
+        return verdict
+    _check_references(snap, dcp_dir, meta_rel, data, verdict)
+    return verdict
+
+
+def _data_files(tree: common.Tree, dcp_dir: str) -> list[str]:
+    return [f for f in tree.children(dcp_dir) if f.endswith(DATA_SUFFIX)
+            and not common.is_temp_path(f)]
+
+
+def _check_references(snap: Snapshot, dcp_dir: str, meta_rel: str, data: bytes,
+                      verdict: DirVerdict) -> None:
+    try:
+        refs = parse_dcp_metadata(data, meta_rel).references
+    except ValidationFailed as exc:
+        verdict.invalid.append((exc.reason, exc.message))
+        return
+    for name, size in sorted(refs.items()):
+        rel = common.join(dcp_dir, name)
+        info = snap.files.get(rel)
+        if info is None:
+            verdict.problems.append(f"{rel} (referenced by {METADATA})")
+        elif info.size < size:
+            verdict.problems.append(f"{rel} to reach {size} bytes (has {info.size})")
+        verdict.min_sizes[rel] = size
+
+
+LAYOUT = DcpLayout()

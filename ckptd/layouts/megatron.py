@@ -1,0 +1,82 @@
+"""The `megatron` layout: `iter_<N:07d>/`, committed by `latest_checkpointed_iteration.txt`.
+Rank 0 writes that tracker after every rank finished; complete when it names N or later and the
+dir settled (plus the DCP rule for torch_dist saves)."""
+
+from __future__ import annotations
+
+import re
+
+from ckptd.layouts import common, dcp
+from ckptd.model import Candidate, RootOptions, Snapshot
+
+NAME = "megatron"
+TRACKER = "latest_checkpointed_iteration.txt"
+_DIR = re.compile(r"^iter_(\d{7,})$")
+# Files that only Megatron puts in an iter dir: legacy per-rank dirs, torch_dist side files.
+_TELLS = re.compile(r"^mp_rank_\d+(?:_\d+)*$")
+_TOP_TELLS = ("metadata.json", "common.pt")
+
+
+def step_of_dir(name: str) -> int | None:
+    m = _DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+class MegatronLayout:
+    name = NAME
+
+    def wants_content(self, rel: str) -> bool:
+        name = common.name_of(rel)
+        return (name == TRACKER or dcp.LAYOUT.wants_content(rel)) and not common.is_temp_path(rel)
+
+    def candidates(
+        self, snap: Snapshot, opts: RootOptions, now: float, claimed: frozenset[str]
+    ) -> list[Candidate]:
+        out: list[Candidate] = []
+        tree = common.Tree(snap)
+        for directory, (step, under) in sorted(common.group_dirs(snap, step_of_dir).items()):
+            files = common.members(under)
+            if not files or common.touches(files, claimed) or not _is_megatron(snap, directory,
+                                                                              files):
+                continue
+            out.append(_candidate(snap, tree, opts, now, directory, step, under, files))
+        return out
+
+
+def _is_megatron(snap: Snapshot, directory: str, files: list[str]) -> bool:
+    """Claim an `iter_N` dir only with a Megatron sign, so a plain DCP dir named `iter_0000100`
+    without a tracker stays with the dcp layout instead of waiting forever here."""
+    if common.join(common.parent_of(directory), TRACKER) in snap.files:
+        return True
+    for f in files:
+        rest = f[len(directory) + 1:].split("/")
+        if (len(rest) > 1 and _TELLS.match(rest[0])) or (len(rest) == 1 and rest[0] in _TOP_TELLS):
+            return True
+    return False
+
+
+def _candidate(snap: Snapshot, tree: common.Tree, opts: RootOptions, now: float,
+               directory: str, step: int, under: list[str], files: list[str]) -> Candidate:
+    problems = [common.unfinished_problem(snap, directory, under),
+                _tracker_problem(snap, directory, step)]
+    verdicts = [dcp.check_dir(snap, tree, d) for d in dcp.dcp_dirs(files)]  # torch_dist format
+    problems += [p for v in verdicts for p in v.problems]
+    problems.append(common.settle_problem(snap, under, opts, now))
+    return common.make(NAME, step, directory, files, problems, **dcp.verdict_extras(verdicts))
+
+
+def _tracker_problem(snap: Snapshot, directory: str, step: int) -> str:
+    """The tracker sits in the save dir beside the iter dirs; "release" names no iteration."""
+    tracker = common.join(common.parent_of(directory), TRACKER)
+    if tracker not in snap.files:
+        return f"{tracker} naming {step}"
+    data = snap.contents.get(tracker)
+    if data is None:
+        return f"{tracker} to be readable"
+    text = data.decode("utf-8", "replace").strip()
+    if text.isdigit() and int(text) >= step:
+        return ""
+    return f"{tracker} naming {step} or later (names {text!r})"
+
+
+LAYOUT = MegatronLayout()

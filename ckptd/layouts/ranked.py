@@ -1,0 +1,103 @@
+"""The `ranked` layout: `model_<N>.pt` once, `meta_<N>.json`, `optim_<N>_rank<R>.pt` per rank.
+No commit marker: complete when model, meta and ranks 0..W-1 are present and settled (W from
+the root's world_size, else meta's, else the contiguous ranks seen)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptd.layouts import common
+from ckptd.model import Candidate, Reason, RootOptions, Snapshot
+
+NAME = "ranked"
+_MODEL = re.compile(r"^model_(\d+)\.pt$")
+_META = re.compile(r"^meta_(\d+)\.json$")
+_OPTIM = re.compile(r"^optim_(\d+)_rank(\d+)\.pt$")
+
+
+@dataclass
+class _Group:
+    model: str = ""
+    meta: str = ""
+    ranks: dict[int, str] = field(default_factory=dict)
+
+    def files(self) -> list[str]:
+        return sorted([f for f in (self.model, self.meta) if f] + list(self.ranks.values()))
+
+
+class RankedLayout:
+    name = NAME
+
+    def wants_content(self, rel: str) -> bool:
+        return bool(_META.match(common.name_of(rel))) and not common.is_temp_path(rel)
+
+    def candidates(
+        self, snap: Snapshot, opts: RootOptions, now: float, claimed: frozenset[str]
+    ) -> list[Candidate]:
+        groups = _groups(snap)
+        # A lone `model_<N>.pt` is a single-file checkpoint, unless the dir saves ranked ones.
+        ranked_dirs = {d for (d, _), g in groups.items() if g.meta or g.ranks}
+        out: list[Candidate] = []
+        for (directory, step), group in sorted(groups.items()):
+            if directory not in ranked_dirs or common.touches(group.files(), claimed):
+                continue
+            out.append(_candidate(snap, opts, now, directory, step, group))
+        return out
+
+
+def _groups(snap: Snapshot) -> dict[tuple[str, int], _Group]:
+    groups: dict[tuple[str, int], _Group] = {}
+    for rel in snap.files:
+        name = common.name_of(rel)
+        if not name.startswith(("model_", "meta_", "optim_")) or common.is_temp_path(rel):
+            continue
+        directory = common.parent_of(rel)
+        if m := _MODEL.match(name):
+            groups.setdefault((directory, int(m.group(1))), _Group()).model = rel
+        elif m := _META.match(name):
+            groups.setdefault((directory, int(m.group(1))), _Group()).meta = rel
+        elif m := _OPTIM.match(name):
+            groups.setdefault((directory, int(m.group(1))), _Group()).ranks[int(m.group(2))] = rel
+    return groups
+
+
+def _candidate(snap: Snapshot, opts: RootOptions, now: float, directory: str, step: int,
+               group: _Group) -> Candidate:
+    model = group.model or common.join(directory, f"model_{step}.pt")
+    problems = [model] if not group.model else []
+    if not group.meta:
+        problems.append(common.join(directory, f"meta_{step}.json"))
+    meta, bad = _meta(snap, group.meta)
+    if group.meta and group.meta not in snap.contents and not opts.world_size:
+        problems.append(f"{group.meta} to be readable")
+    world = opts.world_size or _meta_world(meta) or 1 + max(group.ranks, default=-1)
+    missing = [r for r in range(max(world, 1)) if r not in group.ranks]
+    if missing:
+        problems.append(f"optimizer shards for ranks {', '.join(map(str, missing))}")
+    problems.append(common.unfinished_problem(snap, model))
+    problems.append(common.settle_problem(snap, group.files(), opts, now))
+    extra: dict[str, Any] = {"metrics": common.numeric_metrics(meta.get("metrics"))}
+    if bad:
+        extra.update(invalid_reason=str(Reason.BAD_METADATA), invalid_message=bad)
+    return common.make(NAME, step, model, group.files(), problems, **extra)
+
+
+def _meta(snap: Snapshot, rel: str) -> tuple[dict[str, Any], str]:
+    """meta_<N>.json as a dict, and why it is bad ("" when fine or not there yet)."""
+    if not rel or rel not in snap.contents:
+        return {}, ""
+    try:
+        obj = common.load_json(snap.contents[rel])
+    except ValueError as exc:
+        return {}, f"{rel}: {exc}"
+    return (obj, "") if isinstance(obj, dict) else ({}, f"{rel}: not a JSON object")
+
+
+def _meta_world(meta: dict[str, Any]) -> int:
+    w = meta.get("world_size")
+    return w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else 0
+
+
+LAYOUT = RankedLayout()

@@ -1,0 +1,182 @@
+"""detect() on checkpoints written the way each framework writes them, whole and cut short."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import layout_writers as w
+import pytest
+
+from ckptd import layouts
+from ckptd.model import Candidate, FileInfo, RootOptions, Snapshot
+
+SETTLE = 5.0
+
+
+def snapshot(root: Path) -> Snapshot:
+    """A test-only scanner: os.walk + stat, every file first seen at its mtime."""
+    files: dict[str, FileInfo] = {}
+    dirs: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root).replace(os.sep, "/")
+        prefix = "" if rel_dir == "." else rel_dir + "/"
+        dirs.update(prefix + d for d in dirnames)
+        for name in filenames:
+            st = os.stat(os.path.join(dirpath, name))
+            files[prefix + name] = FileInfo(prefix + name, st.st_size, st.st_mtime, st.st_mtime)
+    contents = {rel: (root / rel).read_bytes() for rel in files if layouts.wants_content(rel)}
+    return Snapshot(files=files, dirs=frozenset(dirs), contents=contents)
+
+
+def detect(root: Path, world_size: int = 0, after: float = SETTLE + 1,
+           layout: str = "auto") -> list[Candidate]:
+    """Candidates as a scan `after` seconds past the newest write would see them."""
+    snap = snapshot(root)
+    newest = max((f.mtime for f in snap.files.values()), default=0.0)
+    opts = RootOptions(settle=SETTLE, world_size=world_size)
+    return layouts.detect(snap, opts, newest + after, layout)
+
+
+Writer = Callable[..., Path]
+# name -> (writer, kwargs, world_size option, expected layout, step, anchor relative to root)
+CASES: dict[str, tuple[Writer, dict[str, Any], int, str, int, str]] = {
+    "native": (w.write_native, {"step": 5}, 0, "native", 5, "step-5"),
+    "split": (w.write_split, {"step": 5}, 0, "split", 5, "step_5_model.pt"),
+    "ranked": (w.write_ranked, {"step": 7}, 0, "ranked", 7, "model_7.pt"),
+    "single": (w.write_single, {"step": 9}, 0, "single", 9, "model_step_9.pt"),
+    "hf": (w.write_hf, {"step": 500}, 0, "hf", 500, "checkpoint-500"),
+    "deepspeed": (w.write_deepspeed, {"step": 100}, 2, "deepspeed", 100, "global_step100"),
+    "megatron": (w.write_megatron, {"iteration": 100}, 0, "megatron", 100, "iter_0000100"),
+    "megatron_torch_dist": (w.write_megatron, {"iteration": 100, "torch_dist": True}, 0,
+                            "megatron", 100, "iter_0000100"),
+    "orbax": (w.write_orbax, {"step": 100}, 0, "orbax", 100, "100"),
+    "nemo": (w.write_nemo, {"step": 100}, 0, "dcp", 100,
+             "megatron_gpt--val_loss=1.23-step=100-consumed_samples=800.0-last"),
+}
+# Cutting these short leaves a file that only settling (or validation's framing check) can
+# tell apart: the single layout has no commit marker.
+NO_MARKER = {"single"}
+# A first ranked save cut after `model_<N>.pt` is, to "auto", a single-file checkpoint (see
+# test_ranked_first_save_in_auto): these cases are checked with their layout named.
+NAMED = {"ranked"}
+
+
+def _write(name: str, root: Path, stop: str | None = None) -> None:
+    writer, kwargs, *_ = CASES[name]
+    writer(root, **kwargs, stop=stop)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_whole_checkpoint_is_complete(name: str, tmp_path: Path) -> None:
+    _, _, world, layout, step, anchor = CASES[name]
+    _write(name, tmp_path)
+    [cand] = detect(tmp_path, world)
+    assert (cand.layout, cand.step, cand.path, cand.complete) == (layout, step, anchor, True), cand
+    assert cand.invalid_reason == ""
+    everything = set(snapshot(tmp_path).files)
+    pointers = {"latest", "latest_checkpointed_iteration.txt"}  # shared by all steps
+    assert set(cand.files) == everything - pointers
+
+
+@pytest.mark.parametrize(("name", "stop"), [
+    (n, s) for n in CASES if n not in NO_MARKER for s in w.STAGES[n]
+])
+def test_cut_short_is_never_complete(name: str, stop: str, tmp_path: Path) -> None:
+    _write(name, tmp_path, stop)
+    _, _, world, layout, *_ = CASES[name]
+    got = detect(tmp_path, world, layout=layout if name in NAMED else "auto")
+    assert not [c for c in got if c.complete], got
+    assert all(c.waiting_for for c in got)
+
+
+def test_ranked_first_save_in_auto(tmp_path: Path) -> None:
+    w.write_ranked(tmp_path / "a", 7, stop="meta")
+    assert [(c.layout, c.complete) for c in detect(tmp_path)] == [("single", True)]
+    # Once the dir holds a ranked save, a lone model file is a ranked save under way.
+    w.write_ranked(tmp_path / "b", 7)
+    w.write_ranked(tmp_path / "b", 8, stop="meta")
+    got = [(c.path, c.layout, c.complete) for c in detect(tmp_path / "b")]
+    assert got == [("model_7.pt", "ranked", True), ("model_8.pt", "ranked", False)]
+
+
+def test_single_torn_write_waits_for_settle(tmp_path: Path) -> None:
+    w.write_single(tmp_path, 9, stop="finish")
+    [cand] = detect(tmp_path, after=1.0)
+    assert not cand.complete and "unchanged" in cand.waiting_for
+
+
+def test_native_sizes_and_metrics(tmp_path: Path) -> None:
+    w.write_native(tmp_path, 5, world_size=2)
+    [cand] = detect(tmp_path)
+    assert cand.complete and cand.metrics == {"val_loss": 1.25}
+    assert cand.expected_sizes == {
+        f: (tmp_path / f).stat().st_size
+        for f in ("step-5/model.pt", "step-5/optim.rank0.pt", "step-5/optim.rank1.pt")}
+
+
+def test_native_tmp_dir_is_not_reported(tmp_path: Path) -> None:
+    w.write_native(tmp_path, 5, stop="rename")
+    assert detect(tmp_path) == []
+
+
+def test_deepspeed_latest_before_other_ranks(tmp_path: Path) -> None:
+    w.write_deepspeed(tmp_path, 100, world_size=2, stop="optim1")
+    [cand] = detect(tmp_path, world_size=2)
+    assert not cand.complete and "dp 1/mp 0" in cand.waiting_for
+    # Without world_size the ranks are inferred; only settling then guards the gap.
+    [inferred] = detect(tmp_path, world_size=0, after=1.0)
+    assert not inferred.complete
+
+
+def test_deepspeed_bf16_two_saves(tmp_path: Path) -> None:
+    w.write_deepspeed(tmp_path, 100, world_size=3, bf16=True)
+    w.write_deepspeed(tmp_path, 200, world_size=3, bf16=True, stop="optim2")
+    got = detect(tmp_path)  # ranks inferred: step 200 has only 0 and 1 ... and settled
+    assert [(c.step, c.complete) for c in got] == [(100, True), (200, True)]
+    got = detect(tmp_path, world_size=3)
+    assert [(c.step, c.complete) for c in got] == [(100, True), (200, False)]
+
+
+def test_dcp_resave_in_progress(tmp_path: Path) -> None:
+    d = w.write_dcp(tmp_path / "step-3")
+    [cand] = detect(tmp_path)
+    assert cand.complete and cand.min_sizes
+    assert all((tmp_path / f).stat().st_size >= n for f, n in cand.min_sizes.items())
+    w.resave_dcp(d, seed=1)
+    [again] = detect(tmp_path)
+    assert not again.complete and "re-save" in again.waiting_for
+
+
+def test_dcp_torchtitan_step_dir_without_metadata(tmp_path: Path) -> None:
+    w.write_dcp(tmp_path / "step-3", stop="metadata")
+    [cand] = detect(tmp_path)
+    assert (cand.layout, cand.complete) == ("dcp", False)
+    assert "step-3/.metadata" in cand.waiting_for
+
+
+def test_hf_metrics(tmp_path: Path) -> None:
+    w.write_hf(tmp_path, 500)
+    [cand] = detect(tmp_path)
+    assert cand.metrics == {"best_metric": 0.42, "eval_loss": 0.42, "eval_runtime": 1.5}
+
+
+def test_orbax_old_tmp_name_and_metrics(tmp_path: Path) -> None:
+    w.write_orbax(tmp_path, 100, tmp_ts=1700000000, stop="rename")
+    [pending] = detect(tmp_path)
+    assert pending.path == "100.orbax-checkpoint-tmp-1700000000" and not pending.complete
+    w.write_orbax(tmp_path, 200)
+    got = detect(tmp_path)
+    assert [(c.step, c.complete) for c in got] == [(100, False), (200, True)]
+    assert got[1].metrics == {"loss": 0.125}
+
+
+@pytest.mark.parametrize("stop", w.STAGES["orbax_commit_file"])
+def test_orbax_commit_file(stop: str, tmp_path: Path) -> None:
+    w.write_orbax(tmp_path, 100, commit_file=True)
+    w.write_orbax(tmp_path, 200, commit_file=True, stop=stop)
+    got = [(c.step, c.complete) for c in detect(tmp_path)]
+    assert got[0] == (100, True)
+    assert (200, True) not in got
