@@ -23,8 +23,8 @@ from typing import Any
 
 from ckptd import __version__
 from ckptd.log import get_logger
-from ckptd.model import CheckpointRecord, Local, Remote, State, Tier
-from ckptd.pipeline import Changes
+from ckptd.model import CheckpointRecord, Remote, State, Tier
+from ckptd.changes import Changes
 from ckptd.store import Store
 
 MAX_BODY = 1024 * 1024
@@ -423,7 +423,3 @@ def _alive(path: Path) -> bool:
         return False
     finally:
         s.close()
-
-
-def local_of(rec: CheckpointRecord) -> bool:
-    return rec.local in (Local.PRESENT, Local.COMPRESSED)

@@ -20,8 +20,9 @@ from ckptd.api import ApiContext, RootView, UnixHttpServer, bind_socket
 from ckptd.config import Config, RootConfig
 from ckptd.errors import StateLocked
 from ckptd.log import get_logger
-from ckptd.model import CKPTD_DIR, RootOptions, State
-from ckptd.pipeline import Changes, LatestPublisher, Pipeline, RootRuntime
+from ckptd.model import CKPTD_DIR
+from ckptd.changes import Changes
+from ckptd.pipeline import LatestPublisher, Pipeline, RootRuntime
 from ckptd.store import Found, Store
 from ckptd.watch import EventWatcher, OpenFiles, RootScanner
 
@@ -130,7 +131,7 @@ class Daemon:
         self.log.info("daemon_recovered", leases_released=released, temp_files_removed=removed)
 
     def _add_root(self, root: RootConfig) -> None:
-        opts = RootOptions(settle=root.settle, world_size=root.world_size)
+        opts = root.options
         open_files = OpenFiles()
         self._scanners[root.name] = RootScanner(root.name, root.path, root.layout, opts,
                                                 open_files)
@@ -236,10 +237,6 @@ class Daemon:
         if self.pipeline is None:
             return []
         return [p.as_json() for p in list(self.pipeline.inflight.values())]
-
-    def counts(self, root: str) -> dict[str, int]:
-        assert self.store is not None
-        return {k: v for k, v in self.store.counts(root).items() if k in {s.value for s in State}}
 
 
 def _remove_stale_temps(directory: Path) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import fileio
+from ckptd.changes import Changes
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Candidate, Tier, ValidationResult
 from ckptd.stages.validate import validate
@@ -25,6 +26,8 @@ from ckptd.store import Job, Store
 from ckptd.watch import file_fingerprint
 
 LEASE_S = 60.0
+# After files changed under a stage, wait for the scanner to see the change before retrying.
+RESCAN_DEFER_S = 1.0
 NICE = 10
 
 
@@ -37,24 +40,6 @@ class RootRuntime:
     deep_validate: bool
     metric: str
     metric_mode: str
-
-
-class Changes:
-    """A generation counter with a condition: long-polls wait here for any state change."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.generation = 0
-
-    def notify(self) -> None:
-        with self._cond:
-            self.generation += 1
-            self._cond.notify_all()
-
-    def wait(self, generation: int, timeout: float) -> int:
-        with self._cond:
-            self._cond.wait_for(lambda: self.generation != generation, timeout)
-            return self.generation
 
 
 class LatestPublisher:
@@ -162,8 +147,8 @@ class Pipeline:
         log = self.log.bind(root=rec.root, step=rec.step, stage=job.stage, layout=rec.layout)
         fp = file_fingerprint(root.path, job.files)
         if fp != rec.fingerprint:
-            log.info("stage_skipped", why="files changed since completion; rescanning")
-            self.store.finish_validation(job, self.owner, fp, ValidationResult(False), time.time())
+            log.info("stage_deferred", why="files changed since completion; rescanning")
+            self.store.defer(job, self.owner, RESCAN_DEFER_S, time.time())
             self.on_resave()
             return
         log.info("stage_started")
@@ -182,8 +167,8 @@ class Pipeline:
             finally:
                 self.inflight.pop(rec.id, None)
         if file_fingerprint(root.path, job.files) != fp:
-            log.info("stage_skipped", why="files changed during validation; rescanning")
-            self.store.finish_validation(job, self.owner, "", result, time.time())
+            log.info("stage_deferred", why="files changed during validation; rescanning")
+            self.store.defer(job, self.owner, RESCAN_DEFER_S, time.time())
             self.on_resave()
             return
         if self.store.finish_validation(job, self.owner, fp, result, time.time()):

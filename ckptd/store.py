@@ -389,6 +389,13 @@ class Store:
             self._set_error(db, row["root"], error, now)
             return delay
 
+    def defer(self, job: Job, owner: str, delay: float, now: float) -> None:
+        """Give the job back without an outcome; nobody claims it for `delay` seconds."""
+        with self._tx() as db:
+            db.execute("UPDATE checkpoints SET next_attempt=?, lease_owner=NULL, lease_stage=NULL,"
+                       " lease_expires=NULL WHERE id=? AND lease_owner=?",
+                       (now + delay, job.checkpoint.id, owner))
+
     def set_root_error(self, root: str, error: str, now: float) -> None:
         with self._tx() as db:
             self._set_error(db, root, error, now)

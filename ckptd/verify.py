@@ -3,7 +3,7 @@ then validate it with the validate stage. No daemon, no store."""
 
 from __future__ import annotations
 
-import math
+import time
 import os
 import re
 from pathlib import Path
@@ -36,7 +36,7 @@ def verify_path(path: Path, deep: bool = False) -> dict[str, Any]:
 def _recognise(root: Path, rel: str) -> Candidate:
     scanner = RootScanner("verify", root, "auto", RootOptions(settle=0.0))
     # Far in the future: an explicit verify does not wait for files to settle.
-    _, found = scanner.scan(now=math.inf)
+    _, found = scanner.scan(now=time.time())
     matches = [c for c, _ in found if c.path == rel or rel in c.files
                or any(f.startswith(rel + "/") for f in c.files)]
     exact = [c for c in matches if c.path == rel]

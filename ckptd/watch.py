@@ -81,15 +81,15 @@ class RootScanner:
         dirs: set[str] = set()
         seen: dict[str, _Seen] = {}
         expiry = max(OPEN_MARK_MIN_S, 6 * self.opts.settle)
-        for rel, st in self._walk(dirs):
+        for rel, size, mtime_ns in self._walk(dirs):
             prev = self._seen.get(rel)
-            if prev and prev.size == st.st_size and prev.mtime_ns == st.st_mtime_ns:
+            if prev and prev.size == size and prev.mtime_ns == mtime_ns:
                 changed_at = prev.changed_at
             else:
                 changed_at = now
-            seen[rel] = _Seen(st.st_size, st.st_mtime_ns, changed_at)
+            seen[rel] = _Seen(size, mtime_ns, changed_at)
             abspath = os.path.join(self.path, rel)
-            files[rel] = FileInfo(rel, st.st_size, st.st_mtime_ns / 1e9, changed_at,
+            files[rel] = FileInfo(rel, size, mtime_ns / 1e9, changed_at,
                                   self.open_files.is_open(abspath, changed_at, now, expiry))
         self._seen = seen
         snap = Snapshot(files=files, dirs=frozenset(dirs), contents=self._read_contents(seen),
@@ -97,7 +97,7 @@ class RootScanner:
         cands = layouts.detect(snap, self.opts, now, self.layout)
         return snap, [(c, fingerprint(c, seen)) for c in cands]
 
-    def _walk(self, dirs: set[str]) -> Iterator[tuple[str, os.stat_result]]:
+    def _walk(self, dirs: set[str]) -> Iterator[tuple[str, int, int]]:
         stack = [""]
         while stack:
             rel_dir = stack.pop()
@@ -109,30 +109,20 @@ class RootScanner:
                 rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
                 if not rel_dir and entry.name == CKPTD_DIR:
                     continue
-                st = self._stat_inside(entry)
-                if st is None:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
+                try:
+                    st, escapes = stat_member(self._real_root, entry.path)
+                except OSError:
+                    continue  # vanished mid-scan
+                if escapes:
+                    # Reported as a file so its checkpoint completes and validation refuses it
+                    # (unsafe_path); never followed, never descended.
+                    yield rel, st.st_size, st.st_mtime_ns
+                elif stat.S_ISDIR(st.st_mode):
                     if not entry.is_symlink():  # a symlinked dir is never descended
                         dirs.add(rel)
                         stack.append(rel)
                 elif stat.S_ISREG(st.st_mode):
-                    yield rel, st
-
-    def _stat_inside(self, entry: os.DirEntry[str]) -> os.stat_result | None:
-        """stat() the entry; a symlink is followed only when its target stays inside the root.
-        A symlink leading out is reported with its own lstat so validation can refuse it."""
-        try:
-            if not entry.is_symlink():
-                return entry.stat(follow_symlinks=False)
-            target = os.path.realpath(entry.path)
-            if target == self._real_root or target.startswith(self._real_root + os.sep):
-                return os.stat(entry.path)
-            lst = entry.stat(follow_symlinks=False)
-            # Present it as a regular file so the checkpoint completes and is judged invalid.
-            return os.stat_result((stat.S_IFREG | 0o600,) + tuple(lst)[1:])
-        except OSError:
-            return None
+                    yield rel, st.st_size, st.st_mtime_ns
 
     def _read_contents(self, seen: dict[str, _Seen]) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
@@ -151,6 +141,18 @@ class RootScanner:
             out[rel] = data
         self._contents = cache
         return out
+
+
+def stat_member(real_root: str, path: str) -> tuple[os.stat_result, bool]:
+    """stat() a member and say whether it is a symlink leading out of the root (then the link
+    itself is stat'ed, never its target). The scanner and the stages use this one rule."""
+    st = os.lstat(path)
+    if not stat.S_ISLNK(st.st_mode):
+        return st, False
+    target = os.path.realpath(path)
+    if target == real_root or target.startswith(real_root + os.sep):
+        return os.stat(path), False
+    return st, True
 
 
 def _read_small(path: str, real_root: str) -> bytes | None:
@@ -177,9 +179,10 @@ def fingerprint(cand: Candidate, seen: dict[str, Any]) -> str:
 def file_fingerprint(root: Path, files: tuple[str, ...]) -> str:
     """The same digest computed from the files on disk now (to detect change during a stage)."""
     seen: dict[str, _Seen] = {}
+    real_root = os.path.realpath(root)
     for rel in files:
         try:
-            st = os.stat(root / rel)
+            st, _ = stat_member(real_root, os.path.join(root, rel))
         except OSError:
             continue
         seen[rel] = _Seen(st.st_size, st.st_mtime_ns, 0.0)

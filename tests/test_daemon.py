@@ -176,8 +176,8 @@ def test_api_errors(daemon_factory: Any) -> None:
     body = json.dumps({"step": 1, "paths": ["/etc/passwd"]}).encode()
     status, err = http(s, (post + f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
     assert status == 422 and err["error"] == "outside_root"
-    big = b"x" * (1024 * 1024 + 1)
-    assert http(s, (post + f"Content-Length: {len(big)}\r\n\r\n").encode() + big)[0] == 413
+    # refused on the declared length, before the body is read
+    assert http(s, (post + f"Content-Length: {1024 * 1024 + 1}\r\n\r\n").encode())[0] == 413
     status, err = http(s, b"GET /v1/roots/nope/checkpoints HTTP/1.1\r\nHost: x\r\n"
                           b"Connection: close\r\n\r\n")
     assert status == 404 and set(err) == {"error", "message"}
