@@ -114,14 +114,16 @@ def _write_parts(tmp: Path, rank: int, parts: list[Part]) -> list[Entry]:
     entries = []
     for name, component, build in parts:
         state = build()
-        path = tmp / name
-        torch.save(state, path)
+        torch.save(state, tmp / name)
         del state  # drop this component's dict (and any device->host copies) before the next
-        _fsync(path, drop_cache=True)
-        entry: Entry = {"path": name, "size": path.stat().st_size, "component": component}
+        _advise_dontneed(tmp / name)  # starts writeback now, overlapping the next component
+        entry: Entry = {"path": name, "component": component}
         if name.startswith(("optim.rank", "rng.rank")):
             entry["rank"] = rank
         entries.append(entry)
+    for entry in entries:
+        _fsync(tmp / entry["path"], drop_cache=True)
+        entry["size"] = (tmp / entry["path"]).stat().st_size
     return entries
 
 
@@ -612,6 +614,15 @@ def _fsync(path: Path, drop_cache: bool = False) -> None:
         os.fsync(fd)
         if drop_cache:  # written and durable: keep the training job's own pages in the cache
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _advise_dontneed(path: Path) -> None:
+    """On Linux this starts writeback of the dirty pages without waiting for it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
