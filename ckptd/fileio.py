@@ -1,0 +1,219 @@
+"""File I/O every stage shares: one bounded streaming read per file feeding several sinks, atomic
+writes, and joining untrusted relative paths under a root.
+
+Owns how ckptd touches bytes on disk; knows nothing of checkpoint formats, the store or stages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import xxhash
+
+from ckptd.errors import UnsafePath, ValidationFailed
+from ckptd.model import Reason
+
+CHUNK_SIZE = 8 << 20
+HASH_ALG = "xxh3-128"
+# Every temp file ckptd creates starts with this, so startup recovery deletes its own leftovers
+# and never anything a training job wrote.
+TEMP_PREFIX = ".ckptd-tmp-"
+# Drop cached pages in steps of this many bytes rather than after every chunk: one syscall per
+# step keeps the pass cheap while the cache footprint stays a few chunks.
+_DROP_STEP = 64 << 20
+
+
+class Sink(Protocol):
+    """Consumer of one read pass. `view` is only valid during the call (the buffer is reused)."""
+
+    def update(self, offset: int, view: memoryview) -> None: ...
+
+    def finish(self, total: int) -> None: ...
+
+
+class HashSink:
+    """The content hash of a file (xxh3-128, hex), named in manifests as `HASH_ALG`."""
+
+    alg = HASH_ALG
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_128()
+        self.digest = ""
+        self.size = 0
+
+    def update(self, offset: int, view: memoryview) -> None:
+        self._h.update(view)
+
+    def finish(self, total: int) -> None:
+        self.size = total
+        self.digest = self._h.hexdigest()
+
+
+def read_pass(
+    path: str | os.PathLike[str],
+    sinks: Sequence[Sink],
+    chunk_size: int = CHUNK_SIZE,
+    drop_cache: bool = True,
+) -> int:
+    """Read `path` once, front to back, handing each chunk to every sink; return bytes read.
+
+    Memory is one reused buffer of `chunk_size`. With `drop_cache`, pages behind the cursor are
+    dropped from the page cache as the pass goes, so validating a checkpoint does not evict the
+    training job's data. Raises ValidationFailed(reason "changed") when the file's size changes
+    during the pass; OSError as is; whatever a sink raises stops the pass.
+    """
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size_at_open = os.fstat(fd).st_size
+        _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
+        total = _stream(fd, sinks, chunk_size, drop_cache)
+        if total != size_at_open or os.fstat(fd).st_size != total:
+            raise ValidationFailed(
+                Reason.CHANGED, f"{path} changed size while being read", str(path)
+            )
+    finally:
+        os.close(fd)
+    for sink in sinks:
+        sink.finish(total)
+    return total
+
+
+def _stream(fd: int, sinks: Sequence[Sink], chunk_size: int, drop_cache: bool) -> int:
+    buf = memoryview(bytearray(chunk_size))
+    offset = dropped = 0
+    try:
+        while n := os.readv(fd, [buf]):
+            with buf[:n] as view:
+                for sink in sinks:
+                    sink.update(offset, view)
+            offset += n
+            if drop_cache and offset - dropped >= _DROP_STEP:
+                _advise(fd, dropped, offset - dropped, "POSIX_FADV_DONTNEED")
+                dropped = offset
+    finally:
+        if drop_cache and offset > dropped:
+            _advise(fd, dropped, offset - dropped, "POSIX_FADV_DONTNEED")
+    return offset
+
+
+def drop_cache(path: str | os.PathLike[str]) -> None:
+    """Ask the kernel to forget the clean cached pages of `path` (after an mmap'd scan)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        _advise(fd, 0, 0, "POSIX_FADV_DONTNEED")
+    finally:
+        os.close(fd)
+
+
+def _advise(fd: int, offset: int, length: int, name: str) -> None:
+    advice = getattr(os, name, None)
+    if advice is None:  # not every platform has posix_fadvise; advice is only a hint
+        return
+    try:
+        os.posix_fadvise(fd, offset, length, advice)
+    except OSError:
+        pass
+
+
+def pread_exact(fd: int, offset: int, n: int) -> bytes:
+    """Up to `n` bytes at `offset` (fewer only at end of file)."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        part = os.pread(fd, n - got, offset + got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+# --- atomic writes -------------------------------------------------------------------------
+
+
+def temp_name(final: Path) -> Path:
+    """A fresh temp path beside `final` that startup recovery recognizes as ckptd's own."""
+    return final.with_name(f"{TEMP_PREFIX}{final.name}.{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace `path` with `data` so a crash leaves either the old or the new file, never half."""
+    final = Path(path)
+    tmp = temp_name(final)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(final.parent)
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """`atomic_write_bytes` of `obj` as indented JSON with a trailing newline."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush a file's data and metadata to disk (it may have been written by another process)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make the names in a directory durable (after a create, rename or delete)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- untrusted paths -----------------------------------------------------------------------
+
+
+def safe_join(root: str | os.PathLike[str], rel: str) -> Path:
+    """`root/rel`, refusing (UnsafePath) anything that lands outside `root`.
+
+    `rel` comes from checkpoint metadata or clients: it must be relative, must not climb with
+    `..`, and no symlink along it may lead out of `root`. Checked at call time: a link swapped
+    in afterwards is not seen, so callers open the returned path promptly.
+    """
+    if not rel or "\x00" in rel:
+        raise UnsafePath(f"bad relative path {rel!r}")
+    if posixpath.isabs(rel) or os.path.isabs(rel):
+        raise UnsafePath(f"{rel!r} is absolute")
+    norm = posixpath.normpath(rel)
+    if norm == ".." or norm.startswith("../"):
+        raise UnsafePath(f"{rel!r} climbs out of its root")
+    base = Path(root)
+    joined = base / norm
+    try:
+        real_root = base.resolve()
+        real = joined.resolve()
+    except (RuntimeError, OSError) as exc:  # a symlink loop, or an unreadable component
+        raise UnsafePath(f"{rel!r} cannot be resolved under {root}: {exc}") from exc
+    if real != real_root and real_root not in real.parents:
+        raise UnsafePath(f"{rel!r} leads out of {root} (to {real})")
+    return joined

@@ -1,0 +1,300 @@
+"""Decides whether a pickle (a torch archive's data.pkl, a legacy torch file) is safe to load, by
+walking its opcodes with `pickletools` and tracking what each call would call.
+
+Never unpickles and never imports what a pickle names: references outside an allow-list equal to
+what `torch.load(weights_only=True)` accepts (plus plain numpy data) make it `unsafe_pickle`.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from ckptd.errors import ValidationFailed
+from ckptd.model import Reason
+
+
+def _names(module: str, names: Iterable[str], suffix: str = "") -> set[str]:
+    return {f"{module}.{n}{suffix}" for n in names}
+
+
+_DTYPES = (
+    (
+        "bfloat16 bits16 bits1x8 bits2x4 bits4x2 bits8 bool complex128 complex32 complex64 float16"
+        " float32 float4_e2m1fn_x2 float64 float8_e4m3fn float8_e4m3fnuz float8_e5m2"
+        " float8_e5m2fnuz float8_e8m0fnu int8 int16 int32 int64 qint32 qint8 quint2x4 quint4x2"
+        " quint8 uint8 uint16 uint32 uint64"
+    ).split()
+    + [f"int{i}" for i in range(1, 8)]
+    + [f"uint{i}" for i in range(1, 8)]
+)
+_DENSE = "BFloat16 Bool Byte Char Double Float Half Int Long Short".split()
+_SPARSE = [t for t in _DENSE if t != "Bool"]
+_STORAGE = _DENSE + ["ComplexDouble", "ComplexFloat"]
+_QSTORAGE = "QInt32 QInt8 QUInt2x4 QUInt4x2 QUInt8".split()
+_QSCHEMES = (
+    "per_tensor_affine per_tensor_symmetric per_channel_affine per_channel_symmetric"
+    " per_channel_affine_float_qparams"
+).split()
+_REBUILD = (
+    "_rebuild_parameter _rebuild_parameter_with_state _rebuild_qtensor _rebuild_tensor"
+    " _rebuild_tensor_v2 _rebuild_tensor_v3 _rebuild_sparse_tensor"
+    " _rebuild_meta_tensor_no_storage _rebuild_nested_tensor _rebuild_wrapper_subclass"
+    " _rebuild_device_tensor_from_numpy _rebuild_device_tensor_from_cpu_tensor"
+).split()
+
+# What torch.load(weights_only=True) allows by default (torch/_weights_only_unpickler.py,
+# `_get_allowed_globals`); a test keeps this equal to the installed torch's list.
+TORCH_SAFE_GLOBALS: frozenset[str] = frozenset(
+    {
+        "collections.OrderedDict",
+        "collections.Counter",
+        "torch.nn.parameter.Parameter",
+        "torch.serialization._get_layout",
+        "torch.Size",
+        "torch.Tensor",
+        "torch.device",
+        "_codecs.encode",
+        "builtins.bytearray",
+        "builtins.set",
+        "builtins.complex",
+        "torch._tensor._rebuild_from_type_v2",
+        "torch.storage.TypedStorage",
+        "torch.storage.UntypedStorage",
+    }
+    | _names("torch", _DTYPES + _QSCHEMES)
+    | _names("torch", _DENSE, "Tensor")
+    | _names("torch.cuda", _DENSE, "Tensor")
+    | _names("torch.sparse", _SPARSE, "Tensor")
+    | _names("torch.cuda.sparse", _SPARSE, "Tensor")
+    | _names("torch", _STORAGE + _QSTORAGE, "Storage")
+    | _names("torch.cuda", _STORAGE, "Storage")
+    | _names("torch._utils", _REBUILD)
+)
+
+# Plain data beyond torch's default list: numpy arrays/scalars/dtypes (HF Trainer's
+# rng_state.pth, metrics saved as numpy scalars) and two harmless builtins. None of these runs
+# code named by the pickle; an object array's items are pickled inline and scanned like the rest.
+EXTRA_SAFE_GLOBALS: frozenset[str] = frozenset(
+    {
+        "builtins.frozenset",
+        "builtins.slice",
+        "numpy.ndarray",
+        "numpy.dtype",
+        "numpy.core.multiarray._reconstruct",
+        "numpy.core.multiarray.scalar",
+        "numpy._core.multiarray._reconstruct",
+        "numpy._core.multiarray.scalar",
+    }
+)
+
+SAFE_GLOBALS: frozenset[str] = TORCH_SAFE_GLOBALS | EXTRA_SAFE_GLOBALS
+
+# torch's legacy (pre-zip) format starts with a pickle of this number.
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PICKLES = 5  # magic, protocol version, sys info, the object, storage keys
+_PY2_STRINGS = {"STRING", "BINSTRING", "SHORT_BINSTRING"}
+_STRINGS = {"UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"} | _PY2_STRINGS
+# Opcodes that call something on the stack: the callee must be an allowed global.
+_CALLS = {"REDUCE": 2, "NEWOBJ": 2, "NEWOBJ_EX": 3}
+
+
+class _Mark:
+    """The MARK opcode's entry on the simulated stack."""
+
+
+_MARK = _Mark()
+_UNKNOWN = object()  # any value whose identity does not matter to safety
+
+
+@dataclass(frozen=True)
+class _Global:
+    name: str
+
+
+class _Unsafe(Exception):
+    pass
+
+
+def canonical_global(module: str, name: str) -> str:
+    """`module.name` with Python 2 names (written by protocol 0-2 pickles) mapped to Python 3."""
+    if (module, name) in NAME_MAPPING:
+        module, name = NAME_MAPPING[(module, name)]
+    elif module in IMPORT_MAPPING:
+        module = IMPORT_MAPPING[module]
+    return f"{module}.{name}"
+
+
+class _Machine:
+    """A stack machine over opcodes that keeps only what safety depends on: which values are
+    globals (and which), which are strings (STACK_GLOBAL's operands), and the memo."""
+
+    def __init__(self, allowed: frozenset[str]) -> None:
+        self.allowed = allowed
+        self.stack: list[object] = []
+        self.memo: dict[int, object] = {}
+        self.globals: set[str] = set()
+
+    def step(self, op: pickletools.OpcodeInfo, arg: object) -> None:
+        handler = getattr(self, f"_op_{op.name}", None)
+        if handler is not None:
+            handler(arg)
+        elif op.name in _CALLS:
+            self._call(op.name, _CALLS[op.name])
+        elif op.name in _STRINGS:
+            self.stack.append(arg if isinstance(arg, str) else _UNKNOWN)
+        elif op.name.startswith("EXT"):
+            raise _Unsafe(f"{op.name} loads a global through the extension registry")
+        else:
+            self._generic(op)
+
+    def _generic(self, op: pickletools.OpcodeInfo) -> None:
+        before = op.stack_before
+        if pickletools.markobject in before:
+            self._pop_mark()
+            before = before[: before.index(pickletools.markobject)]
+        self._pop(len(before))
+        self.stack.extend(_UNKNOWN for _ in op.stack_after)
+
+    def _pop(self, n: int) -> list[object]:
+        if n > len(self.stack) or any(v is _MARK for v in self.stack[len(self.stack) - n :]):
+            raise ValueError("stack underflow")
+        items = self.stack[len(self.stack) - n :]
+        del self.stack[len(self.stack) - n :]
+        return items
+
+    def _pop_mark(self) -> list[object]:
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i] is _MARK:
+                items = self.stack[i + 1 :]
+                del self.stack[i:]
+                return items
+        raise ValueError("no MARK on the stack")
+
+    def _check(self, full: str) -> _Global:
+        self.globals.add(full)
+        if full not in self.allowed:
+            raise _Unsafe(f"references {full}, which is not on the allow-list")
+        return _Global(full)
+
+    def _callee(self, value: object, how: str) -> None:
+        if not isinstance(value, _Global):
+            raise _Unsafe(f"{how} on a value that is not an allowed global")
+
+    def _call(self, name: str, arity: int) -> None:
+        items = self._pop(arity)
+        self._callee(items[0], name)
+        self.stack.append(_UNKNOWN)
+
+    def _op_MARK(self, arg: object) -> None:
+        self.stack.append(_MARK)
+
+    def _op_GLOBAL(self, arg: object) -> None:
+        module, _, name = str(arg).partition(" ")
+        self.stack.append(self._check(canonical_global(module, name)))
+
+    def _op_STACK_GLOBAL(self, arg: object) -> None:
+        module, name = self._pop(2)
+        if not (isinstance(module, str) and isinstance(name, str)):
+            raise _Unsafe("STACK_GLOBAL with a name that is not a plain string")
+        self.stack.append(self._check(canonical_global(module, name)))
+
+    def _op_INST(self, arg: object) -> None:
+        module, _, name = str(arg).partition(" ")
+        self._check(canonical_global(module, name))
+        self._pop_mark()
+        self.stack.append(_UNKNOWN)
+
+    def _op_OBJ(self, arg: object) -> None:
+        items = self._pop_mark()
+        if not items:
+            raise ValueError("OBJ without a class")
+        self._callee(items[0], "OBJ")
+        self.stack.append(_UNKNOWN)
+
+    def _op_BUILD(self, arg: object) -> None:
+        self._pop(1)
+        if not self.stack or isinstance(self.stack[-1], _Global):
+            # Setting state on a class or function would rewrite it in the loading process.
+            raise _Unsafe("BUILD on a global rather than on an object")
+        self.stack[-1] = _UNKNOWN
+
+    def _op_DUP(self, arg: object) -> None:
+        self.stack.append(self._pop(1)[0])
+        self.stack.append(self.stack[-1])
+
+    def _op_POP_MARK(self, arg: object) -> None:
+        self._pop_mark()
+
+    def _put(self, index: object) -> None:
+        if not self.stack or not isinstance(index, int):
+            raise ValueError("memo store with an empty stack")
+        self.memo[index] = self.stack[-1]
+
+    def _get(self, index: object) -> None:
+        if not isinstance(index, int) or index not in self.memo:
+            raise ValueError(f"memo key {index!r} was never stored")
+        self.stack.append(self.memo[index])
+
+    def _op_MEMOIZE(self, arg: object) -> None:
+        self._put(len(self.memo))
+
+    _op_PUT = _op_BINPUT = _op_LONG_BINPUT = _put
+    _op_GET = _op_BINGET = _op_LONG_BINGET = _get
+
+
+def scan_pickle(
+    source: bytes | BinaryIO, what: str = "pickle", allowed: frozenset[str] = SAFE_GLOBALS
+) -> frozenset[str]:
+    """Check one pickle (up to its STOP); return the globals it references.
+
+    Raises ValidationFailed: `unsafe_pickle` when it references a global outside `allowed`, calls
+    anything but an allowed global, or uses the extension registry; `bad_header` when its
+    opcodes do not parse. A file object is left just after the pickle's STOP.
+    """
+    machine = _Machine(allowed)
+    try:
+        for op, arg, _pos in pickletools.genops(source):
+            machine.step(op, arg)
+    except _Unsafe as exc:
+        raise ValidationFailed(Reason.UNSAFE_PICKLE, f"{what} {exc}", what) from None
+    except (ValueError, IndexError, KeyError, EOFError, UnicodeDecodeError) as exc:
+        raise ValidationFailed(
+            Reason.BAD_HEADER, f"{what} is not a valid pickle: {exc}", what
+        ) from None
+    return frozenset(machine.globals)
+
+
+def scan_torch_pickle_file(f: BinaryIO, what: str) -> frozenset[str]:
+    """Check a non-zip torch file (torch's legacy format: five pickles, then raw storages) or
+    a plain pickle file. Reads only the pickles, leaving the storage bytes alone."""
+    start = f.tell()
+    found = set(scan_pickle(f, what))
+    if not _is_legacy_magic(f, start):
+        return frozenset(found)
+    for _ in range(_LEGACY_PICKLES - 1):
+        found |= scan_pickle(f, what)
+    return frozenset(found)
+
+
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> object:
+        raise pickle.UnpicklingError("globals are not allowed here")
+
+
+def _is_legacy_magic(f: BinaryIO, start: int) -> bool:
+    end = f.tell()
+    if end - start > 64:  # the magic pickle is a dozen bytes; anything longer is not it
+        return False
+    f.seek(start)
+    head = f.read(end - start)
+    f.seek(end)
+    try:
+        return bool(_NoGlobals(io.BytesIO(head)).load() == LEGACY_MAGIC)
+    except Exception:  # untrusted bytes: any failure just means "not the magic number"
+        return False

@@ -1,0 +1,457 @@
+"""The validate stage: is one checkpoint complete, intact, safe to load and durable on disk?
+
+Cheapest checks first, then one read pass per file feeding the hash and the format's check;
+never unpickles with the full machinery. Knows nothing of the store, the pipeline or other stages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import posixpath
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptd import fileio
+from ckptd.errors import UnsafePath, ValidationFailed
+from ckptd.fileio import HASH_ALG, HashSink, Sink
+from ckptd.formats import dcpmeta, picklescan, safetensors, zipcheck
+from ckptd.model import CKPTD_DIR, Candidate, FileRecord, Reason, ValidationResult
+
+SinkFactory = Callable[[str], list[Sink]]
+
+_TORCH_EXTS = {".pt", ".pth", ".ckpt", ".pkl", ".pickle"}  # must be a torch zip or a pickle
+_MAYBE_TORCH_EXTS = _TORCH_EXTS | {".bin"}  # `.bin` is also used for raw binaries
+# Files that cannot be empty whatever the layout says.
+_PAYLOAD_EXTS = _MAYBE_TORCH_EXTS | {".safetensors", ".json", ".distcp"}
+_JSON_LIMIT = 64 << 20  # JSON files larger than this are hashed but not parsed
+_SCAN_BLOCK = 1 << 24  # elements checked for NaN/Inf at a time (bounded scratch memory)
+# torch.serialization.safe_globals edits process-wide state: one deep load at a time.
+_DEEP_LOCK = threading.Lock()
+
+
+@dataclass
+class _Member:
+    rel: str
+    path: Path
+    size: int
+    kind: str = "opaque"  # zip | pickle | safetensors | dcp_metadata | json | opaque
+    record: FileRecord | None = None
+    archives: list[zipcheck.ZipArchive] = field(default_factory=list)
+    st_header: safetensors.SafetensorsHeader | None = None
+
+
+def validate(
+    root_dir: Path,
+    cand: Candidate,
+    deep: bool = False,
+    extra_sinks: SinkFactory | None = None,
+) -> ValidationResult:
+    """Validate `cand`'s files under `root_dir`. Never raises for a bad checkpoint: the result
+    carries a machine-readable reason. `extra_sinks(rel)` adds sinks (a compressor, progress) to
+    each file's single read pass. `deep` also loads torch files and safetensors and rejects
+    NaN/Inf in floating tensors. Valid means every file was also fsynced."""
+    if cand.invalid_reason:
+        return ValidationResult(False, cand.invalid_reason, cand.invalid_message)
+    run = _Run(Path(root_dir), cand, deep, extra_sinks)
+    try:
+        run.check()
+    except ValidationFailed as exc:
+        return ValidationResult(
+            False, str(exc.reason), exc.message, run.records(), dict(cand.metrics)
+        )
+    return ValidationResult(True, "", "", run.records(), dict(cand.metrics))
+
+
+def validate_file(path: Path, deep: bool = False) -> ValidationResult:
+    """Validate one file, or a directory taken as one checkpoint made of every file under it."""
+    path = Path(os.path.abspath(path))
+    if not path.is_dir():
+        path = path.resolve()  # the user named this file; follow a link they gave us
+        cand = Candidate("file", -1, path.name, (path.name,), complete=True)
+        return validate(path.parent, cand, deep)
+    files = tuple(sorted(_files_under(path.parent, path)))
+    return validate(path.parent, Candidate("dir", -1, path.name, files, complete=True), deep)
+
+
+def _files_under(root: Path, top: Path) -> Iterator[str]:
+    for dirpath, dirs, names in os.walk(top):
+        dirs[:] = [d for d in dirs if d != CKPTD_DIR]
+        for n in names:
+            yield Path(dirpath, n).relative_to(root).as_posix()
+
+
+class _Run:
+    """One validation of one candidate; raises ValidationFailed at the first problem."""
+
+    def __init__(
+        self, root: Path, cand: Candidate, deep: bool, extra_sinks: SinkFactory | None
+    ) -> None:
+        self.root, self.cand, self.deep = root, cand, deep
+        self.extra_sinks = extra_sinks or (lambda rel: [])
+        self.members: list[_Member] = []
+        self.dcp_ranges: dict[str, tuple[tuple[int, int], ...]] = {}
+
+    def records(self) -> tuple[FileRecord, ...]:
+        return tuple(m.record for m in self.members if m.record is not None)
+
+    def check(self) -> None:
+        try:
+            self._check()
+        except UnsafePath as exc:
+            raise ValidationFailed(Reason.UNSAFE_PATH, str(exc)) from None
+        except FileNotFoundError as exc:
+            raise ValidationFailed(Reason.MISSING_FILE, f"{exc.filename}: vanished") from None
+        except OSError as exc:
+            raise ValidationFailed(Reason.IO_ERROR, f"{exc.filename}: {exc}") from None
+
+    def _check(self) -> None:
+        rels = dict.fromkeys([*self.cand.files, *self.cand.expected_sizes, *self.cand.min_sizes])
+        if not rels:
+            raise ValidationFailed(Reason.MISSING_FILE, f"{self.cand.path}: no files")
+        self.members = [self._stat(rel) for rel in rels]
+        for m in self.members:
+            self._check_size(m)
+        for m in self.members:
+            m.kind = _kind(m.rel, _head(m.path) if m.size else b"")
+        for m in sorted(self.members, key=_pass_order):
+            self._read(m)
+        self._check_dcp_items()
+        if self.deep:
+            for m in self.members:
+                _deep_scan(m)
+        self._fsync()
+
+    # --- cheap checks --------------------------------------------------------------------
+
+    def _stat(self, rel: str) -> _Member:
+        path = fileio.safe_join(self.root, rel)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise ValidationFailed(Reason.MISSING_FILE, f"{rel} is missing", rel) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ValidationFailed(Reason.MISSING_FILE, f"{rel} is not a regular file", rel)
+        return _Member(rel, path, st.st_size)
+
+    def _check_size(self, m: _Member) -> None:
+        expected = self.cand.expected_sizes.get(m.rel)
+        least = self.cand.min_sizes.get(m.rel, 0)
+        if m.size == 0 and (_expects_payload(m.rel) or expected or least):
+            raise ValidationFailed(Reason.EMPTY_FILE, f"{m.rel} is empty", m.rel)
+        if expected is not None and m.size != expected:
+            raise ValidationFailed(
+                Reason.SIZE_MISMATCH, f"{m.rel} has {m.size} bytes, expected {expected}", m.rel
+            )
+        if m.size < least:
+            raise ValidationFailed(
+                Reason.TRUNCATED, f"{m.rel} has {m.size} bytes, needs at least {least}", m.rel
+            )
+
+    # --- the read pass -------------------------------------------------------------------
+
+    def _read(self, m: _Member) -> None:
+        hasher = HashSink()
+        fmt, after = self._format_sinks(m)
+        size = fileio.read_pass(m.path, [hasher, *fmt, *self.extra_sinks(m.rel)])
+        if size != m.size:
+            raise ValidationFailed(Reason.CHANGED, f"{m.rel} changed while validated", m.rel)
+        m.record = FileRecord(m.rel, size, hasher.digest, HASH_ALG)
+        after()
+
+    def _format_sinks(self, m: _Member) -> tuple[list[Sink], Callable[[], None]]:
+        if m.kind == "zip":
+            return self._zip_sinks(m)
+        if m.kind == "safetensors":
+            sink = safetensors.SafetensorsSink(m.rel)
+
+            def keep_header() -> None:
+                m.st_header = sink.header
+
+            return [sink], keep_header
+        if m.kind == "pickle":
+            return [], lambda: _scan_pickle_file(m)
+        if m.kind == "dcp_metadata":
+            meta = _CaptureSink(dcpmeta.MAX_METADATA_BYTES)
+            return [meta], lambda: self._dcp_metadata(m, meta)
+        if m.kind == "json":
+            doc = _CaptureSink(_JSON_LIMIT)
+            return [doc], lambda: _parse_json(m, doc)
+        return [], lambda: None
+
+    def _zip_sinks(self, m: _Member) -> tuple[list[Sink], Callable[[], None]]:
+        def scan(entry: zipcheck.ZipEntry, data: bytes) -> None:
+            picklescan.scan_pickle(data, f"{m.rel}:{entry.name}")
+
+        sink = zipcheck.ZipCrcSink.for_file(m.path, on_capture=scan)
+        m.archives = sink.archives
+        if _is_torch_name(m.rel) and not all(map(_is_torch_archive, m.archives)):
+            raise ValidationFailed(Reason.BAD_HEADER, f"{m.rel}: a zip without data.pkl", m.rel)
+
+        def after() -> None:
+            for entry in sink.uncaptured:  # too big to keep from the pass: read it again
+                with zipcheck.open_stored_member(m.path, entry) as f:
+                    picklescan.scan_pickle(f, f"{m.rel}:{entry.name}")
+                fileio.drop_cache(m.path)
+
+        return [sink], after
+
+    def _dcp_metadata(self, m: _Member, capture: _CaptureSink) -> None:
+        if capture.overflow:
+            raise ValidationFailed(Reason.BAD_METADATA, f"{m.rel} is too large to parse", m.rel)
+        meta = dcpmeta.parse_dcp_metadata(bytes(capture.data), m.rel)
+        base = posixpath.dirname(m.rel)
+        for name, least in sorted(meta.references.items()):
+            rel = posixpath.join(base, name)
+            size = self._size_of(rel)
+            if size < least:
+                raise ValidationFailed(
+                    Reason.TRUNCATED,
+                    f"{rel} has {size} bytes; {m.rel} references {least}",
+                    rel,
+                )
+            if name not in meta.transformed:
+                self.dcp_ranges[rel] = meta.ranges[name]
+
+    def _size_of(self, rel: str) -> int:
+        for m in self.members:
+            if m.rel == rel:
+                return m.size
+        try:
+            return os.stat(fileio.safe_join(self.root, rel)).st_size
+        except FileNotFoundError:
+            raise ValidationFailed(Reason.MISSING_FILE, f"{rel} is missing", rel) from None
+
+    def _check_dcp_items(self) -> None:
+        """Each item DCP wrote into a zip-framed data file must be exactly one torch archive;
+        a mismatch means the metadata describes other data than the files hold."""
+        for m in self.members:
+            ranges = self.dcp_ranges.get(m.rel)
+            if m.kind != "zip" or not ranges:
+                continue
+            bounds = {(a.start, a.end - a.start) for a in m.archives}
+            for offset, length in ranges:
+                if (offset, length) not in bounds:
+                    raise ValidationFailed(
+                        Reason.BAD_METADATA,
+                        f"{m.rel}: bytes {offset}+{length} named by .metadata are not one archive",
+                        m.rel,
+                    )
+
+    def _fsync(self) -> None:
+        # The files, and every directory from theirs up to the root: a checkpoint directory
+        # created moments ago is not durable until its parent's entry for it is.
+        dirs: dict[Path, None] = {}
+        for m in self.members:
+            fileio.fsync_file(m.path)
+            parts = m.rel.split("/")[:-1]
+            for i in range(len(parts), -1, -1):
+                dirs[self.root.joinpath(*parts[:i])] = None
+        for d in dirs:
+            fileio.fsync_dir(d)
+
+
+def _pass_order(m: _Member) -> tuple[int, int]:
+    # Small metadata first: a broken `.metadata` or meta.json fails before gigabytes are read.
+    return (0 if m.kind in ("dcp_metadata", "json") else 1, m.size)
+
+
+def _is_torch_name(rel: str) -> bool:
+    return posixpath.splitext(rel)[1].lower() in _MAYBE_TORCH_EXTS | {".distcp"}
+
+
+def _expects_payload(rel: str) -> bool:
+    name = posixpath.basename(rel)
+    return name == ".metadata" or posixpath.splitext(name)[1].lower() in _PAYLOAD_EXTS
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(8)
+
+
+def _kind(rel: str, head: bytes) -> str:
+    name = posixpath.basename(rel)
+    ext = posixpath.splitext(name)[1].lower()
+    if ext == ".safetensors":
+        return "safetensors"
+    if name == ".metadata":
+        return "dcp_metadata"
+    if ext == ".json":
+        return "json"
+    if zipcheck.is_zip_magic(head):
+        return "zip"
+    if ext in _MAYBE_TORCH_EXTS and head[:1] == b"\x80":
+        return "pickle"
+    if ext in _TORCH_EXTS and head:
+        raise ValidationFailed(Reason.BAD_HEADER, f"{rel} is neither a torch zip nor a pickle", rel)
+    return "opaque"
+
+
+def _scan_pickle_file(m: _Member) -> None:
+    # A second read, of the pickles only (a legacy file's storages follow them, unread).
+    with open(m.path, "rb") as f:
+        picklescan.scan_torch_pickle_file(f, m.rel)
+    fileio.drop_cache(m.path)
+
+
+class _CaptureSink:
+    """Keeps a small file's bytes from the pass (JSON, DCP metadata), up to a limit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.data = bytearray()
+        self.overflow = False
+
+    def update(self, offset: int, view: memoryview) -> None:
+        if not self.overflow:
+            if len(self.data) + len(view) > self.limit:
+                self.overflow, self.data = True, bytearray()
+            else:
+                self.data += view
+
+    def finish(self, total: int) -> None:
+        pass
+
+
+def _parse_json(m: _Member, capture: _CaptureSink) -> None:
+    if capture.overflow:
+        return
+    try:
+        json.loads(bytes(capture.data))
+    except (ValueError, RecursionError) as exc:
+        raise ValidationFailed(
+            Reason.BAD_METADATA, f"{m.rel} is not valid JSON: {exc}", m.rel
+        ) from None
+
+
+# --- deep: NaN/Inf ---------------------------------------------------------------------------
+
+
+def _deep_scan(m: _Member) -> None:
+    if m.kind == "zip" and len(m.archives) == 1 and _is_torch_archive(m.archives[0]):
+        try:
+            _scan_torch_file(m)
+        finally:
+            fileio.drop_cache(m.path)
+    elif m.kind == "safetensors" and m.st_header is not None:
+        try:
+            _scan_safetensors(m, m.st_header)
+        finally:
+            fileio.drop_cache(m.path)
+
+
+def _is_torch_archive(archive: zipcheck.ZipArchive) -> bool:
+    return any(zipcheck.is_pickle_member(e.name) for e in archive.entries)
+
+
+def _scan_torch_file(m: _Member) -> None:
+    import torch
+
+    try:
+        with _DEEP_LOCK, torch.serialization.safe_globals(_numpy_safe_globals()):
+            obj = torch.load(m.path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise ValidationFailed(Reason.UNSAFE_PICKLE, f"{m.rel}: {exc}", m.rel) from None
+    except Exception as exc:  # torch's loader reports corrupt input with assorted exceptions
+        raise ValidationFailed(
+            Reason.BAD_HEADER, f"{m.rel}: torch.load failed: {type(exc).__name__}: {exc}", m.rel
+        ) from None
+    for key, tensor in _tensors(obj):
+        if _has_nonfinite(tensor):
+            raise ValidationFailed(Reason.NAN, f"{m.rel}: tensor {key} has NaN/Inf values", m.rel)
+
+
+def _numpy_safe_globals() -> list[Any]:
+    """picklescan.EXTRA_SAFE_GLOBALS as objects, for torch's weights-only loader."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    out: list[Any] = [np.ndarray, np.dtype, frozenset, slice]
+    # torch's loader also checks the class of what BUILD sets state on: each dtype's class.
+    out += [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        out += [(core.multiarray._reconstruct, f"{mod}._reconstruct")]
+        out += [(core.multiarray.scalar, f"{mod}.scalar")]
+    return out
+
+
+def _tensors(obj: Any) -> Iterator[tuple[str, Any]]:
+    """(dotted key, tensor) for every tensor in nested dicts/lists/tuples, depth-first in order.
+    Iterative and cycle-safe: the structure comes from the checkpoint."""
+    import torch
+
+    stack: list[tuple[str, Any]] = [("", obj)]
+    seen: set[int] = set()
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            yield key or "<root>", value
+            continue
+        if id(value) in seen or not isinstance(value, dict | list | tuple):
+            continue
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        children = [(f"{key}.{k}" if key else str(k), v) for k, v in items]
+        stack.extend(reversed(children))
+
+
+def _has_nonfinite(t: Any) -> bool:
+    import torch
+
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        return False
+    if not (t.is_floating_point() or t.is_complex()):
+        return False
+    return any(not bool(torch.isfinite(block).all()) for block in _blocks(t.detach()))
+
+
+def _blocks(t: Any) -> Iterator[Any]:
+    """Contiguous pieces of `t` of at most _SCAN_BLOCK elements, copying as little as it can."""
+    if t.is_contiguous() or t.dim() <= 1:
+        flat = t.reshape(-1)
+        for start in range(0, flat.numel(), _SCAN_BLOCK):
+            yield flat[start : start + _SCAN_BLOCK]
+    else:
+        for row in t:
+            yield from _blocks(row)
+
+
+_FLOAT_VIEWS = {"F16": "<f2", "F32": "<f4", "F64": "<f8"}
+
+
+def _scan_safetensors(m: _Member, header: safetensors.SafetensorsHeader) -> None:
+    import numpy as np
+
+    if header.data_size == 0:
+        return
+    data = np.memmap(m.path, np.uint8, "r", header.data_start, (header.data_size,))
+    try:
+        for t in header.tensors:
+            if _st_nonfinite(data[t.begin : t.end], t.dtype):
+                raise ValidationFailed(
+                    Reason.NAN, f"{m.rel}: tensor {t.name} has NaN/Inf values", m.rel
+                )
+    finally:
+        del data
+
+
+def _st_nonfinite(raw: Any, dtype: str) -> bool:
+    import numpy as np
+
+    step = _SCAN_BLOCK * 8
+    for lo in range(0, len(raw), step):
+        block = raw[lo : lo + step]
+        if dtype in _FLOAT_VIEWS:
+            if not np.isfinite(block.view(_FLOAT_VIEWS[dtype])).all():
+                return True
+        elif dtype == "BF16":
+            # bfloat16 is NaN/Inf exactly when its 8 exponent bits are all ones.
+            if ((block.view("<u2") & 0x7F80) == 0x7F80).any():
+                return True
+    return False

@@ -1,0 +1,194 @@
+"""fileio: the single streaming read pass, atomic writes, and safe joins under a root."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from ckptd import fileio
+from ckptd.errors import UnsafePath, ValidationFailed
+
+
+class Recorder:
+    """A sink that remembers every (offset, length) it saw and which buffer held it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.buffers: set[int] = set()
+        self.data = bytearray()
+        self.finished: int | None = None
+
+    def update(self, offset: int, view: memoryview) -> None:
+        self.calls.append((offset, len(view)))
+        self.buffers.add(id(view.obj))
+        self.data += view
+
+    def finish(self, total: int) -> None:
+        self.finished = total
+
+
+def _file(tmp_path: Path, size: int, name: str = "f.bin") -> Path:
+    p = tmp_path / name
+    p.write_bytes(os.urandom(size))
+    return p
+
+
+@pytest.mark.parametrize("size,chunk", [(0, 16), (1, 16), (1000, 7), (4096, 4096), (10_000, 1024)])
+def test_read_pass_sees_each_byte_once_in_order(tmp_path: Path, size: int, chunk: int) -> None:
+    p = _file(tmp_path, size)
+    a, b = Recorder(), Recorder()
+    assert fileio.read_pass(p, [a, b], chunk_size=chunk) == size
+    expected_offset = 0
+    for offset, length in a.calls:  # contiguous, no overlap, no gap, never over one chunk
+        assert offset == expected_offset and 0 < length <= chunk
+        expected_offset += length
+    assert expected_offset == size
+    assert a.calls == b.calls and bytes(a.data) == bytes(b.data) == p.read_bytes()
+    assert a.finished == b.finished == size
+
+
+def test_read_pass_reuses_one_buffer(tmp_path: Path) -> None:
+    p = _file(tmp_path, 50_000)
+    rec = Recorder()
+    fileio.read_pass(p, [rec], chunk_size=1000)
+    assert len(rec.calls) == 50 and len(rec.buffers) == 1
+
+
+def test_hash_sink_is_xxh3_128_of_the_content(tmp_path: Path) -> None:
+    p = _file(tmp_path, 123_457)
+    h = fileio.HashSink()
+    fileio.read_pass(p, [h], chunk_size=4096)
+    assert h.digest == xxhash.xxh3_128(p.read_bytes()).hexdigest()
+    assert h.size == 123_457 and fileio.HASH_ALG == "xxh3-128" == h.alg
+
+
+class Grower:
+    """A sink that appends to the file it is reading: a writer racing the pass."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def update(self, offset: int, view: memoryview) -> None:
+        if offset == 0:
+            with open(self.path, "ab") as f:
+                f.write(b"more")
+
+    def finish(self, total: int) -> None:
+        raise AssertionError("finish must not be called for a file that changed")
+
+
+def test_read_pass_detects_a_file_growing_during_the_pass(tmp_path: Path) -> None:
+    p = _file(tmp_path, 10_000)
+    with pytest.raises(ValidationFailed) as err:
+        fileio.read_pass(p, [Grower(p)], chunk_size=100_000)
+    assert err.value.reason == "changed"
+
+
+class Shrinker(Grower):
+    def update(self, offset: int, view: memoryview) -> None:
+        if offset == 0:
+            os.truncate(self.path, 10)
+
+
+def test_read_pass_detects_a_file_shrinking_during_the_pass(tmp_path: Path) -> None:
+    p = _file(tmp_path, 10_000)
+    with pytest.raises(ValidationFailed) as err:
+        fileio.read_pass(p, [Shrinker(p)], chunk_size=1000)
+    assert err.value.reason == "changed"
+
+
+def test_read_pass_missing_file_is_oserror(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        fileio.read_pass(tmp_path / "nope", [])
+
+
+@pytest.mark.skipif(shutil.which("fincore") is None, reason="needs util-linux fincore")
+def test_read_pass_leaves_no_pages_in_cache(tmp_path: Path) -> None:
+    p = _file(tmp_path, 4 << 20)
+    os.sync()  # dirty pages cannot be dropped; make them clean first
+    fileio.read_pass(p, [fileio.HashSink()], chunk_size=1 << 20)
+    out = subprocess.run(["fincore", "-nb", "-o", "RES", str(p)], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"fincore failed: {out.stderr}")
+    assert int(out.stdout.split()[0]) < (1 << 20)
+
+
+# --- atomic writes -------------------------------------------------------------------------
+
+
+def test_atomic_write_bytes_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
+    target = tmp_path / "latest.json"
+    target.write_text("old")
+    fileio.atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["latest.json"]
+
+
+def test_atomic_write_json_round_trips(tmp_path: Path) -> None:
+    import json
+
+    target = tmp_path / "x.json"
+    fileio.atomic_write_json(target, {"step": 3, "path": "a/b"})
+    assert json.loads(target.read_text()) == {"step": 3, "path": "a/b"}
+
+
+def test_temp_names_carry_the_recovery_prefix(tmp_path: Path) -> None:
+    t = fileio.temp_name(tmp_path / "latest.json")
+    assert t.parent == tmp_path and t.name.startswith(fileio.TEMP_PREFIX)
+    assert "latest.json" in t.name and t != fileio.temp_name(tmp_path / "latest.json")
+
+
+def test_atomic_write_into_missing_dir_fails_cleanly(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        fileio.atomic_write_bytes(tmp_path / "no" / "x", b"1")
+
+
+def test_fsync_helpers_accept_files_and_dirs(tmp_path: Path) -> None:
+    p = _file(tmp_path, 10)
+    fileio.fsync_file(p)
+    fileio.fsync_dir(tmp_path)
+
+
+# --- safe_join -----------------------------------------------------------------------------
+
+
+def test_safe_join_plain_and_nested(tmp_path: Path) -> None:
+    assert fileio.safe_join(tmp_path, "a/b.pt") == tmp_path / "a" / "b.pt"
+    assert fileio.safe_join(tmp_path, "./a/../c") == tmp_path / "c"
+
+
+@pytest.mark.parametrize("rel", ["/etc/passwd", "..", "../x", "a/../../x", "", "a\x00b"])
+def test_safe_join_refuses_escapes(tmp_path: Path, rel: str) -> None:
+    with pytest.raises(UnsafePath):
+        fileio.safe_join(tmp_path, rel)
+
+
+def test_safe_join_refuses_symlinks_out_of_root(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "secret").write_text("x")
+    (root / "file_link").symlink_to(outside / "secret")
+    (root / "dir_link").symlink_to(outside)
+    for rel in ("file_link", "dir_link/secret", "dir_link"):
+        with pytest.raises(UnsafePath):
+            fileio.safe_join(root, rel)
+
+
+def test_safe_join_allows_symlinks_inside_root(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "w.pt").write_text("x")
+    (tmp_path / "alias").symlink_to(tmp_path / "real")
+    assert fileio.safe_join(tmp_path, "alias/w.pt").read_text() == "x"
+
+
+def test_safe_join_refuses_symlink_loops(tmp_path: Path) -> None:
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(UnsafePath):
+        fileio.safe_join(tmp_path, "a/x")

@@ -1,0 +1,347 @@
+"""Format checkers on real torch-written files: zip CRCs, pickle scanning, safetensors framing,
+DCP metadata through the restricted unpickler."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import writers
+
+from ckptd.errors import ValidationFailed
+from ckptd.fileio import read_pass
+from ckptd.formats import dcpmeta, picklescan, safetensors, zipcheck
+
+
+def _zip_check(path: Path, chunk: int = 1 << 20) -> zipcheck.ZipCrcSink:
+    sink = zipcheck.ZipCrcSink.for_file(path)
+    read_pass(path, [sink], chunk_size=chunk)
+    return sink
+
+
+def _reason(fn: object, *args: object, **kw: object) -> str:
+    with pytest.raises(ValidationFailed) as err:
+        fn(*args, **kw)  # type: ignore[operator]
+    return str(err.value.reason)
+
+
+# --- zip ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 13, 4096, 1 << 20])
+def test_zip_torch_file_passes_at_any_chunk_size(tmp_path: Path, chunk: int) -> None:
+    p = writers.save_torch(tmp_path / "m.pt")
+    sink = _zip_check(p, chunk)
+    with zipfile.ZipFile(p) as z:
+        assert sink.members_checked == len(z.infolist())
+    [(entry, data)] = sink.captured
+    assert entry.name.endswith("/data.pkl") and data == zipfile.ZipFile(p).read(entry.name)
+
+
+def test_zip_flipped_tensor_byte_is_crc_mismatch_though_torch_load_works(tmp_path: Path) -> None:
+    p = writers.save_torch(tmp_path / "m.pt")
+    offset, size = writers.member_data_offset(p, "/data/0")
+    writers.flip_byte(p, offset + size // 2)
+    torch.load(p, weights_only=True)  # torch does not notice
+    assert _reason(_zip_check, p) == "crc_mismatch"
+
+
+def test_zip_truncated_is_truncated(tmp_path: Path) -> None:
+    p = writers.save_torch(tmp_path / "m.pt")
+    writers.truncate(p, p.stat().st_size // 2)
+    assert _reason(zipcheck.ZipCrcSink.for_file, p) == "truncated"
+
+
+def test_zip_garbage_and_bad_directory_are_bad_header(tmp_path: Path) -> None:
+    garbage = tmp_path / "g.pt"
+    garbage.write_bytes(b"not a zip at all" * 100)
+    assert _reason(zipcheck.ZipCrcSink.for_file, garbage) == "bad_header"
+    p = writers.save_torch(tmp_path / "m.pt")
+    with zipfile.ZipFile(p) as z:
+        cd_offset = z.start_dir
+    writers.flip_byte(p, cd_offset)  # central directory signature
+    assert _reason(zipcheck.ZipCrcSink.for_file, p) == "bad_header"
+
+
+def test_zip_prepended_junk_is_bad_header(tmp_path: Path) -> None:
+    p = writers.save_torch(tmp_path / "m.pt")
+    p.write_bytes(b"JUNK" * 10 + p.read_bytes())
+    assert _reason(zipcheck.ZipCrcSink.for_file, p) == "bad_header"
+
+
+def test_zip_directory_pointing_past_the_data_is_truncated(tmp_path: Path) -> None:
+    p = tmp_path / "z.zip"
+    with zipfile.ZipFile(p, "w") as z:
+        z.writestr("a", b"x" * 1000)
+        z.writestr("b", b"y" * 10)
+    raw = bytearray(p.read_bytes())
+    with zipfile.ZipFile(p) as z:
+        cd = z.start_dir
+    # Directory entry of "a": claim a bigger compressed/uncompressed size than is there.
+    raw[cd + 20 : cd + 28] = (5000).to_bytes(4, "little") * 2
+    p.write_bytes(bytes(raw))
+    assert _reason(_zip_check, p) == "truncated"
+
+
+def test_zip_deflated_members_are_inflated_and_checked(tmp_path: Path) -> None:
+    p = tmp_path / "d.zip"
+    payload = bytes(range(256)) * 4000
+    with zipfile.ZipFile(p, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("x/data.pkl", pickle.dumps({"a": 1}, protocol=2))
+        z.writestr("x/data/0", payload)
+    assert _zip_check(p, 999).members_checked == 2
+    offset, size = writers.member_data_offset(p, "data/0")
+    writers.flip_byte(p, offset + size // 2)
+    assert _reason(_zip_check, p) in {"crc_mismatch", "size_mismatch"}
+
+
+def test_zip64_records_are_understood(tmp_path: Path) -> None:
+    p = tmp_path / "z64.zip"
+    with zipfile.ZipFile(p, "w") as z:
+        for i in range(3):
+            with z.open(f"m{i}", "w", force_zip64=True) as f:
+                f.write(bytes([i]) * 5000)
+    old = zipfile.ZIP64_LIMIT
+    # Make the stdlib write zip64 directory fields for small files.
+    zipfile.ZIP64_LIMIT = 100  # type: ignore[misc]
+    try:
+        with zipfile.ZipFile(p, "a") as z:
+            z.writestr("last", b"z" * 200)
+    finally:
+        zipfile.ZIP64_LIMIT = old  # type: ignore[misc]
+    assert b"PK\x06\x06" in p.read_bytes()
+    assert _zip_check(p, 777).members_checked == 4
+
+
+def test_concatenated_archives_are_each_checked(tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    for i in range(3):
+        torch.save({"t": torch.full((10,), float(i))}, buf)
+    p = tmp_path / "__0_0.distcp"
+    p.write_bytes(buf.getvalue())
+    sink = _zip_check(p, 100)
+    assert len(sink.archives) == 3 and len(sink.captured) == 3
+    assert sink.archives[0].start == 0 and sink.archives[-1].end == p.stat().st_size
+
+
+def test_zip_members_and_read_member(tmp_path: Path) -> None:
+    p = writers.save_torch(tmp_path / "m.pt")
+    members = zipcheck.zip_members(p)
+    with zipfile.ZipFile(p) as z:
+        assert [m.name for m in members] == [i.filename for i in z.infolist()]
+        pkl = next(m for m in members if m.name.endswith("data.pkl"))
+        assert zipcheck.read_member(p, pkl.name) == z.read(pkl.name)
+        assert p.read_bytes()[pkl.offset : pkl.offset + pkl.size] == z.read(pkl.name)
+    assert _reason(zipcheck.read_member, p, pkl.name, max_size=10) == "bad_header"
+    with zipcheck.open_stored_member(p, zipcheck.find_entry(p, pkl.name)) as f:
+        assert f.read() == zipfile.ZipFile(p).read(pkl.name)
+
+
+# --- pickles -----------------------------------------------------------------------------------
+
+
+def test_allow_list_matches_torch_weights_only(tmp_path: Path) -> None:
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    assert set(_get_allowed_globals()) == set(picklescan.TORCH_SAFE_GLOBALS)
+
+
+def _data_pkl(path: Path) -> bytes:
+    with zipfile.ZipFile(path) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+
+
+def test_state_dict_pickle_is_safe(tmp_path: Path) -> None:
+    p = writers.save_torch(tmp_path / "m.pt")
+    found = picklescan.scan_pickle(_data_pkl(p), "m.pt")
+    assert "torch._utils._rebuild_tensor_v2" in found and found <= picklescan.SAFE_GLOBALS
+
+
+def test_numpy_data_is_safe(tmp_path: Path) -> None:
+    state = {"rng": np.random.get_state(), "metric": np.float64(0.5), "dt": np.dtype("f4")}
+    p = writers.save_torch(tmp_path / "rng.pt", state)
+    picklescan.scan_pickle(_data_pkl(p))
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_os_system_payload_is_unsafe(tmp_path: Path, protocol: int) -> None:
+    marker = tmp_path / "pwned"
+    p = tmp_path / "evil.pt"
+    torch.save(writers.hostile_state(writers.RunsShell(f"touch {marker}")), p,
+               pickle_protocol=protocol)
+    with pytest.raises(ValidationFailed) as err:
+        picklescan.scan_pickle(_data_pkl(p), "evil.pt")
+    assert err.value.reason == "unsafe_pickle" and "system" in err.value.message
+    assert not marker.exists()
+
+
+def test_exec_payload_is_unsafe(tmp_path: Path) -> None:
+    data = pickle.dumps(writers.RunsExec("open('x','w')"), protocol=2)
+    assert _reason(picklescan.scan_pickle, data) == "unsafe_pickle"
+
+
+def test_call_on_a_non_global_is_unsafe() -> None:
+    # REDUCE whose callee is the result of another call, not a named allowed global.
+    data = b"\x80\x02cbuiltins\nset\n)R)R."
+    assert _reason(picklescan.scan_pickle, data) == "unsafe_pickle"
+
+
+def test_stack_global_names_from_the_memo_are_resolved() -> None:
+    ok = pickle.dumps(frozenset({1}), protocol=4)  # STACK_GLOBAL builtins.frozenset
+    picklescan.scan_pickle(ok)
+    evil = b"\x80\x04\x8c\x02os\x94\x8c\x06system\x94h\x00h\x01\x93\x8c\x02id\x85R."
+    assert _reason(picklescan.scan_pickle, evil) == "unsafe_pickle"
+
+
+def test_build_on_a_global_is_unsafe() -> None:
+    # Setting state on a class would patch it in the process that loads the file.
+    assert _reason(picklescan.scan_pickle, b"\x80\x02ccollections\nOrderedDict\n}b.") == (
+        "unsafe_pickle"
+    )
+
+
+def test_big_data_pkl_is_scanned_from_the_file(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    p = tmp_path / "evil.pt"
+    torch.save(writers.hostile_state(writers.RunsShell(f"touch {marker}")), p)
+    sink = zipcheck.ZipCrcSink(str(p), zipcheck.read_archives(p), capture_limit=10)
+    read_pass(p, [sink])
+    [entry] = sink.uncaptured
+    assert not sink.captured
+    with zipcheck.open_stored_member(p, entry) as f:
+        assert _reason(picklescan.scan_pickle, f) == "unsafe_pickle"
+    assert not marker.exists()
+
+
+def test_extension_registry_is_unsafe() -> None:
+    assert _reason(picklescan.scan_pickle, b"\x80\x02\x82\x01)R.") == "unsafe_pickle"
+
+
+@pytest.mark.parametrize("data", [b"", b"\x80\x02}q\x00(", b"\xff\xfe garbage", b"\x80\x02h\x09."])
+def test_broken_pickles_are_bad_header(data: bytes) -> None:
+    assert _reason(picklescan.scan_pickle, data) == "bad_header"
+
+
+def test_legacy_torch_files_are_scanned(tmp_path: Path) -> None:
+    good = writers.save_torch(tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    with open(good, "rb") as f:
+        assert "torch._utils._rebuild_tensor_v2" in picklescan.scan_torch_pickle_file(f, "old")
+    marker = tmp_path / "pwned"
+    evil = writers.save_torch(
+        tmp_path / "evil.pt", writers.hostile_state(writers.RunsShell(f"touch {marker}")),
+        _use_new_zipfile_serialization=False,
+    )
+    with open(evil, "rb") as f:
+        assert _reason(picklescan.scan_torch_pickle_file, f, "evil") == "unsafe_pickle"
+    assert not marker.exists()
+
+
+# --- safetensors -------------------------------------------------------------------------------
+
+
+def _st_check(path: Path, chunk: int = 1 << 20) -> safetensors.SafetensorsSink:
+    sink = safetensors.SafetensorsSink(str(path))
+    read_pass(path, [sink], chunk_size=chunk)
+    return sink
+
+
+def _tensors() -> dict[str, np.ndarray]:
+    return {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, np.float16),
+            "steps": np.arange(3, dtype=np.int64)}
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 1 << 20])
+def test_safetensors_passes(tmp_path: Path, chunk: int) -> None:
+    p = writers.write_safetensors(tmp_path / "m.safetensors", _tensors(), {"format": "pt"})
+    sink = _st_check(p, chunk)
+    assert sink.header is not None
+    assert [t.name for t in sink.header.tensors] == ["w", "b", "steps"]
+    assert sink.header.metadata == {"format": "pt"}
+
+
+def test_safetensors_truncated_or_padded(tmp_path: Path) -> None:
+    p = writers.write_safetensors(tmp_path / "m.safetensors", _tensors())
+    size = p.stat().st_size
+    with open(p, "ab") as f:
+        f.write(b"\0")
+    assert _reason(_st_check, p) == "size_mismatch"
+    writers.truncate(p, size - 1)
+    assert _reason(_st_check, p) == "truncated"
+    writers.truncate(p, 20)
+    assert _reason(_st_check, p) == "truncated"
+    writers.truncate(p, 3)
+    assert _reason(_st_check, p) == "truncated"
+
+
+def test_safetensors_bad_headers(tmp_path: Path) -> None:
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(len(b"{not json").to_bytes(8, "little") + b"{not json")
+    assert _reason(_st_check, p) == "bad_header"
+    p.write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
+    assert _reason(_st_check, p) == "bad_header"
+    gap = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}
+    p.write_bytes(writers.st_header_bytes(gap) + b"\0" * 8)
+    assert _reason(_st_check, p) == "bad_header"
+    overlap = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+               "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}
+    p.write_bytes(writers.st_header_bytes(overlap) + b"\0" * 8)
+    assert _reason(_st_check, p) == "bad_header"
+    unknown = {"a": {"dtype": "F33", "shape": [1], "data_offsets": [0, 4]}}
+    p.write_bytes(writers.st_header_bytes(unknown) + b"\0" * 4)
+    assert _reason(_st_check, p) == "bad_header"
+
+
+def test_safetensors_shape_disagreeing_with_offsets_is_size_mismatch(tmp_path: Path) -> None:
+    p = tmp_path / "x.safetensors"
+    wrong = {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}
+    p.write_bytes(writers.st_header_bytes(wrong) + b"\0" * 8)
+    assert _reason(_st_check, p) == "size_mismatch"
+
+
+# --- DCP metadata ------------------------------------------------------------------------------
+
+
+def test_dcp_metadata_of_a_real_save(tmp_path: Path) -> None:
+    d = writers.save_dcp(tmp_path / "ckpt")
+    data = (d / ".metadata").read_bytes()
+    assert data[:2] == b"\x80\x04"  # torch 2.13 writes a bare protocol-4 pickle, no prefix
+    meta = dcpmeta.parse_dcp_metadata(data)
+    files = sorted(p.name for p in d.iterdir() if p.suffix == ".distcp")
+    assert sorted(meta.references) == files
+    for name, least in meta.references.items():
+        assert least == (d / name).stat().st_size
+    assert meta.version == "1.0.0" and meta.entries > 10 and not meta.transformed
+
+
+def test_dcp_metadata_malicious_pickle_is_unsafe_and_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    data = pickle.dumps(writers.RunsShell(f"touch {marker}"), protocol=4)
+    assert _reason(dcpmeta.parse_dcp_metadata, data) == "unsafe_pickle"
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("data", [b"", b"garbage", pickle.dumps({"a": 1}), pickle.dumps([1, 2])])
+def test_dcp_metadata_unparsable_or_wrong_shape_is_bad_metadata(data: bytes) -> None:
+    assert _reason(dcpmeta.parse_dcp_metadata, data) == "bad_metadata"
+
+
+def test_dcp_metadata_build_on_a_stand_in_leaves_later_parses_alone(tmp_path: Path) -> None:
+    # BUILD on the torch.Size stand-in (a function): sets attributes on that parse's copy only.
+    hostile = b"\x80\x04\x8c\x05torch\x8c\x04Size\x93}\x8c\x01aK\x01sb."
+    assert _reason(dcpmeta.parse_dcp_metadata, hostile) == "bad_metadata"
+    d = writers.save_dcp(tmp_path / "ckpt")
+    assert dcpmeta.parse_dcp_metadata((d / ".metadata").read_bytes()).entries > 10
+
+
+def test_dcp_metadata_path_escape_is_unsafe_path() -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    md = Metadata(state_dict_metadata={},
+                  storage_data={MetadataIndex("x"): _StorageInfo("../../etc/passwd", 0, 10)})
+    assert _reason(dcpmeta.parse_dcp_metadata, pickle.dumps(md)) == "unsafe_path"

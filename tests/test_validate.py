@@ -1,0 +1,268 @@
+"""The validate stage on real torch-written checkpoints, intact and damaged."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import writers
+import xxhash
+
+from ckptd.model import Candidate, ValidationResult
+from ckptd.stages.validate import validate, validate_file
+
+
+def _cand(*files: str, **kw: object) -> Candidate:
+    return Candidate("test", 1, files[0], tuple(files), complete=True, **kw)  # type: ignore[arg-type]
+
+
+def _invalid(res: ValidationResult, reason: str) -> None:
+    assert not res.valid, res
+    assert res.reason == reason, res
+    assert res.message
+
+
+@pytest.fixture(scope="module")
+def torch_file(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """The bytes of one real torch.save of a model + Adam state (written once per module)."""
+    return writers.save_torch(tmp_path_factory.mktemp("src") / "m.pt").read_bytes()
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    r = tmp_path / "root"
+    r.mkdir()
+    return r
+
+
+def test_valid_torch_file_gets_size_and_hash(root: Path, torch_file: bytes) -> None:
+    (root / "step_1.pt").write_bytes(torch_file)
+    res = validate(root, _cand("step_1.pt", metrics={"loss": 1.5}))
+    assert res.valid and res.reason == "" and res.metrics == {"loss": 1.5}
+    [rec] = res.files
+    assert (rec.path, rec.size, rec.hash_alg) == ("step_1.pt", len(torch_file), "xxh3-128")
+    assert rec.hash == xxhash.xxh3_128(torch_file).hexdigest()
+
+
+def test_flipped_tensor_byte_is_crc_mismatch(root: Path, torch_file: bytes) -> None:
+    p = root / "step_1.pt"
+    p.write_bytes(torch_file)
+    offset, size = writers.member_data_offset(p, "/data/1")
+    writers.flip_byte(p, offset + size - 1)
+    torch.load(p, weights_only=True, mmap=True)  # loads fine: only the CRC catches it
+    res = validate(root, _cand("step_1.pt"))
+    _invalid(res, "crc_mismatch")
+    assert "data/1" in res.message
+
+
+def test_truncated_empty_and_garbage(root: Path, torch_file: bytes) -> None:
+    (root / "cut.pt").write_bytes(torch_file[: len(torch_file) - 100])
+    _invalid(validate(root, _cand("cut.pt")), "truncated")
+    (root / "empty.pt").write_bytes(b"")
+    _invalid(validate(root, _cand("empty.pt")), "empty_file")
+    (root / "garbage.pt").write_bytes(os.urandom(1000).replace(b"\x80", b"\x00"))
+    _invalid(validate(root, _cand("garbage.pt")), "bad_header")
+
+
+def test_presence_and_sizes_come_first(root: Path, torch_file: bytes) -> None:
+    (root / "a.pt").write_bytes(torch_file)
+    _invalid(validate(root, _cand("a.pt", "b.pt")), "missing_file")
+    n = len(torch_file)
+    _invalid(validate(root, _cand("a.pt", expected_sizes={"a.pt": n + 1})), "size_mismatch")
+    _invalid(validate(root, _cand("a.pt", min_sizes={"a.pt": n + 1})), "truncated")
+    assert validate(root, _cand("a.pt", expected_sizes={"a.pt": n}, min_sizes={"a.pt": n})).valid
+    (root / "marker").write_bytes(b"")
+    assert validate(root, _cand("a.pt", "marker")).valid  # an empty file nobody expects bytes of
+    _invalid(validate(root, _cand("a.pt", "marker", min_sizes={"marker": 1})), "empty_file")
+
+
+def test_symlink_out_of_the_root_is_unsafe_path(root: Path, torch_file: bytes) -> None:
+    outside = root.parent / "outside.pt"
+    outside.write_bytes(torch_file)
+    (root / "step_1.pt").symlink_to(outside)
+    _invalid(validate(root, _cand("step_1.pt")), "unsafe_path")
+    _invalid(validate(root, _cand("../outside.pt")), "unsafe_path")
+
+
+def test_a_checkpoint_without_files_is_invalid(root: Path) -> None:
+    _invalid(validate(root, Candidate("test", 1, "x", (), complete=True)), "missing_file")
+
+
+def test_layouts_own_verdict_is_kept(root: Path) -> None:
+    res = validate(root, _cand("x", invalid_reason="bad_metadata", invalid_message="meta.json"))
+    _invalid(res, "bad_metadata")
+
+
+@pytest.mark.parametrize("payload", ["shell", "exec"])
+@pytest.mark.parametrize("deep", [False, True])
+def test_hostile_pickle_is_unsafe_and_never_runs(root: Path, payload: str, deep: bool) -> None:
+    marker = root.parent / "pwned"
+    obj = (writers.RunsShell(f"touch {marker}") if payload == "shell"
+           else writers.RunsExec(f"open({str(marker)!r}, 'w').close()"))
+    writers.save_torch(root / "step_1.pt", writers.hostile_state(obj))
+    res = validate(root, _cand("step_1.pt"), deep=deep)
+    _invalid(res, "unsafe_pickle")
+    assert not marker.exists()
+
+
+def test_deep_finds_nan_weights_and_names_the_tensor(root: Path) -> None:
+    state = writers.small_state()
+    state["model"]["2.bias"][1] = float("nan")
+    writers.save_torch(root / "step_1.pt", state)
+    assert validate(root, _cand("step_1.pt")).valid  # shallow checks cannot see NaN
+    res = validate(root, _cand("step_1.pt"), deep=True)
+    _invalid(res, "nan")
+    assert "step_1.pt" in res.message and "model.2.bias" in res.message
+
+
+def test_deep_passes_clean_checkpoints_with_numpy_and_bf16(root: Path) -> None:
+    state = writers.small_state()
+    state["extra"]["rng"] = np.random.get_state()
+    state["extra"]["bf16"] = torch.randn(4, 4).to(torch.bfloat16).t()  # non-contiguous too
+    writers.save_torch(root / "step_1.pt", state)
+    assert validate(root, _cand("step_1.pt"), deep=True).valid
+    state["extra"]["bf16"][0, 0] = float("inf")
+    writers.save_torch(root / "step_2.pt", state)
+    _invalid(validate(root, _cand("step_2.pt"), deep=True), "nan")
+
+
+def test_legacy_torch_format(root: Path) -> None:
+    writers.save_torch(root / "old.pt", _use_new_zipfile_serialization=False)
+    assert validate(root, _cand("old.pt"), deep=True).valid
+
+
+# --- DCP -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dcp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return writers.save_dcp(tmp_path_factory.mktemp("dcp") / "step-5")
+
+
+def _dcp_copy(root: Path, src: Path) -> Candidate:
+    (root / "step-5").mkdir()
+    files = []
+    for p in sorted(src.iterdir()):
+        (root / "step-5" / p.name).write_bytes(p.read_bytes())
+        files.append(f"step-5/{p.name}")
+    return Candidate("dcp", 5, "step-5", tuple(files), complete=True)
+
+
+def test_dcp_checkpoint_is_valid(root: Path, dcp_dir: Path) -> None:
+    res = validate(root, _dcp_copy(root, dcp_dir))
+    assert res.valid, res
+    assert {f.path for f in res.files} == {f"step-5/{p.name}" for p in dcp_dir.iterdir()}
+
+
+def test_dcp_flipped_byte_in_data_is_crc_mismatch(root: Path, dcp_dir: Path) -> None:
+    cand = _dcp_copy(root, dcp_dir)
+    data = root / "step-5" / "__0_0.distcp"
+    writers.flip_byte(data, data.stat().st_size // 2)
+    _invalid(validate(root, cand), "crc_mismatch")
+
+
+def test_dcp_data_shorter_than_referenced_is_truncated(root: Path, dcp_dir: Path) -> None:
+    cand = _dcp_copy(root, dcp_dir)
+    data = root / "step-5" / "__0_0.distcp"
+    writers.truncate(data, data.stat().st_size - 1)
+    res = validate(root, cand)
+    _invalid(res, "truncated")
+
+
+def test_dcp_metadata_swapped_for_a_hostile_pickle(root: Path, dcp_dir: Path) -> None:
+    import pickle
+
+    cand = _dcp_copy(root, dcp_dir)
+    marker = root.parent / "pwned"
+    (root / "step-5" / ".metadata").write_bytes(
+        pickle.dumps(writers.RunsShell(f"touch {marker}"), protocol=4))
+    _invalid(validate(root, cand, deep=True), "unsafe_pickle")
+    assert not marker.exists()
+
+
+def test_dcp_metadata_of_another_save_is_caught(root: Path, dcp_dir: Path) -> None:
+    cand = _dcp_copy(root, dcp_dir)
+    # Fewer items: every range fits inside the data file, but not on its archive boundaries.
+    other = writers.save_dcp(root.parent / "other", {"model": writers.small_state()["model"]})
+    (root / "step-5" / ".metadata").write_bytes((other / ".metadata").read_bytes())
+    _invalid(validate(root, cand), "bad_metadata")
+
+
+# --- safetensors, JSON ---------------------------------------------------------------------
+
+
+def test_safetensors_valid_broken_and_deep(root: Path) -> None:
+    w = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+    writers.write_safetensors(root / "model.safetensors", {"w": w, "b": np.zeros(3, np.float16)})
+    assert validate(root, _cand("model.safetensors"), deep=True).valid
+    w[3, 3] = np.nan
+    writers.write_safetensors(root / "nan.safetensors", {"w": w})
+    assert validate(root, _cand("nan.safetensors")).valid
+    res = validate(root, _cand("nan.safetensors"), deep=True)
+    _invalid(res, "nan")
+    assert "tensor w" in res.message
+    bf16_inf = np.array([0x3F80, 0x7F80], dtype=np.uint16)  # 1.0, +inf
+    writers.write_safetensors(root / "bf.safetensors", {"x": bf16_inf}, dtypes={"x": "BF16"})
+    _invalid(validate(root, _cand("bf.safetensors"), deep=True), "nan")
+    writers.truncate(root / "model.safetensors", 100)
+    _invalid(validate(root, _cand("model.safetensors")), "truncated")
+
+
+def test_json_files_must_parse(root: Path, torch_file: bytes) -> None:
+    (root / "step-1").mkdir()
+    (root / "step-1" / "model.pt").write_bytes(torch_file)
+    (root / "step-1" / "meta.json").write_text(json.dumps({"step": 1}))
+    cand = _cand("step-1/meta.json", "step-1/model.pt")
+    assert validate(root, cand).valid
+    (root / "step-1" / "meta.json").write_text('{"step": 1')
+    _invalid(validate(root, cand), "bad_metadata")
+    (root / "step-1" / "meta.json").write_text("[" * 100_000 + "]" * 100_000)
+    _invalid(validate(root, cand), "bad_metadata")
+
+
+def test_torch_named_zip_without_a_pickle_is_bad_header(root: Path) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(root / "step_1.pt", "w") as z:
+        z.writestr("readme.txt", "not a checkpoint")
+    _invalid(validate(root, _cand("step_1.pt")), "bad_header")
+
+
+# --- one pass, extra sinks ------------------------------------------------------------------
+
+
+class Counter:
+    """An extra sink, as the compress stage plugs in: counts what the single pass delivers."""
+
+    def __init__(self, log: dict[str, list[tuple[int, int]]], rel: str) -> None:
+        self.log, self.rel = log, rel
+
+    def update(self, offset: int, view: memoryview) -> None:
+        self.log.setdefault(self.rel, []).append((offset, len(view)))
+
+    def finish(self, total: int) -> None:
+        self.log.setdefault(self.rel, []).append((total, -1))
+
+
+def test_each_file_is_read_once_and_shared_with_extra_sinks(root: Path, dcp_dir: Path) -> None:
+    cand = _dcp_copy(root, dcp_dir)
+    log: dict[str, list[tuple[int, int]]] = {}
+    res = validate(root, cand, extra_sinks=lambda rel: [Counter(log, rel)])
+    assert res.valid
+    for rec in res.files:
+        calls = log[rec.path]
+        assert calls[-1] == (rec.size, -1)  # finished once, with the size
+        offsets = [o for o, _ in calls[:-1]]
+        assert offsets == sorted(set(offsets))  # each offset once, in order
+        assert sum(n for _, n in calls[:-1]) == rec.size
+
+
+def test_validate_file_on_a_file_and_a_dir(root: Path, torch_file: bytes, dcp_dir: Path) -> None:
+    (root / "x.pt").write_bytes(torch_file)
+    assert validate_file(root / "x.pt").valid
+    assert validate_file(dcp_dir).valid
+    _invalid(validate_file(root / "nope.pt"), "missing_file")
