@@ -171,9 +171,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ckptd.daemon import Daemon
     from ckptd.log import configure
 
+    path = _config_path(args)
     cfg = _load_config(args, required=True)
     configure(cfg.daemon.log_format, cfg.daemon.log_level)
-    return Daemon(cfg).run()
+    return Daemon(cfg, path).run()
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import threading
 import time
@@ -15,11 +16,12 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from ckptd import fileio
+from ckptd import fileio, sdnotify
 from ckptd.api import ApiContext, RootView, UnixHttpServer, bind_socket
-from ckptd.config import Config, RootConfig
-from ckptd.errors import StateLocked
+from ckptd.config import Config, RootConfig, load_config
+from ckptd.errors import ConfigError, StateLocked
 from ckptd.log import get_logger
+from ckptd.metrics import Metrics
 from ckptd.model import CKPTD_DIR
 from ckptd.changes import Changes
 from ckptd.pipeline import LatestPublisher, Pipeline, RootRuntime
@@ -28,6 +30,9 @@ from ckptd.watch import EventWatcher, OpenFiles, RootScanner
 
 STOP_GRACE_S = 20.0
 DEBOUNCE_S = 0.1
+# A stage worker that has read no byte for this long counts as stuck (the watchdog stops).
+STALL_LIMIT_S = 300.0
+STATUS_EVERY_S = 10.0
 
 
 class StateDirLock:
@@ -59,8 +64,9 @@ class StateDirLock:
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, config_path: Path | None = None) -> None:
         self.config = config
+        self.config_path = config_path
         self.log = get_logger()
         self.lock = StateDirLock(config.daemon.state_dir)
         self.store: Store | None = None
@@ -75,6 +81,14 @@ class Daemon:
         self.pipeline: Pipeline | None = None
         self.ctx: ApiContext | None = None
         self.ready = threading.Event()
+        self.notifier = sdnotify.Notifier.from_env(
+            unset=True, on_error=lambda m: self.log.warning("sd_notify_failed", error=m))
+        self.watchdog = sdnotify.ProgressWatchdog.from_env(self.notifier)
+        self.metrics = Metrics()
+        self.metrics_server: Any = None
+        self._socket_inherited = False
+        self._scan_beat = time.monotonic()
+        self._signals: list[int] = []  # appended by handlers, handled by the main loop
 
     # -- views of the config -----------------------------------------------------------------
 
@@ -108,14 +122,31 @@ class Daemon:
                                  cfg.daemon.workers, on_resave=self.wake_scan)
         self.ctx = ApiContext(self.store, self._views, self.changes, self.wake_scan,
                               self._in_flight)
-        sock = bind_socket(cfg.daemon.socket, cfg.daemon.socket_group)
+        self.ctx.metrics_text = self._render_metrics
+        sock = self._listen_socket()
         self.server = UnixHttpServer(sock, self.ctx)
+        if cfg.metrics.listen:
+            self.metrics_server = self.metrics.serve_tcp(cfg.metrics.listen)
         self.pipeline.start()
         self._spawn(self.server.serve_forever, "ckptd-api")
         self._spawn(self._scan_loop, "ckptd-scan")
         self.ready.set()
         self.log.info("daemon_ready", socket=str(cfg.daemon.socket),
-                      roots=[r.name for r in cfg.roots], pid=os.getpid())
+                      roots=[r.name for r in cfg.roots], pid=os.getpid(),
+                      socket_activated=self._socket_inherited)
+        self.notifier.ready(status=self.summary())
+
+    def _listen_socket(self) -> Any:
+        """The inherited socket under socket activation (LISTEN_FDS), else our own."""
+        cfg = self.config.daemon
+        inherited = sdnotify.unix_listener(sdnotify.listen_fds())
+        if inherited is None:
+            return bind_socket(cfg.socket, cfg.socket_group)
+        self._socket_inherited = True
+        name = inherited.getsockname()
+        if str(name) != str(cfg.socket):
+            self.log.warning("socket_mismatch", inherited=str(name), configured=str(cfg.socket))
+        return inherited
 
     def _spawn(self, fn: Any, name: str) -> None:
         t = threading.Thread(target=fn, name=name, daemon=True)
@@ -143,23 +174,101 @@ class Daemon:
         """Serve until SIGTERM/SIGINT; then stop gracefully. Returns the exit code."""
         self._install_signals()
         self.start()
+        last_status = 0.0
         while not self._stop.wait(1.0):
-            pass
+            self._handle_signals()
+            self.watchdog.beat(self.healthy())
+            if time.monotonic() - last_status >= STATUS_EVERY_S:
+                last_status = time.monotonic()
+                self.notifier.status(self.summary())
+        self._handle_signals()
         self.stop()
         return 0
 
     def _install_signals(self) -> None:
-        def on_stop(signum: int, frame: FrameType | None) -> None:
-            self.log.info("daemon_stopping", signal=signal.Signals(signum).name)
-            self._stop.set()
+        # Handlers only record the signal: logging or locking inside a handler can deadlock
+        # when the signal lands while the main thread holds the same lock.
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self._signals.append(signum)
+            if signum in (signal.SIGTERM, signal.SIGINT):
+                self._stop.set()
 
-        signal.signal(signal.SIGTERM, on_stop)
-        signal.signal(signal.SIGINT, on_stop)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, on_signal)
+
+    def _handle_signals(self) -> None:
+        while self._signals:
+            signum = self._signals.pop(0)
+            if signum == signal.SIGHUP:
+                self.reload()
+            else:
+                self.log.info("daemon_stopping", signal=signal.Signals(signum).name)
+
+    def healthy(self) -> bool:
+        """The scan loop is turning and no stage worker is stuck: what the watchdog vouches."""
+        scan_ok = time.monotonic() - self._scan_beat < 2 * self.config.daemon.scan_interval + 60
+        stalled = self.pipeline.stalled(time.time(), STALL_LIMIT_S) if self.pipeline else []
+        if stalled:
+            self.log.warning("worker_stalled", workers=stalled)
+        return scan_ok and not stalled
+
+    def summary(self) -> str:
+        if self.store is None:
+            return "starting"
+        parts = []
+        for root in self.config.roots:
+            latest = self.store.latest(root.name)
+            parts.append(f"{root.name} latest {latest.step if latest else '-'}"
+                         f" queue {self.store.queue_length(root.name)}")
+        return "; ".join(parts) or "no roots"
+
+    # -- reload ------------------------------------------------------------------------------
+
+    def reload(self) -> bool:
+        """Re-read and validate the config; a bad one is refused and the old one keeps running.
+        Roots added, removed or changed take effect without losing state or in-flight work."""
+        self.notifier.reloading()
+        ok = False
+        try:
+            if self.config_path is None:
+                raise ConfigError("the daemon was not started from a config file")
+            new = load_config(self.config_path)
+            self._apply(new)
+            ok = True
+        except ConfigError as exc:
+            self.log.error("config_reload_rejected", error=str(exc))
+        finally:
+            self.metrics.reloaded(ok, time.time())
+            self.notifier.ready(status=self.summary())
+        return ok
+
+    def _apply(self, new: Config) -> None:
+        old = self.config
+        for key in ("state_dir", "socket", "socket_group"):
+            if getattr(old.daemon, key) != getattr(new.daemon, key):
+                self.log.warning("config_needs_restart", key=f"daemon.{key}")
+        old_roots = {r.name: r for r in old.roots}
+        new_roots = {r.name: r for r in new.roots}
+        assert self.watcher is not None
+        for name, r in old_roots.items():
+            if name not in new_roots or new_roots[name].path != r.path:
+                self.watcher.unwatch(r.path)
+                self._scanners.pop(name, None)
+                self.metrics.remove_root(name)
+        self.config = new
+        for name, r in new_roots.items():
+            if name not in self._scanners or old_roots[name] != r:
+                self._add_root(r)
+        added = sorted(set(new_roots) - set(old_roots))
+        removed = sorted(set(old_roots) - set(new_roots))
+        self.log.info("config_reloaded", roots=sorted(new_roots), added=added, removed=removed)
+        self.wake_scan()
 
     def request_stop(self) -> None:
         self._stop.set()
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
+        self.notifier.stopping()
         if self.ctx is not None:
             self.ctx.stopping.set()
         self._stop.set()
@@ -171,10 +280,13 @@ class Daemon:
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
-            try:
-                os.unlink(self.config.daemon.socket)
-            except OSError:
-                pass
+            if not self._socket_inherited:  # an inherited socket belongs to systemd's unit
+                try:
+                    os.unlink(self.config.daemon.socket)
+                except OSError:
+                    pass
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         if self.watcher is not None:
             self.watcher.stop()
         if self.store is not None and finished:
@@ -190,6 +302,7 @@ class Daemon:
     def _scan_loop(self) -> None:
         interval = self.config.daemon.scan_interval
         while not self._stop.is_set():
+            self._scan_beat = time.monotonic()
             wait = interval
             if self._pending_roots:
                 # Something is settling: look again soon instead of a full interval later.
@@ -202,6 +315,7 @@ class Daemon:
             try:
                 self.scan_all()
             except Exception as exc:  # a scan bug must not kill the loop
+                self.metrics.error("scan")
                 self.log.error("scan_failed", error=str(exc), exc_info=True)
 
     def scan_all(self) -> None:
@@ -233,10 +347,27 @@ class Daemon:
         if any(ch.event == "checkpoint_vanished" for ch in changes) and self.pipeline:
             self.pipeline.publisher.publish(self._runtimes()[root.name])
 
+    def _render_metrics(self) -> str:
+        if self.store is not None:
+            for root in self.config.roots:
+                latest = self.store.latest(root.name)
+                self.metrics.set_root(
+                    root.name, counts=self.store.counts(root.name),
+                    queue=self.store.queue_length(root.name),
+                    disk_free=_disk_free(root.path), latest=latest.step if latest else None)
+        return self.metrics.render()
+
     def _in_flight(self) -> list[dict[str, Any]]:
         if self.pipeline is None:
             return []
         return [p.as_json() for p in list(self.pipeline.inflight.values())]
+
+
+def _disk_free(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def _remove_stale_temps(directory: Path) -> int:
