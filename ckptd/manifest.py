@@ -1,0 +1,104 @@
+"""The checkpoint manifest (format `ckptd-manifest/1`): what a stored copy of one step holds.
+
+The same document commits a step remotely (`<url>/<root>/step-<N>/MANIFEST.json`, written last)
+and describes a local compressed copy (`<root>/.ckptd/objects/step-<N>/MANIFEST.json`), so
+restore needs neither the daemon nor its store. Pure data and JSON; no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from ckptd.errors import CorruptData
+
+FORMAT = "ckptd-manifest/1"
+MANIFEST_NAME = "MANIFEST.json"
+LATEST_NAME = "LATEST"
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """One original file and its stored object. `key` is the object's name relative to the
+    step's prefix (`<path><codec suffix>`); `size`/`hash` describe the original bytes."""
+
+    path: str
+    size: int
+    hash: str
+    hash_alg: str
+    codec: str
+    stored_size: int
+    key: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "hash": self.hash,
+                "hash_alg": self.hash_alg, "codec": self.codec,
+                "stored_size": self.stored_size, "key": self.key}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    root: str
+    step: int
+    layout: str
+    files: tuple[StoredFile, ...]
+    created: str = field(default_factory=lambda: rfc3339_now())
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def stored_size(self) -> int:
+        return sum(f.stored_size for f in self.files)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "root": self.root, "step": self.step, "layout": self.layout,
+                "created": self.created, "metrics": dict(self.metrics),
+                "files": [f.as_json() for f in self.files]}
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.as_json(), indent=1, sort_keys=True).encode() + b"\n"
+
+
+def step_prefix(root: str, step: int) -> str:
+    """The key prefix of one step under the remote URL: `<root>/step-<N>`."""
+    return f"{root}/step-{step}"
+
+
+def rfc3339_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
+    """Parse and check a manifest; raises CorruptData naming what is wrong."""
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise CorruptData(f"{where}: not JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CorruptData(f"{where}: not a {FORMAT} manifest")
+    try:
+        files = tuple(_file(f) for f in doc["files"])
+        step = doc["step"]
+        if not isinstance(step, int) or step < 0:
+            raise ValueError("step")
+        return Manifest(root=str(doc["root"]), step=step, layout=str(doc["layout"]),
+                        files=files, created=str(doc["created"]),
+                        metrics={str(k): float(v) for k, v in (doc.get("metrics") or {}).items()})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptData(f"{where}: malformed manifest ({exc})") from exc
+
+
+def _file(f: Any) -> StoredFile:
+    path, key = str(f["path"]), str(f["key"])
+    for p in (path, key):
+        parts = p.split("/")
+        if p.startswith("/") or any(x in ("", ".", "..") for x in parts):
+            raise ValueError(f"unsafe path {p!r}")
+    return StoredFile(path=path, size=int(f["size"]), hash=str(f["hash"]),
+                      hash_alg=str(f["hash_alg"]), codec=str(f["codec"]),
+                      stored_size=int(f["stored_size"]), key=key)
