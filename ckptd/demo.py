@@ -7,6 +7,7 @@ corrupted), and shows `ckptd status` / `ckptd ls` as the pipeline goes. Ends wit
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptd.client import Client
+from ckptd.client import Client, ClientError
 
 DEMO_DIR = Path(".demo")
 EXAMPLE = Path("config.example.toml")
@@ -78,9 +79,17 @@ def _reset(cfg: Any) -> None:
 
 
 def _echo_daemon(proc: subprocess.Popen[str]) -> None:
+    """Show the daemon's JSON log lines as one short line per event."""
     assert proc.stdout is not None
     for line in proc.stdout:
-        print(f"  [daemon] {line.rstrip()}")
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            print(f"  [daemon] {line.rstrip()}")
+            continue
+        keys = " ".join(f"{k}={v}" for k, v in ev.items()
+                        if k not in ("event", "level", "timestamp") and v is not None)
+        print(f"  [daemon] {ev.get('event', '?')} {keys}")
 
 
 def _wait_ready(client: Client, proc: subprocess.Popen[str], timeout: float = 30.0) -> bool:
@@ -88,8 +97,11 @@ def _wait_ready(client: Client, proc: subprocess.Popen[str], timeout: float = 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        if client.health() is not None:
-            return True
+        try:
+            if client.request("GET", "/v1/health")[0] == 200:
+                return True
+        except ClientError:
+            pass  # not listening yet
         time.sleep(0.2)
     return False
 
@@ -111,7 +123,7 @@ def _train(native_root: Any, single_root: Any, client: Client, config_path: Path
         opt.step()
         if step % SAVE_EVERY:
             continue
-        val = float(loss)
+        val = loss.item()
         print(f"\n== step {step}: loss {val:.4f}; saving")
         ct.save(native_root.path, step, model=model, optimizer=opt, metrics={"val_loss": val},
                 root_name=native_root.name, client=client)
