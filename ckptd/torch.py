@@ -16,6 +16,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -138,7 +139,8 @@ def _save_dist(tmp: Path, final: Path, rank: int, world: int, parts: list[Part],
     _write_marker(tmp, rank, "", _write_parts(tmp, rank, parts))
     dist.barrier()
     if rank == 0:
-        _commit(tmp, final, head, _collect(tmp, world, "", time.monotonic()))
+        # Markers are there after the barrier; the grace covers slow directory caches (NFS).
+        _commit(tmp, final, head, _collect(tmp, world, "", time.monotonic() + 60))
     dist.barrier()  # every rank returns a path that exists
 
 
@@ -331,10 +333,12 @@ def load(
     return int(meta["step"]), meta
 
 
+@dataclass(frozen=True)
 class _LoadOpts:
-    def __init__(self, map_location: Any, strict: bool, upcast: bool, assign: bool) -> None:
-        self.map_location, self.strict, self.upcast, self.assign = (
-            map_location, strict, upcast, assign)
+    map_location: Any
+    strict: bool
+    upcast: bool
+    assign: bool
 
 
 class _NativeReader:
@@ -359,7 +363,8 @@ class _NativeReader:
 def _apply(obj: Stateful, state: Callable[[bool], Any] | None, component: str, where: Path,
            opts: _LoadOpts) -> None:
     if state is None:
-        raise NotFound(f"{where} holds no {component} state (was it saved with {component}=?)")
+        raise NotFound(f"{where} holds no {component} state for this rank (saved without "
+                       f"{component}=, or by a different number of ranks)")
     if not isinstance(obj, torch.nn.Module):
         obj.load_state_dict(state(False))
         return
@@ -407,12 +412,16 @@ def _legacy_states(path: Path, map_location: Any) -> tuple[dict[str, Any], dict[
     for component, keys in _LEGACY_KEYS.items():
         key = next((k for k in keys if isinstance(obj.get(k), dict)), None)
         if key is not None:
-            states[component] = (lambda v: lambda _mmap: v)(obj[key])
+            states[component] = _given(obj[key])
             used.add(key)
     extra = {k: v for k, v in obj.items() if k not in used}
     meta = {"format": "legacy", "step": _legacy_step(path, obj), "path": str(path),
             "metrics": {}, "config": {}, "extra": extra}
     return states, meta
+
+
+def _given(value: Any) -> Callable[[bool], Any]:
+    return lambda _mmap: value  # already in memory: a legacy file loads in one piece
 
 
 def _legacy_step(path: Path, obj: Mapping[str, Any]) -> int:
