@@ -1,0 +1,562 @@
+"""The prune stage: carries out a retention plan's deletes after re-checking the safety nets.
+
+Owns crash-safe local deletion (rename into `<root>/.ckptd/trash`, then removal) and remote deletes
+through a function it is given. Never imports the store, the pipeline or another stage; never
+follows a symlink; never compresses (compress items come back as `deferred`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from stat import S_ISDIR, S_ISLNK, S_ISREG
+from typing import Any, Literal
+
+from ckptd import fileio
+from ckptd.backends import Backend
+from ckptd.errors import StorageError
+from ckptd.log import get_logger
+from ckptd.manifest import step_prefix
+from ckptd.model import CKPTD_DIR, Local, Remote
+from ckptd.policy.retention import Action, Plan, PlanItem, Tag
+
+TRASH_DIR = "trash"  # <root>/.ckptd/trash: same filesystem as the checkpoints, so renames work
+JOURNAL_NAME = "journal.json"
+DATA_NAME = "data"  # <entry>/data/<root-relative path> of every moved name
+_FORMAT = "ckptd-trash/1"
+_MOVING, _TRASHED = "moving", "trashed"
+
+TierName = Literal["local", "remote"]
+OutcomeAction = Literal["deleted", "trashed", "refused", "deferred", "failed"]
+DeleteStep = Callable[[Backend, str, int], None]
+OnTrashed = Callable[[int, Path], None]
+
+# Refusal tags beyond the planner's vocabulary.
+UNSAFE_PATH = "unsafe_path"  # outside the root, absolute, climbing, or ckptd's own files
+SYMLINK = "symlink"  # a symlinked checkpoint directory, or a parent link leaving the root
+NOT_ON_DISK = "not_on_disk"  # the store says the local copy is already gone
+NO_TARGET = "no_target"  # the caller passed no (or a mismatched) Target for a planned step
+
+
+@dataclass(frozen=True)
+class Target:
+    """One checkpoint's local copy as the store knows it now. `path` is the root-relative anchor
+    (its directory, or its main file); `files` are the root-relative member files. For a local
+    compressed copy, pass its directory (e.g. `.ckptd/objects/step-<N>`) with `is_dir=True`.
+    `remote` is informational: the nets read `Guards.remote_verified`."""
+
+    step: int
+    path: str
+    files: tuple[str, ...]
+    local: Local
+    remote: Remote
+    is_dir: bool
+
+
+@dataclass(frozen=True)
+class Guards:
+    """Facts the safety nets check, read from the store right before executing (not the plan).
+
+    `invalid`: steps the store holds invalid; they are never uploaded, so the not-uploaded net
+    does not keep them (every other net still does)."""
+
+    latest_step: int | None
+    best_step: int | None
+    pinned: frozenset[int]
+    in_use: frozenset[int]
+    remote_verified: frozenset[int]
+    upload_configured: bool
+    invalid: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one tier's copy of one step; the pipeline records it in the store."""
+
+    step: int
+    tier: TierName
+    action: OutcomeAction
+    reason: str
+    bytes_freed: int = 0
+
+
+@dataclass(frozen=True)
+class TrashRecord:
+    """A checkpoint moved into the trash: record it as trashed, then `purge` (or `restore`) it.
+
+    `root` is the root's resolved path; `moved` the root-relative names that now live under
+    `entry/data/` (the anchor directory, or each member file); `bytes` their regular-file size."""
+
+    step: int
+    root: Path
+    entry: Path
+    moved: tuple[str, ...]
+    bytes: int
+
+
+class _Refusal(Exception):
+    def __init__(self, tag: str, detail: str = "") -> None:
+        super().__init__(f"{tag}: {detail}" if detail else tag)
+        self.reason = str(self)
+
+
+# --- the plan, carried out -------------------------------------------------------------------
+
+
+def execute_local(
+    root_dir: Path,
+    plan: Plan,
+    targets: Mapping[int, Target],
+    guards: Guards,
+    trash_dir: Path,
+    *,
+    on_trashed: OnTrashed | None = None,
+    root: str | None = None,
+) -> list[Outcome]:
+    """Every local delete of `plan`, oldest first, each through `trash` then `purge`.
+
+    `on_trashed(step, entry)` runs between the two so the store records "trashed" before any
+    byte is removed; if it raises, the checkpoint is put back and the outcome is `failed`.
+    Compress items come back as `deferred` (reason "compress") for the compress stage.
+    """
+    log = get_logger(root=root or Path(root_dir).name)
+    _trash_location(Path(root_dir).resolve(), trash_dir)  # a caller bug fails before any move
+    out: list[Outcome] = []
+    for item in plan.items:
+        if item.local is Action.COMPRESS:
+            out.append(Outcome(item.step, "local", "deferred", "compress"))
+        elif item.local is Action.DELETE:
+            target = targets.get(item.step)
+            out.append(_delete_local(root_dir, item, target, guards, trash_dir, on_trashed, log))
+    return out
+
+
+def execute_remote(
+    backend: Backend, root_name: str, plan: Plan, guards: Guards, delete_step: DeleteStep
+) -> list[Outcome]:
+    """Every remote delete of `plan`, oldest first, through `delete_step(backend, root, step)`
+    (which must remove the step's manifest before its data objects)."""
+    log = get_logger(root=root_name)
+    out: list[Outcome] = []
+    for item in plan.items:
+        if item.remote is Action.DELETE:
+            out.append(_delete_remote(backend, root_name, item, guards, delete_step, log))
+    return out
+
+
+def _delete_local(
+    root_dir: Path,
+    item: PlanItem,
+    target: Target | None,
+    guards: Guards,
+    trash_dir: Path,
+    on_trashed: OnTrashed | None,
+    log: Any,
+) -> Outcome:
+    if target is None or target.step != item.step:
+        return _refused(log, item.step, "local", _Refusal(NO_TARGET, "no record for this step"))
+    try:
+        got = trash(root_dir, target, guards, trash_dir, log=log)
+    except OSError as exc:
+        return _failed(log, item.step, "local", f"moving into the trash: {exc}")
+    if isinstance(got, Outcome):
+        return got
+    if on_trashed is not None:
+        try:
+            on_trashed(item.step, got.entry)
+        except Exception as exc:  # the store did not record it: disk must keep agreeing
+            return _put_back(log, got, exc)
+    try:
+        freed = purge(got)
+    except OSError as exc:
+        # Recorded as trashed already; purge_trash at the next start finishes it.
+        return _failed(log, item.step, "local", f"removing {got.entry}: {exc}")
+    return _pruned(log, item, "local", freed)
+
+
+def _put_back(log: Any, record: TrashRecord, cause: Exception) -> Outcome:
+    try:
+        restore(record)
+    except OSError as exc:
+        why = f"recording failed ({cause}); putting back failed too ({exc}), left in trash"
+        return _failed(log, record.step, "local", why)
+    return _failed(log, record.step, "local", f"recording failed ({cause}); put back")
+
+
+def _delete_remote(
+    backend: Backend,
+    root_name: str,
+    item: PlanItem,
+    guards: Guards,
+    delete_step: DeleteStep,
+    log: Any,
+) -> Outcome:
+    try:
+        _check_guards(item.step, "remote", guards)
+    except _Refusal as refusal:
+        return _refused(log, item.step, "remote", refusal)
+    size = _remote_bytes(backend, root_name, item.step)
+    try:
+        delete_step(backend, root_name, item.step)
+    except (StorageError, OSError) as exc:
+        return _failed(log, item.step, "remote", str(exc))
+    return _pruned(log, item, "remote", size)
+
+
+def _remote_bytes(backend: Backend, root_name: str, step: int) -> int:
+    """Stored size of a remote step, best effort: only a number for logs and metrics."""
+    try:
+        return sum(m.size for m in backend.list(step_prefix(root_name, step)))
+    except StorageError:
+        return 0
+
+
+# --- safety nets -----------------------------------------------------------------------------
+
+
+def _check_guards(step: int, tier: TierName, g: Guards) -> None:
+    """Raise _Refusal naming the first net that forbids deleting `step` in `tier`."""
+    nets: list[tuple[bool, str]] = [
+        (step == g.latest_step, Tag.LATEST),
+        (step == g.best_step, Tag.BEST),
+        (step in g.pinned, Tag.PINNED),
+        (step in g.in_use, Tag.IN_USE),
+    ]
+    if tier == "local":
+        unsafe = g.upload_configured and step not in g.remote_verified and step not in g.invalid
+        nets.append((unsafe, Tag.NOT_UPLOADED))
+    else:
+        newest_remote = max(g.remote_verified, default=None)
+        nets.append((step == newest_remote, Tag.LATEST))
+        # Not committed and verified: an upload may be writing it right now.
+        nets.append((step not in g.remote_verified, Tag.NOT_UPLOADED))
+    for hit, tag in nets:
+        if hit:
+            raise _Refusal(str(tag))
+
+
+def _relative(rel: str) -> str:
+    """`rel` normalized; refused if empty, absolute, climbing out, or the root itself."""
+    if not rel or "\x00" in rel:
+        raise _Refusal(UNSAFE_PATH, f"bad relative path {rel!r}")
+    if posixpath.isabs(rel) or os.path.isabs(rel):
+        raise _Refusal(UNSAFE_PATH, f"{rel!r} is absolute")
+    norm = posixpath.normpath(rel)
+    if norm == ".." or norm.startswith("../"):
+        raise _Refusal(UNSAFE_PATH, f"{rel!r} climbs out of the root")
+    if norm == ".":
+        raise _Refusal(UNSAFE_PATH, f"{rel!r} is the root itself")
+    return norm
+
+
+def _within(base: Path, path: Path) -> bool:
+    return path == base or base in path.parents
+
+
+def _locate(real_root: Path, norm: str) -> Path:
+    """Where the name `norm` lives, its parent resolved; refused if the parent leaves the root.
+
+    The last component is deliberately not resolved: a symlink there is itself what is moved
+    and removed, and its target is never touched.
+    """
+    lexical = real_root / norm
+    try:
+        parent = lexical.parent.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop, or an unreadable component
+        raise _Refusal(SYMLINK, f"{norm!r} cannot be resolved: {exc}") from exc
+    if not _within(real_root, parent):
+        raise _Refusal(SYMLINK, f"{norm!r} reaches out of the root through a link (to {parent})")
+    return parent / lexical.name
+
+
+def _moves(real_root: Path, target: Target, trash_real: Path) -> list[tuple[str, Path]]:
+    """(root-relative name, current path) of everything to move; refused as a whole or not
+    at all. A directory checkpoint moves as one name; sibling files move one by one."""
+    anchor = _relative(target.path)
+    members = [_relative(f) for f in target.files]
+    if target.is_dir:
+        return _dir_move(real_root, anchor, members, trash_real)
+    return _file_moves(real_root, list(dict.fromkeys([anchor, *members])))
+
+
+def _dir_move(
+    real_root: Path, anchor: str, members: list[str], trash_real: Path
+) -> list[tuple[str, Path]]:
+    for m in members:
+        if m != anchor and not m.startswith(anchor + "/"):
+            raise _Refusal(UNSAFE_PATH, f"member {m!r} is outside the directory {anchor!r}")
+    src = _locate(real_root, anchor)
+    if anchor == CKPTD_DIR or _within(src, trash_real) or _within(trash_real, src):
+        raise _Refusal(UNSAFE_PATH, f"{anchor!r} holds or is inside ckptd's trash")
+    st = _lstat(src)
+    if st is None:
+        return []
+    if S_ISLNK(st.st_mode):
+        # Unlinking would free nothing and the data it names was never ours to judge.
+        raise _Refusal(SYMLINK, f"checkpoint directory {anchor!r} is a symlink")
+    if not S_ISDIR(st.st_mode):
+        raise _Refusal(UNSAFE_PATH, f"{anchor!r} is not a directory")
+    return [(anchor, src)]
+
+
+def _file_moves(real_root: Path, names: list[str]) -> list[tuple[str, Path]]:
+    out: list[tuple[str, Path]] = []
+    for norm in names:
+        if norm.split("/", 1)[0] == CKPTD_DIR:
+            raise _Refusal(UNSAFE_PATH, f"{norm!r} is one of ckptd's own files")
+        src = _locate(real_root, norm)
+        st = _lstat(src)
+        if st is None:
+            continue  # already gone: the rest still goes
+        if S_ISDIR(st.st_mode):
+            raise _Refusal(UNSAFE_PATH, f"member {norm!r} is a directory")
+        out.append((norm, src))
+    return out
+
+
+def _trash_location(real_root: Path, trash_dir: Path) -> Path:
+    trash_real = Path(trash_dir).resolve()
+    if trash_real == real_root or not _within(real_root, trash_real):
+        raise ValueError(f"trash dir {trash_dir} must be inside the root {real_root}")
+    return trash_real
+
+
+# --- trash, purge, restore -------------------------------------------------------------------
+
+
+def trash_dir_for(root_dir: Path) -> Path:
+    """`<root>/.ckptd/trash`: where this root's deletes pass through."""
+    return Path(root_dir) / CKPTD_DIR / TRASH_DIR
+
+
+def trash(
+    root_dir: Path, target: Target, guards: Guards, trash_dir: Path, *, log: Any = None
+) -> TrashRecord | Outcome:
+    """Check every net, then move the checkpoint into the trash, durably.
+
+    Returns a TrashRecord (record "trashed" in the store, then `purge` it), or a final Outcome:
+    `refused` (logged as prune_refused), or `deleted` with 0 bytes when nothing was left on
+    disk. Raises OSError when a move fails; whatever had moved is put back first.
+    """
+    if log is None:
+        log = get_logger(root=Path(root_dir).name)
+    real_root = Path(root_dir).resolve()
+    trash_real = _trash_location(real_root, trash_dir)
+    try:
+        _check_guards(target.step, "local", guards)
+        if target.local is Local.PRUNED:
+            raise _Refusal(NOT_ON_DISK)
+        moves = _moves(real_root, target, trash_real)
+    except _Refusal as refusal:
+        return _refused(log, target.step, "local", refusal)
+    if not moves:
+        log.info("checkpoint_pruned", step=target.step, tier="local", reason="already gone",
+                 bytes_freed=0)
+        return Outcome(target.step, "local", "deleted", "already gone")
+    record = _move_into_trash(real_root, target.step, moves, trash_real)
+    log.info("checkpoint_trashed", step=target.step, tier="local", trash=str(record.entry))
+    return record
+
+
+def purge(record: TrashRecord) -> int:
+    """Remove a trashed checkpoint for good (never following a link); returns bytes freed."""
+    _remove_tree(record.entry)
+    fileio.fsync_dir(record.entry.parent)
+    return record.bytes
+
+
+def restore(record: TrashRecord) -> None:
+    """Put a trashed checkpoint back where it was (its deletion was not recorded), then drop
+    the trash entry. A name whose place was taken meanwhile stays trashed and is removed."""
+    # Journal "moving" first: a crash halfway through is then finished by purge_trash putting
+    # the rest back, instead of removing it and leaving half a checkpoint in place.
+    _write_journal(record.entry, record.step, record.moved, _MOVING)
+    left = _put_names_back(record.root, record.entry, record.moved)
+    if left:
+        get_logger().warning("trash_not_restored", step=record.step, names=left)
+    _remove_tree(record.entry)
+    fileio.fsync_dir(record.entry.parent)
+
+
+def purge_trash(trash_dir: Path, root_dir: Path | None = None) -> int:
+    """Startup recovery: empty the trash; returns how many trashed checkpoints were removed.
+
+    An entry whose move had finished is a recorded delete and is removed. One whose move was
+    cut short (its journal still says "moving") is put back whole first, so no checkpoint is
+    left half in place. `root_dir` defaults to the root that holds `<root>/.ckptd/trash`.
+    """
+    trash_dir = Path(trash_dir)
+    if not trash_dir.is_dir():
+        return 0
+    real_root = Path(root_dir or trash_dir.parent.parent).resolve()
+    log = get_logger(root=real_root.name)
+    purged = 0
+    for path in sorted(trash_dir.iterdir()):
+        st = _lstat(path)
+        journal = _read_journal(path) if st is not None and S_ISDIR(st.st_mode) else None
+        if journal is not None and journal[0] == _MOVING:
+            left = _put_names_back(real_root, path, journal[1])
+            log.warning("trash_restored", entry=path.name, left=left)
+        else:
+            purged += 1
+        _remove_tree(path)
+    fileio.fsync_dir(trash_dir)
+    if purged:
+        log.info("trash_purged", entries=purged)
+    return purged
+
+
+def _move_into_trash(
+    real_root: Path, step: int, moves: list[tuple[str, Path]], trash_real: Path
+) -> TrashRecord:
+    """Journal "moving", rename every name under entry/data, fsync both sides, journal
+    "trashed". A crash before the last write leaves a "moving" entry purge_trash puts back."""
+    trash_real.mkdir(parents=True, exist_ok=True)
+    entry = trash_real / f"step-{step}.{uuid.uuid4().hex}"
+    data = entry / DATA_NAME
+    data.mkdir(parents=True)
+    names = tuple(rel for rel, _ in moves)
+    _write_journal(entry, step, names, _MOVING)
+    fileio.fsync_dir(trash_real)
+    done: list[str] = []
+    try:
+        for rel, src in moves:
+            (data / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.rename(src, data / rel)
+            done.append(rel)
+        _fsync_all({src.parent for _, src in moves} | _dirs_up_to(data, names, entry))
+        _write_journal(entry, step, names, _TRASHED)
+    except BaseException:
+        _put_names_back(real_root, entry, tuple(done))
+        _remove_tree(entry)
+        raise
+    return TrashRecord(step, real_root, entry, names, _tree_bytes(data))
+
+
+def _put_names_back(real_root: Path, entry: Path, names: Iterable[str]) -> list[str]:
+    """Rename each trashed name back to its place if that place is free; return the others."""
+    left: list[str] = []
+    for rel in names:
+        src = entry / DATA_NAME / rel
+        if _lstat(src) is None:
+            continue
+        try:
+            dst = _locate(real_root, _relative(rel))
+        except _Refusal:
+            left.append(rel)
+            continue
+        if _lstat(dst) is not None:
+            left.append(rel)
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(src, dst)
+        fileio.fsync_dir(dst.parent)
+    return left
+
+
+def _write_journal(entry: Path, step: int, names: tuple[str, ...], state: str) -> None:
+    doc = {"format": _FORMAT, "step": step, "state": state, "names": list(names)}
+    fileio.atomic_write_json(entry / JOURNAL_NAME, doc)
+
+
+def _read_journal(entry: Path) -> tuple[str, tuple[str, ...]] | None:
+    """(state, names) of a trash entry; None when it has no readable journal."""
+    try:
+        doc = json.loads((entry / JOURNAL_NAME).read_bytes())
+        names = tuple(str(n) for n in doc["names"])
+        state = doc["state"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (state, names) if doc.get("format") == _FORMAT and isinstance(state, str) else None
+
+
+# --- filesystem helpers ----------------------------------------------------------------------
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _dirs_up_to(data: Path, names: Iterable[str], stop: Path) -> set[Path]:
+    """Every directory from each moved name's new parent up to `stop`, inclusive."""
+    out: set[Path] = set()
+    for rel in names:
+        d = (data / rel).parent
+        while _within(stop, d) and d not in out:
+            out.add(d)
+            d = d.parent
+    return out
+
+
+def _fsync_all(dirs: Iterable[Path]) -> None:
+    for d in sorted(dirs):
+        fileio.fsync_dir(d)
+
+
+def _remove_tree(top: Path) -> None:
+    """Delete `top` and everything under it, never following a symlink (links are unlinked).
+
+    Iterative, so a very deep tree cannot exhaust the recursion limit.
+    """
+    stack: list[tuple[Path, bool]] = [(top, False)]
+    while stack:
+        path, emptied = stack.pop()
+        if emptied:
+            os.rmdir(path)
+            continue
+        st = _lstat(path)
+        if st is None:
+            continue
+        if not S_ISDIR(st.st_mode):
+            os.unlink(path)
+            continue
+        stack.append((path, True))
+        with os.scandir(path) as it:
+            stack.extend((Path(e.path), False) for e in it)
+
+
+def _tree_bytes(top: Path) -> int:
+    """Size of the regular files under `top`; links count as nothing (their targets stay)."""
+    total, stack = 0, [top]
+    while stack:
+        path = stack.pop()
+        st = _lstat(path)
+        if st is None:
+            continue
+        if S_ISREG(st.st_mode):
+            total += st.st_size
+        elif S_ISDIR(st.st_mode):
+            with os.scandir(path) as it:
+                stack.extend(Path(e.path) for e in it)
+    return total
+
+
+# --- outcomes and their events ---------------------------------------------------------------
+
+
+def _tier_reasons(item: PlanItem, tier: TierName) -> str:
+    return ",".join(r for r in item.reasons if r.startswith(f"{tier}:"))
+
+
+def _pruned(log: Any, item: PlanItem, tier: TierName, freed: int) -> Outcome:
+    reason = _tier_reasons(item, tier)
+    log.info("checkpoint_pruned", step=item.step, tier=tier, reason=reason, bytes_freed=freed)
+    return Outcome(item.step, tier, "deleted", reason, freed)
+
+
+def _refused(log: Any, step: int, tier: TierName, refusal: _Refusal) -> Outcome:
+    log.warning("prune_refused", step=step, tier=tier, reason=refusal.reason)
+    return Outcome(step, tier, "refused", refusal.reason)
+
+
+def _failed(log: Any, step: int, tier: TierName, reason: str) -> Outcome:
+    log.error("prune_failed", step=step, tier=tier, reason=reason)
+    return Outcome(step, tier, "failed", reason)
