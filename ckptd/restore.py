@@ -1,0 +1,363 @@
+"""Restore: rebuild a step's original files, byte for byte and hash-checked, from its local
+compressed copy or its remote objects, without the daemon.
+
+Owns choosing the source of a step and writing restored files atomically; never touches the
+store or the daemon, and never holds a whole file in memory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO, Literal, TextIO, cast
+
+from ckptd import fileio
+from ckptd.backends import Backend, make_backend, wrap_backend
+from ckptd.config import Config, RootConfig
+from ckptd.errors import CorruptData, NotFound, ObjectNotFound
+from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, parse_manifest, step_prefix
+from ckptd.model import CKPTD_DIR
+from ckptd.render import human_bytes, progress_bar
+from ckptd.stages.compress import (
+    DurableWriter,
+    decode_object,
+    local_steps,
+    objects_dir,
+    read_local_manifest,
+    write_error,
+)
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+Progress = Callable[[int], None]  # bytes just restored
+TotalProgress = Callable[[int, int], None]  # (bytes restored so far, bytes in the step)
+StepArg = int | Literal["latest"]
+Where = Literal["local", "remote"]
+
+
+# --- writing one restored file ---------------------------------------------------------------
+
+
+def _restore_file(src: Path, f: StoredFile, to: Path, progress: Progress | None) -> Path:
+    """Decode `src` into `<to>/<f.path>` through a temp name: fsynced, checked, then renamed.
+    On any failure the temp file is removed and nothing is left at the final name."""
+    dest = fileio.safe_join(to, f.path)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise write_error(exc, f"the directory of {dest}") from exc
+    tmp = fileio.temp_name(dest)
+    out = DurableWriter(tmp, str(dest))
+    try:
+        decode_object(src, f, out, progress)
+        out.close_durably()
+        os.replace(tmp, dest)
+        fileio.fsync_dir(dest.parent)
+    except BaseException:
+        out.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def restore_from_dir(
+    objects_dir: Path, manifest: Manifest, to: Path, progress: Progress | None = None
+) -> list[Path]:
+    """Rebuild every file of `manifest` under `to` from the objects in `objects_dir`.
+
+    Each file is decoded streaming, checked against the manifest's size and hash, fsynced and
+    renamed into place (replacing a file of that name). CorruptData names the file (and the
+    block, where the codec knows it); the half-written file is removed. `progress(n)` is
+    called with each count of bytes restored.
+    """
+    to = Path(to)
+    to.mkdir(parents=True, exist_ok=True)
+    restored = []
+    for f in manifest.files:
+        src = fileio.safe_join(objects_dir, f.key)
+        if not src.is_file():
+            raise CorruptData(f"{f.path}: stored object {src} is missing")
+        restored.append(_restore_file(src, f, to, progress))
+    return restored
+
+
+# --- remote ----------------------------------------------------------------------------------
+
+
+def read_remote_manifest(backend: Backend, root_name: str, step: int) -> Manifest:
+    """The committed manifest of a remote step; NotFound when the step has none."""
+    key = f"{step_prefix(root_name, step)}/{MANIFEST_NAME}"
+    try:
+        data = backend.get_bytes(key)
+    except ObjectNotFound:
+        raise NotFound(f"step {step} of {root_name!r} is not at {backend.url} "
+                       f"(no {key})") from None
+    manifest = parse_manifest(data, f"{backend.url}/{key}")
+    if manifest.step != step or manifest.root != root_name:
+        raise CorruptData(f"{backend.url}/{key} describes {manifest.root!r} step {manifest.step}")
+    return manifest
+
+
+def list_remote_steps(backend: Backend, root_name: str) -> list[int]:
+    """Steps of `root_name` that have a MANIFEST.json under the backend, ascending."""
+    pattern = re.compile(rf"{re.escape(root_name)}/step-(0|[1-9][0-9]*)/{MANIFEST_NAME}")
+    steps = {int(m.group(1)) for o in backend.list(root_name) if (m := pattern.fullmatch(o.key))}
+    return sorted(steps)
+
+
+def restore_from_backend(
+    backend: Backend,
+    root_name: str,
+    step: int,
+    to: Path,
+    concurrency: int = 4,
+    progress: Progress | None = None,
+) -> list[Path]:
+    """Rebuild a remote step under `to`: read its MANIFEST.json, fetch the objects on
+    `concurrency` threads (each streamed to a temp file beside its destination, then decoded
+    and checked like `restore_from_dir`). The first failure stops the rest and is raised;
+    files already restored stay, nothing half-written does."""
+    manifest = read_remote_manifest(backend, root_name, step)
+    return _restore_remote(backend, manifest, Path(to), concurrency, progress)
+
+
+def _restore_remote(
+    backend: Backend, manifest: Manifest, to: Path, concurrency: int, progress: Progress | None
+) -> list[Path]:
+    to.mkdir(parents=True, exist_ok=True)
+    prefix = step_prefix(manifest.root, manifest.step)
+    safe = _Locked(progress) if progress is not None else None
+    failed: Future[Path] | None = None
+    with ThreadPoolExecutor(max(1, concurrency), "ckptd-restore") as pool:
+        futures = [pool.submit(_fetch_and_restore, backend, f"{prefix}/{f.key}", f, to, safe)
+                   for f in manifest.files]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((fut for fut in futures if fut in done and fut.exception()), None)
+        if failed is not None:
+            for fut in futures:
+                fut.cancel()
+    if failed is not None:
+        return [failed.result()]  # raises its exception
+    return [fut.result() for fut in futures]
+
+
+class _Locked:
+    """A progress callback made safe to call from several fetch threads."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self._progress(n)
+
+
+def _fetch_and_restore(
+    backend: Backend, key: str, f: StoredFile, to: Path, progress: Progress | None
+) -> Path:
+    dest = fileio.safe_join(to, f.path)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise write_error(exc, f"the directory of {dest}") from exc
+    stored = fileio.temp_name(dest)
+    try:
+        _fetch(backend, key, stored, f)
+        return _restore_file(stored, f, to, progress)
+    finally:
+        stored.unlink(missing_ok=True)
+
+
+def _fetch(backend: Backend, key: str, path: Path, f: StoredFile) -> None:
+    """Stream the object at `key` into a new file at `path` (no fsync: it is decoded at once
+    and deleted). The file is seekable so a retrying backend can start over."""
+    with _Download(path, f"the downloaded object {key}") as out:
+        try:
+            backend.get(key, cast(BinaryIO, out))
+        except ObjectNotFound:
+            raise CorruptData(f"{f.path}: object {key} named by the manifest is missing at "
+                              f"{backend.url}") from None
+
+
+class _Download(io.FileIO):
+    """A new file whose write errors are ckptd's (DiskFull on ENOSPC), not the backend's."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        try:
+            super().__init__(path, "xb")
+        except OSError as exc:
+            raise write_error(exc, what) from exc
+        self.what = what
+
+    def write(self, data: ReadableBuffer, /) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        try:
+            while view:
+                view = view[super().write(view) or 0 :]
+        except OSError as exc:
+            raise write_error(exc, self.what) from exc
+        return n
+
+
+# --- which step, from where ------------------------------------------------------------------
+
+
+def remote_backend(root: RootConfig) -> Backend | None:
+    """The root's upload backend, with retries and its bandwidth cap; None if it uploads nowhere."""
+    up = root.upload
+    if not up.enabled:
+        return None
+    backend = make_backend(
+        up.url,
+        endpoint=up.endpoint,
+        region=up.region,
+        access_key_id=up.access_key_id,
+        secret_access_key=up.secret_access_key.get_secret_value(),
+        part_size=up.part_size,
+        concurrency=up.concurrency,
+    )
+    return wrap_backend(backend, max_bytes_per_s=up.max_bandwidth)
+
+
+def resolve_step(
+    root_dir: Path, root_name: str, step: StepArg, backend: Backend | None
+) -> tuple[int, Where]:
+    """Which step to restore and from where.
+
+    An explicit step: its local compressed copy, else the remote. "latest": the step named by
+    `<root>/.ckptd/latest.json` if a copy of it exists (local first), else the highest step
+    with any copy (local preferred on a tie). NotFound says what was looked at, and says so
+    when the step is still on disk as its original files (nothing to restore).
+    """
+    local = set(local_steps(root_dir))
+    if step != "latest":
+        if step in local:
+            return step, "local"
+        if backend is not None and _remote_has(backend, root_name, step):
+            return step, "remote"
+        raise NotFound(_nothing_for(root_dir, root_name, step, backend))
+    named = _latest_named(root_dir)
+    if named is not None and named[0] in local:
+        return named[0], "local"
+    remote = set(list_remote_steps(backend, root_name)) if backend is not None else set()
+    if named is not None and named[0] in remote:
+        return named[0], "remote"
+    best = max(local | remote, default=None)
+    if named is not None and (best is None or named[0] > best) and _on_disk(named):
+        raise NotFound(_present(root_name, named))
+    if best is None:
+        raise NotFound(_nothing_for(root_dir, root_name, "latest", backend))
+    return best, "local" if best in local else "remote"
+
+
+def _remote_has(backend: Backend, root_name: str, step: int) -> bool:
+    try:
+        backend.stat(f"{step_prefix(root_name, step)}/{MANIFEST_NAME}")
+    except ObjectNotFound:
+        return False
+    return True
+
+
+def _latest_named(root_dir: Path) -> tuple[int, Path | None] | None:
+    """(step, path) from latest.json, or None when it is missing or unreadable."""
+    try:
+        doc = json.loads((Path(root_dir) / CKPTD_DIR / "latest.json").read_bytes())
+        step, path = doc["step"], doc.get("path")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None
+    return step, Path(root_dir, path) if isinstance(path, str) and path else None
+
+
+def _on_disk(named: tuple[int, Path | None]) -> bool:
+    return named[1] is not None and named[1].exists()
+
+
+def _present(root_name: str, named: tuple[int, Path | None]) -> str:
+    return (f"step {named[0]} of {root_name!r} is present locally at {named[1]} (its original "
+            "files); nothing to restore")
+
+
+def _nothing_for(root_dir: Path, root_name: str, step: StepArg, backend: Backend | None) -> str:
+    named = _latest_named(root_dir)
+    if named is not None and named[0] == step and _on_disk(named):
+        return _present(root_name, named)
+    where = f"no local copy under {Path(root_dir) / CKPTD_DIR / 'objects'}"
+    where += f", nothing at {backend.url}" if backend is not None else " and no upload.url"
+    what = "no step" if step == "latest" else f"no copy of step {step}"
+    return f"{what} of {root_name!r} to restore: {where}"
+
+
+# --- the whole job ---------------------------------------------------------------------------
+
+
+def restore(
+    config: Config,
+    root_name: str,
+    step: StepArg,
+    to: Path,
+    progress: TotalProgress | None = None,
+) -> tuple[int, list[Path]]:
+    """Restore a step of a configured root into `to` (see `resolve_step` for which and from
+    where); no daemon needed. `progress(done, total)` gets cumulative bytes. Returns the step
+    and the restored paths."""
+    root = config.root(root_name)
+    backend = remote_backend(root)
+    n, where = resolve_step(root.path, root.name, step, backend)
+    if where == "local":
+        manifest = read_local_manifest(root.path, n)
+        if manifest is None:  # removed between resolving and reading
+            raise NotFound(f"the local copy of step {n} of {root_name!r} disappeared")
+        cb = _cumulative(progress, manifest.size)
+        return n, restore_from_dir(objects_dir(root.path, n), manifest, Path(to), cb)
+    assert backend is not None
+    manifest = read_remote_manifest(backend, root.name, n)
+    cb = _cumulative(progress, manifest.size)
+    return n, _restore_remote(backend, manifest, Path(to), root.upload.concurrency, cb)
+
+
+def _cumulative(progress: TotalProgress | None, total: int) -> Progress | None:
+    if progress is None:
+        return None
+    done = 0
+
+    def step(n: int) -> None:
+        nonlocal done
+        done += n
+        progress(done, total)
+
+    progress(0, total)
+    return step
+
+
+def tty_progress(stream: TextIO | None = None, interval: float = 0.1) -> TotalProgress | None:
+    """A progress bar for `restore` drawn on `stream` (stderr) when it is a terminal, else None."""
+    out = sys.stderr if stream is None else stream
+    if not out.isatty():
+        return None
+    last = 0.0
+
+    def draw(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done < total and now - last < interval:
+            return
+        last = now
+        out.write(f"\r{progress_bar(done, total)} {human_bytes(done)} / {human_bytes(total)}")
+        if done >= total:
+            out.write("\n")
+        out.flush()
+
+    return draw
