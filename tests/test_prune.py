@@ -377,6 +377,22 @@ def test_failing_to_record_the_trash_puts_the_checkpoint_back(root: Path) -> Non
     assert events(logs, "prune_failed")[0]["step"] == 1
 
 
+def test_a_failed_removal_after_recording_reports_trashed(root: Path) -> None:
+    t = dir_ckpt(root, 1)
+    moved_away = root / "moved-trash"
+
+    def on_trashed(step: int, entry: Path) -> None:
+        # Whatever removal then meets (here: the trash replaced by a file) must not undo it.
+        trash_dir_for(root).rename(moved_away)
+        trash_dir_for(root).write_bytes(b"")
+
+    with capture_logs() as logs:
+        [out] = run_local(root, deletes(1), [t], on_trashed=on_trashed)
+    assert out.action == "trashed" and "purge_trash" in out.reason
+    assert presence(root, t) == "none" and events(logs, "prune_failed")
+    assert len(list(moved_away.iterdir())) == 1
+
+
 def test_restore_puts_every_member_back(root: Path) -> None:
     t = dir_ckpt(root, 2)
     record = trash(root, t, OPEN, trash_dir_for(root))
@@ -387,6 +403,21 @@ def test_restore_puts_every_member_back(root: Path) -> None:
 
 def test_purge_trash_without_a_trash_dir(root: Path) -> None:
     assert purge_trash(trash_dir_for(root)) == 0
+
+
+def test_purge_trash_puts_nothing_back_outside_the_root(root: Path) -> None:
+    outside = root.parent / "outside.pt"
+    outside.write_bytes(b"not yours")
+    entry = trash_dir_for(root) / "step-1.abc"
+    write(entry / "data" / "x.pt", b"x")
+    names = [str(outside), "../outside.pt", "../../x.pt"]
+    doc = {"format": "ckptd-trash/1", "step": 1, "state": "moving", "names": names}
+    (entry / "journal.json").write_text(json.dumps(doc))
+    write(trash_dir_for(root) / "stray", b"s")
+    os.symlink(outside, trash_dir_for(root) / "link")
+    assert purge_trash(trash_dir_for(root)) == 2  # the stray file and the link
+    assert trash_entries(root) == [] and outside.read_bytes() == b"not yours"
+    assert sorted(p.name for p in root.iterdir()) == [".ckptd"]
 
 
 CHILD = """

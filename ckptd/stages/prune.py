@@ -121,7 +121,8 @@ def execute_local(
     """Every local delete of `plan`, oldest first, each through `trash` then `purge`.
 
     `on_trashed(step, entry)` runs between the two so the store records "trashed" before any
-    byte is removed; if it raises, the checkpoint is put back and the outcome is `failed`.
+    byte is removed; if it raises, the checkpoint is put back and the outcome is `failed`. An
+    outcome `trashed` means gone from its place but not yet removed (purge_trash finishes it).
     Compress items come back as `deferred` (reason "compress") for the compress stage.
     """
     log = get_logger(root=root or Path(root_dir).name)
@@ -174,8 +175,10 @@ def _delete_local(
     try:
         freed = purge(got)
     except OSError as exc:
-        # Recorded as trashed already; purge_trash at the next start finishes it.
-        return _failed(log, item.step, "local", f"removing {got.entry}: {exc}")
+        # Gone from its place and recorded so; purge_trash at the next start finishes it.
+        why = f"removing {got.entry} failed: {exc}; left for purge_trash"
+        log.error("prune_failed", step=item.step, tier="local", reason=why)
+        return Outcome(item.step, "local", "trashed", why)
     return _pruned(log, item, "local", freed)
 
 
@@ -417,14 +420,15 @@ def _move_into_trash(
     """Journal "moving", rename every name under entry/data, fsync both sides, journal
     "trashed". A crash before the last write leaves a "moving" entry purge_trash puts back."""
     trash_real.mkdir(parents=True, exist_ok=True)
+    fileio.fsync_dir(trash_real.parent)  # the trash may be new: its own name must last too
     entry = trash_real / f"step-{step}.{uuid.uuid4().hex}"
     data = entry / DATA_NAME
-    data.mkdir(parents=True)
     names = tuple(rel for rel, _ in moves)
-    _write_journal(entry, step, names, _MOVING)
-    fileio.fsync_dir(trash_real)
     done: list[str] = []
     try:
+        data.mkdir(parents=True)
+        _write_journal(entry, step, names, _MOVING)
+        fileio.fsync_dir(trash_real)
         for rel, src in moves:
             (data / rel).parent.mkdir(parents=True, exist_ok=True)
             os.rename(src, data / rel)
@@ -442,13 +446,14 @@ def _put_names_back(real_root: Path, entry: Path, names: Iterable[str]) -> list[
     """Rename each trashed name back to its place if that place is free; return the others."""
     left: list[str] = []
     for rel in names:
-        src = entry / DATA_NAME / rel
-        if _lstat(src) is None:
-            continue
         try:
-            dst = _locate(real_root, _relative(rel))
+            norm = _relative(rel)
+            dst = _locate(real_root, norm)
         except _Refusal:
             left.append(rel)
+            continue
+        src = entry / DATA_NAME / norm
+        if _lstat(src) is None:
             continue
         if _lstat(dst) is not None:
             left.append(rel)
