@@ -125,6 +125,9 @@ class Candidate:
     metrics: dict[str, float] = field(default_factory=dict)
     invalid_reason: str = ""  # set when the layout's own metadata already proves it broken
     invalid_message: str = ""
+    # Members a framework pickles its own config objects into and that resume never loads
+    # (HF `training_args.bin`): integrity-checked and hashed, but their pickle is not judged.
+    opaque: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -189,7 +189,7 @@ class Pipeline:
             layout=rec.layout, step=rec.step, path=rec.path, files=job.files, complete=True,
             expected_sizes=job.expected_sizes, min_sizes=job.min_sizes,
             metrics=dict(rec.metrics), invalid_reason=job.invalid_reason,
-            invalid_message=job.invalid_message,
+            invalid_message=job.invalid_message, opaque=job.opaque,
         )
         if cand.invalid_reason:
             return ValidationResult(False, cand.invalid_reason, cand.invalid_message)

@@ -114,6 +114,7 @@ class Job:
     min_sizes: dict[str, int]
     invalid_reason: str
     invalid_message: str
+    opaque: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -331,6 +332,7 @@ class Store:
                 min_sizes={k: int(v) for k, v in expected.get("min", {}).items()},
                 invalid_reason=expected.get("invalid_reason", ""),
                 invalid_message=expected.get("invalid_message", ""),
+                opaque=tuple(expected.get("opaque", ())),
             )
 
     def renew(self, checkpoint_id: int, owner: str, now: float, lease_s: float) -> bool:
@@ -485,7 +487,7 @@ class Store:
 def _expected_json(c: Candidate) -> str:
     return json.dumps({"sizes": c.expected_sizes, "min": c.min_sizes,
                        "invalid_reason": c.invalid_reason,
-                       "invalid_message": c.invalid_message})
+                       "invalid_message": c.invalid_message, "opaque": list(c.opaque)})
 
 
 def _record(r: sqlite3.Row) -> CheckpointRecord:

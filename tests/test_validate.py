@@ -266,3 +266,49 @@ def test_validate_file_on_a_file_and_a_dir(root: Path, torch_file: bytes, dcp_di
     assert validate_file(root / "x.pt").valid
     assert validate_file(dcp_dir).valid
     _invalid(validate_file(root / "nope.pt"), "missing_file")
+
+
+def test_hf_training_args_object_is_opaque_but_a_weights_file_is_not(tmp_path: Path) -> None:
+    """Real Trainer checkpoints pickle a TrainingArguments object into training_args.bin;
+    resume never loads it, so it must not make the checkpoint invalid. The same pickle in a
+    file that is loaded (optimizer.pt) is refused."""
+    import sys
+    import types
+
+    import torch
+
+    from ckptd import layouts
+    from ckptd.model import FileInfo, RootOptions, Snapshot
+
+    mod = types.ModuleType("transformers.training_args")
+
+    class TrainingArguments:
+        def __init__(self) -> None:
+            self.output_dir = "out"
+            self.learning_rate = 1e-4
+
+    TrainingArguments.__module__ = mod.__name__
+    TrainingArguments.__qualname__ = "TrainingArguments"
+    mod.TrainingArguments = TrainingArguments  # type: ignore[attr-defined]
+    sys.modules[mod.__name__] = mod
+    try:
+        ck = tmp_path / "checkpoint-10"
+        ck.mkdir()
+        torch.save(TrainingArguments(), ck / "training_args.bin")
+        torch.save({"state": {}, "param_groups": []}, ck / "optimizer.pt")
+        (ck / "trainer_state.json").write_text('{"global_step": 10, "log_history": []}')
+        files = {}
+        for p in ck.iterdir():
+            rel = f"checkpoint-10/{p.name}"
+            files[rel] = FileInfo(rel, p.stat().st_size, 0.0, 0.0)
+        contents = {"checkpoint-10/trainer_state.json": (ck / "trainer_state.json").read_bytes()}
+        snap = Snapshot(files=files, dirs=frozenset({"checkpoint-10"}), contents=contents)
+        (cand,) = layouts.detect(snap, RootOptions(settle=0), 100.0)
+        assert cand.layout == "hf" and cand.complete
+        assert cand.opaque == ("checkpoint-10/training_args.bin",)
+        assert validate(tmp_path, cand).valid
+        torch.save(TrainingArguments(), ck / "optimizer.pt")
+        res = validate(tmp_path, cand)
+        assert not res.valid and res.reason == "unsafe_pickle"
+    finally:
+        del sys.modules[mod.__name__]

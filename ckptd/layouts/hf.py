@@ -15,6 +15,9 @@ STATE = "trainer_state.json"
 _DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
+ARGS = "training_args.bin"
+
+
 def step_of_dir(name: str) -> int | None:
     m = _DIR.match(name)
     return int(m.group(1)) if m else None
@@ -54,7 +57,8 @@ def _candidate(snap: Snapshot, opts: RootOptions, now: float, directory: str, st
     if state_rel not in snap.files:
         problems.append(f"{state_rel} (written last)")
     problems.append(common.settle_problem(snap, under, opts, now))
-    extra: dict[str, Any] = {}
+    # Trainer pickles its TrainingArguments object here and never loads it on resume.
+    extra: dict[str, Any] = {"opaque": tuple(f for f in files if f.endswith("/" + ARGS))}
     if not any(problems) and state_rel in snap.contents:
         try:
             extra["metrics"] = metrics_of(common.load_json(snap.contents[state_rel]))

@@ -124,7 +124,8 @@ class _Run:
         self._check_dcp_items()
         if self.deep:
             for m in self.members:
-                _deep_scan(m)
+                if m.rel not in self.cand.opaque:
+                    _deep_scan(m)
         self._fsync()
 
     # --- cheap checks --------------------------------------------------------------------
@@ -175,6 +176,8 @@ class _Run:
 
             return [sink], keep_header
         if m.kind == "pickle":
+            if m.rel in self.cand.opaque:
+                return [], lambda: None
             return [], lambda: _scan_pickle_file(m)
         if m.kind == "dcp_metadata":
             meta = _CaptureSink(dcpmeta.MAX_METADATA_BYTES)
@@ -185,8 +188,11 @@ class _Run:
         return [], lambda: None
 
     def _zip_sinks(self, m: _Member) -> tuple[list[Sink], Callable[[], None]]:
+        opaque = m.rel in self.cand.opaque
+
         def scan(entry: zipcheck.ZipEntry, data: bytes) -> None:
-            picklescan.scan_pickle(data, f"{m.rel}:{entry.name}")
+            if not opaque:
+                picklescan.scan_pickle(data, f"{m.rel}:{entry.name}")
 
         sink = zipcheck.ZipCrcSink.for_file(m.path, on_capture=scan)
         m.archives = sink.archives
@@ -194,7 +200,7 @@ class _Run:
             raise ValidationFailed(Reason.BAD_HEADER, f"{m.rel}: a zip without data.pkl", m.rel)
 
         def after() -> None:
-            for entry in sink.uncaptured:  # too big to keep from the pass: read it again
+            for entry in [] if opaque else sink.uncaptured:  # too big to keep: read it again
                 with zipcheck.open_stored_member(m.path, entry) as f:
                     picklescan.scan_pickle(f, f"{m.rel}:{entry.name}")
                 fileio.drop_cache(m.path)
