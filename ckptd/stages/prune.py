@@ -33,7 +33,7 @@ _MOVING, _TRASHED = "moving", "trashed"
 
 TierName = Literal["local", "remote"]
 OutcomeAction = Literal["deleted", "trashed", "refused", "deferred", "failed"]
-DeleteStep = Callable[[Backend, str, int], None]
+DeleteStep = Callable[[Backend, str, int], object]  # its result is ignored
 OnTrashed = Callable[[int, Path], None]
 
 # Refusal tags beyond the planner's vocabulary.
