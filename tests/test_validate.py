@@ -290,6 +290,10 @@ def test_hf_training_args_object_is_opaque_but_a_weights_file_is_not(tmp_path: P
     TrainingArguments.__module__ = mod.__name__
     TrainingArguments.__qualname__ = "TrainingArguments"
     mod.TrainingArguments = TrainingArguments  # type: ignore[attr-defined]
+    parent = types.ModuleType("transformers")
+    parent.training_args = mod  # type: ignore[attr-defined]
+    added = [n for n in ("transformers", mod.__name__) if n not in sys.modules]
+    sys.modules.setdefault("transformers", parent)
     sys.modules[mod.__name__] = mod
     try:
         ck = tmp_path / "checkpoint-10"
@@ -311,4 +315,5 @@ def test_hf_training_args_object_is_opaque_but_a_weights_file_is_not(tmp_path: P
         res = validate(tmp_path, cand)
         assert not res.valid and res.reason == "unsafe_pickle"
     finally:
-        del sys.modules[mod.__name__]
+        for n in added:
+            sys.modules.pop(n, None)
