@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptd.manifest import Manifest, StoredFile
 from ckptd.model import (
     Candidate,
     CheckpointRecord,
@@ -87,9 +88,24 @@ MIGRATIONS: tuple[str, ...] = (
         last_error_at REAL
     );
     """,
+    # 2: local compressed copies, upload bookkeeping, crash-safe prune, readers' leases.
+    """
+    ALTER TABLE checkpoints ADD COLUMN copy TEXT NOT NULL DEFAULT '';
+    ALTER TABLE checkpoints ADD COLUMN trash_path TEXT NOT NULL DEFAULT '';
+    ALTER TABLE checkpoints ADD COLUMN uploaded REAL;
+    CREATE TABLE readers (
+        root TEXT NOT NULL,
+        step INTEGER NOT NULL,
+        owner TEXT NOT NULL,
+        expires REAL NOT NULL,
+        PRIMARY KEY (root, step, owner)
+    );
+    """,
 )
 
 STAGE_VALIDATE = "validate"
+STAGE_COMPRESS = "compress"
+STAGE_UPLOAD = "upload"
 # Backoff between attempts of a stage that failed for a transient cause.
 RETRY_BASE_S = 2.0
 RETRY_MAX_S = 300.0
@@ -311,29 +327,46 @@ class Store:
 
     # -- work claiming -----------------------------------------------------------------------
 
-    def claim(self, owner: str, now: float, lease_s: float) -> Job | None:
-        """Claim the next checkpoint needing validation (oldest completion first)."""
+    def claim(self, owner: str, now: float, lease_s: float,
+              upload_roots: frozenset[str] = frozenset(),
+              copy_roots: frozenset[str] = frozenset()) -> Job | None:
+        """Claim the next piece of work: validation first (newest step first, so the resume
+        point moves soonest), then a missing compressed copy, then an upload.
+        `upload_roots` upload; `copy_roots` keep local compressed copies."""
+        needs_copy = upload_roots | copy_roots
         with self._tx() as db:
-            row = db.execute(
-                "SELECT * FROM checkpoints WHERE superseded=0 AND state='complete'"
-                " AND local='present' AND next_attempt<=?"
-                " AND (lease_owner IS NULL OR lease_expires<?)"
-                " ORDER BY step DESC LIMIT 1", (now, now)
-            ).fetchone()
-            if row is None:
-                return None
-            db.execute("UPDATE checkpoints SET lease_owner=?, lease_stage=?, lease_expires=?"
-                       " WHERE id=?", (owner, STAGE_VALIDATE, now + lease_s, row["id"]))
-            expected = json.loads(row["expected"])
-            return Job(
-                checkpoint=_record(row), stage=STAGE_VALIDATE,
-                files=tuple(json.loads(row["files"])),
-                expected_sizes={k: int(v) for k, v in expected.get("sizes", {}).items()},
-                min_sizes={k: int(v) for k, v in expected.get("min", {}).items()},
-                invalid_reason=expected.get("invalid_reason", ""),
-                invalid_message=expected.get("invalid_message", ""),
-                opaque=tuple(expected.get("opaque", ())),
-            )
+            for stage, where, args in (
+                (STAGE_VALIDATE, "state='complete' AND local='present'", ()),
+                (STAGE_COMPRESS, "state='valid' AND local='present' AND copy=''"
+                 f" AND remote IN ('none','uploading') AND root IN ({_qs(needs_copy)})",
+                 tuple(needs_copy)),
+                (STAGE_UPLOAD, "state='valid' AND copy='ready' AND remote IN ('none','uploading')"
+                 f" AND root IN ({_qs(upload_roots)})", tuple(upload_roots)),
+            ):
+                row = db.execute(
+                    f"SELECT * FROM checkpoints WHERE superseded=0 AND {where}"  # noqa: S608
+                    " AND next_attempt<=? AND (lease_owner IS NULL OR lease_expires<?)"
+                    " ORDER BY step DESC LIMIT 1", (*args, now, now)).fetchone()
+                if row is not None:
+                    return self._lease(db, row, stage, owner, now + lease_s)
+        return None
+
+    def _lease(self, db: sqlite3.Connection, row: sqlite3.Row, stage: str, owner: str,
+               expires: float) -> Job:
+        db.execute("UPDATE checkpoints SET lease_owner=?, lease_stage=?, lease_expires=?"
+                   " WHERE id=?", (owner, stage, expires, row["id"]))
+        if stage == STAGE_UPLOAD and row["remote"] == "none":
+            db.execute("UPDATE checkpoints SET remote='uploading' WHERE id=?", (row["id"],))
+        expected = json.loads(row["expected"])
+        return Job(
+            checkpoint=_record(row), stage=stage,
+            files=tuple(json.loads(row["files"])),
+            expected_sizes={k: int(v) for k, v in expected.get("sizes", {}).items()},
+            min_sizes={k: int(v) for k, v in expected.get("min", {}).items()},
+            invalid_reason=expected.get("invalid_reason", ""),
+            invalid_message=expected.get("invalid_message", ""),
+            opaque=tuple(expected.get("opaque", ())),
+        )
 
     def renew(self, checkpoint_id: int, owner: str, now: float, lease_s: float) -> bool:
         with self._tx() as db:
@@ -348,7 +381,8 @@ class Store:
                               " lease_expires=NULL WHERE lease_owner IS NOT NULL").rowcount
 
     def finish_validation(self, job: Job, owner: str, fingerprint: str,
-                          result: ValidationResult, now: float) -> bool:
+                          result: ValidationResult, now: float,
+                          stored: Sequence[StoredFile] = ()) -> bool:
         """Record a validation outcome. False (and nothing written) when the lease was lost or
         the files changed since the job was claimed (a re-save: the next scan supersedes)."""
         cid = job.checkpoint.id
@@ -374,7 +408,121 @@ class Store:
                 "INSERT INTO files (checkpoint_id, path, size, hash, hash_alg) VALUES (?,?,?,?,?)",
                 [(cid, f.path, f.size, f.hash, f.hash_alg) for f in result.files],
             )
+            if result.valid and stored:
+                self._record_copy(db, cid, stored)
             return True
+
+    @staticmethod
+    def _record_copy(db: sqlite3.Connection, cid: int, stored: Sequence[StoredFile]) -> None:
+        db.executemany("UPDATE files SET codec=?, stored_size=?, key=? WHERE checkpoint_id=?"
+                       " AND path=?", [(f.codec, f.stored_size, f.key, cid, f.path)
+                                       for f in stored])
+        db.execute("UPDATE checkpoints SET copy='ready', stored_bytes=? WHERE id=?",
+                   (sum(f.stored_size for f in stored), cid))
+
+    def finish_compress(self, job: Job, owner: str, stored: Sequence[StoredFile]) -> bool:
+        """Record a compressed copy made after validation (e.g. upload enabled later)."""
+        with self._tx() as db:
+            if not self._holds(db, job, owner):
+                return False
+            self._record_copy(db, job.checkpoint.id, stored)
+            self._unlease(db, job.checkpoint.id)
+            return True
+
+    def finish_upload(self, job: Job, owner: str, now: float) -> bool:
+        """The step's manifest is committed remotely and every object verified."""
+        with self._tx() as db:
+            if not self._holds(db, job, owner):
+                return False
+            db.execute("UPDATE checkpoints SET remote='uploaded', uploaded=?, attempts=0"
+                       " WHERE id=?", (now, job.checkpoint.id))
+            self._unlease(db, job.checkpoint.id)
+            return True
+
+    @staticmethod
+    def _holds(db: sqlite3.Connection, job: Job, owner: str) -> bool:
+        row = db.execute("SELECT lease_owner, superseded FROM checkpoints WHERE id=?",
+                         (job.checkpoint.id,)).fetchone()
+        return row is not None and not row["superseded"] and row["lease_owner"] == owner
+
+    @staticmethod
+    def _unlease(db: sqlite3.Connection, cid: int) -> None:
+        db.execute("UPDATE checkpoints SET lease_owner=NULL, lease_stage=NULL,"
+                   " lease_expires=NULL WHERE id=?", (cid,))
+
+    def stored_files(self, checkpoint_id: int) -> list[StoredFile]:
+        rows = self._rows("SELECT * FROM files WHERE checkpoint_id=? ORDER BY path",
+                          (checkpoint_id,))
+        return [StoredFile(r["path"], int(r["size"]), r["hash"], r["hash_alg"], r["codec"],
+                           int(r["stored_size"] or 0), r["key"]) for r in rows]
+
+    # -- pruning and copies ------------------------------------------------------------------
+
+    def set_local(self, root: str, step: int, local: Local, trash_path: str = "") -> None:
+        """Record a local change made by pruning (`trash_path` while a delete is half done)."""
+        with self._tx() as db:
+            db.execute("UPDATE checkpoints SET local=?, trash_path=? WHERE root=? AND step=?"
+                       " AND superseded=0", (local.value, trash_path, root, step))
+
+    def set_trash(self, root: str, step: int, trash_path: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE checkpoints SET trash_path=? WHERE root=? AND step=?"
+                       " AND superseded=0", (trash_path, root, step))
+
+    def set_remote(self, root: str, step: int, remote: Remote) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE checkpoints SET remote=? WHERE root=? AND step=? AND superseded=0",
+                       (remote.value, root, step))
+
+    def drop_copy(self, root: str, step: int) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE checkpoints SET copy='' WHERE root=? AND step=? AND superseded=0",
+                       (root, step))
+
+    def has_copy(self, root: str, step: int) -> bool:
+        rows = self._rows("SELECT copy FROM checkpoints WHERE root=? AND step=? AND superseded=0",
+                          (root, step))
+        return bool(rows) and rows[0]["copy"] == "ready"
+
+    def add_remote_only(self, root: str, manifest: Manifest, now: float) -> bool:
+        """A step committed remotely that this store does not know (a fresh node, a lost
+        state dir): recorded as valid, uploaded, not present locally. False if known."""
+        with self._tx() as db:
+            row = db.execute("SELECT id, remote FROM checkpoints WHERE root=? AND step=?"
+                             " AND superseded=0", (root, manifest.step)).fetchone()
+            if row is not None:
+                return False
+            cur = db.execute(
+                "INSERT INTO checkpoints (root, step, layout, path, files, state, local, remote,"
+                " bytes, stored_bytes, metrics, created, completed, validated, uploaded)"
+                " VALUES (?,?,?,?,?,'valid','pruned','uploaded',?,?,?,?,?,?,?)",
+                (root, manifest.step, manifest.layout, f"step-{manifest.step}",
+                 json.dumps([f.path for f in manifest.files]), manifest.size,
+                 manifest.stored_size, json.dumps(manifest.metrics), now, now, now, now))
+            cid = cur.lastrowid
+            db.executemany(
+                "INSERT INTO files (checkpoint_id, path, size, hash, hash_alg, codec, stored_size,"
+                " key) VALUES (?,?,?,?,?,?,?,?)",
+                [(cid, f.path, f.size, f.hash, f.hash_alg, f.codec, f.stored_size, f.key)
+                 for f in manifest.files])
+            return True
+
+    # -- readers' leases (a client loading a checkpoint: never pruned meanwhile) -------------
+
+    def lease_reader(self, root: str, step: int, owner: str, expires: float) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO readers (root, step, owner, expires)"
+                       " VALUES (?,?,?,?)", (root, step, owner, expires))
+
+    def release_reader(self, root: str, step: int, owner: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM readers WHERE root=? AND step=? AND owner=?",
+                       (root, step, owner))
+
+    def in_use(self, root: str, now: float) -> frozenset[int]:
+        rows = self._rows("SELECT DISTINCT step FROM readers WHERE root=? AND expires>=?",
+                          (root, now))
+        return frozenset(int(r["step"]) for r in rows)
 
     def fail_attempt(self, job: Job, owner: str, error: str, now: float) -> float:
         """A stage failed for a cause that may pass (I/O error): back off and retry later."""
@@ -457,9 +605,12 @@ class Store:
         counts.update({r["state"]: int(r["n"]) for r in rows})
         return counts
 
-    def queue_length(self, root: str) -> int:
+    def queue_length(self, root: str, uploads: bool = False) -> int:
+        """Checkpoints waiting for a stage: validation, and (when `uploads`) their upload."""
+        upload = " OR (state='valid' AND remote IN ('none','uploading'))" if uploads else ""
         rows = self._rows("SELECT COUNT(*) AS n FROM checkpoints WHERE root=? AND superseded=0"
-                          " AND state='complete' AND local='present'", (root,))
+                          f" AND ((state='complete' AND local='present'){upload})",  # noqa: S608
+                          (root,))
         return int(rows[0]["n"])
 
     def in_flight(self, now: float) -> list[dict[str, Any]]:
@@ -482,6 +633,11 @@ class Store:
 
     def roots(self) -> list[str]:
         return [r["root"] for r in self._rows("SELECT DISTINCT root FROM checkpoints")]
+
+
+def _qs(items: frozenset[str]) -> str:
+    """Placeholders for an IN (...) list; never empty (SQLite refuses `IN ()`)."""
+    return ",".join("?" * len(items)) or "NULL"
 
 
 def _expected_json(c: Candidate) -> str:
