@@ -63,6 +63,10 @@ class ApiContext:
         self.stopping = threading.Event()
         self.extra_routes = dict(extra_routes or {})
         self.metrics_text: Callable[[], str] = lambda: ""
+        # Retention hooks, set by the daemon: the plan (dry run), and a run now.
+        self.prune_plan: Callable[[str], dict[str, Any]] = lambda root: {"root": root, "plan": []}
+        self.prune_now: Callable[[str], list[dict[str, Any]]] = lambda root: []
+        self.root_health: Callable[[str], dict[str, Any] | None] = lambda root: None
 
     def uptime(self) -> float:
         return round(time.monotonic() - self.started, 3)
@@ -94,6 +98,7 @@ class ApiContext:
             "queue": self.store.queue_length(root.name),
             "disk_free_bytes": disk_free(root.path),
             "last_error": self.store.root_info(root.name)["last_error"] or None,
+            "preflight": self.root_health(root.name),
         }
 
     def listing(self, root: RootView) -> dict[str, Any]:
@@ -135,6 +140,12 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("DELETE", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints/(?P<step>[^/]+)/pin$"),
      "unpin"),
     ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints/(?P<step>[^/]+)/wait$"), "wait"),
+    ("PUT", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints/(?P<step>[^/]+)/lease$"),
+     "lease"),
+    ("DELETE", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints/(?P<step>[^/]+)/lease$"),
+     "unlease"),
+    ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/prune$"), "prune_plan"),
+    ("POST", re.compile(r"^/v1/roots/(?P<root>[^/]+)/prune$"), "prune_now"),
 ]
 
 
@@ -271,6 +282,30 @@ class Handler(BaseHTTPRequestHandler):
                           root=r.name, step=n)
         self.ctx.changes.notify()
         return 200, {"root": r.name, "step": n, "pinned": pinned}
+
+    def h_lease(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
+        """A reader (a resume, a restore) holds `step`: retention never deletes it meanwhile."""
+        r = self.ctx.root(root)
+        rec = self._record(r, _step(step))
+        owner = query.get("owner", "")
+        if not owner or len(owner) > 128:
+            raise HttpError(400, "bad_field", "owner must be a non-empty id (<= 128 chars)")
+        ttl = min(max(_float(query.get("ttl", "600"), "ttl"), 1.0), 86400.0)
+        self.ctx.store.lease_reader(r.name, rec.step, owner, time.time() + ttl)
+        return 200, {"root": r.name, "step": rec.step, "owner": owner, "ttl_s": ttl}
+
+    def h_unlease(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
+        r = self.ctx.root(root)
+        self.ctx.store.release_reader(r.name, _step(step), query.get("owner", ""))
+        return 200, {"root": r.name, "step": int(step), "released": True}
+
+    def h_prune_plan(self, root: str, **_: Any) -> tuple[int, Any]:
+        return 200, self.ctx.prune_plan(self.ctx.root(root).name)
+
+    def h_prune_now(self, root: str, **_: Any) -> tuple[int, Any]:
+        self._not_stopping()
+        r = self.ctx.root(root)
+        return 200, {"root": r.name, "outcomes": self.ctx.prune_now(r.name)}
 
     def h_wait(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         r = self.ctx.root(root)

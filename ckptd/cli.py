@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
         s = cmd(name, f"{name} a checkpoint (pinned ones are never pruned)")
         s.add_argument("root")
         s.add_argument("step", type=_nonneg_int)
+    s = cmd("prune", "the retention plan (--dry-run), or run retention now")
+    s.add_argument("root")
+    s.add_argument("--dry-run", action="store_true", help="print the plan; delete nothing")
+    s.add_argument("--json", action="store_true")
     s = cmd("verify", "validate one checkpoint offline (no daemon needed)")
     s.add_argument("path")
     s.add_argument("--deep", action="store_true", help="also load tensors and scan for NaN/Inf")
@@ -238,6 +242,29 @@ def _pin(args: argparse.Namespace, method: str) -> int:
     return 0
 
 
+def cmd_prune(args: argparse.Namespace) -> int:
+    c = _client(args)
+    path = f"/v1/roots/{_q(args.root)}/prune"
+    if args.dry_run:
+        doc = _call(lambda: c.request_json("GET", path))
+        if args.json:
+            _print_json(doc)
+        else:
+            from ckptd.render import render_plan
+
+            print(render_plan(doc))
+        return 0
+    doc = _call(lambda: c.request_json("POST", path, timeout=600))
+    if args.json:
+        _print_json(doc)
+    else:
+        for o in doc["outcomes"]:
+            print(f"{o['tier']:<6} step {o['step']:>8}  {o['action']:<8} {o['reason']}")
+        if not doc["outcomes"]:
+            print(f"{args.root}: nothing to prune")
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from ckptd.verify import verify_path
 
@@ -279,6 +306,6 @@ def _q(s: str) -> str:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run, "status": cmd_status, "ls": cmd_ls, "latest": cmd_latest,
     "register": cmd_register, "pin": lambda a: _pin(a, "PUT"),
-    "unpin": lambda a: _pin(a, "DELETE"), "verify": cmd_verify, "config": cmd_config,
+    "unpin": lambda a: _pin(a, "DELETE"), "prune": cmd_prune, "verify": cmd_verify, "config": cmd_config,
     "demo": cmd_demo,
 }

@@ -198,11 +198,36 @@ class Client:
         path = f"/v1/roots/{_q(root)}/checkpoints/{int(step)}/pin"
         return self._soft("unpin", None, self.request_json, "DELETE", path) is not None
 
+    def lease(self, root: str, step: int, ttl: float = 600.0, owner: str | None = None
+              ) -> _Lease:
+        """Hold `step` while reading it so retention cannot delete it; a context manager.
+        `with client.lease("llm-7b", 1000): load(...)`"""
+        return _Lease(self, root, int(step), ttl, owner or f"{os.getpid()}-{time.monotonic_ns()}")
+
     def _soft_fail(self, what: str, exc: ClientError) -> bool:
         if self.strict:
             raise exc
         log.warning("ckptd %s failed: %s", what, exc)
         return False
+
+
+class _Lease:
+    def __init__(self, client: Client, root: str, step: int, ttl: float, owner: str) -> None:
+        self.client, self.root, self.step, self.ttl, self.owner = client, root, step, ttl, owner
+        self.held = False
+
+    def _path(self) -> str:
+        return (f"/v1/roots/{_q(self.root)}/checkpoints/{self.step}/lease"
+                f"?owner={_q(self.owner)}&ttl={self.ttl:.0f}")
+
+    def __enter__(self) -> _Lease:
+        self.held = self.client._soft("lease", None, self.client.request_json, "PUT",
+                                      self._path()) is not None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.held:
+            self.client._soft("unlease", None, self.client.request_json, "DELETE", self._path())
 
 
 def _fallback_latest(root: str, root_dir: str | os.PathLike[str] | None) -> dict[str, Any] | None:

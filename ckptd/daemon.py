@@ -25,6 +25,8 @@ from ckptd.metrics import Metrics
 from ckptd.model import CKPTD_DIR
 from ckptd.changes import Changes
 from ckptd.pipeline import LatestPublisher, Pipeline, RootRuntime
+from ckptd.pruning import Pruner, health_json
+from ckptd.stages import prune
 from ckptd.store import Found, Store
 from ckptd.watch import EventWatcher, OpenFiles, RootScanner
 
@@ -79,6 +81,9 @@ class Daemon:
         self.server: UnixHttpServer | None = None
         self.watcher: EventWatcher | None = None
         self.pipeline: Pipeline | None = None
+        self.pruner: Pruner | None = None
+        self.publisher: LatestPublisher | None = None
+        self._backends: dict[str, tuple[Any, Any]] = {}
         self.ctx: ApiContext | None = None
         self.ready = threading.Event()
         self.notifier = sdnotify.Notifier.from_env(
@@ -91,6 +96,45 @@ class Daemon:
         self._signals: list[int] = []  # appended by handlers, handled by the main loop
 
     # -- views of the config -----------------------------------------------------------------
+
+    def _root_configs(self) -> dict[str, RootConfig]:
+        return {r.name: r for r in self.config.roots}
+
+    def backend_for(self, root: RootConfig) -> Any:
+        """The root's storage backend (retries, bandwidth cap), rebuilt when its upload
+        settings change; None when the root does not upload."""
+        if not root.upload.enabled:
+            return None
+        cached = self._backends.get(root.name)
+        if cached is not None and cached[0] == root.upload:
+            return cached[1]
+        from ckptd.backends import make_backend, wrap_backend
+
+        up = root.upload
+        backend = wrap_backend(
+            make_backend(up.url, endpoint=up.endpoint, region=up.region,
+                         access_key_id=up.access_key_id,
+                         secret_access_key=up.secret_access_key.get_secret_value(),
+                         part_size=up.part_size, concurrency=up.concurrency),
+            max_bytes_per_s=up.max_bandwidth)
+        self._backends[root.name] = (up, backend)
+        return backend
+
+    def _after_prune(self, root: RootConfig) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(self._runtimes()[root.name])
+        self.changes.notify()
+
+    def _prune_plan(self, name: str) -> dict[str, Any]:
+        assert self.pruner is not None
+        root = self._root_configs()[name]
+        return self.pruner.plan(root).as_json(name)
+
+    def _prune_now(self, name: str) -> list[dict[str, Any]]:
+        assert self.pruner is not None
+        outcomes = self.pruner.run(self._root_configs()[name])
+        return [{"step": o.step, "tier": o.tier, "action": o.action, "reason": o.reason,
+                 "bytes_freed": o.bytes_freed} for o in outcomes]
 
     def _runtimes(self) -> dict[str, RootRuntime]:
         return {r.name: RootRuntime(r.name, r.path, r.deep_validate, r.metric, r.metric_mode)
@@ -115,19 +159,28 @@ class Daemon:
             self._add_root(root)
         self.watcher.start()
         self.scan_all()
-        publisher = LatestPublisher(self.store)
+        self.publisher = publisher = LatestPublisher(self.store)
         for rt in self._runtimes().values():
             publisher.publish(rt)
+        self.pruner = Pruner(self.store, self._root_configs, self.backend_for,
+                             on_change=self._after_prune)
         self.pipeline = Pipeline(self.store, self._runtimes, self.changes, publisher,
-                                 cfg.daemon.workers, on_resave=self.wake_scan)
+                                 cfg.daemon.workers, on_resave=self.wake_scan,
+                                 after_stage=self.pruner.request)
         self.ctx = ApiContext(self.store, self._views, self.changes, self.wake_scan,
                               self._in_flight)
+        self.ctx.prune_plan = self._prune_plan
+        self.ctx.prune_now = self._prune_now
+        self.ctx.root_health = lambda name: health_json(self.pruner.health.get(name)
+                                                        if self.pruner else None)
         self.ctx.metrics_text = self._render_metrics
         sock = self._listen_socket()
         self.server = UnixHttpServer(sock, self.ctx)
         if cfg.metrics.listen:
             self.metrics_server = self.metrics.serve_tcp(cfg.metrics.listen)
         self.pipeline.start()
+        self.pruner.start()
+        self.pruner._want_all()
         self._spawn(self.server.serve_forever, "ckptd-api")
         self._spawn(self._scan_loop, "ckptd-scan")
         self.ready.set()
@@ -159,7 +212,14 @@ class Daemon:
         removed = 0
         for d in [self.config.daemon.state_dir] + [r.path / CKPTD_DIR for r in self.config.roots]:
             removed += _remove_stale_temps(d)
-        self.log.info("daemon_recovered", leases_released=released, temp_files_removed=removed)
+        purged = 0
+        for r in self.config.roots:
+            if r.path.is_dir():
+                # Deletes interrupted between the rename into the trash and the removal.
+                purged += prune.purge_trash(prune.trash_dir_for(r.path), r.path)
+                removed += _remove_stale_temps(r.path / CKPTD_DIR / "objects")
+        self.log.info("daemon_recovered", leases_released=released, temp_files_removed=removed,
+                      trash_purged=purged)
 
     def _add_root(self, root: RootConfig) -> None:
         opts = root.options
@@ -273,6 +333,8 @@ class Daemon:
             self.ctx.stopping.set()
         self._stop.set()
         self._scan_wake.set()
+        if self.pruner is not None:
+            self.pruner.stop()
         finished = self.pipeline.stop(grace) if self.pipeline else True
         if not finished:
             self.log.warning("daemon_stop_incomplete",

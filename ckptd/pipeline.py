@@ -81,13 +81,15 @@ class Pipeline:
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootRuntime]],
                  changes: Changes, publisher: LatestPublisher, workers: int,
-                 on_resave: Callable[[], None]) -> None:
+                 on_resave: Callable[[], None],
+                 after_stage: Callable[[str], None] = lambda root: None) -> None:
         self.store = store
         self.roots = roots
         self.changes = changes
         self.publisher = publisher
         self.n_workers = workers
         self.on_resave = on_resave
+        self.after_stage = after_stage
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -179,6 +181,7 @@ class Pipeline:
                 log.warning("checkpoint_invalid", reason=result.reason, message=result.message,
                             seconds=elapsed)
             self.publisher.publish(root)
+            self.after_stage(root.name)
 
     def _tick(self, worker: str) -> None:
         self.progress[worker] = time.time()

@@ -68,3 +68,12 @@ def render_ls(doc: dict[str, Any]) -> str:
 
 def _step(v: Any) -> str:
     return "-" if v is None else str(v)
+
+
+def render_plan(doc: dict[str, Any]) -> str:
+    """The retention plan: one line per checkpoint, with the rules that decided."""
+    rows = [[str(i["step"]), i["local"], i["remote"], ", ".join(i["reasons"])]
+            for i in doc["plan"]]
+    if not rows:
+        return f"{doc['root']}: no checkpoints"
+    return table(["STEP", "LOCAL", "REMOTE", "REASONS"], rows)

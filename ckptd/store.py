@@ -450,6 +450,11 @@ class Store:
         db.execute("UPDATE checkpoints SET lease_owner=NULL, lease_stage=NULL,"
                    " lease_expires=NULL WHERE id=?", (cid,))
 
+    def members(self, checkpoint_id: int) -> tuple[str, ...]:
+        """Root-relative member files as the layout reported them."""
+        rows = self._rows("SELECT files FROM checkpoints WHERE id=?", (checkpoint_id,))
+        return tuple(json.loads(rows[0]["files"])) if rows else ()
+
     def stored_files(self, checkpoint_id: int) -> list[StoredFile]:
         rows = self._rows("SELECT * FROM files WHERE checkpoint_id=? ORDER BY path",
                           (checkpoint_id,))

@@ -293,8 +293,9 @@ def test_cli_commands(daemon_factory: Any) -> None:
     s = d.socket
     st = json.loads(cli("status", "--json", sock=s).stdout)
     assert set(st) == {"status", "version", "uptime_s", "roots", "in_flight"}
-    assert set(st["roots"][0]) == {"name", "path", "latest", "best", "counts", "queue",
+    assert set(st["roots"][0]) >= {"name", "path", "latest", "best", "counts", "queue",
                                    "disk_free_bytes", "last_error"}
+    assert "preflight" in st["roots"][0]  # the capacity warning (retention)
     ls = json.loads(cli("ls", "r1", "--json", sock=s).stdout)
     assert set(ls["checkpoints"][0]) == {"step", "state", "local", "remote", "layout", "path",
                                          "bytes", "stored_bytes", "metrics", "reason", "pinned"}
@@ -312,3 +313,43 @@ def test_cli_commands(daemon_factory: Any) -> None:
     d.stop()
     r = cli("status", sock=s)
     assert r.returncode == 69 and "daemon" in r.stderr
+
+
+def test_retention_prunes_with_nets_and_explains(daemon_factory: Any) -> None:
+    """Retention runs by itself after each stage: keep_last=2 and the best survive, a pin
+    holds, everything else goes; the dry run explains each decision."""
+    d = daemon_factory(roots=[{"name": "r1", "metric": "val_loss",
+                               "retention": {"local": {"keep_last": 2, "keep_best": 1,
+                                                       "min_free": "0"}}}])
+    root = d.roots["r1"]
+    c = d.client
+    losses = {1: 0.5, 2: 0.9, 3: 0.8, 4: 0.7, 5: 0.6}
+    for step, loss in losses.items():
+        save_single(root, step)
+        c.register("r1", step, metrics={"val_loss": loss})
+        d.wait_for("r1", step)
+        if step == 2:
+            assert c.pin("r1", 2)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        states = {x["step"]: x["local"] for x in c.checkpoints("r1")}  # type: ignore[union-attr]
+        if states.get(3) == "pruned":
+            break
+        time.sleep(0.1)
+    assert states == {1: "present", 2: "present", 3: "pruned", 4: "present", 5: "present"}
+    assert not (root / "model_step_3.pt").exists()
+    for step in (1, 2, 4, 5):
+        assert (root / f"model_step_{step}.pt").exists()
+    plan = json.loads(cli("prune", "r1", "--dry-run", "--json", sock=d.socket).stdout)
+    by_step = {i["step"]: i for i in plan["plan"]}
+    assert by_step[1]["local"] == "keep" and "local:best" in by_step[1]["reasons"]
+    assert by_step[2]["local"] == "keep" and "local:pinned" in by_step[2]["reasons"]
+    assert by_step[5]["local"] == "keep" and "local:latest" in by_step[5]["reasons"]
+    assert 3 not in by_step or by_step[3]["local"] == "none"
+    assert "STEP" in cli("prune", "r1", "--dry-run", sock=d.socket).stdout
+    assert c.unpin("r1", 2)
+    run = json.loads(cli("prune", "r1", "--json", sock=d.socket).stdout)
+    assert (2, "deleted") in {(o["step"], o["action"]) for o in run["outcomes"]}
+    assert c.latest("r1")["step"] == 5  # type: ignore[index]
+    with c.lease("r1", 4) as lease:
+        assert lease.held
