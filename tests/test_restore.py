@@ -1,0 +1,300 @@
+"""Restore without the daemon: from a backend (file:// and a real S3 server), parallel and
+hash-checked; choosing the step and its source from a config; the TTY progress bar."""
+
+from __future__ import annotations
+
+import filecmp
+import io
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import layout_writers as w
+import pytest
+from test_compress_stage import list_temps, odd_files, stage
+from test_layouts_real import detect
+from writers import flip_byte
+
+from ckptd.backends import Backend, LocalBackend, ObjectMeta, ObstoreBackend, make_backend
+from ckptd.backends.base import Source
+from ckptd.config import Config, parse_config
+from ckptd.errors import CorruptData, NotFound
+from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
+from ckptd.restore import (
+    list_remote_steps,
+    resolve_step,
+    restore,
+    restore_from_backend,
+    tty_progress,
+)
+from ckptd.stages.compress import objects_dir
+
+if TYPE_CHECKING:
+    from s3server import S3Server
+
+pytest_plugins = ["s3server"]  # fixtures: s3_server, s3_url
+
+
+def upload(backend: Backend, root_dir: Path, manifest: Manifest, name: str = "r") -> None:
+    """What the upload stage leaves: the objects, then MANIFEST.json last, create-only."""
+    prefix = step_prefix(name, manifest.step)
+    for f in manifest.files:
+        with open(objects_dir(root_dir, manifest.step) / f.key, "rb") as src:
+            backend.put(f"{prefix}/{f.key}", src)
+    backend.put(f"{prefix}/{MANIFEST_NAME}", manifest.to_bytes(), create_only=True)
+
+
+def assert_same(root: Path, to: Path, manifest: Manifest) -> None:
+    for f in manifest.files:
+        assert filecmp.cmp(root / f.path, to / f.path, shallow=False), f.path
+    assert list_temps(to) == []
+
+
+@pytest.fixture
+def staged(tmp_path: Path) -> tuple[Path, Manifest]:
+    """A root with odd-sized files (step 3) and its local compressed copy."""
+    root = tmp_path / "root"
+    return root, stage(root, odd_files(root), "auto")
+
+
+class Counting:
+    """A backend that counts gets in flight (the same protocol, passed through)."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.url, self.part_size = inner.url, inner.part_size
+        self.active = self.peak = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str, dst: BinaryIO) -> int:
+        with self._lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            time.sleep(0.05)
+            return self.inner.get(key, dst)
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    def put(self, key: str, src: Source, size: int | None = None, *,
+            create_only: bool = False) -> ObjectMeta:
+        return self.inner.put(key, src, size, create_only=create_only)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.inner.get_bytes(key)
+
+    def stat(self, key: str) -> ObjectMeta:
+        return self.inner.stat(key)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+
+# --- from a backend ------------------------------------------------------------------------
+
+
+def test_restore_from_file_backend_in_parallel(staged: tuple[Path, Manifest],
+                                               tmp_path: Path) -> None:
+    root, manifest = staged
+    backend = Counting(make_backend(f"file://{tmp_path}/remote"))
+    upload(backend, root, manifest)
+    done: list[int] = []
+    paths = restore_from_backend(backend, "r", 3, tmp_path / "out", concurrency=4,
+                                 progress=done.append)
+    assert sorted(paths) == sorted(tmp_path / "out" / f.path for f in manifest.files)
+    assert_same(root, tmp_path / "out", manifest)
+    assert sum(done) == manifest.size
+    assert 1 < backend.peak <= 4
+
+
+def test_dcp_shards_restore_from_a_backend(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    w.write_nemo(root, 100)  # DCP shards: tensors at unaligned offsets
+    [cand] = detect(root)
+    manifest = stage(root, cand, "zstd-bytegroup")
+    backend = LocalBackend(tmp_path / "remote")
+    upload(backend, root, manifest)
+    restore_from_backend(backend, "r", cand.step, tmp_path / "out", concurrency=2)
+    assert_same(root, tmp_path / "out", manifest)
+
+
+def test_hash_mismatch_from_the_manifest_is_detected(staged: tuple[Path, Manifest],
+                                                     tmp_path: Path) -> None:
+    root, manifest = staged
+    bad = next(f for f in manifest.files if f.path == "odd/f32_plus3.dat")
+    forged = StoredFile(bad.path, bad.size, "0" * 32, bad.hash_alg, bad.codec, bad.stored_size,
+                        bad.key)
+    lying = Manifest(manifest.root, manifest.step, manifest.layout,
+                     tuple(forged if f is bad else f for f in manifest.files))
+    backend = LocalBackend(tmp_path / "remote")
+    upload(backend, root, lying)
+    with pytest.raises(CorruptData, match=r"odd/f32_plus3\.dat: content hash mismatch"):
+        restore_from_backend(backend, "r", 3, tmp_path / "out", concurrency=3)
+    assert not (tmp_path / "out" / bad.path).exists()
+    assert list_temps(tmp_path / "out") == []
+
+
+def test_corrupt_and_missing_remote_objects(staged: tuple[Path, Manifest],
+                                            tmp_path: Path) -> None:
+    root, manifest = staged
+    backend = LocalBackend(tmp_path / "remote")
+    upload(backend, root, manifest)
+    f = next(f for f in manifest.files if f.path == "odd/multi_block.dat")
+    stored = tmp_path / "remote" / "r" / "step-3" / f.key
+    flip_byte(stored, f.stored_size // 2)
+    with pytest.raises(CorruptData, match=r"odd/multi_block\.dat: .*corrupt"):
+        restore_from_backend(backend, "r", 3, tmp_path / "out")
+    assert not (tmp_path / "out" / f.path).exists() and list_temps(tmp_path / "out") == []
+    stored.unlink()
+    with pytest.raises(CorruptData, match=r"odd/multi_block\.dat: object .* is missing"):
+        restore_from_backend(backend, "r", 3, tmp_path / "out2")
+
+
+def test_a_step_without_manifest_does_not_exist(staged: tuple[Path, Manifest],
+                                                tmp_path: Path) -> None:
+    root, manifest = staged
+    backend = LocalBackend(tmp_path / "remote")
+    upload(backend, root, manifest)
+    backend.delete(f"r/step-3/{MANIFEST_NAME}")
+    with pytest.raises(NotFound, match="step 3 of 'r'"):
+        restore_from_backend(backend, "r", 3, tmp_path / "out")
+
+
+def test_list_remote_steps(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path / "remote")
+    for key in ["r/step-5/MANIFEST.json", "r/step-5/a.zst", "r/step-12/MANIFEST.json",
+                "r/step-9/a.zst", "rr/step-7/MANIFEST.json", "r/LATEST",
+                "r/step-05x/MANIFEST.json", "r/step-3/sub/MANIFEST.json"]:
+        backend.put(key, b"{}")
+    assert list_remote_steps(backend, "r") == [5, 12]
+    assert list_remote_steps(backend, "nothing") == []
+
+
+def test_restore_from_s3(staged: tuple[Path, Manifest], tmp_path: Path,
+                         request: pytest.FixtureRequest) -> None:
+    from s3server import weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("SeaweedFS `weed` is not installed")
+    server: S3Server = request.getfixturevalue("s3_server")
+    url: str = request.getfixturevalue("s3_url")
+    root, manifest = staged
+    backend = ObstoreBackend(url, endpoint=server.endpoint, region=server.region,
+                             access_key_id=server.access_key, secret_access_key=server.secret_key,
+                             part_size=5 << 20, request_retries=0)
+    upload(backend, root, manifest)
+    restore_from_backend(backend, "r", 3, tmp_path / "out", concurrency=4)
+    assert_same(root, tmp_path / "out", manifest)
+    assert list_remote_steps(backend, "r") == [3]
+
+
+# --- which step, from where ----------------------------------------------------------------
+
+
+def config(tmp_path: Path, root: Path, remote: Path | None) -> Config:
+    entry: dict[str, Any] = {"name": "r", "path": str(root)}
+    if remote is not None:
+        entry["upload"] = {"url": f"file://{remote}"}
+    return parse_config({"daemon": {"state_dir": str(tmp_path / "state")}, "roots": [entry]},
+                        tmp_path)
+
+
+def write_latest(root: Path, step: int, path: Path) -> None:
+    (root / ".ckptd" / "latest.json").write_text(json.dumps({"step": step, "path": str(path)}))
+
+
+@pytest.fixture
+def copies(tmp_path: Path) -> tuple[Path, Path]:
+    """Root `r`: local copies of steps 5 and 7 (single files); remote: steps 7 and 9."""
+    root, remote = tmp_path / "root", tmp_path / "remote"
+    for step in (5, 7, 9):
+        w.write_single(root, step)
+        [cand] = [c for c in detect(root) if c.step == step]
+        manifest = stage(root, cand, "zstd")
+        if step in (7, 9):
+            upload(LocalBackend(remote), root, manifest)
+    os.rename(objects_dir(root, 9), tmp_path / "step-9-elsewhere")  # only remote now
+    return root, remote
+
+
+def test_explicit_step_prefers_the_local_copy(copies: tuple[Path, Path], tmp_path: Path) -> None:
+    root, remote = copies
+    cfg = config(tmp_path, root, remote)
+    step, paths = restore(cfg, "r", 7, tmp_path / "out")
+    assert step == 7 and [p.name for p in paths] == ["model_step_7.pt"]
+    assert filecmp.cmp(root / "model_step_7.pt", paths[0], shallow=False)
+    assert resolve_step(root, "r", 7, LocalBackend(remote)) == (7, "local")
+    assert resolve_step(root, "r", 9, LocalBackend(remote)) == (9, "remote")
+    step, paths = restore(cfg, "r", 9, tmp_path / "out9")
+    assert step == 9 and filecmp.cmp(root / "model_step_9.pt", paths[0], shallow=False)
+
+
+def test_latest_follows_latest_json_then_the_highest_copy(copies: tuple[Path, Path],
+                                                          tmp_path: Path) -> None:
+    root, remote = copies
+    backend = LocalBackend(remote)
+    assert resolve_step(root, "r", "latest", backend) == (9, "remote")
+    assert resolve_step(root, "r", "latest", None) == (7, "local")
+    write_latest(root, 5, root / "model_step_5.pt")
+    assert resolve_step(root, "r", "latest", backend) == (5, "local")
+    step, _ = restore(config(tmp_path, root, remote), "r", "latest", tmp_path / "out")
+    assert step == 5
+
+
+def test_a_step_still_on_disk_has_nothing_to_restore(copies: tuple[Path, Path],
+                                                     tmp_path: Path) -> None:
+    root, remote = copies
+    w.write_single(root, 11)
+    write_latest(root, 11, root / "model_step_11.pt")
+    with pytest.raises(NotFound, match="step 11 .* present locally at .*model_step_11.pt"):
+        restore(config(tmp_path, root, remote), "r", "latest", tmp_path / "out")
+    with pytest.raises(NotFound, match="present locally"):
+        restore(config(tmp_path, root, None), "r", 11, tmp_path / "out")
+
+
+def test_nothing_to_restore_says_where_it_looked(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    with pytest.raises(NotFound, match=r"no copy of step 4 of 'r'.*objects.*file://"):
+        restore(config(tmp_path, root, tmp_path / "remote"), "r", 4, tmp_path / "out")
+    with pytest.raises(NotFound, match="no step of 'r' .*no upload.url"):
+        restore(config(tmp_path, root, None), "r", "latest", tmp_path / "out")
+    with pytest.raises(NotFound, match="no root named 'x'"):
+        restore(config(tmp_path, root, None), "x", "latest", tmp_path / "out")
+
+
+def test_restore_reports_cumulative_progress(copies: tuple[Path, Path], tmp_path: Path) -> None:
+    root, remote = copies
+    seen: list[tuple[int, int]] = []
+    restore(config(tmp_path, root, remote), "r", 9, tmp_path / "out",
+            progress=lambda done, total: seen.append((done, total)))
+    total = (root / "model_step_9.pt").stat().st_size
+    assert seen[0] == (0, total) and seen[-1] == (total, total)
+
+
+# --- progress bar --------------------------------------------------------------------------
+
+
+def test_progress_bar_only_on_a_terminal() -> None:
+    assert tty_progress(io.StringIO()) is None
+    master, slave = os.openpty()
+    try:
+        with open(slave, "w", closefd=False) as tty:
+            draw = tty_progress(tty)
+            assert draw is not None
+            draw(0, 2048)
+            draw(2048, 2048)
+        out = os.read(master, 4096).decode()
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert "0.0%" in out and "100.0%" in out and "2.0 KiB / 2.0 KiB" in out
