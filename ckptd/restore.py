@@ -145,8 +145,9 @@ def _restore_remote(
         if failed is not None:
             for fut in futures:
                 fut.cancel()
-    if failed is not None:
-        return [failed.result()]  # raises its exception
+    error = failed.exception() if failed is not None else None
+    if error is not None:
+        raise error
     return [fut.result() for fut in futures]
 
 

@@ -30,7 +30,6 @@ OBJECTS_DIR = "objects"
 # Written data is pushed to disk and dropped from the page cache in steps of this size, so a
 # compressed copy never sits in memory that the training job's data needs.
 WRITEBACK_STEP = 32 << 20
-_READ_CHUNK = 1 << 20
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
@@ -287,11 +286,12 @@ class Stager:
 def _check_keys(files: Sequence[StoredFile]) -> None:
     """Object names must not collide (`a` stored as `a.zst` beside a file named `a.zst`), and
     no key may also be a directory of another."""
-    keys = {f.key for f in files}
-    if MANIFEST_NAME in keys:
-        raise CkptdError(f"a file stored as {MANIFEST_NAME} would collide with the manifest")
-    if len(keys) != len(files):
-        raise CkptdError("object names collide: " + ", ".join(sorted(f.key for f in files)))
+    keys: set[str] = set()
+    for f in files:
+        if f.key in keys or f.key == MANIFEST_NAME:
+            raise CkptdError(f"cannot store {f.path} as {f.key!r}: another object (or the "
+                             "manifest) has that name; object names collide")
+        keys.add(f.key)
     for key in keys:
         parts = key.split("/")
         for i in range(1, len(parts)):
@@ -374,6 +374,31 @@ class _Checker:
                               f"manifest {f.hash}): the stored object {f.key} is corrupt")
 
 
+class _Source:
+    """An object read front to back through its fd, dropping what is behind the cursor from
+    the page cache, so verifying or restoring a copy does not evict the training job's data."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pos = self._dropped = 0
+
+    def read(self, n: int) -> bytes:
+        data = os.read(self.fd, n)
+        self._advance(len(data))
+        return data
+
+    def readinto(self, buf: memoryview) -> int:
+        n = os.readv(self.fd, [buf])
+        self._advance(n)
+        return n
+
+    def _advance(self, n: int) -> None:
+        self.pos += n
+        if self.pos - self._dropped >= WRITEBACK_STEP:
+            _advise(self.fd, self._dropped, self.pos - self._dropped)
+            self._dropped = self.pos
+
+
 def decode_object(
     src: Path, f: StoredFile, out: DurableWriter | None = None, progress: Progress | None = None
 ) -> None:
@@ -381,22 +406,23 @@ def decode_object(
     the original bytes go to `out` when given. Raises CorruptData naming the file."""
     if f.hash_alg != HASH_ALG:
         raise CorruptData(f"{f.path}: hash algorithm {f.hash_alg!r} is not {HASH_ALG!r}")
-    with open(src, "rb", buffering=_READ_CHUNK) as stream:
+    fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        stored = os.fstat(fd).st_size
+        if stored != f.stored_size:
+            raise CorruptData(f"{f.path}: stored object {f.key} has {stored} bytes, the "
+                              f"manifest says {f.stored_size}")
+        checker = _Checker(f, out, progress)
         try:
-            stored = os.fstat(stream.fileno()).st_size
-            if stored != f.stored_size:
-                raise CorruptData(f"{f.path}: stored object {f.key} has {stored} bytes, the "
-                                  f"manifest says {f.stored_size}")
-            checker = _Checker(f, out, progress)
-            try:
-                decode_stream(f.codec, stream, cast(BinaryIO, checker))
-            except CorruptData as exc:
-                if str(exc).startswith(f"{f.path}: "):
-                    raise
-                raise CorruptData(f"{f.path}: stored object {f.key} is corrupt: {exc}") from exc
-            checker.check()
-        finally:
-            _advise(stream.fileno(), 0, 0)
+            decode_stream(f.codec, cast(BinaryIO, _Source(fd)), cast(BinaryIO, checker))
+        except CorruptData as exc:
+            if str(exc).startswith(f"{f.path}: "):
+                raise
+            raise CorruptData(f"{f.path}: stored object {f.key} is corrupt: {exc}") from exc
+        checker.check()
+    finally:
+        _advise(fd, 0, 0)
+        os.close(fd)
 
 
 def verify_copy(objects_dir: Path, manifest: Manifest) -> None:
