@@ -67,6 +67,7 @@ class ApiContext:
         self.prune_plan: Callable[[str], dict[str, Any]] = lambda root: {"root": root, "plan": []}
         self.prune_now: Callable[[str], list[dict[str, Any]]] = lambda root: []
         self.root_health: Callable[[str], dict[str, Any] | None] = lambda root: None
+        self.refresh_remote: Callable[[str], None] = lambda root: None
 
     def uptime(self) -> float:
         return round(time.monotonic() - self.started, 3)
@@ -102,6 +103,7 @@ class ApiContext:
         }
 
     def listing(self, root: RootView) -> dict[str, Any]:
+        self.refresh_remote(root.name)
         return {"root": root.name,
                 "checkpoints": [c.as_json() for c in self.store.checkpoints(root.name)]}
 

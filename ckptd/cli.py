@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("root")
     s.add_argument("--dry-run", action="store_true", help="print the plan; delete nothing")
     s.add_argument("--json", action="store_true")
+    s = cmd("restore", "rebuild a checkpoint's original files from its local compressed copy"
+                       " or the remote (no daemon needed)")
+    s.add_argument("root")
+    s.add_argument("step", nargs="?", default="latest", help="a step number, or latest")
+    s.add_argument("--to", required=True, help="directory to write the original files into")
+    s.add_argument("--json", action="store_true")
     s = cmd("verify", "validate one checkpoint offline (no daemon needed)")
     s.add_argument("path")
     s.add_argument("--deep", action="store_true", help="also load tensors and scan for NaN/Inf")
@@ -265,6 +271,22 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_restore(args: argparse.Namespace) -> int:
+    from ckptd.restore import restore, tty_progress
+
+    if args.step != "latest" and not args.step.isdigit():
+        raise UsageError(f"ckptd restore: STEP must be a number or 'latest', got {args.step!r}")
+    step: int | str = "latest" if args.step == "latest" else int(args.step)
+    cfg = _load_config(args, required=True)
+    n, paths = restore(cfg, args.root, step, Path(args.to), tty_progress())  # type: ignore[arg-type]
+    if args.json:
+        _print_json({"root": args.root, "step": n, "to": str(Path(args.to).resolve()),
+                     "files": [str(p) for p in paths]})
+    else:
+        print(f"restored {args.root} step {n}: {len(paths)} file(s) into {args.to}")
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from ckptd.verify import verify_path
 
@@ -306,6 +328,6 @@ def _q(s: str) -> str:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run, "status": cmd_status, "ls": cmd_ls, "latest": cmd_latest,
     "register": cmd_register, "pin": lambda a: _pin(a, "PUT"),
-    "unpin": lambda a: _pin(a, "DELETE"), "prune": cmd_prune, "verify": cmd_verify, "config": cmd_config,
+    "unpin": lambda a: _pin(a, "DELETE"), "prune": cmd_prune, "restore": cmd_restore, "verify": cmd_verify, "config": cmd_config,
     "demo": cmd_demo,
 }

@@ -84,6 +84,7 @@ class Daemon:
         self.pruner: Pruner | None = None
         self.publisher: LatestPublisher | None = None
         self._backends: dict[str, tuple[Any, Any]] = {}
+        self._remote_seen: dict[str, float] = {}
         self.ctx: ApiContext | None = None
         self.ready = threading.Event()
         self.notifier = sdnotify.Notifier.from_env(
@@ -120,6 +121,34 @@ class Daemon:
         self._backends[root.name] = (up, backend)
         return backend
 
+    def refresh_remote(self, name: str, max_age: float = 15.0) -> None:
+        """Learn the remote steps of a root (committed manifests) that the store does not
+        know: a fresh node with an empty disk sees its root's uploaded checkpoints."""
+        root = self._root_configs().get(name)
+        backend = self.backend_for(root) if root is not None else None
+        if root is None or backend is None or self.store is None:
+            return
+        if time.monotonic() - self._remote_seen.get(name, -1e9) < max_age:
+            return
+        from ckptd import remote
+
+        try:
+            steps = set(remote.list_steps(backend, name))
+            added = 0
+            for step in sorted(steps):
+                if self.store.checkpoint(name, step) is None:
+                    added += self.store.add_remote_only(
+                        name, remote.read_manifest(backend, name, step), time.time())
+            self._remote_seen[name] = time.monotonic()
+        except Exception as exc:  # the remote being down must not break ls or startup
+            self.log.warning("remote_list_failed", root=name, error=str(exc))
+            return
+        if added:
+            self.log.info("remote_checkpoints_found", root=name, added=added)
+            if self.publisher is not None:
+                self.publisher.publish(self._runtimes()[name])
+            self.changes.notify()
+
     def _after_prune(self, root: RootConfig) -> None:
         if self.publisher is not None:
             self.publisher.publish(self._runtimes()[root.name])
@@ -137,8 +166,7 @@ class Daemon:
                  "bytes_freed": o.bytes_freed} for o in outcomes]
 
     def _runtimes(self) -> dict[str, RootRuntime]:
-        return {r.name: RootRuntime(r.name, r.path, r.deep_validate, r.metric, r.metric_mode)
-                for r in self.config.roots}
+        return {r.name: RootRuntime(r) for r in self.config.roots}
 
     def _views(self) -> dict[str, RootView]:
         return {r.name: RootView(r.name, r.path, r.metric, r.metric_mode, r.upload.enabled)
@@ -166,10 +194,11 @@ class Daemon:
                              on_change=self._after_prune)
         self.pipeline = Pipeline(self.store, self._runtimes, self.changes, publisher,
                                  cfg.daemon.workers, on_resave=self.wake_scan,
-                                 after_stage=self.pruner.request)
+                                 after_stage=self.pruner.request, backend_for=self.backend_for)
         self.ctx = ApiContext(self.store, self._views, self.changes, self.wake_scan,
                               self._in_flight)
         self.ctx.prune_plan = self._prune_plan
+        self.ctx.refresh_remote = self.refresh_remote
         self.ctx.prune_now = self._prune_now
         self.ctx.root_health = lambda name: health_json(self.pruner.health.get(name)
                                                         if self.pruner else None)
@@ -182,6 +211,7 @@ class Daemon:
         self.pruner.start()
         self.pruner._want_all()
         self._spawn(self.server.serve_forever, "ckptd-api")
+        self._spawn(lambda: [self.refresh_remote(r.name, 0) for r in cfg.roots], "ckptd-remote")
         self._spawn(self._scan_loop, "ckptd-scan")
         self.ready.set()
         self.log.info("daemon_ready", socket=str(cfg.daemon.socket),

@@ -20,9 +20,11 @@ from typing import Any
 from ckptd import fileio
 from ckptd.changes import Changes
 from ckptd.log import get_logger
-from ckptd.model import CKPTD_DIR, Candidate, Tier, ValidationResult
-from ckptd.stages.validate import validate
-from ckptd.store import Job, Store
+from ckptd.model import CKPTD_DIR, Tier
+from ckptd import runners
+from ckptd.config import RootConfig
+from ckptd.errors import CkptdError, PermanentError
+from ckptd.store import STAGE_COMPRESS, STAGE_UPLOAD, STAGE_VALIDATE, Job, Store
 from ckptd.watch import file_fingerprint
 
 LEASE_S = 60.0
@@ -33,13 +35,17 @@ NICE = 10
 
 @dataclass(frozen=True)
 class RootRuntime:
-    """What the pipeline needs of one root's config."""
+    """What the pipeline needs of one root: its config (name, path shortcuts for readers)."""
 
-    name: str
-    path: Path
-    deep_validate: bool
-    metric: str
-    metric_mode: str
+    config: RootConfig
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def path(self) -> Path:
+        return self.config.path
 
 
 class LatestPublisher:
@@ -82,7 +88,8 @@ class Pipeline:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootRuntime]],
                  changes: Changes, publisher: LatestPublisher, workers: int,
                  on_resave: Callable[[], None],
-                 after_stage: Callable[[str], None] = lambda root: None) -> None:
+                 after_stage: Callable[[str], None] = lambda root: None,
+                 backend_for: Callable[[RootConfig], Any] = lambda root: None) -> None:
         self.store = store
         self.roots = roots
         self.changes = changes
@@ -90,6 +97,7 @@ class Pipeline:
         self.n_workers = workers
         self.on_resave = on_resave
         self.after_stage = after_stage
+        self.backend_for = backend_for
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -129,7 +137,12 @@ class Pipeline:
         self.progress[name] = time.time()
         while not self._stopping.is_set():
             self.progress[name] = time.time()
-            job = self.store.claim(self.owner, time.time(), LEASE_S)
+            roots = self.roots()
+            job = self.store.claim(
+                self.owner, time.time(), LEASE_S,
+                upload_roots=frozenset(n for n, r in roots.items() if r.config.upload.enabled),
+                copy_roots=frozenset(n for n, r in roots.items()
+                                     if runners.wants_copy(r.config)))
             if job is None:
                 self._wake.wait(1.0)
                 self._wake.clear()
@@ -147,12 +160,14 @@ class Pipeline:
             return  # root removed from config; the lease just expires
         rec = job.checkpoint
         log = self.log.bind(root=rec.root, step=rec.step, stage=job.stage, layout=rec.layout)
-        fp = file_fingerprint(root.path, job.files)
-        if fp != rec.fingerprint:
-            log.info("stage_deferred", why="files changed since completion; rescanning")
-            self.store.defer(job, self.owner, RESCAN_DEFER_S, time.time())
-            self.on_resave()
-            return
+        fp = rec.fingerprint
+        if job.stage != STAGE_UPLOAD and rec.local.value == "present":
+            fp = file_fingerprint(root.path, job.files)
+            if fp != rec.fingerprint:
+                log.info("stage_deferred", why="files changed since completion; rescanning")
+                self.store.defer(job, self.owner, RESCAN_DEFER_S, time.time())
+                self.on_resave()
+                return
         log.info("stage_started")
         started = time.monotonic()
         total = sum(_size(root.path / f) for f in job.files)
@@ -160,44 +175,65 @@ class Pipeline:
         self.inflight[rec.id] = progress
         with _Renewer(self.store, rec.id, self.owner):
             try:
-                result = self._validate(root, job, progress)
-            except Exception as exc:  # a bug or an OS failure: retry later, never crash
-                delay = self.store.fail_attempt(job, self.owner, f"{type(exc).__name__}: {exc}",
-                                                time.time())
-                log.error("stage_failed", error=str(exc), retry_in_s=delay, exc_info=True)
+                outcome = self._stage(root.config, job, progress)
+            except Exception as exc:  # an OS, storage or code failure: retry later, never crash
+                self._failed(job, log, exc)
                 return
             finally:
                 self.inflight.pop(rec.id, None)
+        elapsed = round(time.monotonic() - started, 3)
+        if job.stage == STAGE_VALIDATE:
+            self._validated(root, job, fp, outcome, log, elapsed)
+        elif job.stage == STAGE_COMPRESS:
+            if self.store.finish_compress(job, self.owner, outcome):
+                log.info("stage_succeeded", seconds=elapsed)
+        elif self.store.finish_upload(job, self.owner, time.time()):
+            log.info("checkpoint_uploaded", seconds=elapsed, sent_bytes=outcome.sent_bytes,
+                     skipped_objects=outcome.skipped_objects)
+            if runners.drop_copy_after_upload(root.config, rec.step) and rec.local.value == "present":
+                self.store.drop_copy(rec.root, rec.step)
+            self.publisher.publish(root)
+            self.after_stage(root.name)
+
+    def _stage(self, root: RootConfig, job: Job, progress: Progress) -> Any:
+        if job.stage == STAGE_VALIDATE:
+            return runners.run_validate(root, job, progress)
+        if job.stage == STAGE_COMPRESS:
+            return runners.run_compress(root, job, progress)
+        backend = self.backend_for(root)
+        if backend is None:
+            raise PermanentError(f"root {root.name} has no upload.url")
+        return runners.run_upload(root, job, progress, backend)
+
+    def _failed(self, job: Job, log: Any, exc: Exception) -> None:
+        delay = self.store.fail_attempt(job, self.owner, f"{job.stage}: {type(exc).__name__}:"
+                                        f" {exc}", time.time())
+        permanent = isinstance(exc, PermanentError)
+        log.error("stage_failed", error=str(exc), kind=type(exc).__name__, retry_in_s=delay,
+                  exc_info=not permanent and not isinstance(exc, OSError | CkptdError))
+
+    def _validated(self, root: RootRuntime, job: Job, fp: str, outcome: runners.Validated,
+                   log: Any, elapsed: float) -> None:
+        result = outcome.result
         if file_fingerprint(root.path, job.files) != fp:
             log.info("stage_deferred", why="files changed during validation; rescanning")
             self.store.defer(job, self.owner, RESCAN_DEFER_S, time.time())
             self.on_resave()
             return
-        if self.store.finish_validation(job, self.owner, fp, result, time.time()):
-            elapsed = round(time.monotonic() - started, 3)
-            if result.valid:
-                log.info("checkpoint_valid", seconds=elapsed, bytes=sum(f.size for f in result.files))
-            else:
-                log.warning("checkpoint_invalid", reason=result.reason, message=result.message,
-                            seconds=elapsed)
-            self.publisher.publish(root)
-            self.after_stage(root.name)
+        if not self.store.finish_validation(job, self.owner, fp, result, time.time(),
+                                            stored=outcome.stored):
+            return
+        if result.valid:
+            log.info("checkpoint_valid", seconds=elapsed, bytes=sum(f.size for f in result.files),
+                     stored_bytes=sum(f.stored_size for f in outcome.stored) or None)
+        else:
+            log.warning("checkpoint_invalid", reason=result.reason, message=result.message,
+                        seconds=elapsed)
+        self.publisher.publish(root)
+        self.after_stage(root.name)
 
     def _tick(self, worker: str) -> None:
         self.progress[worker] = time.time()
-
-    def _validate(self, root: RootRuntime, job: Job, progress: Progress) -> ValidationResult:
-        rec = job.checkpoint
-        cand = Candidate(
-            layout=rec.layout, step=rec.step, path=rec.path, files=job.files, complete=True,
-            expected_sizes=job.expected_sizes, min_sizes=job.min_sizes,
-            metrics=dict(rec.metrics), invalid_reason=job.invalid_reason,
-            invalid_message=job.invalid_message, opaque=job.opaque,
-        )
-        if cand.invalid_reason:
-            return ValidationResult(False, cand.invalid_reason, cand.invalid_message)
-        return validate(root.path, cand, deep=root.deep_validate,
-                        extra_sinks=lambda _rel: [progress])
 
 
 class Progress:
@@ -215,6 +251,11 @@ class Progress:
         self._tick()
 
     def finish(self, total: int) -> None:
+        self._tick()
+
+    def advance(self, n: int) -> None:
+        """Byte-count progress from stages that are not read passes (upload)."""
+        self.done += n
         self._tick()
 
     def as_json(self) -> dict[str, Any]:

@@ -1,0 +1,121 @@
+"""How each stage is run for one claimed job: the glue between a Job and the stage modules.
+
+Pipeline layer. Owns building a Candidate/Stager/backend call from a job and the root's config;
+the stages themselves decide and do the work, the pipeline records the outcome.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptd.config import RootConfig
+from ckptd.errors import DiskFull
+from ckptd.log import get_logger
+from ckptd.manifest import StoredFile
+from ckptd.model import Candidate, ValidationResult
+from ckptd.stages import compress
+from ckptd.stages.upload import UploadResult, upload_step
+from ckptd.stages.validate import validate
+from ckptd.store import Job
+
+
+@dataclass(frozen=True)
+class Validated:
+    result: ValidationResult
+    stored: tuple[StoredFile, ...] = ()
+
+
+def candidate_of(job: Job) -> Candidate:
+    rec = job.checkpoint
+    return Candidate(
+        layout=rec.layout, step=rec.step, path=rec.path, files=job.files, complete=True,
+        expected_sizes=job.expected_sizes, min_sizes=job.min_sizes, metrics=dict(rec.metrics),
+        invalid_reason=job.invalid_reason, invalid_message=job.invalid_message,
+        opaque=job.opaque,
+    )
+
+
+def wants_copy(root: RootConfig) -> bool:
+    """A root keeps a compressed copy when it uploads it or may keep it instead of originals."""
+    return root.upload.enabled or root.retention.local.compress_older
+
+
+def stager_for(root: RootConfig, job: Job) -> compress.Stager:
+    c = root.compress
+    return compress.Stager(root.path, root.name, job.checkpoint.step, job.checkpoint.layout,
+                           c.codec, c.level, c.threads, c.min_saving)
+
+
+def run_validate(root: RootConfig, job: Job, progress: Any) -> Validated:
+    """Validate, and when the root wants a compressed copy, build it in the same read pass."""
+    cand = candidate_of(job)
+    if cand.invalid_reason:
+        return Validated(ValidationResult(False, cand.invalid_reason, cand.invalid_message))
+    if not wants_copy(root):
+        return Validated(validate(root.path, cand, deep=root.deep_validate,
+                                  extra_sinks=lambda _rel: [progress]))
+    stager = stager_for(root, job)
+    try:
+        result = validate(root.path, cand, deep=root.deep_validate,
+                          extra_sinks=lambda rel: [progress, *stager.sinks_for(rel)])
+        if not result.valid:
+            stager.abort()
+            return Validated(result)
+        return Validated(result, stager.commit(result.files, result.metrics).files)
+    except DiskFull as exc:
+        # No room for the copy must not hold back the resume point: validate without it; the
+        # compress stage makes the copy later, when there is space.
+        stager.abort()
+        get_logger().warning("compressed_copy_deferred", root=root.name,
+                             step=job.checkpoint.step, error=str(exc))
+        progress.done = 0
+        return Validated(validate(root.path, cand, deep=root.deep_validate,
+                                  extra_sinks=lambda _rel: [progress]))
+    except BaseException:
+        stager.abort()
+        raise
+
+
+def run_compress(root: RootConfig, job: Job, progress: Any) -> Sequence[StoredFile]:
+    """Make the compressed copy of an already valid checkpoint (upload enabled later, or the
+    copy was deferred for space). The read pass re-checks the files as it goes."""
+    stager = stager_for(root, job)
+    try:
+        result = validate(root.path, candidate_of(job), deep=False,
+                          extra_sinks=lambda rel: [progress, *stager.sinks_for(rel)])
+        if not result.valid:
+            stager.abort()
+            raise RuntimeError(f"step {job.checkpoint.step} no longer validates: "
+                               f"{result.reason}: {result.message}")
+        return stager.commit(result.files, result.metrics).files
+    except BaseException:
+        stager.abort()
+        raise
+
+
+def run_upload(root: RootConfig, job: Job, progress: Any, backend: Any) -> UploadResult:
+    step = job.checkpoint.step
+    manifest = compress.read_local_manifest(root.path, step)
+    if manifest is None:
+        raise FileNotFoundError(f"no local compressed copy of step {step} to upload")
+    progress.total = manifest.stored_size
+    return upload_step(backend, root.name, compress.objects_dir(root.path, step), manifest,
+                       progress=progress.advance, concurrency=root.upload.concurrency)
+
+
+def drop_copy_after_upload(root: RootConfig, step: int) -> bool:
+    """The copy was made for the upload; keep it only when retention may need it locally."""
+    if root.retention.local.compress_older:
+        return False
+    path = compress.objects_dir(root.path, step)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+def objects_path(root: RootConfig, step: int) -> Path:
+    return compress.objects_dir(root.path, step)
