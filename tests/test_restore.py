@@ -7,6 +7,7 @@ import filecmp
 import io
 import json
 import os
+import select
 import threading
 import time
 from collections.abc import Iterator
@@ -293,7 +294,9 @@ def test_progress_bar_only_on_a_terminal() -> None:
             assert draw is not None
             draw(0, 2048)
             draw(2048, 2048)
-        out = os.read(master, 4096).decode()
+        out = ""
+        while "\n" not in out and select.select([master], [], [], 5)[0]:
+            out += os.read(master, 4096).decode()
     finally:
         os.close(master)
         os.close(slave)
