@@ -239,6 +239,10 @@ class Store:
                 db.execute("UPDATE checkpoints SET local='present' WHERE id=?", (row["id"],))
                 return SyncChange("checkpoint_reappeared", c.step, c.layout, c.path)
             return None
+        if row["local"] != Local.PRESENT.value and not c.complete:
+            # Its files are gone on purpose (pruned, or replaced by a compressed copy); what
+            # remains is e.g. a stale registration. Only a complete new save supersedes it.
+            return None
         if row["local"] == Local.COMPRESSED.value and row["path"] != c.path:
             return None
         # Same step, different files: a re-save. The later one wins; keep the earlier as history.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.model import Candidate, FileRecord, State, Tier, ValidationResult
+from ckptd.model import Candidate, FileRecord, Local, State, Tier, ValidationResult
 from ckptd.store import MIGRATIONS, Found, Store
 
 
@@ -148,3 +148,17 @@ def test_counts_and_queue(store: Store) -> None:
     store.sync_root("r", [found(1), found(2, complete=False)], 1.0)
     assert store.counts("r") == {"pending": 1, "complete": 1, "valid": 0, "invalid": 0}
     assert store.queue_length("r") == 1
+
+
+def test_pending_candidate_never_supersedes_a_pruned_row(store: Store) -> None:
+    """A registration outlives its files once retention prunes them: the layout then reports
+    a pending candidate for that step, which must not replace the valid, uploaded row."""
+    store.sync_root("r", [found(4, fp="one")], 1.0)
+    validate_ok(store)
+    store.set_local("r", 4, Local.PRUNED)
+    assert store.sync_root("r", [found(4, fp="gone", complete=False)], 2.0) == []
+    rec = store.checkpoint("r", 4)
+    assert rec is not None and rec.state is State.VALID
+    # a complete new save of the same step does supersede
+    ch = store.sync_root("r", [found(4, fp="new")], 3.0)
+    assert [c.event for c in ch] == ["checkpoint_superseded"]
