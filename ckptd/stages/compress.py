@@ -192,7 +192,7 @@ class _ObjectSink:
 
 
 class Stager:
-    """Builds step's compressed copy in a staging dir during validation; `commit` installs it.
+    """Builds a step's compressed copy in a staging dir during validation; `commit` installs it.
 
     Usage: `validate(root, cand, extra_sinks=stager.sinks_for)`, then `commit(result.files,
     result.metrics)` if valid, else (or on any error) `abort()`. The staging dir starts with
