@@ -32,6 +32,7 @@ from ckptd.stages.compress import (
     objects_dir,
     objects_root,
     read_local_manifest,
+    remove_copy,
     remove_stale_staging,
     replace_originals,
     verify_copy,
@@ -289,6 +290,15 @@ def test_remove_stale_staging_keeps_committed_copies(tmp_path: Path) -> None:
     assert remove_stale_staging(root) == 1
     assert os.listdir(objects_root(root)) == ["step-3"] and local_steps(root) == [3]
     assert remove_stale_staging(tmp_path / "nothing-here") == 0
+
+
+def test_remove_copy_goes_all_at_once(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    cand = odd_files(root)
+    stage(root, cand, "zstd")
+    assert remove_copy(root, 3) and local_steps(root) == [] and staging_dirs(root) == []
+    assert not remove_copy(root, 3)
+    assert all((root / rel).exists() for rel in cand.files)
 
 
 def test_copies_do_not_stay_in_the_page_cache(tmp_path: Path) -> None:

@@ -70,6 +70,21 @@ def local_steps(root_dir: Path) -> list[int]:
     return sorted(s for s in steps if (objects_dir(root_dir, s) / MANIFEST_NAME).exists())
 
 
+def remove_copy(root_dir: Path, step: int) -> bool:
+    """Delete a step's local compressed copy; returns whether there was one. It is renamed to a
+    temp name first, so a crash never leaves a `step-<N>/` holding a manifest but not all its
+    objects (start-up's `remove_stale_staging` finishes the job)."""
+    final = objects_dir(root_dir, step)
+    aside = fileio.temp_name(final)
+    try:
+        os.rename(final, aside)
+    except FileNotFoundError:
+        return False
+    fileio.fsync_dir(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+    return True
+
+
 def remove_stale_staging(root_dir: Path) -> int:
     """Delete staging dirs a crash left in `<root>/.ckptd/objects` (call once at start-up, while
     no Stager of this root runs); returns how many went."""
