@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import BinaryIO
 
-from ckptd.codec.blocks import Coders, Policy
+from ckptd.codec import buffers
+from ckptd.codec.blocks import Policy
 from ckptd.codec.decoder import decode_stream
 from ckptd.codec.encoder import (
     BLOCK_SIZE,
@@ -59,7 +60,7 @@ def make_encoder(
     bytes per element, e.g. from a tensor's dtype) skips width detection.
     """
     _check_args(codec, level, threads, min_saving, width_hint, block_size)
-    coders = Coders(level)
+    coders = buffers.coders(level)
     if codec == "none":
         return Encoder("none", out)
     if codec == "zstd":

@@ -13,7 +13,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ckptd.codec import frame, planes
+from ckptd.codec import buffers, frame, planes
 from ckptd.codec.frame import BlockHeader
 from ckptd.errors import CorruptData
 
@@ -129,9 +129,10 @@ class _BlockReader:
 
     def __init__(self, block_size: int) -> None:
         self.dctx = zstandard.ZstdDecompressor()
-        self.ws = planes.Workspace()
-        self.payload = bytearray(block_size)
-        self.out = bytearray(block_size)
+        self.slot = buffers.take(block_size)
+        self.ws = self.slot.ws
+        self.payload = self.slot.buf
+        self.out: planes.Plane = self.ws.get("out", np.uint8, block_size)
 
     def decode(self, src: BinaryIO, head: BlockHeader, index: int, offset: int) -> memoryview:
         where = f"zstd-bytegroup: block {index} (raw offset {offset})"
@@ -139,7 +140,7 @@ class _BlockReader:
         _read_into(src, payload, f"{where} payload")
         if xxhash.xxh3_64_intdigest(payload) != head.stored_checksum:
             raise CorruptData(f"{where}: stored bytes corrupted (payload checksum mismatch)")
-        out = memoryview(self.out)[: head.raw_len]
+        out = self.out[: head.raw_len].data
         body = head.plane_len * head.width
         parts: list[planes.Plane] = []
         pos = 0
@@ -207,6 +208,15 @@ def _container(src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None]) -> int:
         _read_exact(src, frame.FILE_HEADER_SIZE, "zstd-bytegroup: file header")
     )
     reader = _BlockReader(block_size)
+    try:
+        return _blocks(src, dst, cb, reader, block_size)
+    finally:
+        buffers.give([reader.slot])
+
+
+def _blocks(
+    src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None], reader: _BlockReader, block_size: int
+) -> int:
     total = index = 0
     while True:
         where = f"zstd-bytegroup: block {index}"

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Generic, TypeVar
 
-from ckptd.codec import blocks, frame
+from ckptd.codec import blocks, buffers, frame
 from ckptd.codec.blocks import Coders, Encoded, Policy
+from ckptd.codec.buffers import Slot
 from ckptd.codec.planes import Workspace
 from ckptd.errors import CorruptData
 
@@ -88,14 +89,6 @@ class Encoder:
 Job = Callable[[memoryview, Workspace], R]
 
 
-class _Slot:
-    """An input buffer and the workspace its block is coded in; one block at a time."""
-
-    def __init__(self, block_size: int) -> None:
-        self.buf = bytearray(block_size)
-        self.ws = Workspace()
-
-
 class BlockEncoder(Encoder, Generic[R]):
     """Cuts the input into `block_size` blocks and emits each coded block in input order.
 
@@ -111,11 +104,12 @@ class BlockEncoder(Encoder, Generic[R]):
         self._job = job
         self._pool = ThreadPoolExecutor(threads, "ckptd-codec") if threads > 1 else None
         nslots = threads + 2 if self._pool is not None else 1
-        self._free = [_Slot(block_size) for _ in range(nslots)]
+        self._free = [buffers.take(block_size) for _ in range(nslots)]
+        self._all = list(self._free)
         self._inline_ws = self._free[0].ws
-        self._slot: _Slot | None = None
+        self._slot: Slot | None = None
         self._fill = 0
-        self._inflight: deque[tuple[_Slot, int, Future[R]]] = deque()
+        self._inflight: deque[tuple[Slot, int, Future[R]]] = deque()
         self.max_buffered_bytes = block_size * (nslots + 1)
 
     def _consume(self, view: memoryview) -> None:
@@ -135,7 +129,7 @@ class BlockEncoder(Encoder, Generic[R]):
             if self._fill == size:
                 self._submit()
 
-    def _filling(self) -> _Slot:
+    def _filling(self) -> Slot:
         if self._slot is None:
             if not self._free:
                 self._retire_oldest()
@@ -171,6 +165,9 @@ class BlockEncoder(Encoder, Generic[R]):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self._inflight.clear()
+        self._slot, self._fill = None, 0
+        buffers.give(self._all)  # no job runs any more: every slot is idle
+        self._all, self._free = [], []
         self._account()
 
     def _account(self) -> None:
