@@ -352,7 +352,8 @@ class Handler(BaseHTTPRequestHandler):
 def _reached(rec: CheckpointRecord, until: str) -> bool:
     if until == "valid":
         return rec.state is State.VALID
-    return rec.state is State.VALID and rec.remote is Remote.UPLOADED
+    # A step retention has since removed remotely did reach "uploaded".
+    return rec.state is State.VALID and rec.remote in (Remote.UPLOADED, Remote.PRUNED)
 
 
 def _step(text: str) -> int:

@@ -6,6 +6,7 @@ Decides nothing about checkpoints itself; it wires the parts that do.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -26,7 +27,7 @@ from ckptd.model import CKPTD_DIR
 from ckptd.changes import Changes
 from ckptd.pipeline import LatestPublisher, Pipeline, RootRuntime
 from ckptd.pruning import Pruner, health_json
-from ckptd.stages import prune
+from ckptd.stages import compress, prune
 from ckptd.store import Found, Store
 from ckptd.watch import EventWatcher, OpenFiles, RootScanner
 
@@ -247,7 +248,7 @@ class Daemon:
             if r.path.is_dir():
                 # Deletes interrupted between the rename into the trash and the removal.
                 purged += prune.purge_trash(prune.trash_dir_for(r.path), r.path)
-                removed += _remove_stale_temps(r.path / CKPTD_DIR / "objects")
+                removed += compress.remove_stale_staging(r.path)
         self.log.info("daemon_recovered", leases_released=released, temp_files_removed=removed,
                       trash_purged=purged)
 
@@ -426,9 +427,10 @@ class Daemon:
                                       time.time())
             return
         self.watcher.watch(root.path, scanner.open_files)
-        now = time.time()
-        _, found = scanner.scan(now, self.store.registrations(root.name))
-        changes = self.store.sync_root(root.name, [Found(c, fp) for c, fp in found], now)
+        with self.pruner.exclusive if self.pruner else contextlib.nullcontext():
+            now = time.time()
+            _, found = scanner.scan(now, self.store.registrations(root.name))
+            changes = self.store.sync_root(root.name, [Found(c, fp) for c, fp in found], now)
         if any(not c.complete for c, _ in found):
             self._pending_roots.add(root.name)
         else:

@@ -21,7 +21,7 @@ from ckptd.config import RootConfig
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, CheckpointRecord, Local, Remote, State, Tier
 from ckptd.policy import retention
-from ckptd.stages import prune
+from ckptd.stages import compress, prune
 from ckptd.store import Store
 
 TIMER_S = 60.0
@@ -57,7 +57,9 @@ class Pruner:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._running = threading.Lock()  # one retention run at a time (trash safety)
+        # One retention run at a time, and never during a scan: a scan that walks a root while
+        # a checkpoint is being moved into the trash would see it half gone.
+        self.exclusive = threading.RLock()
         self._thread: threading.Thread | None = None
 
     # -- scheduling --------------------------------------------------------------------------
@@ -122,7 +124,7 @@ class Pruner:
                               upload_configured=root.upload.enabled)
 
     def run(self, root: RootConfig) -> list[prune.Outcome]:
-        with self._running:
+        with self.exclusive:
             try:
                 return self._run(root)
             except Exception as exc:  # retention must never take the daemon down
@@ -177,7 +179,7 @@ class Pruner:
             if o.action in ("deleted", "trashed") and o.tier == "local":
                 if o.action == "deleted":  # "trashed" keeps the trash path on_trashed recorded
                     self.store.set_local(root.name, o.step, Local.PRUNED)
-                _remove_tree(objects_dir(root, o.step))
+                compress.remove_copy(root.path, o.step)
                 self.store.drop_copy(root.name, o.step)
                 changed = True
             elif o.action == "deleted" and o.tier == "remote":
@@ -190,8 +192,6 @@ class Pruner:
 
     def _compress_in_place(self, root: RootConfig, step: int) -> bool:
         """compress_older: replace the originals with the verified local compressed copy."""
-        from ckptd.stages import compress
-
         rec = self.store.checkpoint(root.name, step)
         if rec is None or rec.local is not Local.PRESENT or not self.store.has_copy(root.name,
                                                                                      step):
@@ -201,8 +201,8 @@ class Pruner:
             self.store.drop_copy(root.name, step)
             return False
         try:
-            compress.verify_copy(objects_dir(root, step), manifest)
-            compress.replace_originals(root.path, manifest, [f.path for f in manifest.files])
+            compress.replace_originals(root.path, manifest, list(self.store.members(rec.id)),
+                                       anchor=rec.path)
         except Exception as exc:
             self.log.error("compress_older_failed", root=root.name, step=step, error=str(exc))
             return False
@@ -264,11 +264,6 @@ def target_of(root: RootConfig, r: CheckpointRecord, members: tuple[str, ...]
     anchor = root.path / r.path
     is_dir = anchor.is_dir() and not anchor.is_symlink()
     return prune.Target(r.step, r.path, members, r.local, r.remote, is_dir)
-
-
-def _remove_tree(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def health_json(h: RootHealth | None) -> dict[str, Any] | None:

@@ -6,7 +6,6 @@ the stages themselves decide and do the work, the pipeline records the outcome.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,9 +110,7 @@ def drop_copy_after_upload(root: RootConfig, step: int) -> bool:
     """The copy was made for the upload; keep it only when retention may need it locally."""
     if root.retention.local.compress_older:
         return False
-    path = compress.objects_dir(root.path, step)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+    compress.remove_copy(root.path, step)  # renamed aside first: never a half copy in place
     return True
 
 
