@@ -124,6 +124,18 @@ def test_bytegroup_beats_plain_zstd_on_real_weights(bf16: bytes, fp32: bytes) ->
         assert decode(auto.codec, stored) == data
 
 
+@pytest.mark.parametrize("shift", [1, 2, 3])
+def test_unaligned_tensors_are_found(shift: int, fp32: bytes) -> None:
+    # Tensors inside a DCP shard start at arbitrary offsets.
+    data = RANDOM[:shift] + fp32
+    enc, stored = encode(data, "zstd-bytegroup")
+    aligned, _ = encode(fp32, "zstd-bytegroup")
+    assert decode(enc.codec, stored) == data
+    assert len(stored) < aligned.stored_size * 1.01
+    phases = [_header(stored, start).phase for start, _, _ in _block_offsets(stored)]
+    assert phases.count(shift) > len(phases) // 2
+
+
 def test_random_data_is_stored_raw() -> None:
     enc, stored = encode(RANDOM, "auto")
     assert enc.codec == "zstd-bytegroup"
@@ -206,6 +218,12 @@ def _block_offsets(stored: bytes) -> list[tuple[int, int, int]]:
         found.append((pos, start, start + head.stored_len))
         pos = start + head.stored_len
     return found
+
+
+def _header(stored: bytes, pos: int) -> frame.BlockHeader:
+    fixed = stored[pos : pos + frame.BLOCK_FIXED_SIZE]
+    rest = stored[pos + len(fixed) : pos + len(fixed) + frame.table_size(fixed)]
+    return frame.parse_block_header(fixed, rest, 0, frame.MAX_BLOCK)
 
 
 def _flip(data: bytes, at: int) -> bytes:

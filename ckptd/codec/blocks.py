@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 import zstandard
 
@@ -54,10 +55,14 @@ class Policy:
 class Choice:
     width: int  # 1 with zstd_planes=(True,) is plain zstd; 1 with (False,) is raw
     zstd_planes: tuple[bool, ...]
+    phase: int = 0  # bytes before the first element, for tensors not aligned to the block
 
 
 RAW = Choice(1, (False,))
 PLAIN = Choice(1, (True,))
+# A sample on which plain zstd saves less than this is incompressible (random, already
+# compressed): float data always gives plain zstd 5-25% through its exponent bytes.
+INCOMPRESSIBLE = 0.99
 
 
 class Coders(threading.local):
@@ -87,28 +92,50 @@ def choose(data: memoryview, policy: Policy, coders: Coders, ws: Workspace) -> C
     best, best_cost = RAW, size * (1.0 - policy.min_saving)
     if policy.allow_plain:
         cost = len(coders.frame.compress(probe))
+        if cost >= size * INCOMPRESSIBLE:
+            return RAW
         if cost < best_cost:
             best, best_cost = PLAIN, cost
     for width in policy.widths:
         if width >= size:
             continue
-        choice, cost = _plane_choice(probe, width, coders, ws)
-        if cost < best_cost:
-            best, best_cost = choice, cost
+        for phase in _phases(probe, width):
+            choice, cost = _plane_choice(probe, width, phase, coders, ws)
+            if cost < best_cost:
+                best, best_cost = choice, cost
     return best
 
 
+def _phases(probe: memoryview | bytes, width: int) -> list[int]:
+    """Phase 0, and the phase that puts the lowest-entropy byte column on top of each element.
+
+    Tensors inside a DCP shard start at arbitrary offsets, so a float's exponent byte need not
+    be the last of each `width` bytes counted from the block start.
+    """
+    if width == 1:
+        return [0]
+    count = len(probe) // width
+    cols = np.frombuffer(probe, dtype=np.uint8, count=count * width).reshape(count, width)
+    keys = cols.astype(np.uint16) + np.arange(width, dtype=np.uint16) * 256
+    hist = np.bincount(keys.ravel(), minlength=256 * width).reshape(width, 256) / count
+    logs = np.log2(hist, out=np.zeros_like(hist), where=hist > 0)
+    entropy = -(hist * logs).sum(axis=1)
+    phase = (int(np.argmin(entropy)) + 1) % width
+    return [0] if phase == 0 else [0, phase]
+
+
 def _plane_choice(
-    probe: memoryview | bytes, width: int, coders: Coders, ws: Workspace
+    probe: memoryview | bytes, width: int, phase: int, coders: Coders, ws: Workspace
 ) -> tuple[Choice, int]:
-    cost = len(probe) % width
+    body = memoryview(probe)[phase:]
+    cost = phase + len(body) % width
     flags = []
-    for plane in planes.split(probe, width, True, ws):
+    for plane in planes.split(body, width, True, ws):
         packed = len(coders.plane.compress(plane.data))
         pays = packed < len(plane) * (1.0 - PLANE_MIN_SAVING)
         flags.append(pays)
         cost += packed if pays else len(plane)
-    return Choice(width, tuple(flags)), cost
+    return Choice(width, tuple(flags), phase), cost
 
 
 @dataclass
@@ -150,52 +177,58 @@ def _encode_single(data: memoryview, choice: Choice, coders: Coders, checksum: i
     if choice.zstd_planes[0]:
         packed = coders.frame.compress(data)
         if len(packed) < len(data):
-            head = _header(data, 1, checksum, [(frame.METHOD_ZSTD, len(packed))], [packed])
+            head = _header(data, Choice(1, (True,)), checksum, [len(packed)], [packed])
             return Encoded("zstd", len(data), head, [packed])
-    head = _header(data, 1, checksum, [(frame.METHOD_RAW, len(data))], [data])
+    # A raw block's payload is the block itself: its two checksums are the same number.
+    head = _header(data, RAW, checksum, [len(data)], [], stored_checksum=checksum)
     return Encoded("raw", len(data), head, [data])
 
 
 def _encode_planes(
     data: memoryview, choice: Choice, coders: Coders, checksum: int, ws: Workspace
 ) -> Encoded:
-    width = choice.width
-    entries: list[tuple[int, int]] = []
-    payload: list[bytes | memoryview] = []
-    for plane, wanted in zip(planes.split(data, width, True, ws), choice.zstd_planes, strict=True):
+    width, phase = choice.width, choice.phase
+    body = data[phase:]
+    sizes: list[int] = []
+    packed_planes: list[bytes | memoryview] = []
+    methods: list[bool] = []
+    split = planes.split(body, width, True, ws)
+    for plane, wanted in zip(split, choice.zstd_planes, strict=True):
         packed = coders.plane.compress(plane.data) if wanted else b""
-        if wanted and len(packed) < len(plane):
-            entries.append((frame.METHOD_ZSTD, len(packed)))
-            payload.append(packed)
-        else:
-            entries.append((frame.METHOD_RAW, len(plane)))
-            payload.append(plane.data)
-    if all(method == frame.METHOD_RAW for method, _ in entries):
+        use = wanted and len(packed) < len(plane)
+        methods.append(use)
+        sizes.append(len(packed) if use else len(plane))
+        packed_planes.append(packed if use else plane.data)
+    if not any(methods):
         return _encode_single(data, RAW, coders, checksum)
-    tail = len(data) % width
-    if tail:
-        payload.append(data[len(data) - tail :])
-    head = _header(data, width, checksum, entries, payload)
-    return Encoded("planes", len(data), head, payload)
+    tail = len(body) % width
+    payload = [data[:phase], *packed_planes, body[len(body) - tail :]]
+    payload = [piece for piece in payload if len(piece)]
+    final = Choice(width, tuple(methods), phase)
+    return Encoded("planes", len(data), _header(data, final, checksum, sizes, payload), payload)
 
 
 def _header(
     data: memoryview,
-    width: int,
+    choice: Choice,
     checksum: int,
-    entries: list[tuple[int, int]],
+    sizes: list[int],
     payload: list[bytes | memoryview],
+    stored_checksum: int | None = None,
 ) -> bytes:
-    stored = xxhash.xxh3_64()
-    for piece in payload:
-        stored.update(piece)
-    transform = frame.TRANSFORM_SIGN_ROTATE if width > 1 else frame.TRANSFORM_NONE
+    if stored_checksum is None:
+        stored = xxhash.xxh3_64()
+        for piece in payload:
+            stored.update(piece)
+        stored_checksum = stored.intdigest()
+    methods = [frame.METHOD_ZSTD if z else frame.METHOD_RAW for z in choice.zstd_planes]
     head = BlockHeader(
         raw_len=len(data),
-        width=width,
-        transform=transform,
+        width=choice.width,
+        transform=frame.TRANSFORM_SIGN_ROTATE if choice.width > 1 else frame.TRANSFORM_NONE,
+        phase=choice.phase,
         checksum=checksum,
-        stored_checksum=stored.intdigest(),
-        planes=tuple(PlaneEntry(m, n) for m, n in entries),
+        stored_checksum=stored_checksum,
+        planes=tuple(PlaneEntry(m, n) for m, n in zip(methods, sizes, strict=True)),
     )
     return frame.pack_block_header(head)

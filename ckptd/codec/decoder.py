@@ -141,16 +141,17 @@ class _BlockReader:
         if xxhash.xxh3_64_intdigest(payload) != head.stored_checksum:
             raise CorruptData(f"{where}: stored bytes corrupted (payload checksum mismatch)")
         out = self.out[: head.raw_len].data
-        body = head.plane_len * head.width
+        start, end = head.phase, head.phase + head.plane_len * head.width
+        out[:start] = payload[:start]
         parts: list[planes.Plane] = []
-        pos = 0
+        pos = start
         for i, entry in enumerate(head.planes):
             stored = payload[pos : pos + entry.stored_len]
             pos += entry.stored_len
             parts.append(self._plane(entry.method, stored, head.plane_len, f"{where} plane {i}", i))
         rotate = head.transform == frame.TRANSFORM_SIGN_ROTATE
-        planes.merge(parts, head.width, rotate, out[:body], self.ws)
-        out[body:] = payload[pos:]
+        planes.merge(parts, head.width, rotate, out[start:end], self.ws)
+        out[end:] = payload[pos:]
         if xxhash.xxh3_64_intdigest(out) != head.checksum:
             raise CorruptData(f"{where}: decoded bytes do not match the block checksum")
         return out

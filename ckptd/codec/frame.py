@@ -25,7 +25,7 @@ TRANSFORM_NONE = 0
 TRANSFORM_SIGN_ROTATE = 1
 
 _FILE = struct.Struct("<4sBBHI")  # magic, version, flags, reserved, block_size
-# raw_len, width, transform, planes, reserved, xxh3_64 of the raw block, xxh3_64 of the payload
+# raw_len, width, transform, planes, phase, xxh3_64 of the raw block, xxh3_64 of the payload
 _BLOCK = struct.Struct("<IBBBBQQ")
 _PLANE = struct.Struct("<BI")  # method, stored_len
 _END = struct.Struct("<IIQ")  # zero marker, block count, total raw bytes
@@ -47,22 +47,23 @@ class BlockHeader:
     raw_len: int
     width: int
     transform: int
+    phase: int  # bytes before the first element (stored raw ahead of the planes)
     checksum: int
     stored_checksum: int
     planes: tuple[PlaneEntry, ...]
 
     @property
     def plane_len(self) -> int:
-        return self.raw_len // self.width
+        return (self.raw_len - self.phase) // self.width
 
     @property
     def tail_len(self) -> int:
-        return self.raw_len % self.width
+        return (self.raw_len - self.phase) % self.width
 
     @property
     def stored_len(self) -> int:
-        """Payload bytes that follow the header: every plane's stored bytes, then the tail."""
-        return sum(p.stored_len for p in self.planes) + self.tail_len
+        """Payload bytes after the header: the phase bytes, every plane, then the tail."""
+        return self.phase + sum(p.stored_len for p in self.planes) + self.tail_len
 
 
 def _check(data: bytes) -> bytes:
@@ -96,7 +97,7 @@ def pack_block_header(head: BlockHeader) -> bytes:
         head.width,
         head.transform,
         len(head.planes),
-        0,
+        head.phase,
         head.checksum,
         head.stored_checksum,
     )
@@ -116,12 +117,12 @@ def table_size(fixed: bytes) -> int:
 
 def parse_block_header(fixed: bytes, rest: bytes, index: int, block_size: int) -> BlockHeader:
     """Parse and check one block header; `index` names the block in errors."""
-    raw_len, width, transform, nplanes, _, checksum, stored_checksum = _BLOCK.unpack(fixed)
+    raw_len, width, transform, nplanes, phase, checksum, stored_checksum = _BLOCK.unpack(fixed)
     table, check = rest[: -_CHECK.size], rest[-_CHECK.size :]
     if check != _check(fixed + table):
         raise CorruptData(f"zstd-bytegroup: block {index}: header checksum mismatch")
     planes = tuple(PlaneEntry(*_PLANE.unpack_from(table, i * _PLANE.size)) for i in range(nplanes))
-    head = BlockHeader(raw_len, width, transform, checksum, stored_checksum, planes)
+    head = BlockHeader(raw_len, width, transform, phase, checksum, stored_checksum, planes)
     _validate(head, index, block_size)
     return head
 
@@ -137,6 +138,8 @@ def _validate(head: BlockHeader, index: int, block_size: int) -> None:
         raise CorruptData(f"{where}: unknown transform {head.transform}")
     if head.transform == TRANSFORM_SIGN_ROTATE and head.width == 1:
         raise CorruptData(f"{where}: sign rotation on width 1")
+    if head.phase >= head.width or head.phase > head.raw_len:
+        raise CorruptData(f"{where}: phase {head.phase} out of range")
     for i, plane in enumerate(head.planes):
         if plane.method == METHOD_RAW and plane.stored_len != head.plane_len:
             raise CorruptData(f"{where}: raw plane {i} length {plane.stored_len}")
