@@ -21,9 +21,10 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/ckptd demo
 
-test: install
+test: install lint
 	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q
 
+# The layering in docs/DESIGN.md is checked by import-linter (contracts in pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check ckptd tests
 	$(VENV)/bin/mypy ckptd

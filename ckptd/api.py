@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import __version__
+from ckptd.changes import Changes
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Remote, State, Tier
-from ckptd.changes import Changes
 from ckptd.store import Store
 
 MAX_BODY = 1024 * 1024

@@ -25,9 +25,9 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _common() -> argparse.ArgumentParser:
+def _common() -> _Parser:
     """--socket/--config accepted before or after a command's own arguments."""
-    p = argparse.ArgumentParser(add_help=False)
+    p = _Parser(add_help=False)
     p.add_argument("--socket", default=argparse.SUPPRESS, help="daemon socket path")
     p.add_argument("--config", default=argparse.SUPPRESS, help="config file (TOML)")
     return p
@@ -328,6 +328,7 @@ def _q(s: str) -> str:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run, "status": cmd_status, "ls": cmd_ls, "latest": cmd_latest,
     "register": cmd_register, "pin": lambda a: _pin(a, "PUT"),
-    "unpin": lambda a: _pin(a, "DELETE"), "prune": cmd_prune, "restore": cmd_restore, "verify": cmd_verify, "config": cmd_config,
+    "unpin": lambda a: _pin(a, "DELETE"), "prune": cmd_prune, "restore": cmd_restore,
+    "verify": cmd_verify, "config": cmd_config,
     "demo": cmd_demo,
 }

@@ -70,7 +70,8 @@ class Client:
     """A handle on the daemon. Each call opens a short-lived connection."""
 
     def __init__(
-        self, socket: str | os.PathLike[str] | None = None, timeout: float = 5.0, strict: bool = False
+        self, socket: str | os.PathLike[str] | None = None, timeout: float = 5.0,
+        strict: bool = False,
     ) -> None:
         self.socket = str(socket) if socket else default_socket()
         self.timeout = timeout
@@ -119,19 +120,25 @@ class Client:
 
     # -- API ---------------------------------------------------------------------------------
 
+    def _get(self, what: str, path: str) -> Any:
+        return self._soft(what, None, self.request_json, "GET", path)
+
     def health(self) -> dict[str, Any] | None:
-        return self._soft("health", None, self.request_json, "GET", "/v1/health")  # type: ignore[no-any-return]
+        doc: dict[str, Any] | None = self._get("health", "/v1/health")
+        return doc
 
     def status(self) -> dict[str, Any] | None:
-        return self._soft("status", None, self.request_json, "GET", "/v1/status")  # type: ignore[no-any-return]
+        doc: dict[str, Any] | None = self._get("status", "/v1/status")
+        return doc
 
     def checkpoints(self, root: str) -> list[dict[str, Any]] | None:
-        data = self._soft("list", None, self.request_json, "GET", f"/v1/roots/{_q(root)}/checkpoints")
+        data = self._get("list", f"/v1/roots/{_q(root)}/checkpoints")
         return None if data is None else list(data["checkpoints"])
 
     def checkpoint(self, root: str, step: int) -> dict[str, Any] | None:
-        path = f"/v1/roots/{_q(root)}/checkpoints/{int(step)}"
-        return self._soft("checkpoint", None, self.request_json, "GET", path)  # type: ignore[no-any-return]
+        doc: dict[str, Any] | None = self._get("checkpoint",
+                                               f"/v1/roots/{_q(root)}/checkpoints/{int(step)}")
+        return doc
 
     def register(self, root: str, step: int, paths: list[str] | None = None,
                  metrics: dict[str, float] | None = None) -> bool:
@@ -142,12 +149,14 @@ class Client:
         if metrics:
             body["metrics"] = {k: float(v) for k, v in metrics.items()}
         path = f"/v1/roots/{_q(root)}/checkpoints"
-        return self._soft("register", None, self.request_json, "POST", path, body, (200, 202)) is not None
+        took = self._soft("register", None, self.request_json, "POST", path, body, (200, 202))
+        return took is not None
 
     def latest(self, root: str, tier: str = "any",
                root_dir: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
-        """The latest valid checkpoint of `root` or None. Falls back to `<root_dir>/.ckptd/latest.json`
-        when the daemon is unreachable (`root_dir` defaults to `root` when that is a directory)."""
+        """The latest valid checkpoint of `root` or None. Falls back to
+        `<root_dir>/.ckptd/latest.json` when the daemon is unreachable (`root_dir` defaults to
+        `root` when that is a directory)."""
         path = f"/v1/roots/{_q(root)}/latest?tier={_q(tier)}"
         try:
             return self.request_json("GET", path)  # type: ignore[no-any-return]

@@ -19,12 +19,12 @@ from typing import IO, Any
 
 from ckptd import fileio, sdnotify
 from ckptd.api import ApiContext, RootView, UnixHttpServer, bind_socket
+from ckptd.changes import Changes
 from ckptd.config import Config, RootConfig, load_config
 from ckptd.errors import ConfigError, StateLocked
 from ckptd.log import get_logger
 from ckptd.metrics import Metrics
 from ckptd.model import CKPTD_DIR
-from ckptd.changes import Changes
 from ckptd.pipeline import LatestPublisher, Pipeline, RootRuntime
 from ckptd.pruning import Pruner, health_json
 from ckptd.stages import compress, prune
@@ -150,6 +150,10 @@ class Daemon:
                 self.publisher.publish(self._runtimes()[name])
             self.changes.notify()
 
+    def _refresh_all_remote(self) -> None:
+        for r in self.config.roots:
+            self.refresh_remote(r.name, 0)
+
     def _after_prune(self, root: RootConfig) -> None:
         if self.publisher is not None:
             self.publisher.publish(self._runtimes()[root.name])
@@ -212,7 +216,7 @@ class Daemon:
         self.pruner.start()
         self.pruner._want_all()
         self._spawn(self.server.serve_forever, "ckptd-api")
-        self._spawn(lambda: [self.refresh_remote(r.name, 0) for r in cfg.roots], "ckptd-remote")
+        self._spawn(self._refresh_all_remote, "ckptd-remote")
         self._spawn(self._scan_loop, "ckptd-scan")
         self.ready.set()
         self.log.info("daemon_ready", socket=str(cfg.daemon.socket),

@@ -119,7 +119,7 @@ def _train(native_root: Any, single_root: Any, client: Client, config_path: Path
     for step in range(1, STEPS + 1):
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         if step % SAVE_EVERY:
             continue

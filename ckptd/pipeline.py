@@ -17,13 +17,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ckptd import fileio
+from ckptd import fileio, runners
 from ckptd.changes import Changes
-from ckptd.log import get_logger
-from ckptd.model import CKPTD_DIR, Tier
-from ckptd import runners
 from ckptd.config import RootConfig
 from ckptd.errors import CkptdError, PermanentError
+from ckptd.log import get_logger
+from ckptd.model import CKPTD_DIR, Tier
 from ckptd.store import STAGE_COMPRESS, STAGE_UPLOAD, STAGE_VALIDATE, Job, Store
 from ckptd.watch import file_fingerprint
 
@@ -190,7 +189,8 @@ class Pipeline:
         elif self.store.finish_upload(job, self.owner, time.time()):
             log.info("checkpoint_uploaded", seconds=elapsed, sent_bytes=outcome.sent_bytes,
                      skipped_objects=outcome.skipped_objects)
-            if runners.drop_copy_after_upload(root.config, rec.step) and rec.local.value == "present":
+            dropped = runners.drop_copy_after_upload(root.config, rec.step)
+            if dropped and rec.local.value == "present":
                 self.store.drop_copy(rec.root, rec.step)
             self.publisher.publish(root)
             self.after_stage(root.name)
@@ -296,7 +296,7 @@ def lower_priority() -> None:
     """Run the calling thread at low CPU priority (SCHED_IDLE where allowed, else nice)."""
     tid = threading.get_native_id()
     try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         return
     except (AttributeError, OSError):
         pass

@@ -120,7 +120,7 @@ class Pruner:
         views = [view_of(r, root.metric, r.step in in_use) for r in records]
         disk = disk_of(root) or retention.Disk(0, 0, 0)
         return retention.plan(views, local_rules(root), remote_rules(root), disk, now,
-                              metric_mode=root.metric_mode,  # type: ignore[arg-type]
+                              metric_mode=root.metric_mode,
                               upload_configured=root.upload.enabled)
 
     def run(self, root: RootConfig) -> list[prune.Outcome]:

@@ -362,3 +362,19 @@ def tty_progress(stream: TextIO | None = None, interval: float = 0.1) -> TotalPr
         out.flush()
 
     return draw
+
+
+def restore_checkpoint(root_name: str, step: int, to: Path, root_dir: Path | None = None,
+                       config_path: Path | None = None) -> list[Path]:
+    """Rebuild one step's original files under `to` for a loader (`ckptd.torch.load`): from the
+    local compressed copy in `root_dir` when there is one, else from the remote named by the
+    config (`config_path`, else $CKPTD_CONFIG, else /etc/ckptd/ckptd.toml)."""
+    if root_dir is not None:
+        manifest = read_local_manifest(Path(root_dir), step)
+        if manifest is not None:
+            return restore_from_dir(objects_dir(Path(root_dir), step), manifest, Path(to))
+    from ckptd.config import DEFAULT_CONFIG_PATH, load_config
+
+    path = config_path or Path(os.environ.get("CKPTD_CONFIG") or DEFAULT_CONFIG_PATH)
+    _, paths = restore(load_config(path), root_name, step, Path(to))
+    return paths

@@ -541,7 +541,7 @@ class Store:
             if row is None:
                 return 0.0
             attempts = int(row["attempts"]) + 1
-            delay = min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (attempts - 1))
+            delay = float(min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (attempts - 1)))
             db.execute("UPDATE checkpoints SET attempts=?, next_attempt=?, lease_owner=NULL,"
                        " lease_stage=NULL, lease_expires=NULL WHERE id=?",
                        (attempts, now + delay, job.checkpoint.id))

@@ -6,6 +6,7 @@ only through `ckptd.client`, and a missing daemon never fails or blocks a traini
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -308,7 +309,28 @@ def load(
     `meta` is meta.json's content plus `path` and, when the checkpoint has one, `extra`.
     """
     target = resolve(path_or_root, step, root_name=root_name, client=client)
-    opts = _LoadOpts(map_location, strict, upcast_bf16, assign)
+    with _reader_lease(target, root_name, client):
+        return _load_into(target, model, optimizer, scheduler, scaler, ema, rank, restore_rng,
+                          _LoadOpts(map_location, strict, upcast_bf16, assign))
+
+
+def _reader_lease(target: Path, root_name: str | None, client: Any) -> Any:
+    """While a native checkpoint is read, the daemon's retention must not delete it."""
+    match = _STEP_DIR.match(target.name)
+    if not match or not target.is_dir():
+        return contextlib.nullcontext()
+    if client is None:
+        from ckptd.client import Client
+
+        client = Client(timeout=1.0)
+    name = root_name or target.parent.resolve().name
+    return client.lease(name, int(match.group(1)), ttl=3600)
+
+
+def _load_into(target: Path, model: torch.nn.Module | None, optimizer: Stateful | None,
+               scheduler: Stateful | None, scaler: Stateful | None, ema: Stateful | None,
+               rank: int | None, restore_rng: bool, opts: _LoadOpts) -> tuple[int, dict[str, Any]]:
+    map_location = opts.map_location
     if target.is_file():
         states, meta = _legacy_states(target, map_location)
         native = None
@@ -513,13 +535,13 @@ def _complete(step_dir: Path) -> bool:
 def _restore(name: str, step: int, root: Path) -> Path:
     """Rebuild a compressed or remote-only checkpoint under `<root>/.ckptd/restored/`."""
     try:
-        from ckptd.restore import restore_checkpoint  # type: ignore[import-not-found,unused-ignore]
+        from ckptd.restore import restore_checkpoint
     except ImportError as exc:
         raise CkptdError(f"step {step} of {name} is not on local disk in loadable form and "
                          f"this ckptd cannot restore it here; run `ckptd restore {name} {step} "
                          "--to DIR` and load DIR") from exc
     to = root / CKPTD_DIR / "restored" / f"step-{step}"
-    restore_checkpoint(name, step, to=to)
+    restore_checkpoint(name, step, to=to, root_dir=root)
     for candidate in (to, to / f"step-{step}"):
         if _complete(candidate):
             return candidate

@@ -3,13 +3,12 @@ then validate it with the validate stage. No daemon, no store."""
 
 from __future__ import annotations
 
-import time
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
-from ckptd import layouts
 from ckptd.model import Candidate, RootOptions, ValidationResult
 from ckptd.stages.validate import validate
 from ckptd.watch import RootScanner

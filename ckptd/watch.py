@@ -131,12 +131,13 @@ class RootScanner:
             if s.size > MAX_CONTENT_BYTES or not layouts.wants_content(rel, self.layout):
                 continue
             hit = self._contents.get(rel)
+            data: bytes | None
             if hit and hit[0] == s.size and hit[1] == s.mtime_ns:
                 data = hit[2]
             else:
                 data = _read_small(os.path.join(self.path, rel), self._real_root)
-                if data is None:
-                    continue
+            if data is None:
+                continue
             cache[rel] = (s.size, s.mtime_ns, data)
             out[rel] = data
         self._contents = cache

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from ckptd.client import Client
 
 STEPS = 200

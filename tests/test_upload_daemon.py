@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from test_daemon import flip_byte, save_single
 
@@ -90,6 +89,17 @@ def test_s3_fresh_node_lists_and_restores(daemon_factory: Any, s3_server: Any, s
     restored = out / "model_step_7.pt"
     assert restored.read_bytes() == original  # byte for byte
     assert torch.load(restored, weights_only=True)["step"] == 7
+    # ckptd.torch.load of "latest" on the fresh node restores from the remote first
+    import ckptd.torch as ct
+
+    os.environ["CKPTD_CONFIG"] = str(d.config)
+    try:
+        model = torch.nn.Linear(256, 256)
+        step, meta = ct.load(root, "latest", model=model, client=d.client)
+    finally:
+        del os.environ["CKPTD_CONFIG"]
+    assert step == 7
+    assert torch.equal(model.weight, torch.load(restored, weights_only=True)["model"]["weight"])
 
 
 def test_kill9_mid_upload_then_restart_completes(daemon_factory: Any, s3_server: Any,
