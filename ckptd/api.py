@@ -68,6 +68,8 @@ class ApiContext:
         self.prune_now: Callable[[str], list[dict[str, Any]]] = lambda root: []
         self.root_health: Callable[[str], dict[str, Any] | None] = lambda root: None
         self.refresh_remote: Callable[[str], None] = lambda root: None
+        self.flush: Callable[[], dict[str, int]] = lambda: {}
+        self.flushing: Callable[[], dict[str, int]] = lambda: {}
 
     def uptime(self) -> float:
         return round(time.monotonic() - self.started, 3)
@@ -86,7 +88,8 @@ class ApiContext:
     def status(self) -> dict[str, Any]:
         roots = [self.root_status(r) for r in self.roots().values()]
         return {"status": "stopping" if self.stopping.is_set() else "ok", "version": __version__,
-                "uptime_s": self.uptime(), "roots": roots, "in_flight": self.in_flight()}
+                "uptime_s": self.uptime(), "roots": roots, "in_flight": self.in_flight(),
+                "flushing": [{"root": r, "step": s} for r, s in self.flushing().items()]}
 
     def root_status(self, root: RootView) -> dict[str, Any]:
         latest = self.store.latest(root.name)
@@ -134,6 +137,7 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"^/v1/health$"), "health"),
     ("GET", re.compile(r"^/v1/status$"), "status"),
     ("GET", re.compile(r"^/metrics$"), "metrics"),
+    ("POST", re.compile(r"^/v1/flush$"), "flush"),
     ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints$"), "list"),
     ("POST", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints$"), "register"),
     ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/latest$"), "latest"),
@@ -245,6 +249,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def h_status(self, **_: Any) -> tuple[int, Any]:
         return 200, self.ctx.status()
+
+    def h_flush(self, **_: Any) -> tuple[int, Any]:
+        self._not_stopping()
+        targets = self.ctx.flush()
+        return 200, {"flushing": [{"root": r, "step": s} for r, s in targets.items()]}
 
     def h_metrics(self, **_: Any) -> tuple[int, Any]:
         return 200, self.ctx.metrics_text()

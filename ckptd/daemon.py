@@ -204,6 +204,8 @@ class Daemon:
                               self._in_flight)
         self.ctx.prune_plan = self._prune_plan
         self.ctx.refresh_remote = self.refresh_remote
+        self.ctx.flush = self.pipeline.flush
+        self.ctx.flushing = lambda: dict(self.pipeline.flushing) if self.pipeline else {}
         self.ctx.prune_now = self._prune_now
         self.ctx.root_health = lambda name: health_json(self.pruner.health.get(name)
                                                         if self.pruner else None)
@@ -288,7 +290,7 @@ class Daemon:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 self._stop.set()
 
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
             signal.signal(sig, on_signal)
 
     def _handle_signals(self) -> None:
@@ -296,6 +298,9 @@ class Daemon:
             signum = self._signals.pop(0)
             if signum == signal.SIGHUP:
                 self.reload()
+            elif signum == signal.SIGUSR1:
+                if self.pipeline is not None:
+                    self.pipeline.flush()
             else:
                 self.log.info("daemon_stopping", signal=signal.Signals(signum).name)
 

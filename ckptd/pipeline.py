@@ -104,6 +104,7 @@ class Pipeline:
         self.progress: dict[str, float] = {}  # worker -> last time it made progress
         self.busy: dict[str, bool] = {}
         self.inflight: dict[int, Progress] = {}
+        self.flushing: dict[str, int] = {}  # root -> step being flushed to the remote first
         self.log = get_logger()
 
     def start(self) -> None:
@@ -125,6 +126,36 @@ class Pipeline:
             t.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in self._threads)
 
+    def flush(self) -> dict[str, int]:
+        """Preemption: the newest valid, not yet uploaded step of each uploading root goes
+        first; other work yields until those are uploaded. Returns root -> step."""
+        targets = {}
+        for name, root in self.roots().items():
+            if not root.config.upload.enabled:
+                continue
+            rec = self.store.latest(name, Tier.LOCAL)
+            if rec is not None and rec.remote.value != "uploaded":
+                targets[name] = rec.step
+        self.flushing = targets
+        self.log.info("flush_requested", targets=targets or None)
+        self.wake()
+        return targets
+
+    def _flush_targets(self) -> frozenset[tuple[str, int]] | None:
+        """The flush's steps still to upload; None when no flush is on."""
+        if not self.flushing:
+            return None
+        left = {}
+        for name, step in self.flushing.items():
+            rec = self.store.checkpoint(name, step)
+            if rec is not None and rec.state.value == "valid" and rec.remote.value in (
+                    "none", "uploading"):
+                left[name] = step
+        if self.flushing and not left:
+            self.log.info("flush_done", roots=sorted(self.flushing))
+        self.flushing = left
+        return frozenset(left.items()) or None
+
     def stalled(self, now: float, limit: float) -> list[str]:
         """Workers busy on one job without progress for longer than `limit` seconds."""
         return [w for w, t in self.progress.items() if self.busy.get(w) and now - t > limit]
@@ -141,7 +172,8 @@ class Pipeline:
                 self.owner, time.time(), LEASE_S,
                 upload_roots=frozenset(n for n, r in roots.items() if r.config.upload.enabled),
                 copy_roots=frozenset(n for n, r in roots.items()
-                                     if runners.wants_copy(r.config)))
+                                     if runners.wants_copy(r.config)),
+                only=self._flush_targets())
             if job is None:
                 self._wake.wait(1.0)
                 self._wake.clear()

@@ -333,11 +333,16 @@ class Store:
 
     def claim(self, owner: str, now: float, lease_s: float,
               upload_roots: frozenset[str] = frozenset(),
-              copy_roots: frozenset[str] = frozenset()) -> Job | None:
+              copy_roots: frozenset[str] = frozenset(),
+              only: frozenset[tuple[str, int]] | None = None) -> Job | None:
         """Claim the next piece of work: validation first (newest step first, so the resume
         point moves soonest), then a missing compressed copy, then an upload.
         `upload_roots` upload; `copy_roots` keep local compressed copies."""
         needs_copy = upload_roots | copy_roots
+        # A flush restricts claims to its steps (everything else yields until they are up).
+        only_sql = "" if only is None else " AND (" + (" OR ".join(
+            "(root=? AND step=?)" for _ in only) or "0") + ")"
+        only_args: tuple[Any, ...] = () if only is None else tuple(x for t in only for x in t)
         with self._tx() as db:
             for stage, where, args in (
                 (STAGE_VALIDATE, "state='complete' AND local='present'", ()),
@@ -348,9 +353,9 @@ class Store:
                  f" AND root IN ({_qs(upload_roots)})", tuple(upload_roots)),
             ):
                 row = db.execute(
-                    f"SELECT * FROM checkpoints WHERE superseded=0 AND {where}"  # noqa: S608
+                    f"SELECT * FROM checkpoints WHERE superseded=0 AND {where}{only_sql}"  # noqa: S608
                     " AND next_attempt<=? AND (lease_owner IS NULL OR lease_expires<?)"
-                    " ORDER BY step DESC LIMIT 1", (*args, now, now)).fetchone()
+                    " ORDER BY step DESC LIMIT 1", (*args, *only_args, now, now)).fetchone()
                 if row is not None:
                     return self._lease(db, row, stage, owner, now + lease_s)
         return None

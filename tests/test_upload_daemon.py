@@ -135,3 +135,37 @@ def test_kill9_mid_upload_then_restart_completes(daemon_factory: Any, s3_server:
     assert "r1/step-1/MANIFEST.json" in keys
     assert d.client.checkpoint("r1", 1)["remote"] == "uploaded"  # type: ignore[index]
     assert os.path.exists(root / "model_step_1.pt")
+
+
+def test_flush_puts_the_newest_valid_step_first(daemon_factory: Any, s3_server: Any,
+                                                s3_url: str, fault_proxy: Any) -> None:
+    """SIGUSR1 / POST /v1/flush: the newest valid step of each uploading root goes to the
+    front; `ckptd status` shows it until it is uploaded."""
+    import signal
+
+    fault_proxy.set("status", count=10_000, status=503)  # the remote is down for now
+    down = type("S", (), {"endpoint": fault_proxy.endpoint, "region": s3_server.region,
+                          "access_key": s3_server.access_key,
+                          "secret_key": s3_server.secret_key})()
+    d = daemon_factory(roots=[{"name": "r1", "upload": upload_cfg(s3_url, down)}])
+    root = d.roots["r1"]
+    for step in (1, 2, 3):
+        save_single(root, step)
+        d.wait_for("r1", step)
+    c = d.client
+    flushed = c.request_json("POST", "/v1/flush")
+    assert flushed == {"flushing": [{"root": "r1", "step": 3}]}
+    assert c.status()["flushing"] == [{"root": "r1", "step": 3}]  # type: ignore[index]
+    fault_proxy.set("pass")
+    assert c.wait("r1", 3, until="uploaded", timeout=120), d.log_text()[-3000:]
+    deadline = time.monotonic() + 30
+    while c.status()["flushing"] and time.monotonic() < deadline:  # type: ignore[index]
+        time.sleep(0.2)
+    assert c.status()["flushing"] == []  # type: ignore[index]
+    assert "flush_done" in d.log_text()
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while d.log_text().count("flush_requested") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert d.log_text().count("flush_requested") == 2
