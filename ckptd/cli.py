@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmd("run", "run the daemon in the foreground")
     s = cmd("status", "daemon health and per-root summary")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--watch", nargs="?", const=2.0, type=float, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until interrupted")
     s = cmd("ls", "every checkpoint of a root")
     s.add_argument("root")
     s.add_argument("--json", action="store_true")
@@ -188,14 +190,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    doc = _call(lambda: _client(args).request_json("GET", "/v1/status"))
-    if args.json:
-        _print_json(doc)
-        return 0
     from ckptd.render import render_status
 
-    print(render_status(doc))
-    return 0
+    c = _client(args)
+    while True:
+        doc = _call(lambda: c.request_json("GET", "/v1/status"))
+        if args.json:
+            _print_json(doc)
+        elif args.watch:
+            sys.stdout.write("\x1b[H\x1b[2J" + render_status(doc) + "\n")  # clear, redraw
+            sys.stdout.flush()
+        else:
+            print(render_status(doc))
+        if not args.watch:
+            return 0
+        import time
+
+        time.sleep(max(0.2, args.watch))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

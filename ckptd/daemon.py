@@ -24,7 +24,7 @@ from ckptd.config import Config, RootConfig, load_config
 from ckptd.errors import ConfigError, StateLocked
 from ckptd.log import get_logger
 from ckptd.metrics import Metrics
-from ckptd.model import CKPTD_DIR
+from ckptd.model import CKPTD_DIR, Tier
 from ckptd.pipeline import LatestPublisher, Pipeline, RootRuntime
 from ckptd.pruning import Pruner, health_json
 from ckptd.stages import compress, prune
@@ -199,7 +199,8 @@ class Daemon:
                              on_change=self._after_prune)
         self.pipeline = Pipeline(self.store, self._runtimes, self.changes, publisher,
                                  cfg.daemon.workers, on_resave=self.wake_scan,
-                                 after_stage=self.pruner.request, backend_for=self.backend_for)
+                                 after_stage=self.pruner.request, backend_for=self.backend_for,
+                                 metrics=self.metrics)
         self.ctx = ApiContext(self.store, self._views, self.changes, self.wake_scan,
                               self._in_flight)
         self.ctx.prune_plan = self._prune_plan
@@ -453,12 +454,28 @@ class Daemon:
     def _render_metrics(self) -> str:
         if self.store is not None:
             for root in self.config.roots:
-                latest = self.store.latest(root.name)
-                self.metrics.set_root(
-                    root.name, counts=self.store.counts(root.name),
-                    queue=self.store.queue_length(root.name),
-                    disk_free=_disk_free(root.path), latest=latest.step if latest else None)
+                self._root_metrics(root)
         return self.metrics.render()
+
+    def _root_metrics(self, root: RootConfig) -> None:
+        assert self.store is not None
+        records = self.store.checkpoints(root.name)
+        latest = self.store.latest(root.name)
+        remote = self.store.latest(root.name, Tier.REMOTE)
+        newest = max((r.step for r in records), default=None)
+        since = None
+        if root.upload.enabled and newest is not None:
+            # Steps saved since the newest remote-verified one: the data a node loss would cost.
+            since = newest - remote.step if remote else newest
+        raw = sum(r.bytes for r in records if r.stored_bytes)
+        stored = sum(r.stored_bytes for r in records if r.stored_bytes)
+        health = self.pruner.health.get(root.name) if self.pruner else None
+        self.metrics.set_root(
+            root.name, counts=self.store.counts(root.name),
+            queue=self.store.queue_length(root.name, uploads=root.upload.enabled),
+            disk_free=_disk_free(root.path), latest=latest.step if latest else None,
+            steps_since_remote=since, preflight_warning=bool(health and not health.preflight_ok),
+            ratio=stored / raw if raw else None)
 
     def _in_flight(self) -> list[dict[str, Any]]:
         if self.pipeline is None:

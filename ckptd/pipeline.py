@@ -88,7 +88,8 @@ class Pipeline:
                  changes: Changes, publisher: LatestPublisher, workers: int,
                  on_resave: Callable[[], None],
                  after_stage: Callable[[str], None] = lambda root: None,
-                 backend_for: Callable[[RootConfig], Any] = lambda root: None) -> None:
+                 backend_for: Callable[[RootConfig], Any] = lambda root: None,
+                 metrics: Any = None) -> None:
         self.store = store
         self.roots = roots
         self.changes = changes
@@ -97,6 +98,7 @@ class Pipeline:
         self.on_resave = on_resave
         self.after_stage = after_stage
         self.backend_for = backend_for
+        self.metrics = metrics
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -213,6 +215,7 @@ class Pipeline:
             finally:
                 self.inflight.pop(rec.id, None)
         elapsed = round(time.monotonic() - started, 3)
+        self._measure(job, rec.root, progress, elapsed, outcome)
         if job.stage == STAGE_VALIDATE:
             self._validated(root, job, fp, outcome, log, elapsed)
         elif job.stage == STAGE_COMPRESS:
@@ -237,7 +240,23 @@ class Pipeline:
             raise PermanentError(f"root {root.name} has no upload.url")
         return runners.run_upload(root, job, progress, backend)
 
+    def _measure(self, job: Job, root: str, progress: Progress, seconds: float,
+                 outcome: Any) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.observe_stage(job.stage, seconds)
+        if job.stage == STAGE_UPLOAD:
+            self.metrics.add_bytes("uploaded", root, int(outcome.sent_bytes))
+            return
+        self.metrics.add_bytes("read", root, progress.done)
+        stored = outcome.stored if job.stage == STAGE_VALIDATE else outcome
+        written = sum(f.stored_size for f in stored)
+        if written:
+            self.metrics.add_bytes("written", root, written)
+
     def _failed(self, job: Job, log: Any, exc: Exception) -> None:
+        if self.metrics is not None:
+            self.metrics.error(job.stage)
         delay = self.store.fail_attempt(job, self.owner, f"{job.stage}: {type(exc).__name__}:"
                                         f" {exc}", time.time())
         permanent = isinstance(exc, PermanentError)

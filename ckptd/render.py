@@ -44,6 +44,12 @@ def render_status(doc: dict[str, Any]) -> str:
                      (r["last_error"] or "-")[:60]])
     out = [head, "", table(["ROOT", "LATEST", "BEST", "COUNTS", "QUEUE", "DISK FREE",
                             "LAST ERROR"], rows)]
+    if doc.get("flushing"):
+        out += ["", "flushing (preemption): " + ", ".join(
+            f"{f['root']} step {f['step']}" for f in doc["flushing"])]
+    warnings = [r for r in doc["roots"] if r.get("preflight") and not r["preflight"]["ok"]]
+    for r in warnings:
+        out += ["", f"capacity warning for {r['name']}: {r['preflight']['message']}"]
     if doc["in_flight"]:
         out += ["", "in flight:"]
         for w in doc["in_flight"]:

@@ -353,3 +353,28 @@ def test_retention_prunes_with_nets_and_explains(daemon_factory: Any) -> None:
     assert c.latest("r1")["step"] == 5  # type: ignore[index]
     with c.lease("r1", 4) as lease:
         assert lease.held
+
+
+def test_metrics_on_the_socket_parse(daemon_factory: Any) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    d = daemon_factory()
+    save_single(d.roots["r1"], 3)
+    d.wait_for("r1", 3)
+    status, text = d.client.request("GET", "/metrics")
+    assert status == 200
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    valid = [s for s in fams["ckptd_checkpoints"].samples
+             if s.labels == {"root": "r1", "state": "valid"}]
+    assert valid and valid[0].value == 1
+    stage = fams["ckptd_stage_duration_seconds"]
+    assert any(s.labels.get("stage") == "validate" for s in stage.samples)
+    assert any(s.value > 0 for s in fams["ckptd_bytes_read"].samples)
+    latest = [s for s in fams["ckptd_latest_step"].samples if s.labels == {"root": "r1"}]
+    assert latest[0].value == 3
+    watch = subprocess.Popen([sys.executable, "-m", "ckptd", "status", "--watch", "0.2",
+                              "--socket", str(d.socket)], stdout=subprocess.PIPE, text=True)
+    time.sleep(2.0)
+    watch.send_signal(signal.SIGINT)
+    out, _ = watch.communicate(timeout=10)
+    assert out.count("ROOT") >= 2 and watch.returncode == 130  # redrawn until interrupted
