@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("verify", "validate one checkpoint offline (no daemon needed)")
     s.add_argument("path")
     s.add_argument("--deep", action="store_true", help="also load tensors and scan for NaN/Inf")
+    s.add_argument("--trust", action="append", default=[], metavar="MODULE.NAME",
+                   help="accept this global in pickles (like a root's trusted_globals)")
     s.add_argument("--json", action="store_true")
     s = cmd("config", "configuration commands")
     csub = s.add_subparsers(dest="config_command", required=True, parser_class=_Parser)
@@ -299,9 +301,14 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from ckptd.config import check_trusted_globals
     from ckptd.verify import verify_path
 
-    doc = verify_path(Path(args.path), deep=args.deep)
+    try:
+        trusted = frozenset(check_trusted_globals(list(args.trust)))
+    except ValueError as exc:
+        raise UsageError(f"ckptd verify: --trust {exc}") from None
+    doc = verify_path(Path(args.path), deep=args.deep, trusted=trusted)
     if args.json:
         _print_json(doc)
     else:

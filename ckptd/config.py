@@ -173,6 +173,23 @@ def _root_name(value: str) -> str:
     return value
 
 
+_GLOBAL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+# Modules whose globals can run code or touch the system when a pickle calls them: never
+# trusted, whatever a config says.
+_NEVER_TRUSTED = ("builtins", "os", "posix", "nt", "sys", "subprocess", "importlib", "runpy",
+                  "pickle", "shutil", "socket", "code", "ctypes", "operator", "functools",
+                  "types", "pty", "webbrowser", "io", "codecs", "marshal", "torch")
+
+
+def check_trusted_globals(value: list[str]) -> list[str]:
+    for name in value:
+        if not _GLOBAL_NAME.fullmatch(name):
+            raise ValueError(f'{_show(name)} is not a "module.Name" global')
+        if name.split(".")[0] in _NEVER_TRUSTED:
+            raise ValueError(f"{_show(name)} can run code when unpickled; it is never trusted")
+    return value
+
+
 def _listen(value: str) -> str:
     if value and _split_listen(value) is None:
         raise ValueError(
@@ -355,6 +372,10 @@ class RootConfig(_Model):
     settle: Duration = 5.0
     world_size: Count = 0
     deep_validate: Flag = False
+    # Globals (besides torch's weights-only set) a framework pickles into its checkpoints,
+    # e.g. Megatron's "argparse.Namespace": referenced, never executed by ckptd.
+    trusted_globals: Annotated[list[str], AfterValidator(check_trusted_globals),
+                               Expect('a list of "module.Name" strings')] = []  # noqa: RUF012
     metric: Text = ""
     metric_mode: Annotated[MetricMode, _one_of(MetricMode)] = "min"
     compress: CompressConfig = Field(default_factory=CompressConfig)

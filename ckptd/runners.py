@@ -38,6 +38,10 @@ def candidate_of(job: Job) -> Candidate:
     )
 
 
+def _checks(root: RootConfig) -> dict[str, Any]:
+    return {"deep": root.deep_validate, "trusted": frozenset(root.trusted_globals)}
+
+
 def wants_copy(root: RootConfig) -> bool:
     """A root keeps a compressed copy when it uploads it or may keep it instead of originals."""
     return root.upload.enabled or root.retention.local.compress_older
@@ -55,11 +59,11 @@ def run_validate(root: RootConfig, job: Job, progress: Any) -> Validated:
     if cand.invalid_reason:
         return Validated(ValidationResult(False, cand.invalid_reason, cand.invalid_message))
     if not wants_copy(root):
-        return Validated(validate(root.path, cand, deep=root.deep_validate,
+        return Validated(validate(root.path, cand, **_checks(root),
                                   extra_sinks=lambda _rel: [progress]))
     stager = stager_for(root, job)
     try:
-        result = validate(root.path, cand, deep=root.deep_validate,
+        result = validate(root.path, cand, **_checks(root),
                           extra_sinks=lambda rel: [progress, *stager.sinks_for(rel)])
         if not result.valid:
             stager.abort()
@@ -72,7 +76,7 @@ def run_validate(root: RootConfig, job: Job, progress: Any) -> Validated:
         get_logger().warning("compressed_copy_deferred", root=root.name,
                              step=job.checkpoint.step, error=str(exc))
         progress.done = 0
-        return Validated(validate(root.path, cand, deep=root.deep_validate,
+        return Validated(validate(root.path, cand, **_checks(root),
                                   extra_sinks=lambda _rel: [progress]))
     except BaseException:
         stager.abort()
@@ -85,6 +89,7 @@ def run_compress(root: RootConfig, job: Job, progress: Any) -> Sequence[StoredFi
     stager = stager_for(root, job)
     try:
         result = validate(root.path, candidate_of(job), deep=False,
+                          trusted=frozenset(root.trusted_globals),
                           extra_sinks=lambda rel: [progress, *stager.sinks_for(rel)])
         if not result.valid:
             stager.abort()

@@ -16,7 +16,8 @@ from ckptd.watch import RootScanner
 _STEP = re.compile(r"(?:step[_=-]?|iter_|global_step|checkpoint-|_)(\d+)(?:\D*$|\.)")
 
 
-def verify_path(path: Path, deep: bool = False) -> dict[str, Any]:
+def verify_path(path: Path, deep: bool = False,
+                trusted: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Validate the checkpoint at `path` (a file or a directory): the SPEC's verify JSON."""
     path = Path(os.path.abspath(path))
     if not path.exists():
@@ -29,7 +30,7 @@ def verify_path(path: Path, deep: bool = False) -> dict[str, Any]:
         reason = cand.invalid_reason or "missing_file"
         return _doc(path, cand.layout, cand.step,
                     ValidationResult(False, reason, f"incomplete: {cand.waiting_for}"))
-    return _doc(path, cand.layout, cand.step, validate(root, cand, deep=deep))
+    return _doc(path, cand.layout, cand.step, validate(root, cand, deep=deep, trusted=trusted))
 
 
 def _recognise(root: Path, rel: str) -> Candidate:

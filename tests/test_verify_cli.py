@@ -67,3 +67,19 @@ def test_missing_path_and_human_output(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(p)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "valid" in r.stdout
+
+
+def test_trusted_globals_accept_framework_objects_but_never_code(tmp_path: Path) -> None:
+    """Megatron pickles its argparse.Namespace args into the model file: refused by the
+    weights-only allow-list, accepted when trusted; a code-running global is never trusted."""
+    import argparse
+
+    p = tmp_path / "model_step_5.pt"
+    torch.save({"model": tiny_state(1)["model"], "args": argparse.Namespace(lr=0.1)}, p)
+    code, doc = verify(p)
+    assert code == 1 and doc["reason"] == "unsafe_pickle"
+    code, doc = verify(p, "--trust", "argparse.Namespace", "--deep")
+    assert code == 0 and doc["valid"]
+    r = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(p), "--trust", "os.system"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "never trusted" in r.stderr

@@ -270,15 +270,16 @@ def scan_pickle(
     return frozenset(machine.globals)
 
 
-def scan_torch_pickle_file(f: BinaryIO, what: str) -> frozenset[str]:
+def scan_torch_pickle_file(f: BinaryIO, what: str, allowed: frozenset[str] = SAFE_GLOBALS
+                           ) -> frozenset[str]:
     """Check a non-zip torch file (torch's legacy format: five pickles, then raw storages) or
     a plain pickle file. Reads only the pickles, leaving the storage bytes alone."""
     start = f.tell()
-    found = set(scan_pickle(f, what))
+    found = set(scan_pickle(f, what, allowed))
     if not _is_legacy_magic(f, start):
         return frozenset(found)
     for _ in range(_LEGACY_PICKLES - 1):
-        found |= scan_pickle(f, what)
+        found |= scan_pickle(f, what, allowed)
     return frozenset(found)
 
 

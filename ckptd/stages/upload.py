@@ -40,12 +40,14 @@ from ckptd.remote import (
 )
 from ckptd.stages.upload_local import (
     LEDGER_NAME,
+    TRIM_ABOVE,
     Ledger,
     Meter,
     ObjectReader,
     bare,
     etag_matches_file,
     fingerprint,
+    release_memory,
     same_object,
 )
 
@@ -230,7 +232,11 @@ class _Run:
                 raise PermanentError(
                     f"{src.path}: {src.size} bytes on disk, the manifest says {f.stored_size}"
                 )
-            meta = self.backend.put(key, cast(BinaryIO, src), f.stored_size)
+            try:
+                meta = self.backend.put(key, cast(BinaryIO, src), f.stored_size)
+            finally:
+                if f.stored_size > TRIM_ABOVE:
+                    release_memory()
             self._check_etag(key, meta, src.etag())
         with self._lock:
             self.expected[f.key] = meta

@@ -44,6 +44,7 @@ class _Member:
     record: FileRecord | None = None
     archives: list[zipcheck.ZipArchive] = field(default_factory=list)
     st_header: safetensors.SafetensorsHeader | None = None
+    trusted_seen: bool = False  # its pickle used a root's trusted global (no weights-only load)
 
 
 def validate(
@@ -51,14 +52,16 @@ def validate(
     cand: Candidate,
     deep: bool = False,
     extra_sinks: SinkFactory | None = None,
+    trusted: frozenset[str] = frozenset(),
 ) -> ValidationResult:
     """Validate `cand`'s files under `root_dir`. Never raises for a bad checkpoint: the result
     carries a machine-readable reason. `extra_sinks(rel)` adds sinks (a compressor, progress) to
     each file's single read pass. `deep` also loads torch files and safetensors and rejects
-    NaN/Inf in floating tensors. Valid means every file was also fsynced."""
+    NaN/Inf in floating tensors. Valid means every file was also fsynced. `trusted` adds the
+    root's trusted globals to the weights-only allow-list of pickle checks."""
     if cand.invalid_reason:
         return ValidationResult(False, cand.invalid_reason, cand.invalid_message)
-    run = _Run(Path(root_dir), cand, deep, extra_sinks)
+    run = _Run(Path(root_dir), cand, deep, extra_sinks, trusted)
     try:
         run.check()
     except ValidationFailed as exc:
@@ -90,9 +93,12 @@ class _Run:
     """One validation of one candidate; raises ValidationFailed at the first problem."""
 
     def __init__(
-        self, root: Path, cand: Candidate, deep: bool, extra_sinks: SinkFactory | None
+        self, root: Path, cand: Candidate, deep: bool, extra_sinks: SinkFactory | None,
+        trusted: frozenset[str] = frozenset(),
     ) -> None:
         self.root, self.cand, self.deep = root, cand, deep
+        self.trusted = trusted
+        self.allowed = picklescan.SAFE_GLOBALS | trusted
         self.extra_sinks = extra_sinks or (lambda rel: [])
         self.members: list[_Member] = []
         self.dcp_ranges: dict[str, tuple[tuple[int, int], ...]] = {}
@@ -110,6 +116,10 @@ class _Run:
         except OSError as exc:
             raise ValidationFailed(Reason.IO_ERROR, f"{exc.filename}: {exc}") from None
 
+    def _note(self, m: _Member, found: frozenset[str]) -> None:
+        if found & self.trusted:
+            m.trusted_seen = True
+
     def _check(self) -> None:
         rels = dict.fromkeys([*self.cand.files, *self.cand.expected_sizes, *self.cand.min_sizes])
         if not rels:
@@ -124,7 +134,8 @@ class _Run:
         self._check_dcp_items()
         if self.deep:
             for m in self.members:
-                if m.rel not in self.cand.opaque:
+                # A file using trusted framework globals cannot be loaded weights-only.
+                if m.rel not in self.cand.opaque and not m.trusted_seen:
                     _deep_scan(m)
         self._fsync()
 
@@ -178,7 +189,7 @@ class _Run:
         if m.kind == "pickle":
             if m.rel in self.cand.opaque:
                 return [], lambda: None
-            return [], lambda: _scan_pickle_file(m)
+            return [], lambda: self._note(m, _scan_pickle_file(m, self.allowed))
         if m.kind == "dcp_metadata":
             meta = _CaptureSink(dcpmeta.MAX_METADATA_BYTES)
             return [meta], lambda: self._dcp_metadata(m, meta)
@@ -192,7 +203,8 @@ class _Run:
 
         def scan(entry: zipcheck.ZipEntry, data: bytes) -> None:
             if not opaque:
-                picklescan.scan_pickle(data, f"{m.rel}:{entry.name}")
+                self._note(m, picklescan.scan_pickle(data, f"{m.rel}:{entry.name}",
+                                                     self.allowed))
 
         sink = zipcheck.ZipCrcSink.for_file(m.path, on_capture=scan)
         m.archives = sink.archives
@@ -202,7 +214,8 @@ class _Run:
         def after() -> None:
             for entry in [] if opaque else sink.uncaptured:  # too big to keep: read it again
                 with zipcheck.open_stored_member(m.path, entry) as f:
-                    picklescan.scan_pickle(f, f"{m.rel}:{entry.name}")
+                    self._note(m, picklescan.scan_pickle(f, f"{m.rel}:{entry.name}",
+                                                         self.allowed))
                 fileio.drop_cache(m.path)
 
         return [sink], after
@@ -299,11 +312,12 @@ def _kind(rel: str, head: bytes) -> str:
     return "opaque"
 
 
-def _scan_pickle_file(m: _Member) -> None:
+def _scan_pickle_file(m: _Member, allowed: frozenset[str]) -> frozenset[str]:
     # A second read, of the pickles only (a legacy file's storages follow them, unread).
     with open(m.path, "rb") as f:
-        picklescan.scan_torch_pickle_file(f, m.rel)
+        found = picklescan.scan_torch_pickle_file(f, m.rel, allowed)
     fileio.drop_cache(m.path)
+    return found
 
 
 class _CaptureSink:
