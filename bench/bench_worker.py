@@ -166,6 +166,92 @@ def _zipnn_decompress(stored: str, sink: _HashingNull, dtype: str) -> dict[str, 
     return _timed(work)
 
 
+def in_memory(encoder: str, src: str, dtype: str) -> dict[str, Any]:
+    """Codec CPU cost alone: input already in memory, output kept in memory, no file I/O."""
+    with open(src, "rb") as f:
+        data = f.read()
+    compress, decompress = _MEMORY_CODECS[encoder](dtype)
+    cpu = _cpu()
+    stored = compress(data)
+    compress_s = _cpu() - cpu
+    cpu = _cpu()
+    restored = decompress(stored)
+    decompress_s = _cpu() - cpu
+    return {
+        "cpu_s": compress_s,
+        "decomp_cpu_s": decompress_s,
+        "stored": len(stored),
+        "ok": xxhash.xxh3_128_digest(restored) == xxhash.xxh3_128_digest(data),
+    }
+
+
+class _Into:
+    def __init__(self, size: int) -> None:
+        self.buf = bytearray(size)
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.buf[self.pos : self.pos + len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+Codec = tuple[Callable[[bytes], bytes], Callable[[bytes], bytes | bytearray]]
+
+
+def _ckptd_memory(dtype: str) -> Codec:
+    import io
+
+    from ckptd.codec import decode_stream, make_encoder
+
+    resolved, size = [""], [0]
+
+    def compress(data: bytes) -> bytes:
+        size[0] = len(data)
+        out, view = io.BytesIO(), memoryview(data)
+        enc = make_encoder("auto", out)
+        for off in range(0, len(data), CHUNK):
+            enc.update(off, view[off : off + CHUNK])
+        enc.finish(len(data))
+        resolved[0] = enc.codec
+        return out.getvalue()
+
+    def decompress(stored: bytes) -> bytearray:
+        out = _Into(size[0])  # preallocated, as zstd's one-shot decompress does
+        decode_stream(resolved[0], io.BytesIO(stored), out)  # type: ignore[arg-type]
+        return out.buf
+
+    return compress, decompress
+
+
+def _pyzstd_memory(dtype: str) -> Codec:
+    import zstandard
+
+    cctx, dctx = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+    return cctx.compress, dctx.decompress
+
+
+def _zipnn_memory(dtype: str) -> Codec:
+    import zipnn
+
+    zp = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtype, threads=1)
+
+    def compress(data: bytes) -> bytes:
+        return bytes(zp.compress(bytearray(data)))  # a copy: zipnn edits its input in place
+
+    def decompress(stored: bytes) -> bytes:
+        return bytes(zp.decompress(stored))
+
+    return compress, decompress
+
+
+_MEMORY_CODECS: dict[str, Callable[[str], Codec]] = {
+    "ckptd-auto": _ckptd_memory,
+    "pyzstd-1": _pyzstd_memory,
+    "zipnn": _zipnn_memory,
+}
+
+
 def warm_up(encoder: str, dtype: str) -> None:
     """Code a small synthetic buffer first, so the timed run sees the steady state of a
     long-running process (contexts created, buffers faulted in), as a daemon would."""
@@ -205,8 +291,18 @@ def evict(path: str) -> None:
     drop(path)
 
 
+def _keep_fastest(best: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
+    """Each timing is the fastest of the repeats: on a shared machine noise only adds time."""
+    if not best:
+        return res
+    for key in ("cpu_s", "wall_s", "decomp_cpu_s"):
+        if key in res:
+            best[key] = min(best[key], res[key])
+    return best
+
+
 def main(argv: list[str]) -> None:
-    """`bench_worker.py compress|decompress ENCODER SRC DST|CODEC DTYPE IS_ZIP REPEATS`"""
+    """`bench_worker.py compress|decompress|memory ENCODER SRC DST|CODEC DTYPE IS_ZIP REPEATS`"""
     mode, encoder, src, dst_or_codec, dtype, is_zip, repeats = argv
     warm_up(encoder, dtype)
     reset = reset_peak_rss()
@@ -215,10 +311,11 @@ def main(argv: list[str]) -> None:
         evict(src)
         if mode == "compress":
             res = compress(encoder, src, dst_or_codec, dtype, is_zip == "1")
+        elif mode == "memory":
+            res = in_memory(encoder, src, dtype)
         else:
             res = decompress(encoder, src, dst_or_codec, dtype)
-        if not best or res["cpu_s"] < best["cpu_s"]:
-            best = res
+        best = _keep_fastest(best, res)
     best["peak_rss"] = peak_rss() if reset else 0
     print(json.dumps(best))
 
