@@ -225,7 +225,7 @@ class Handler(BaseHTTPRequestHandler):
             return None
         try:
             return json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise HttpError(400, "bad_json", f"request body is not valid JSON: {exc}") from exc
 
     def _send(self, status: int, payload: Any) -> None:

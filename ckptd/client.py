@@ -59,7 +59,7 @@ def read_latest_file(root_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     path = Path(root_dir) / ".ckptd" / "latest.json"
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(data, dict) or not isinstance(data.get("step"), int):
         return None
@@ -259,6 +259,6 @@ def _decode(raw: bytes, content_type: str) -> Any:
     if "json" in content_type:
         try:
             return json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return raw.decode("utf-8", "replace")
     return raw.decode("utf-8", "replace")

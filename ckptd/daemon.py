@@ -424,7 +424,12 @@ class Daemon:
     def scan_all(self) -> None:
         assert self.store is not None
         for root in self.config.roots:
-            self._scan_root(root)
+            try:
+                self._scan_root(root)
+            except Exception as exc:  # one root's bad state must not stop the others' scans
+                self.metrics.error("scan")
+                self.store.set_root_error(root.name, f"scan: {exc}", time.time())
+                self.log.error("scan_failed", root=root.name, error=str(exc), exc_info=True)
         if self.pipeline is not None:
             self.pipeline.wake()
         self.changes.notify()

@@ -77,7 +77,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     """Parse and check a manifest; raises CorruptData naming what is wrong."""
     try:
         doc = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CorruptData(f"{where}: not JSON: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptData(f"{where}: not a {FORMAT} manifest")

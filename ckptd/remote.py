@@ -75,7 +75,7 @@ def read_latest(backend: Backend, root_name: str) -> int | None:
         return None
     try:
         step = json.loads(data)["step"]
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise CorruptData(f"{backend.url}/{key}: not a LATEST document ({exc})") from exc
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CorruptData(f"{backend.url}/{key}: bad step {step!r}")

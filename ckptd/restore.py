@@ -275,7 +275,7 @@ def _latest_named(root_dir: Path) -> tuple[int, Path | None] | None:
     try:
         doc = json.loads((Path(root_dir) / CKPTD_DIR / "latest.json").read_bytes())
         step, path = doc["step"], doc.get("path")
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         return None

@@ -34,8 +34,10 @@ def verify_path(path: Path, deep: bool = False,
 
 
 def _recognise(root: Path, rel: str) -> Candidate:
-    scanner = RootScanner("verify", root, "auto", RootOptions(settle=0.0))
-    # Far in the future: an explicit verify does not wait for files to settle.
+    # Only the target and the loose files beside it (marker files like DeepSpeed's `latest`,
+    # sibling shards): never the rest of the parent directory.
+    scanner = RootScanner("verify", root, "auto", RootOptions(settle=0.0),
+                          top=lambda name, is_dir: name == rel or not is_dir)
     _, found = scanner.scan(now=time.time())
     matches = [c for c, _ in found if c.path == rel or rel in c.files
                or any(f.startswith(rel + "/") for f in c.files)]

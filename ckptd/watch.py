@@ -64,7 +64,8 @@ class RootScanner:
     """Walks one root and remembers, per file, when its size or mtime last changed."""
 
     def __init__(self, name: str, path: Path, layout: str, opts: RootOptions,
-                 open_files: OpenFiles | None = None) -> None:
+                 open_files: OpenFiles | None = None,
+                 top: Callable[[str, bool], bool] | None = None) -> None:
         self.name = name
         self.path = path
         self.layout = layout
@@ -73,6 +74,7 @@ class RootScanner:
         self._seen: dict[str, _Seen] = {}
         self._contents: dict[str, tuple[int, int, bytes]] = {}
         self._real_root = os.path.realpath(path)
+        self._top = top  # which top-level entries (name, is_dir) to walk; None = all
 
     def scan(self, now: float, registrations: dict[int, tuple[str, ...]] | None = None
              ) -> tuple[Snapshot, list[tuple[Candidate, str]]]:
@@ -107,7 +109,9 @@ class RootScanner:
                 continue  # vanished or unreadable mid-scan; the next scan sees the truth
             for entry in entries:
                 rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-                if not rel_dir and entry.name == CKPTD_DIR:
+                if not rel_dir and (entry.name == CKPTD_DIR or (
+                        self._top is not None
+                        and not self._top(entry.name, entry.is_dir(follow_symlinks=False)))):
                     continue
                 try:
                     st, escapes = stat_member(self._real_root, entry.path)

@@ -378,3 +378,19 @@ def test_metrics_on_the_socket_parse(daemon_factory: Any) -> None:
     watch.send_signal(signal.SIGINT)
     out, _ = watch.communicate(timeout=10)
     assert out.count("ROOT") >= 2 and watch.returncode == 130  # redrawn until interrupted
+
+
+def test_hostile_metadata_never_stops_the_scanner(daemon_factory: Any) -> None:
+    """A meta.json nested deeply enough to blow the JSON parser's stack is bad metadata for
+    that checkpoint only: the root (and every other root) keeps being scanned."""
+    d = daemon_factory(roots=[{"name": "r1"}, {"name": "r2"}])
+    bad = d.roots["r1"] / "step-5"
+    bad.mkdir()
+    (bad / "meta.json").write_text("[" * 200_000 + "]" * 200_000)
+    save_single(d.roots["r1"], 6)
+    save_single(d.roots["r2"], 7)
+    assert d.wait_for("r1", 6)["state"] == "valid"
+    assert d.wait_for("r2", 7)["state"] == "valid"
+    rec = d.wait_for("r1", 5)
+    assert rec["state"] == "invalid" and rec["reason"] == "bad_metadata"
+    assert "scan_failed" not in d.log_text()

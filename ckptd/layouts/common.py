@@ -197,7 +197,10 @@ def load_json(data: bytes | None) -> Any:
     """Parsed JSON, or raise ValueError (bad bytes, bad UTF-8, bad JSON)."""
     if data is None:
         raise ValueError("no content")
-    return json.loads(data.decode("utf-8"))
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:  # hostile nesting: bad JSON like any other, never a crash
+        raise ValueError("JSON nested too deeply") from None
 
 
 def numeric_metrics(obj: object, keep: Callable[[str], bool] = lambda _k: True) -> dict[str, float]:
