@@ -69,6 +69,9 @@ class ApiContext:
         self.root_health: Callable[[str], dict[str, Any] | None] = lambda root: None
         self.refresh_remote: Callable[[str], None] = lambda root: None
         self.flush: Callable[[], dict[str, int]] = lambda: {}
+        # Held by retention while it deletes: a pin or a reader's lease waits for the run to
+        # end, so the safety nets a run checked are never out of date while it acts.
+        self.retention_lock: Any = threading.RLock()
         self.flushing: Callable[[], dict[str, int]] = lambda: {}
 
     def uptime(self) -> float:
@@ -99,7 +102,7 @@ class ApiContext:
             "latest": latest.step if latest else None,
             "best": best.step if best else None,
             "counts": self.store.counts(root.name),
-            "queue": self.store.queue_length(root.name),
+            "queue": self.store.queue_length(root.name, uploads=root.upload_enabled),
             "disk_free_bytes": disk_free(root.path),
             "last_error": self.store.root_info(root.name)["last_error"] or None,
             "preflight": self.root_health(root.name),
@@ -158,6 +161,9 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"ckptd/{__version__}"
+    # An idle keep-alive connection gives its thread back after this long (long-polls are
+    # capped well below it by their own timeout; clients reconnect freely).
+    timeout = MAX_WAIT_S + 60
     ctx: ApiContext  # set on the subclass the server builds
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
@@ -217,6 +223,9 @@ class Handler(BaseHTTPRequestHandler):
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError as exc:
             raise HttpError(400, "bad_request", "Content-Length is not a number") from exc
+        if length < 0:
+            self.close_connection = True
+            raise HttpError(400, "bad_request", "Content-Length is negative")
         if length > MAX_BODY:
             self.close_connection = True
             raise HttpError(413, "too_large", f"request body over {MAX_BODY} bytes")
@@ -287,7 +296,9 @@ class Handler(BaseHTTPRequestHandler):
     def _set_pin(self, root: str, step: str, pinned: bool) -> tuple[int, Any]:
         r = self.ctx.root(root)
         n = _step(step)
-        if not self.ctx.store.set_pinned(r.name, n, pinned):
+        with self.ctx.retention_lock:
+            done = self.ctx.store.set_pinned(r.name, n, pinned)
+        if not done:
             raise HttpError(404, "no_checkpoint", f"root {r.name!r} has no step {n}")
         get_logger().info("checkpoint_pinned" if pinned else "checkpoint_unpinned",
                           root=r.name, step=n)
@@ -302,13 +313,18 @@ class Handler(BaseHTTPRequestHandler):
         if not owner or len(owner) > 128:
             raise HttpError(400, "bad_field", "owner must be a non-empty id (<= 128 chars)")
         ttl = min(max(_float(query.get("ttl", "600"), "ttl"), 1.0), 86400.0)
-        self.ctx.store.lease_reader(r.name, rec.step, owner, time.time() + ttl)
+        with self.ctx.retention_lock:
+            rec = self._record(r, rec.step)
+            if rec.local.value == "pruned" and rec.remote is not Remote.UPLOADED:
+                raise HttpError(409, "gone", f"step {rec.step} of {r.name!r} has no copy left")
+            self.ctx.store.lease_reader(r.name, rec.step, owner, time.time() + ttl)
         return 200, {"root": r.name, "step": rec.step, "owner": owner, "ttl_s": ttl}
 
     def h_unlease(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         r = self.ctx.root(root)
-        self.ctx.store.release_reader(r.name, _step(step), query.get("owner", ""))
-        return 200, {"root": r.name, "step": int(step), "released": True}
+        n = _step(step)
+        self.ctx.store.release_reader(r.name, n, query.get("owner", ""))
+        return 200, {"root": r.name, "step": n, "released": True}
 
     def h_prune_plan(self, root: str, **_: Any) -> tuple[int, Any]:
         return 200, self.ctx.prune_plan(self.ctx.root(root).name)

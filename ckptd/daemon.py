@@ -206,6 +206,7 @@ class Daemon:
         self.ctx.prune_plan = self._prune_plan
         self.ctx.refresh_remote = self.refresh_remote
         self.ctx.flush = self.pipeline.flush
+        self.ctx.retention_lock = self.pruner.exclusive
         self.ctx.flushing = lambda: dict(self.pipeline.flushing) if self.pipeline else {}
         self.ctx.prune_now = self._prune_now
         self.ctx.root_health = lambda name: health_json(self.pruner.health.get(name)
@@ -261,7 +262,9 @@ class Daemon:
 
     def _add_root(self, root: RootConfig) -> None:
         opts = root.options
-        open_files = OpenFiles()
+        old = self._scanners.get(root.name)
+        # The watcher keeps feeding the OpenFiles it was given for a path: reuse it on reload.
+        open_files = old.open_files if old is not None and old.path == root.path else OpenFiles()
         self._scanners[root.name] = RootScanner(root.name, root.path, root.layout, opts,
                                                 open_files)
         assert self.watcher is not None
@@ -445,7 +448,11 @@ class Daemon:
         with self.pruner.exclusive if self.pruner else contextlib.nullcontext():
             now = time.time()
             _, found = scanner.scan(now, self.store.registrations(root.name))
-            changes = self.store.sync_root(root.name, [Found(c, fp) for c, fp in found], now)
+            changes = self.store.sync_root(root.name, [Found(c, fp) for c, fp in found], now,
+                                           complete_walk=scanner.walk_errors == 0)
+        if scanner.walk_errors:
+            self.store.set_root_error(root.name, f"{scanner.walk_errors} directories could not"
+                                      " be read; nothing was marked gone", now)
         if any(not c.complete for c, _ in found):
             self._pending_roots.add(root.name)
         else:
@@ -453,8 +460,9 @@ class Daemon:
         for ch in changes:
             self.log.info(ch.event, root=root.name, step=ch.step, layout=ch.layout, path=ch.path,
                           detail=ch.detail or None)
-        if any(ch.event == "checkpoint_vanished" for ch in changes) and self.pipeline:
-            self.pipeline.publisher.publish(self._runtimes()[root.name])
+        if changes and self.publisher is not None:
+            # A vanished, superseded or reappeared step can move latest: keep latest.json true.
+            self.publisher.publish(self._runtimes()[root.name])
 
     def _render_metrics(self) -> str:
         if self.store is not None:

@@ -171,7 +171,7 @@ class Pipeline:
             self.progress[name] = time.time()
             roots = self.roots()
             job = self.store.claim(
-                self.owner, time.time(), LEASE_S,
+                f"{self.owner}/{name}/{uuid.uuid4().hex[:8]}", time.time(), LEASE_S,
                 upload_roots=frozenset(n for n, r in roots.items() if r.config.upload.enabled),
                 copy_roots=frozenset(n for n, r in roots.items()
                                      if runners.wants_copy(r.config)),
@@ -198,7 +198,7 @@ class Pipeline:
             fp = file_fingerprint(root.path, job.files)
             if fp != rec.fingerprint:
                 log.info("stage_deferred", why="files changed since completion; rescanning")
-                self.store.defer(job, self.owner, RESCAN_DEFER_S, time.time())
+                self.store.defer(job, job.owner, RESCAN_DEFER_S, time.time())
                 self.on_resave()
                 return
         log.info("stage_started")
@@ -206,9 +206,15 @@ class Pipeline:
         total = sum(_size(root.path / f) for f in job.files)
         progress = Progress(rec.root, rec.step, job.stage, total, lambda: self._tick(worker))
         self.inflight[rec.id] = progress
-        with _Renewer(self.store, rec.id, self.owner):
+        with _Renewer(self.store, rec.id, job.owner):
             try:
                 outcome = self._stage(root.config, job, progress)
+            except runners.NoLongerValid as exc:
+                if self.store.invalidate(job, job.owner, exc.result.reason, exc.result.message):
+                    log.warning("checkpoint_invalid", reason=exc.result.reason,
+                                message=exc.result.message, found_by=job.stage)
+                    self.publisher.publish(root)
+                return
             except Exception as exc:  # an OS, storage or code failure: retry later, never crash
                 self._failed(job, log, exc)
                 return
@@ -219,9 +225,9 @@ class Pipeline:
         if job.stage == STAGE_VALIDATE:
             self._validated(root, job, fp, outcome, log, elapsed)
         elif job.stage == STAGE_COMPRESS:
-            if self.store.finish_compress(job, self.owner, outcome):
+            if self.store.finish_compress(job, job.owner, outcome):
                 log.info("stage_succeeded", seconds=elapsed)
-        elif self.store.finish_upload(job, self.owner, time.time()):
+        elif self.store.finish_upload(job, job.owner, time.time()):
             log.info("checkpoint_uploaded", seconds=elapsed, sent_bytes=outcome.sent_bytes,
                      skipped_objects=outcome.skipped_objects)
             dropped = runners.drop_copy_after_upload(root.config, rec.step)
@@ -238,7 +244,8 @@ class Pipeline:
         backend = self.backend_for(root)
         if backend is None:
             raise PermanentError(f"root {root.name} has no upload.url")
-        return runners.run_upload(root, job, progress, backend)
+        return runners.run_upload(root, job, progress, backend,
+                                  self.store.stored_files(job.checkpoint.id))
 
     def _measure(self, job: Job, root: str, progress: Progress, seconds: float,
                  outcome: Any) -> None:
@@ -257,9 +264,16 @@ class Pipeline:
     def _failed(self, job: Job, log: Any, exc: Exception) -> None:
         if self.metrics is not None:
             self.metrics.error(job.stage)
-        delay = self.store.fail_attempt(job, self.owner, f"{job.stage}: {type(exc).__name__}:"
-                                        f" {exc}", time.time())
+        if isinstance(exc, runners.CopyMissing):
+            self.store.drop_copy(job.checkpoint.root, job.checkpoint.step)  # compress redoes it
+        rec = job.checkpoint
+        if self.flushing.get(rec.root) == rec.step:
+            # A flush must not hold other work hostage to a remote that is failing.
+            self.flushing.pop(rec.root, None)
+            log.warning("flush_abandoned", error=str(exc))
         permanent = isinstance(exc, PermanentError)
+        delay = self.store.fail_attempt(job, job.owner, f"{job.stage}: {type(exc).__name__}:"
+                                        f" {exc}", time.time(), permanent=permanent)
         log.error("stage_failed", error=str(exc), kind=type(exc).__name__, retry_in_s=delay,
                   exc_info=not permanent and not isinstance(exc, OSError | CkptdError))
 
@@ -268,10 +282,10 @@ class Pipeline:
         result = outcome.result
         if file_fingerprint(root.path, job.files) != fp:
             log.info("stage_deferred", why="files changed during validation; rescanning")
-            self.store.defer(job, self.owner, RESCAN_DEFER_S, time.time())
+            self.store.defer(job, job.owner, RESCAN_DEFER_S, time.time())
             self.on_resave()
             return
-        if not self.store.finish_validation(job, self.owner, fp, result, time.time(),
+        if not self.store.finish_validation(job, job.owner, fp, result, time.time(),
                                             stored=outcome.stored):
             return
         if result.valid:

@@ -25,6 +25,8 @@ from ckptd.stages import compress, prune
 from ckptd.store import Store
 
 TIMER_S = 60.0
+# After compress_older could not replace a checkpoint's originals, leave it this long.
+COMPRESS_RETRY_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class Pruner:
         self.backend_for = backend_for
         self.on_change = on_change
         self.health: dict[str, RootHealth] = {}
+        self._compress_backoff: dict[tuple[str, int], float] = {}
         self.log = get_logger()
         self._wanted: set[str] = set()
         self._lock = threading.Lock()
@@ -200,13 +203,20 @@ class Pruner:
         if manifest is None:
             self.store.drop_copy(root.name, step)
             return False
+        if time.monotonic() < self._compress_backoff.get((root.name, step), 0.0):
+            return False
+        # Recorded first: a crash while the originals go leaves a row that says "compressed"
+        # (at worst with originals still beside the copy), never one that lost its copy.
+        self.store.set_local(root.name, step, Local.COMPRESSED)
         try:
             compress.replace_originals(root.path, manifest, list(self.store.members(rec.id)),
                                        anchor=rec.path)
         except Exception as exc:
-            self.log.error("compress_older_failed", root=root.name, step=step, error=str(exc))
+            self.store.set_local(root.name, step, Local.PRESENT)
+            self._compress_backoff[(root.name, step)] = time.monotonic() + COMPRESS_RETRY_S
+            self.log.error("compress_older_failed", root=root.name, step=step, error=str(exc),
+                           retry_in_s=COMPRESS_RETRY_S)
             return False
-        self.store.set_local(root.name, step, Local.COMPRESSED)
         self.log.info("checkpoint_compressed_locally", root=root.name, step=step)
         return True
 

@@ -93,22 +93,59 @@ def run_compress(root: RootConfig, job: Job, progress: Any) -> Sequence[StoredFi
                           extra_sinks=lambda rel: [progress, *stager.sinks_for(rel)])
         if not result.valid:
             stager.abort()
-            raise RuntimeError(f"step {job.checkpoint.step} no longer validates: "
-                               f"{result.reason}: {result.message}")
+            raise NoLongerValid(result)
         return stager.commit(result.files, result.metrics).files
     except BaseException:
         stager.abort()
         raise
 
 
-def run_upload(root: RootConfig, job: Job, progress: Any, backend: Any) -> UploadResult:
+class NoLongerValid(Exception):
+    """A later read pass over a valid checkpoint found it damaged (bit rot, an edit)."""
+
+    def __init__(self, result: ValidationResult) -> None:
+        super().__init__(f"{result.reason}: {result.message}")
+        self.result = result
+
+
+class CopyMissing(Exception):
+    """The local compressed copy the store counts on is gone or is not this row's content."""
+
+
+def run_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
+               expected: Sequence[StoredFile]) -> UploadResult:
+    """Upload the local compressed copy. `expected` are the row's validated files: a copy
+    that does not hold exactly those (an older save's, a damaged one) is never uploaded."""
     step = job.checkpoint.step
     manifest = compress.read_local_manifest(root.path, step)
     if manifest is None:
-        raise FileNotFoundError(f"no local compressed copy of step {step} to upload")
+        raise CopyMissing(f"no local compressed copy of step {step} to upload")
+    if {(f.path, f.size, f.hash) for f in manifest.files} != {
+            (f.path, f.size, f.hash) for f in expected}:
+        raise CopyMissing(f"the local copy of step {step} does not match its validated files")
+    _replace_older_remote(backend, root.name, manifest)
     progress.total = manifest.stored_size
     return upload_step(backend, root.name, compress.objects_dir(root.path, step), manifest,
                        progress=progress.advance, concurrency=root.upload.concurrency)
+
+
+def _replace_older_remote(backend: Any, root_name: str, manifest: Any) -> None:
+    """A step re-saved after an earlier save of it was uploaded: the later save wins remotely
+    too. The old step is deleted (manifest first) before the new one is sent."""
+    from ckptd import remote
+    from ckptd.errors import CorruptData, ObjectNotFound
+    from ckptd.stages.upload import delete_step
+
+    try:
+        there = remote.read_manifest(backend, root_name, manifest.step)
+    except ObjectNotFound:
+        return
+    except CorruptData:
+        there = None
+    if there is not None and set(there.files) == set(manifest.files):
+        return  # the same content: a re-run, which the upload stage makes idempotent
+    get_logger().warning("remote_step_replaced", root=root_name, step=manifest.step)
+    delete_step(backend, root_name, manifest.step)
 
 
 def drop_copy_after_upload(root: RootConfig, step: int) -> bool:

@@ -109,6 +109,7 @@ STAGE_UPLOAD = "upload"
 # Backoff between attempts of a stage that failed for a transient cause.
 RETRY_BASE_S = 2.0
 RETRY_MAX_S = 300.0
+PERMANENT_RETRY_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class Job:
     invalid_reason: str
     invalid_message: str
     opaque: tuple[str, ...] = ()
+    owner: str = ""  # the lease token of this claim: every outcome is recorded under it
 
 
 @dataclass(frozen=True)
@@ -201,18 +203,21 @@ class Store:
 
     # -- reconcile with a scan -------------------------------------------------------------
 
-    def sync_root(self, root: str, found: Sequence[Found], now: float) -> list[SyncChange]:
-        """Reconcile the rows of `root` with one scan's candidates. Returns what changed."""
+    def sync_root(self, root: str, found: Sequence[Found], now: float,
+                  complete_walk: bool = True) -> list[SyncChange]:
+        """Reconcile the rows of `root` with one scan's candidates. Returns what changed.
+        `complete_walk=False` (a directory could not be read) skips marking rows vanished:
+        an unreadable directory is not a deleted checkpoint."""
         changes: list[SyncChange] = []
         with self._tx() as db:
             regs = self._registration_metrics(root)
-            seen: set[int] = set()
-            for f in found:
-                seen.add(f.candidate.step)
+            for f in _one_per_step(found):
                 change = self._sync_one(db, root, f, regs.get(f.candidate.step, {}), now)
                 if change:
                     changes.append(change)
-            changes.extend(self._sync_gone(db, root, seen))
+            if complete_walk:
+                seen = {f.candidate.step for f in found}
+                changes.extend(self._sync_gone(db, root, seen))
         return changes
 
     def _registration_metrics(self, root: str) -> dict[int, dict[str, float]]:
@@ -243,6 +248,12 @@ class Store:
             # Its files are gone on purpose (pruned, or replaced by a compressed copy); what
             # remains is e.g. a stale registration. Only a complete new save supersedes it.
             return None
+        if not c.complete and set(c.files) < set(json.loads(row["files"])):
+            # Members only disappeared (a deletion caught halfway): the checkpoint is going,
+            # not being re-saved. It is no longer here, but its history (pins, the remote copy)
+            # stays with the row.
+            self._gone(db, row["root"], row["id"], row["step"])
+            return SyncChange("checkpoint_vanished", c.step, c.layout, c.path, "partly deleted")
         if row["local"] == Local.COMPRESSED.value and row["path"] != c.path:
             return None
         # Same step, different files: a re-save. The later one wins; keep the earlier as history.
@@ -292,10 +303,15 @@ class Store:
                 # Never complete and now gone (renamed or abandoned): nothing worth keeping.
                 db.execute("DELETE FROM checkpoints WHERE id=?", (r["id"],))
                 continue
-            db.execute("UPDATE checkpoints SET local='pruned', lease_owner=NULL WHERE id=?",
-                       (r["id"],))
+            self._gone(db, root, r["id"], r["step"])
             changes.append(SyncChange("checkpoint_vanished", r["step"], r["layout"], r["path"]))
         return changes
+
+    @staticmethod
+    def _gone(db: sqlite3.Connection, root: str, cid: int, step: int) -> None:
+        db.execute("UPDATE checkpoints SET local='pruned', lease_owner=NULL WHERE id=?", (cid,))
+        # Its registration has served; left behind it would look like a save still to come.
+        db.execute("DELETE FROM registrations WHERE root=? AND step=?", (root, step))
 
     # -- registrations, pins -----------------------------------------------------------------
 
@@ -345,6 +361,7 @@ class Store:
         only_args: tuple[Any, ...] = () if only is None else tuple(x for t in only for x in t)
         with self._tx() as db:
             for stage, where, args in (
+                # Validation never yields to a flush: the resume point must keep moving.
                 (STAGE_VALIDATE, "state='complete' AND local='present'", ()),
                 (STAGE_COMPRESS, "state='valid' AND local='present' AND copy=''"
                  f" AND remote IN ('none','uploading') AND root IN ({_qs(needs_copy)})",
@@ -352,10 +369,11 @@ class Store:
                 (STAGE_UPLOAD, "state='valid' AND copy='ready' AND remote IN ('none','uploading')"
                  f" AND root IN ({_qs(upload_roots)})", tuple(upload_roots)),
             ):
+                restrict, extra = ("", ()) if stage == STAGE_VALIDATE else (only_sql, only_args)
                 row = db.execute(
-                    f"SELECT * FROM checkpoints WHERE superseded=0 AND {where}{only_sql}"  # noqa: S608
+                    f"SELECT * FROM checkpoints WHERE superseded=0 AND {where}{restrict}"  # noqa: S608
                     " AND next_attempt<=? AND (lease_owner IS NULL OR lease_expires<?)"
-                    " ORDER BY step DESC LIMIT 1", (*args, *only_args, now, now)).fetchone()
+                    " ORDER BY step DESC LIMIT 1", (*args, *extra, now, now)).fetchone()
                 if row is not None:
                     return self._lease(db, row, stage, owner, now + lease_s)
         return None
@@ -375,6 +393,7 @@ class Store:
             invalid_reason=expected.get("invalid_reason", ""),
             invalid_message=expected.get("invalid_message", ""),
             opaque=tuple(expected.get("opaque", ())),
+            owner=owner,
         )
 
     def renew(self, checkpoint_id: int, owner: str, now: float, lease_s: float) -> bool:
@@ -429,6 +448,16 @@ class Store:
         db.execute("UPDATE checkpoints SET copy='ready', stored_bytes=? WHERE id=?",
                    (sum(f.stored_size for f in stored), cid))
 
+    def invalidate(self, job: Job, owner: str, reason: str, message: str) -> bool:
+        """A valid checkpoint turned out damaged on a later read: invalid from now on."""
+        with self._tx() as db:
+            if not self._holds(db, job, owner):
+                return False
+            db.execute("UPDATE checkpoints SET state='invalid', reason=?, message=? WHERE id=?",
+                       (reason, message, job.checkpoint.id))
+            self._unlease(db, job.checkpoint.id)
+            return True
+
     def finish_compress(self, job: Job, owner: str, stored: Sequence[StoredFile]) -> bool:
         """Record a compressed copy made after validation (e.g. upload enabled later)."""
         with self._tx() as db:
@@ -477,6 +506,8 @@ class Store:
         with self._tx() as db:
             db.execute("UPDATE checkpoints SET local=?, trash_path=? WHERE root=? AND step=?"
                        " AND superseded=0", (local.value, trash_path, root, step))
+            if local is Local.PRUNED:
+                db.execute("DELETE FROM registrations WHERE root=? AND step=?", (root, step))
 
     def set_trash(self, root: str, step: int, trash_path: str) -> None:
         with self._tx() as db:
@@ -538,8 +569,10 @@ class Store:
                           (root, now))
         return frozenset(int(r["step"]) for r in rows)
 
-    def fail_attempt(self, job: Job, owner: str, error: str, now: float) -> float:
-        """A stage failed for a cause that may pass (I/O error): back off and retry later."""
+    def fail_attempt(self, job: Job, owner: str, error: str, now: float,
+                     permanent: bool = False) -> float:
+        """A stage failed: back off and retry later (an hour for a permanent cause, such as
+        refused credentials, which only a person can fix; the error shows in status)."""
         with self._tx() as db:
             row = db.execute("SELECT attempts, root FROM checkpoints WHERE id=? AND lease_owner=?",
                              (job.checkpoint.id, owner)).fetchone()
@@ -547,6 +580,8 @@ class Store:
                 return 0.0
             attempts = int(row["attempts"]) + 1
             delay = float(min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (attempts - 1)))
+            if permanent:
+                delay = PERMANENT_RETRY_S
             db.execute("UPDATE checkpoints SET attempts=?, next_attempt=?, lease_owner=NULL,"
                        " lease_stage=NULL, lease_expires=NULL WHERE id=?",
                        (attempts, now + delay, job.checkpoint.id))
@@ -647,6 +682,15 @@ class Store:
 
     def roots(self) -> list[str]:
         return [r["root"] for r in self._rows("SELECT DISTINCT root FROM checkpoints")]
+
+
+def _one_per_step(found: Sequence[Found]) -> list[Found]:
+    """Two candidates of one step in a scan: the later-written one wins (layouts return the
+    earlier first); acting on both would make them supersede each other on every scan."""
+    by_step: dict[int, Found] = {}
+    for f in found:
+        by_step[f.candidate.step] = f
+    return list(by_step.values())
 
 
 def _qs(items: frozenset[str]) -> str:

@@ -176,6 +176,7 @@ def test_api_errors(daemon_factory: Any) -> None:
     body = json.dumps({"step": 1, "paths": ["/etc/passwd"]}).encode()
     status, err = http(s, (post + f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
     assert status == 422 and err["error"] == "outside_root"
+    assert http(s, (post + "Content-Length: -5\r\n\r\n").encode())[0] == 400
     # refused on the declared length, before the body is read
     assert http(s, (post + f"Content-Length: {1024 * 1024 + 1}\r\n\r\n").encode())[0] == 413
     status, err = http(s, b"GET /v1/roots/nope/checkpoints HTTP/1.1\r\nHost: x\r\n"
@@ -292,7 +293,7 @@ def test_cli_commands(daemon_factory: Any) -> None:
     d.wait_for("r1", 11)
     s = d.socket
     st = json.loads(cli("status", "--json", sock=s).stdout)
-    assert set(st) == {"status", "version", "uptime_s", "roots", "in_flight"}
+    assert set(st) == {"status", "version", "uptime_s", "roots", "in_flight", "flushing"}
     assert set(st["roots"][0]) >= {"name", "path", "latest", "best", "counts", "queue",
                                    "disk_free_bytes", "last_error"}
     assert "preflight" in st["roots"][0]  # the capacity warning (retention)

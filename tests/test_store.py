@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.model import Candidate, FileRecord, Local, State, Tier, ValidationResult
+from ckptd.model import Candidate, FileRecord, Local, Remote, State, Tier, ValidationResult
 from ckptd.store import MIGRATIONS, Found, Store
 
 
@@ -162,3 +162,56 @@ def test_pending_candidate_never_supersedes_a_pruned_row(store: Store) -> None:
     # a complete new save of the same step does supersede
     ch = store.sync_root("r", [found(4, fp="new")], 3.0)
     assert [c.event for c in ch] == ["checkpoint_superseded"]
+
+
+def test_two_candidates_of_one_step_do_not_flip(store: Store) -> None:
+    """model_step_5.pt and optim_step_5.pt are two single-file candidates of step 5: the
+    later one wins once; rescans change nothing (no churn, no lost validation)."""
+    a = Found(Candidate("single", 5, "model_step_5.pt", ("model_step_5.pt",), True), "a")
+    b = Found(Candidate("single", 5, "optim_step_5.pt", ("optim_step_5.pt",), True), "b")
+    store.sync_root("r", [a, b], 1.0)
+    validate_ok(store)
+    for t in (2.0, 3.0, 4.0):
+        assert store.sync_root("r", [a, b], t) == []
+    rec = store.checkpoint("r", 5)
+    assert rec is not None and rec.state is State.VALID and rec.path == "optim_step_5.pt"
+
+
+def test_partial_deletion_is_vanishing_not_a_resave(store: Store) -> None:
+    """A scan that lands halfway through `rm -rf step-9/` sees fewer files: the row is marked
+    gone, keeping its pin and remote copy, rather than replaced by a pending newcomer."""
+    files = ("step-9/a.pt", "step-9/b.pt", "step-9/meta.json")
+    store.sync_root("r", [Found(Candidate("native", 9, "step-9", files, True), "fp")], 1.0)
+    validate_ok(store)
+    store.set_pinned("r", 9, True)
+    store.set_remote("r", 9, Remote.UPLOADED)
+    half = Found(Candidate("native", 9, "step-9", files[:1], False), "half")
+    ch = store.sync_root("r", [half], 2.0)
+    assert [c.event for c in ch] == ["checkpoint_vanished"]
+    rec = store.checkpoint("r", 9)
+    assert rec is not None and rec.state is State.VALID and rec.pinned
+    assert rec.local is Local.PRUNED and rec.remote is Remote.UPLOADED
+    assert store.latest("r").step == 9  # type: ignore[union-attr]  # still had remotely
+
+
+def test_unreadable_walk_marks_nothing_gone(store: Store) -> None:
+    store.sync_root("r", [found(1)], 1.0)
+    validate_ok(store)
+    assert store.sync_root("r", [], 2.0, complete_walk=False) == []
+    assert store.checkpoint("r", 1).local is Local.PRESENT  # type: ignore[union-attr]
+
+
+def test_flush_restricts_uploads_but_never_validation(store: Store) -> None:
+    store.sync_root("r", [found(1), found(2)], 1.0)
+    validate_ok(store)  # step 2 (newest first) becomes valid
+    only = frozenset({("r", 7)})
+    job = store.claim("w", 5.0, 60, upload_roots=frozenset({"r"}), only=only)
+    assert job is not None and job.stage == "validate" and job.checkpoint.step == 1
+
+
+def test_claims_are_per_token(store: Store) -> None:
+    store.sync_root("r", [found(1)], 1.0)
+    job = store.claim("pid/w0/aaa", 2.0, 60)
+    assert job is not None and job.owner == "pid/w0/aaa"
+    assert not store.finish_validation(job, "pid/w1/bbb", "fp", ValidationResult(True), 3.0)
+    assert store.finish_validation(job, job.owner, "fp", ValidationResult(True), 3.0)

@@ -169,3 +169,38 @@ def test_flush_puts_the_newest_valid_step_first(daemon_factory: Any, s3_server: 
     while d.log_text().count("flush_requested") < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert d.log_text().count("flush_requested") == 2
+
+
+def test_resave_of_an_uploaded_step_replaces_the_remote_copy(daemon_factory: Any,
+                                                             tmp_path: Path) -> None:
+    """A rollback re-saves step 4 after its first save was uploaded: the later save wins
+    remotely too (no endless 'already committed' retries, no stale bytes on restore)."""
+    remote = tmp_path / "remote"
+    d = daemon_factory(roots=[{"name": "r1", "upload": upload_cfg(f"file://{remote}")}])
+    root = d.roots["r1"]
+    p = save_single(root, 4)
+    c = d.client
+    assert c.wait("r1", 4, until="uploaded", timeout=60)
+    first = json.loads((remote / "r1" / "step-4" / "MANIFEST.json").read_text())
+    time.sleep(0.05)
+    torch.save({"w": torch.arange(1000.0)}, p)  # the re-save
+    new_bytes = p.read_bytes()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:  # absent for a moment: the old step is deleted (manifest first) before re-upload
+            m = json.loads((remote / "r1" / "step-4" / "MANIFEST.json").read_text())
+        except FileNotFoundError:
+            m = first
+        if m["files"][0]["hash"] != first["files"][0]["hash"]:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(d.log_text()[-3000:])
+    assert c.wait("r1", 4, until="uploaded", timeout=60)
+    out = tmp_path / "out"
+    from ckptd.backends import make_backend
+    from ckptd.restore import restore_from_backend
+
+    restore_from_backend(make_backend(f"file://{remote}"), "r1", 4, out)
+    assert (out / "model_step_4.pt").read_bytes() == new_bytes
+    assert "remote_step_replaced" in d.log_text()

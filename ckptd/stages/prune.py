@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import shutil
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -509,8 +510,22 @@ def _fsync_all(dirs: Iterable[Path]) -> None:
 def _remove_tree(top: Path) -> None:
     """Delete `top` and everything under it, never following a symlink (links are unlinked).
 
-    Iterative, so a very deep tree cannot exhaust the recursion limit.
+    Where the platform allows, shutil.rmtree works through directory file descriptors, so a
+    directory swapped for a symlink mid-removal cannot lead it out of the tree; elsewhere an
+    iterative walk that never follows links.
     """
+    st = _lstat(top)
+    if st is None:
+        return
+    if not S_ISDIR(st.st_mode):
+        os.unlink(top)
+        return
+    if shutil.rmtree.avoids_symlink_attacks:
+        try:
+            shutil.rmtree(top)
+            return
+        except RecursionError:
+            pass  # absurdly deep: finish iteratively below
     stack: list[tuple[Path, bool]] = [(top, False)]
     while stack:
         path, emptied = stack.pop()

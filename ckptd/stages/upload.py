@@ -174,8 +174,9 @@ def _compare_commit(backend: Backend, root_name: str, manifest: Manifest) -> Non
 
 
 def _content(m: Manifest) -> tuple[Any, ...]:
-    """What makes two manifests the same checkpoint: not `created`, nor metrics added later."""
-    return (m.root, m.step, m.layout, tuple(sorted(m.files, key=lambda f: f.key)))
+    """What makes two manifests the same checkpoint: the same files, stored the same way. Not
+    `created`, nor metrics registered later, nor the layout's name for identical bytes."""
+    return (m.root, m.step, tuple(sorted(m.files, key=lambda f: f.key)))
 
 
 # -- sending ---------------------------------------------------------------------------------
