@@ -99,6 +99,14 @@ def merge(planes: list[Plane], width: int, rotate: bool, out: memoryview, ws: Wo
 
 def _merge_low(low: list[Plane], top: Array, words: Array, ws: Workspace) -> None:
     """Fill `words` from the top 16 bits and the planes below them."""
+    if len(low) == 2:
+        # fp32: build the low 16 bits at half width first; 2 passes over 32-bit words, not 5.
+        low16 = ws.get("low16", np.uint16, len(words))
+        np.left_shift(low[1], 8, out=low16, dtype=np.uint16)
+        low16 |= low[0]
+        np.left_shift(top, 16, out=words, dtype=words.dtype)
+        words |= low16
+        return
     bits = 8 * (len(low) + 2)
     np.left_shift(top, bits - 16, out=words, dtype=words.dtype)
     part = ws.get(f"part{bits}", words.dtype, len(words))
