@@ -1,0 +1,244 @@
+"""The daemon's life end to end, with real torch checkpoints: SIGTERM in the middle of a long
+validation, local compressed copies replacing older checkpoints and restored byte for byte,
+SIGHUP reloads (a root added; a bad config refused), and a disk too full for a compressed copy."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_daemon import cli, save_single
+from test_dcp_gloo import published_step
+
+from ckptd.client import Client
+
+
+def file_remote(path: Path) -> dict[str, Any]:
+    return {"url": f"file://{path}"}
+
+
+def poll(fn: Any, timeout: float, what: str, log: Any = None) -> Any:
+    """fn() until it returns something truthy, else fail saying `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.05)
+    tail = log()[-4000:] if log else ""
+    raise AssertionError(f"not reached in {timeout}s: {what}\n{tail}")
+
+
+def events(d: Any, name: str) -> list[dict[str, Any]]:
+    """The daemon's JSON log lines with event `name`."""
+    out = []
+    for line in d.log_text().splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and doc.get("event") == name:
+            out.append(doc)
+    return out
+
+
+def temp_leftovers(root: Path) -> list[Path]:
+    return sorted(p for p in (root / ".ckptd").rglob("*") if p.name.startswith(".ckptd-tmp-"))
+
+
+# --- a. SIGTERM while a long stage runs ------------------------------------------------------
+
+
+def test_sigterm_during_long_validation(daemon_factory: Any, tmp_path: Path) -> None:
+    if shutil.disk_usage(tmp_path).free < 3 << 30:
+        pytest.skip("needs 3 GB free for a 320 MiB checkpoint, its copy and its upload")
+    # Uploading makes validation stage a compressed copy in the same pass: a stop mid-stage
+    # could leave half of it behind. The daemon either finishes the stage within its grace
+    # period or leaves it to be redone after the restart; both must end whole.
+    d = daemon_factory(roots=[{"name": "r1", "upload": file_remote(tmp_path / "remote")}])
+    root = d.roots["r1"]
+    torch.save({"w": torch.randn(80 * 1024 * 1024)}, root / "model_step_1.pt")  # 320 MiB
+
+    def validating() -> bool:
+        st = Client(d.socket, timeout=2).status() or {}
+        return any(w["step"] == 1 and w["stage"] == "validate" and w["done_bytes"] > 0
+                   for w in st.get("in_flight", []))
+
+    poll(validating, 30, "step 1 validating", d.log_text)
+    assert d.proc is not None
+    t0 = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    try:
+        rc = d.proc.wait(25)
+    except subprocess.TimeoutExpired:
+        d.proc.kill()
+        raise AssertionError(f"no exit within the grace period\n{d.log_text()[-3000:]}"
+                             ) from None
+    stopped_in = time.monotonic() - t0
+    assert rc == 0, d.log_text()[-3000:]
+    assert stopped_in < 22, stopped_in
+    assert events(d, "daemon_stopping") and events(d, "daemon_stopped")
+    assert not d.socket.exists()
+
+    d.start()
+    rec = d.wait_for("r1", 1, timeout=60)
+    assert rec["state"] == "valid", rec
+    assert d.client.wait("r1", 1, until="uploaded", timeout=60), d.log_text()[-3000:]
+    assert d.client.latest("r1")["step"] == 1  # type: ignore[index]
+    assert temp_leftovers(root) == []
+    assert not list((tmp_path / "remote").rglob(".ckptd-tmp-*"))
+
+
+# --- b. compress_older -----------------------------------------------------------------------
+
+
+def test_compress_older_replaces_originals_and_restores(daemon_factory: Any,
+                                                        tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    d = daemon_factory(roots=[{
+        "name": "r1", "upload": file_remote(remote),
+        # keep_within keeps every step; compress_older turns the kept ones beyond the
+        # newest keep_last into compressed copies (a copy no rule keeps is deleted instead).
+        "retention": {"local": {"keep_last": 1, "keep_best": 0, "keep_within": "1h",
+                                "compress_older": True, "min_free": "0"}},
+    }])
+    root = d.roots["r1"]
+    c = d.client
+    originals = {}
+    for step in (1, 2, 3):
+        originals[step] = save_single(root, step, n=256).read_bytes()
+        assert d.wait_for("r1", step)["state"] == "valid"
+        assert c.wait("r1", step, until="uploaded", timeout=60), d.log_text()[-3000:]
+
+    def settled() -> dict[int, str] | None:
+        local = {x["step"]: x["local"] for x in c.checkpoints("r1") or []}
+        return local if local == {1: "compressed", 2: "compressed", 3: "present"} else None
+
+    poll(settled, 30, "steps 1, 2 compressed and 3 present", d.log_text)
+    for step in (1, 2):
+        assert not (root / f"model_step_{step}.pt").exists()
+        assert (root / ".ckptd" / "objects" / f"step-{step}" / "MANIFEST.json").is_file()
+    assert (root / "model_step_3.pt").read_bytes() == originals[3]
+    assert {x["step"]: x["remote"] for x in c.checkpoints("r1") or []} == {
+        1: "uploaded", 2: "uploaded", 3: "uploaded"}
+
+    out = tmp_path / "restored"
+    r = cli("restore", "r1", "1", "--to", str(out), config=d.config)
+    assert r.returncode == 0, r.stderr
+    assert (out / "model_step_1.pt").read_bytes() == originals[1]
+    # The local copy alone is enough: with the remote gone, step 2 still comes back whole.
+    away = remote.rename(tmp_path / "remote-away")
+    r = cli("restore", "r1", "2", "--to", str(out), config=d.config)
+    assert r.returncode == 0, r.stderr
+    assert (out / "model_step_2.pt").read_bytes() == originals[2]
+    away.rename(remote)
+
+    r = cli("latest", "r1", "--json", sock=d.socket)
+    assert r.returncode == 0 and json.loads(r.stdout)["step"] == 3
+
+
+# --- c. SIGHUP reloads -----------------------------------------------------------------------
+
+
+def test_sighup_adds_a_root_and_refuses_a_bad_config(daemon_factory: Any,
+                                                     tmp_path: Path) -> None:
+    d = daemon_factory()
+    assert d.proc is not None
+    save_single(d.roots["r1"], 1)
+    assert d.wait_for("r1", 1)["state"] == "valid"
+
+    r2 = tmp_path / "roots" / "r2"
+    r2.mkdir(parents=True)
+    good = d.config.read_text() + f'\n[[roots]]\nname = "r2"\npath = "{r2}"\nsettle = "300ms"\n'
+    d.config.write_text(good)
+    d.proc.send_signal(signal.SIGHUP)
+    reloaded = poll(lambda: events(d, "config_reloaded"), 15, "config_reloaded", d.log_text)
+    assert reloaded[-1]["added"] == ["r2"]
+    save_single(r2, 5)
+    rec = d.wait_for("r2", 5)
+    assert (rec["state"], rec["layout"]) == ("valid", "single")
+    assert d.client.latest("r2")["step"] == 5  # type: ignore[index]
+    assert published_step(r2) == 5
+
+    d.config.write_text(good.replace("[daemon]\n", "[daemon]\nno_such_key = 1\n"))
+    d.proc.send_signal(signal.SIGHUP)
+    rejected = poll(lambda: events(d, "config_reload_rejected"), 15,
+                    "config_reload_rejected", d.log_text)
+    assert "no_such_key" in rejected[-1]["error"]
+    assert len(events(d, "config_reloaded")) == 1
+    assert d.client.health()["status"] == "ok"  # type: ignore[index]
+    save_single(d.roots["r1"], 2)
+    save_single(r2, 6)
+    assert d.wait_for("r1", 2)["state"] == "valid"
+    assert d.wait_for("r2", 6)["state"] == "valid"
+    assert [x["name"] for x in d.client.status()["roots"]] == ["r1", "r2"]  # type: ignore[index]
+
+
+# --- d. no room for the compressed copy ------------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs mounted for the test (root only), unmounted whatever happens."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        for _ in range(50):  # busy while anything still has a file open there: retry
+            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_no_room_for_the_copy_defers_it_and_keeps_serving(small_tmpfs: Path,
+                                                          daemon_factory: Any,
+                                                          tmp_path: Path) -> None:
+    # small_tmpfs comes first, so it is unmounted after the daemon has stopped.
+    root_dir = small_tmpfs / "r1"
+    d = daemon_factory(roots=[{"name": "r1", "path": str(root_dir),
+                               "upload": file_remote(tmp_path / "remote"),
+                               "compress": {"codec": "none"}}])
+    # Something else fills 3 MiB of the 8 MiB, then a 3 MiB incompressible checkpoint fits but
+    # its (uncompressed, codec "none") copy does not.
+    (root_dir / "train.log").write_bytes(os.urandom(3 << 20))
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g)
+    torch.save({"w": noise}, root_dir / "model_step_1.pt")
+    assert shutil.disk_usage(small_tmpfs).free < 3 << 20
+
+    rec = d.wait_for("r1", 1, timeout=30)
+    assert rec["state"] == "valid", rec
+    deferred = poll(lambda: events(d, "compressed_copy_deferred"), 10,
+                    "compressed_copy_deferred", d.log_text)
+    assert deferred[0]["step"] == 1
+    assert d.client.latest("r1")["step"] == 1  # type: ignore[index]
+    assert published_step(root_dir) == 1
+    poll(lambda: [e for e in events(d, "stage_failed") if e["kind"] == "DiskFull"], 10,
+         "a compress retry failing for space", d.log_text)
+    for _ in range(3):  # the daemon keeps serving while the copy cannot be made
+        assert d.client.health()["status"] == "ok"  # type: ignore[index]
+        assert d.client.checkpoint("r1", 1)["state"] == "valid"  # type: ignore[index]
+        time.sleep(0.2)
+    assert temp_leftovers(root_dir) == []
+
+    # Room again: a retry makes the copy and the step goes up after all.
+    (root_dir / "train.log").unlink()
+    assert d.client.wait("r1", 1, until="uploaded", timeout=30), d.log_text()[-3000:]
+    assert (root_dir / "model_step_1.pt").stat().st_size > 3 << 20
+    assert d.proc is not None and d.proc.poll() is None
