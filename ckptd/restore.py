@@ -87,7 +87,17 @@ def restore_from_dir(
         if not src.is_file():
             raise CorruptData(f"{f.path}: stored object {src} is missing")
         restored.append(_restore_file(src, f, to, progress))
-    return restored
+    return _one_mtime(restored)
+
+
+def _one_mtime(paths: list[Path]) -> list[Path]:
+    """Give every restored file the same mtime. Files come back in manifest order, so without
+    this a commit file restored first (DCP's `.metadata`) would look older than its data: to
+    the layouts, a re-save in progress, and the restored checkpoint would never be whole."""
+    now = time.time()
+    for p in paths:
+        os.utime(p, (now, now))
+    return paths
 
 
 # --- remote ----------------------------------------------------------------------------------
@@ -148,7 +158,7 @@ def _restore_remote(
     error = failed.exception() if failed is not None else None
     if error is not None:
         raise error
-    return [fut.result() for fut in futures]
+    return _one_mtime([fut.result() for fut in futures])
 
 
 class _Locked:

@@ -207,11 +207,9 @@ def assert_never_latest(d: Any, step: int, latest: int) -> None:
     assert code == 1 and doc["valid"] is False and doc["reason"], doc
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ckptd restore writes a DCP step's .metadata first (manifest order) and sets no mtimes, "
-    "so every restored .distcp is newer than .metadata; the dcp rule reads that as 're-save "
-    "in progress': verify says invalid (missing_file) and a daemon leaves the step pending"))
 def test_restored_dcp_save_is_whole_for_ckptd(daemon_factory: Any, tmp_path: Path) -> None:
+    """Restore gives every file one mtime, so a restored DCP step is whole to the dcp rule
+    (restored in manifest order, .metadata would otherwise look older than its data)."""
     """A fresh node restoring a DCP step to resume from it: the restored files must be a whole
     checkpoint for `ckptd verify` and for a daemon watching where they land."""
     import torch.distributed.checkpoint as dcp
