@@ -208,10 +208,9 @@ def assert_never_latest(d: Any, step: int, latest: int) -> None:
 
 
 def test_restored_dcp_save_is_whole_for_ckptd(daemon_factory: Any, tmp_path: Path) -> None:
-    """Restore gives every file one mtime, so a restored DCP step is whole to the dcp rule
-    (restored in manifest order, .metadata would otherwise look older than its data)."""
     """A fresh node restoring a DCP step to resume from it: the restored files must be a whole
-    checkpoint for `ckptd verify` and for a daemon watching where they land."""
+    checkpoint for `ckptd verify` and for a daemon watching where they land (restore gives
+    every file one mtime, else .metadata, restored first, would look older than its data)."""
     import torch.distributed.checkpoint as dcp
 
     d = daemon_factory(roots=[{"name": "r1", "upload": {"url": f"file://{tmp_path}/remote"}},
