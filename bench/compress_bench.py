@@ -90,7 +90,7 @@ def measure(inp: Input, encoder: str, outdir: Path, want_digest: str) -> Row:
             "compress", encoder, inp.path, stored, inp.zipnn_dtype, "1" if inp.is_zip else "0"
         )
         row.comp_cpu_s, row.comp_wall_s = res["cpu_s"], res["wall_s"]
-        row.codec = res.get("codec", encoder)
+        row.codec = res.get("codec", "zstd" if encoder.startswith("pyzstd") else encoder)
         row.note = res.get("reader", "")
     row.cached = resident_bytes(inp.path)
     row.stored = os.path.getsize(stored)
