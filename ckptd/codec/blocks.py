@@ -63,8 +63,8 @@ class Choice:
 
 RAW = Choice(1, (False,))
 PLAIN = Choice(1, (True,))
-# A sample on which plain zstd saves less than this is incompressible (random, already
-# compressed): float data always gives plain zstd 5-25% through its exponent bytes.
+# A sample that zstd, run over it whole, shrinks by less than this is incompressible (random,
+# already compressed): float data always gives 5-25% through its exponent bytes.
 INCOMPRESSIBLE = 0.99
 
 
@@ -93,12 +93,12 @@ def choose(data: memoryview, policy: Policy, coders: Coders, ws: Workspace) -> C
     probe = sample(data)
     size = len(probe)
     best, best_cost = RAW, size * (1.0 - policy.min_saving)
-    if policy.allow_plain:
-        cost = len(coders.frame.compress(probe))
-        if cost >= size * INCOMPRESSIBLE:
-            return RAW
-        if cost < best_cost:
-            best, best_cost = PLAIN, cost
+    whole = coders.frame if policy.allow_plain else coders.plane
+    cost = len(whole.compress(probe))
+    if cost >= size * INCOMPRESSIBLE:
+        return RAW
+    if policy.allow_plain and cost < best_cost:
+        best, best_cost = PLAIN, cost
     hist8 = _column_hist(probe)
     for width in policy.widths:
         if width >= size:
