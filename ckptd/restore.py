@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -19,11 +18,11 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal, TextIO, cast
 
-from ckptd import fileio
+from ckptd import fileio, remote
 from ckptd.backends import Backend, make_backend, wrap_backend
 from ckptd.config import Config, RootConfig
 from ckptd.errors import CorruptData, NotFound, ObjectNotFound
-from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, parse_manifest, step_prefix
+from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
 from ckptd.model import CKPTD_DIR
 from ckptd.render import human_bytes, progress_bar
 from ckptd.stages.compress import (
@@ -105,23 +104,16 @@ def _one_mtime(paths: list[Path]) -> list[Path]:
 
 def read_remote_manifest(backend: Backend, root_name: str, step: int) -> Manifest:
     """The committed manifest of a remote step; NotFound when the step has none."""
-    key = f"{step_prefix(root_name, step)}/{MANIFEST_NAME}"
     try:
-        data = backend.get_bytes(key)
+        return remote.read_manifest(backend, root_name, step)
     except ObjectNotFound:
         raise NotFound(f"step {step} of {root_name!r} is not at {backend.url} "
-                       f"(no {key})") from None
-    manifest = parse_manifest(data, f"{backend.url}/{key}")
-    if manifest.step != step or manifest.root != root_name:
-        raise CorruptData(f"{backend.url}/{key} describes {manifest.root!r} step {manifest.step}")
-    return manifest
+                       f"(no {remote.manifest_key(root_name, step)})") from None
 
 
 def list_remote_steps(backend: Backend, root_name: str) -> list[int]:
     """Steps of `root_name` that have a MANIFEST.json under the backend, ascending."""
-    pattern = re.compile(rf"{re.escape(root_name)}/step-(0|[1-9][0-9]*)/{MANIFEST_NAME}")
-    steps = {int(m.group(1)) for o in backend.list(root_name) if (m := pattern.fullmatch(o.key))}
-    return sorted(steps)
+    return remote.list_steps(backend, root_name)
 
 
 def restore_from_backend(
