@@ -534,12 +534,8 @@ def _complete(step_dir: Path) -> bool:
 
 def _restore(name: str, step: int, root: Path) -> Path:
     """Rebuild a compressed or remote-only checkpoint under `<root>/.ckptd/restored/`."""
-    try:
-        from ckptd.restore import restore_checkpoint
-    except ImportError as exc:
-        raise CkptdError(f"step {step} of {name} is not on local disk in loadable form and "
-                         f"this ckptd cannot restore it here; run `ckptd restore {name} {step} "
-                         "--to DIR` and load DIR") from exc
+    from ckptd.restore import restore_checkpoint
+
     to = root / CKPTD_DIR / "restored" / f"step-{step}"
     restore_checkpoint(name, step, to=to, root_dir=root)
     for candidate in (to, to / f"step-{step}"):

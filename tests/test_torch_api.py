@@ -347,16 +347,32 @@ def test_latest_prefers_daemon_word_then_scans_complete_dirs(tmp_path: Path) -> 
     assert ckpt.load(tmp_path, model=net())[0] == 2
 
 
-def test_compressed_latest_needs_restore(tmp_path: Path) -> None:
-    import importlib.util
+def test_compressed_latest_is_restored_then_loaded(tmp_path: Path) -> None:
+    """latest.json names a step kept only as a local compressed copy: load restores it under
+    .ckptd/restored/ (verifying every hash) and loads it, with no daemon."""
+    from ckptd import layouts
+    from ckptd.model import RootOptions
+    from ckptd.stages import compress
+    from ckptd.stages.validate import validate
+    from ckptd.watch import RootScanner
 
-    if importlib.util.find_spec("ckptd.restore") is not None:
-        pytest.skip("ckptd.restore exists: its own tests cover restoring")
-    (tmp_path / ".ckptd").mkdir()
+    model, opt = trained()
+    path = ckpt.save(tmp_path, 4, model=model, optimizer=opt, register=False)
+    _, found = RootScanner("r", tmp_path, "auto", RootOptions(settle=0)).scan(time.time())
+    (cand, _fp), = [(c, f) for c, f in found if c.step == 4]
+    assert cand.layout == layouts.get("native").name
+    stager = compress.Stager(tmp_path, "r", 4, "native", "auto", 3, 1, 0.03)
+    result = validate(tmp_path, cand, extra_sinks=stager.sinks_for)
+    manifest = stager.commit(result.files, result.metrics)
+    compress.replace_originals(tmp_path, manifest, list(cand.files), anchor=cand.path)
+    assert not path.exists()
     (tmp_path / ".ckptd" / "latest.json").write_text(
-        json.dumps({"step": 4, "path": "step-4", "local": "compressed"}))
-    with pytest.raises(CkptdError, match="ckptd restore"):
-        ckpt.resolve(tmp_path)
+        json.dumps({"step": 4, "path": str(path), "local": "compressed"}))
+    fresh = net()
+    step, _ = ckpt.load(tmp_path, model=fresh)
+    assert step == 4
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                  model.state_dict().values(), strict=True))
 
 
 # --------------------------------------------------------------------------------- the daemon
