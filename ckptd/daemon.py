@@ -449,10 +449,10 @@ class Daemon:
             now = time.time()
             _, found = scanner.scan(now, self.store.registrations(root.name))
             changes = self.store.sync_root(root.name, [Found(c, fp) for c, fp in found], now,
-                                           complete_walk=scanner.walk_errors == 0)
-        if scanner.walk_errors:
-            self.store.set_root_error(root.name, f"{scanner.walk_errors} directories could not"
-                                      " be read; nothing was marked gone", now)
+                                           unreadable=frozenset(scanner.unreadable))
+        if scanner.unreadable:
+            self.store.set_root_error(root.name, f"could not read {sorted(scanner.unreadable)}"
+                                      " (checkpoints there are not marked gone)", now)
         if any(not c.complete for c, _ in found):
             self._pending_roots.add(root.name)
         else:

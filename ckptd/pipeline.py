@@ -29,6 +29,10 @@ from ckptd.watch import file_fingerprint
 LEASE_S = 60.0
 # After files changed under a stage, wait for the scanner to see the change before retrying.
 RESCAN_DEFER_S = 1.0
+# Reasons that prove a once-valid checkpoint's bytes are damaged (not a passing I/O error or
+# files changing under the read).
+CONTENT_REASONS = frozenset({"crc_mismatch", "size_mismatch", "truncated", "bad_header",
+                             "bad_metadata", "nan", "unsafe_pickle", "empty_file"})
 NICE = 10
 
 
@@ -138,6 +142,7 @@ class Pipeline:
             rec = self.store.latest(name, Tier.LOCAL)
             if rec is not None and rec.remote.value != "uploaded":
                 targets[name] = rec.step
+                self.store.expedite(name, rec.step)  # no waiting out an earlier backoff
         self.flushing = targets
         self.log.info("flush_requested", targets=targets or None)
         self.wake()
@@ -148,7 +153,10 @@ class Pipeline:
         if not self.flushing:
             return None
         left = {}
+        roots = self.roots()
         for name, step in self.flushing.items():
+            if name not in roots or not roots[name].config.upload.enabled:
+                continue  # the root stopped uploading (reload): nothing left to flush there
             rec = self.store.checkpoint(name, step)
             if rec is not None and rec.state.value == "valid" and rec.remote.value in (
                     "none", "uploading"):
@@ -210,10 +218,17 @@ class Pipeline:
             try:
                 outcome = self._stage(root.config, job, progress)
             except runners.NoLongerValid as exc:
-                if self.store.invalidate(job, job.owner, exc.result.reason, exc.result.message):
-                    log.warning("checkpoint_invalid", reason=exc.result.reason,
-                                message=exc.result.message, found_by=job.stage)
-                    self.publisher.publish(root)
+                if (exc.result.reason in CONTENT_REASONS
+                        and file_fingerprint(root.path, job.files) == fp):
+                    if self.store.invalidate(job, job.owner, exc.result.reason,
+                                             exc.result.message):
+                        log.warning("checkpoint_invalid", reason=exc.result.reason,
+                                    message=exc.result.message, found_by=job.stage)
+                        self.publisher.publish(root)
+                    return
+                # An I/O error, or files changing under the pass: not proof of damage.
+                self._failed(job, log, RuntimeError(f"{exc.result.reason}: {exc.result.message}"))
+                self.on_resave()
                 return
             except Exception as exc:  # an OS, storage or code failure: retry later, never crash
                 self._failed(job, log, exc)
@@ -230,8 +245,9 @@ class Pipeline:
         elif self.store.finish_upload(job, job.owner, time.time()):
             log.info("checkpoint_uploaded", seconds=elapsed, sent_bytes=outcome.sent_bytes,
                      skipped_objects=outcome.skipped_objects)
-            dropped = runners.drop_copy_after_upload(root.config, rec.step)
-            if dropped and rec.local.value == "present":
+            # The copy of a compressed row is its only local copy: never dropped here.
+            if rec.local.value == "present" and runners.drop_copy_after_upload(root.config,
+                                                                               rec.step):
                 self.store.drop_copy(rec.root, rec.step)
             self.publisher.publish(root)
             self.after_stage(root.name)
@@ -244,8 +260,10 @@ class Pipeline:
         backend = self.backend_for(root)
         if backend is None:
             raise PermanentError(f"root {root.name} has no upload.url")
+        rec = job.checkpoint
         return runners.run_upload(root, job, progress, backend,
-                                  self.store.stored_files(job.checkpoint.id))
+                                  self.store.stored_files(rec.id),
+                                  replace_remote=self.store.replaced_upload(rec.root, rec.step))
 
     def _measure(self, job: Job, root: str, progress: Progress, seconds: float,
                  outcome: Any) -> None:
@@ -265,7 +283,7 @@ class Pipeline:
         if self.metrics is not None:
             self.metrics.error(job.stage)
         if isinstance(exc, runners.CopyMissing):
-            self.store.drop_copy(job.checkpoint.root, job.checkpoint.step)  # compress redoes it
+            self.store.copy_lost(job, job.owner)  # compress redoes it (or local is gone)
         rec = job.checkpoint
         if self.flushing.get(rec.root) == rec.step:
             # A flush must not hold other work hostage to a remote that is failing.

@@ -127,16 +127,25 @@ class Pruner:
                               upload_configured=root.upload.enabled)
 
     def run(self, root: RootConfig) -> list[prune.Outcome]:
-        with self.exclusive:
-            try:
-                return self._run(root)
-            except Exception as exc:  # retention must never take the daemon down
-                self.log.error("prune_run_failed", root=root.name, error=str(exc), exc_info=True)
-                self.store.set_root_error(root.name, f"retention: {exc}", time.time())
-                return []
+        try:
+            # Only the local deletes hold the lock (with the guards they check, read inside it):
+            # remote calls and compressing in place can take long and must not hold up scans,
+            # pins or readers' leases.
+            with self.exclusive:
+                now = time.time()
+                plan, outcomes = self._run_local(root, now)
+                self._record(root, [o for o in outcomes if o.action != "deferred"])
+            remote = self._remote(root, plan, now)
+            self._record(root, remote + [o for o in outcomes if o.action == "deferred"])
+            self._finish_compressed(root)
+            return outcomes + remote
+        except Exception as exc:  # retention must never take the daemon down
+            self.log.error("prune_run_failed", root=root.name, error=str(exc), exc_info=True)
+            self.store.set_root_error(root.name, f"retention: {exc}", time.time())
+            return []
 
-    def _run(self, root: RootConfig) -> list[prune.Outcome]:
-        now = time.time()
+    def _run_local(self, root: RootConfig, now: float
+                   ) -> tuple[retention.Plan, list[prune.Outcome]]:
         records = self.store.checkpoints(root.name)
         plan = self._plan(root, records, now)
         self._check_preflight(root, records, plan)
@@ -147,9 +156,14 @@ class Pruner:
             on_trashed=lambda step, entry: self.store.set_local(root.name, step, Local.PRUNED,
                                                                 str(entry)),
             root=root.name)
-        outcomes += self._remote(root, plan, now)
-        self._record(root, outcomes)
-        return outcomes
+        return plan, outcomes
+
+    def _finish_compressed(self, root: RootConfig) -> None:
+        """A crash after a row was recorded `compressed` but before its originals went leaves
+        them beside the copy: finish the job (verified, backed off like any failure)."""
+        for rec in self.store.checkpoints(root.name):
+            if rec.local is Local.COMPRESSED and (root.path / rec.path).exists():
+                self._replace(root, rec.step, rec.id, rec.path)
 
     def _remote(self, root: RootConfig, plan: retention.Plan, now: float) -> list[prune.Outcome]:
         if not any(i.remote is retention.Action.DELETE for i in plan.items):
@@ -205,19 +219,31 @@ class Pruner:
             return False
         if time.monotonic() < self._compress_backoff.get((root.name, step), 0.0):
             return False
+        if step in self.store.in_use(root.name, time.time()):
+            return False  # a reader holds the originals
         # Recorded first: a crash while the originals go leaves a row that says "compressed"
-        # (at worst with originals still beside the copy), never one that lost its copy.
+        # with originals still beside the copy (finished later), never one that lost its copy.
         self.store.set_local(root.name, step, Local.COMPRESSED)
-        try:
-            compress.replace_originals(root.path, manifest, list(self.store.members(rec.id)),
-                                       anchor=rec.path)
-        except Exception as exc:
+        if not self._replace(root, step, rec.id, rec.path):
             self.store.set_local(root.name, step, Local.PRESENT)
+            return False
+        self.log.info("checkpoint_compressed_locally", root=root.name, step=step)
+        return True
+
+    def _replace(self, root: RootConfig, step: int, cid: int, anchor: str) -> bool:
+        if time.monotonic() < self._compress_backoff.get((root.name, step), 0.0):
+            return False
+        manifest = compress.read_local_manifest(root.path, step)
+        try:
+            if manifest is None:
+                raise FileNotFoundError(f"no local compressed copy of step {step}")
+            compress.replace_originals(root.path, manifest, list(self.store.members(cid)),
+                                       anchor=anchor)
+        except Exception as exc:
             self._compress_backoff[(root.name, step)] = time.monotonic() + COMPRESS_RETRY_S
             self.log.error("compress_older_failed", root=root.name, step=step, error=str(exc),
                            retry_in_s=COMPRESS_RETRY_S)
             return False
-        self.log.info("checkpoint_compressed_locally", root=root.name, step=step)
         return True
 
     def _check_preflight(self, root: RootConfig, records: list[CheckpointRecord],

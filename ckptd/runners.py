@@ -113,9 +113,12 @@ class CopyMissing(Exception):
 
 
 def run_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
-               expected: Sequence[StoredFile]) -> UploadResult:
+               expected: Sequence[StoredFile], replace_remote: bool = False) -> UploadResult:
     """Upload the local compressed copy. `expected` are the row's validated files: a copy
-    that does not hold exactly those (an older save's, a damaged one) is never uploaded."""
+    that does not hold exactly those (an older save's, a damaged one) is never uploaded.
+    `replace_remote`: this node uploaded an earlier save of the step that a re-save replaced,
+    so a different remote copy of the step is that earlier save and may be replaced. Without
+    it, a step committed remotely by someone else is never touched (the upload refuses)."""
     step = job.checkpoint.step
     manifest = compress.read_local_manifest(root.path, step)
     if manifest is None:
@@ -123,7 +126,8 @@ def run_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
     if {(f.path, f.size, f.hash) for f in manifest.files} != {
             (f.path, f.size, f.hash) for f in expected}:
         raise CopyMissing(f"the local copy of step {step} does not match its validated files")
-    _replace_older_remote(backend, root.name, manifest)
+    if replace_remote:
+        _replace_older_remote(backend, root.name, manifest)
     progress.total = manifest.stored_size
     return upload_step(backend, root.name, compress.objects_dir(root.path, step), manifest,
                        progress=progress.advance, concurrency=root.upload.concurrency)

@@ -204,10 +204,10 @@ class Store:
     # -- reconcile with a scan -------------------------------------------------------------
 
     def sync_root(self, root: str, found: Sequence[Found], now: float,
-                  complete_walk: bool = True) -> list[SyncChange]:
+                  unreadable: frozenset[str] = frozenset()) -> list[SyncChange]:
         """Reconcile the rows of `root` with one scan's candidates. Returns what changed.
-        `complete_walk=False` (a directory could not be read) skips marking rows vanished:
-        an unreadable directory is not a deleted checkpoint."""
+        Rows at, under or above an `unreadable` directory are never marked vanished: an
+        unreadable directory is not a deleted checkpoint."""
         changes: list[SyncChange] = []
         with self._tx() as db:
             regs = self._registration_metrics(root)
@@ -215,9 +215,8 @@ class Store:
                 change = self._sync_one(db, root, f, regs.get(f.candidate.step, {}), now)
                 if change:
                     changes.append(change)
-            if complete_walk:
-                seen = {f.candidate.step for f in found}
-                changes.extend(self._sync_gone(db, root, seen))
+            seen = {f.candidate.step for f in found}
+            changes.extend(self._sync_gone(db, root, seen, unreadable))
         return changes
 
     def _registration_metrics(self, root: str) -> dict[int, dict[str, float]]:
@@ -248,10 +247,11 @@ class Store:
             # Its files are gone on purpose (pruned, or replaced by a compressed copy); what
             # remains is e.g. a stale registration. Only a complete new save supersedes it.
             return None
-        if not c.complete and set(c.files) < set(json.loads(row["files"])):
-            # Members only disappeared (a deletion caught halfway): the checkpoint is going,
-            # not being re-saved. It is no longer here, but its history (pins, the remote copy)
-            # stays with the row.
+        if set(c.files) < set(json.loads(row["files"])):
+            # Members only disappeared (a deletion caught halfway, even if what is left looks
+            # complete): the checkpoint is going, not being re-saved. It is no longer here, but
+            # its history (pins, the remote copy) stays with the row. A real re-save with fewer
+            # files is picked up by the next scan, as a new save over a gone one.
             self._gone(db, row["root"], row["id"], row["step"])
             return SyncChange("checkpoint_vanished", c.step, c.layout, c.path, "partly deleted")
         if row["local"] == Local.COMPRESSED.value and row["path"] != c.path:
@@ -290,14 +290,15 @@ class Store:
              now if c.complete else None, f.fingerprint, int(pinned)),
         )
 
-    def _sync_gone(self, db: sqlite3.Connection, root: str, seen: set[int]) -> list[SyncChange]:
+    def _sync_gone(self, db: sqlite3.Connection, root: str, seen: set[int],
+                   unreadable: frozenset[str] = frozenset()) -> list[SyncChange]:
         changes = []
         rows = db.execute(
             "SELECT id, step, state, layout, path, local FROM checkpoints"
             " WHERE root=? AND superseded=0 AND local='present'", (root,)
         ).fetchall()
         for r in rows:
-            if r["step"] in seen:
+            if r["step"] in seen or _overlaps(r["path"], unreadable):
                 continue
             if r["state"] == State.PENDING.value:
                 # Never complete and now gone (renamed or abandoned): nothing worth keeping.
@@ -524,6 +525,30 @@ class Store:
             db.execute("UPDATE checkpoints SET copy='' WHERE root=? AND step=? AND superseded=0",
                        (root, step))
 
+    def expedite(self, root: str, step: int) -> None:
+        """Forget the backoff of a step's failed attempts (a flush wants it now)."""
+        with self._tx() as db:
+            db.execute("UPDATE checkpoints SET next_attempt=0, attempts=0 WHERE root=? AND step=?"
+                       " AND superseded=0", (root, step))
+
+    def replaced_upload(self, root: str, step: int) -> bool:
+        """Did this node upload an earlier save of `step` that a re-save has since replaced?
+        Only then may the remote copy of the step be replaced by the new one."""
+        rows = self._rows("SELECT 1 FROM checkpoints WHERE root=? AND step=? AND superseded=1"
+                          " AND remote IN ('uploaded','uploading') LIMIT 1", (root, step))
+        return bool(rows)
+
+    def copy_lost(self, job: Job, owner: str) -> None:
+        """The job's row's compressed copy is missing or not its content. A present row gets it
+        rebuilt by the compress stage; for a compressed row it was the only local copy."""
+        with self._tx() as db:
+            if not self._holds(db, job, owner):
+                return
+            db.execute("UPDATE checkpoints SET copy='', local=CASE local WHEN 'compressed'"
+                       " THEN 'pruned' ELSE local END, remote=CASE WHEN local='compressed'"
+                       " AND remote='uploading' THEN 'none' ELSE remote END WHERE id=?",
+                       (job.checkpoint.id,))
+
     def has_copy(self, root: str, step: int) -> bool:
         rows = self._rows("SELECT copy FROM checkpoints WHERE root=? AND step=? AND superseded=0",
                           (root, step))
@@ -682,6 +707,12 @@ class Store:
 
     def roots(self) -> list[str]:
         return [r["root"] for r in self._rows("SELECT DISTINCT root FROM checkpoints")]
+
+
+def _overlaps(path: str, dirs: frozenset[str]) -> bool:
+    """Is `path` at, under or above one of `dirs` ("" is the root: everything overlaps)?"""
+    return any(d == "" or path == d or path.startswith(d + "/") or d.startswith(path + "/")
+               for d in dirs)
 
 
 def _one_per_step(found: Sequence[Found]) -> list[Found]:

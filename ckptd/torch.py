@@ -322,7 +322,7 @@ def _reader_lease(target: Path, root_name: str | None, client: Any) -> Any:
     if client is None:
         from ckptd.client import Client
 
-        client = Client(timeout=1.0)
+        client = Client(timeout=10.0)  # a lease may wait for a running prune's deletes
     name = root_name or target.parent.resolve().name
     return client.lease(name, int(match.group(1)), ttl=3600)
 

@@ -75,7 +75,8 @@ class RootScanner:
         self._contents: dict[str, tuple[int, int, bytes]] = {}
         self._real_root = os.path.realpath(path)
         self._top = top  # which top-level entries (name, is_dir) to walk; None = all
-        self.walk_errors = 0  # directories the last scan could not read (not merely vanished)
+        # Directories (root-relative; "" = the root) the last scan could not read.
+        self.unreadable: set[str] = set()
 
     def scan(self, now: float, registrations: dict[int, tuple[str, ...]] | None = None
              ) -> tuple[Snapshot, list[tuple[Candidate, str]]]:
@@ -83,7 +84,7 @@ class RootScanner:
         files: dict[str, FileInfo] = {}
         dirs: set[str] = set()
         seen: dict[str, _Seen] = {}
-        self.walk_errors = 0
+        self.unreadable = set()
         expiry = max(OPEN_MARK_MIN_S, 6 * self.opts.settle)
         for rel, size, mtime_ns in self._walk(dirs):
             prev = self._seen.get(rel)
@@ -110,7 +111,7 @@ class RootScanner:
             except FileNotFoundError:
                 continue  # vanished mid-scan; the next scan sees the truth
             except OSError:
-                self.walk_errors += 1  # unreadable (EACCES, EIO, a stale NFS handle)
+                self.unreadable.add(rel_dir)  # EACCES, EIO, a stale NFS handle
                 continue
             for entry in entries:
                 rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name

@@ -197,8 +197,11 @@ def test_partial_deletion_is_vanishing_not_a_resave(store: Store) -> None:
 def test_unreadable_walk_marks_nothing_gone(store: Store) -> None:
     store.sync_root("r", [found(1)], 1.0)
     validate_ok(store)
-    assert store.sync_root("r", [], 2.0, complete_walk=False) == []
+    assert store.sync_root("r", [], 2.0, unreadable=frozenset({""})) == []
     assert store.checkpoint("r", 1).local is Local.PRESENT  # type: ignore[union-attr]
+    # an unreadable directory elsewhere does not hide a real deletion
+    ch = store.sync_root("r", [], 3.0, unreadable=frozenset({"lost+found"}))
+    assert [c.event for c in ch] == ["checkpoint_vanished"]
 
 
 def test_flush_restricts_uploads_but_never_validation(store: Store) -> None:
