@@ -218,3 +218,26 @@ def test_claims_are_per_token(store: Store) -> None:
     assert job is not None and job.owner == "pid/w0/aaa"
     assert not store.finish_validation(job, "pid/w1/bbb", "fp", ValidationResult(True), 3.0)
     assert store.finish_validation(job, job.owner, "fp", ValidationResult(True), 3.0)
+
+
+def test_remote_replacement_only_after_our_own_superseded_upload(store: Store) -> None:
+    store.sync_root("r", [found(3, fp="one")], 1.0)
+    validate_ok(store)
+    assert not store.replaced_upload("r", 3)  # never re-saved: someone else's remote step
+    store.set_remote("r", 3, Remote.UPLOADED)
+    store.sync_root("r", [found(3, fp="two")], 2.0)  # a re-save of an uploaded step
+    assert store.replaced_upload("r", 3)
+
+
+def test_lost_copy_of_a_compressed_row_means_no_local_copy(store: Store) -> None:
+    store.sync_root("r", [found(2)], 1.0)
+    validate_ok(store)
+    store.set_local("r", 2, Local.COMPRESSED)
+    job = store.claim("w", 3.0, 60)
+    assert job is None  # nothing to do without a copy flag; make it look ready to upload
+    store._db.execute("UPDATE checkpoints SET copy='ready'")  # noqa: SLF001 - test set-up
+    job = store.claim("w", 3.0, 60, upload_roots=frozenset({"r"}))
+    assert job is not None and job.stage == "upload"
+    store.copy_lost(job, job.owner)
+    rec = store.checkpoint("r", 2)
+    assert rec is not None and rec.local is Local.PRUNED and rec.remote is Remote.NONE
