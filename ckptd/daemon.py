@@ -25,7 +25,7 @@ from ckptd.errors import ConfigError, StateLocked
 from ckptd.log import get_logger
 from ckptd.metrics import Metrics
 from ckptd.model import CKPTD_DIR, Tier
-from ckptd.pipeline import LatestPublisher, Pipeline, RootRuntime
+from ckptd.pipeline import LatestPublisher, Pipeline
 from ckptd.pruning import Pruner, health_json
 from ckptd.stages import compress, prune
 from ckptd.store import Found, Store
@@ -147,7 +147,7 @@ class Daemon:
         if added:
             self.log.info("remote_checkpoints_found", root=name, added=added)
             if self.publisher is not None:
-                self.publisher.publish(self._runtimes()[name])
+                self.publisher.publish(self._root_configs()[name])
             self.changes.notify()
 
     def _refresh_all_remote(self) -> None:
@@ -156,7 +156,7 @@ class Daemon:
 
     def _after_prune(self, root: RootConfig) -> None:
         if self.publisher is not None:
-            self.publisher.publish(self._runtimes()[root.name])
+            self.publisher.publish(self._root_configs()[root.name])
         self.changes.notify()
 
     def _prune_plan(self, name: str) -> dict[str, Any]:
@@ -169,9 +169,6 @@ class Daemon:
         outcomes = self.pruner.run(self._root_configs()[name])
         return [{"step": o.step, "tier": o.tier, "action": o.action, "reason": o.reason,
                  "bytes_freed": o.bytes_freed} for o in outcomes]
-
-    def _runtimes(self) -> dict[str, RootRuntime]:
-        return {r.name: RootRuntime(r) for r in self.config.roots}
 
     def _views(self) -> dict[str, RootView]:
         return {r.name: RootView(r.name, r.path, r.metric, r.metric_mode, r.upload.enabled)
@@ -193,11 +190,11 @@ class Daemon:
         self.watcher.start()
         self.scan_all()
         self.publisher = publisher = LatestPublisher(self.store)
-        for rt in self._runtimes().values():
+        for rt in self._root_configs().values():
             publisher.publish(rt)
         self.pruner = Pruner(self.store, self._root_configs, self.backend_for,
                              on_change=self._after_prune)
-        self.pipeline = Pipeline(self.store, self._runtimes, self.changes, publisher,
+        self.pipeline = Pipeline(self.store, self._root_configs, self.changes, publisher,
                                  cfg.daemon.workers, on_resave=self.wake_scan,
                                  after_stage=self.pruner.request, backend_for=self.backend_for,
                                  metrics=self.metrics)
@@ -462,7 +459,7 @@ class Daemon:
                           detail=ch.detail or None)
         if changes and self.publisher is not None:
             # A vanished, superseded or reappeared step can move latest: keep latest.json true.
-            self.publisher.publish(self._runtimes()[root.name])
+            self.publisher.publish(self._root_configs()[root.name])
 
     def _render_metrics(self) -> str:
         if self.store is not None:

@@ -12,7 +12,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,21 +35,6 @@ CONTENT_REASONS = frozenset({"crc_mismatch", "size_mismatch", "truncated", "bad_
 NICE = 10
 
 
-@dataclass(frozen=True)
-class RootRuntime:
-    """What the pipeline needs of one root: its config (name, path shortcuts for readers)."""
-
-    config: RootConfig
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def path(self) -> Path:
-        return self.config.path
-
-
 class LatestPublisher:
     """Keeps `<root>/.ckptd/latest.json` equal to the store's latest valid step of each root."""
 
@@ -59,7 +43,7 @@ class LatestPublisher:
         self._lock = threading.Lock()
         self.log = get_logger()
 
-    def publish(self, root: RootRuntime) -> None:
+    def publish(self, root: RootConfig) -> None:
         with self._lock:
             rec = self.store.latest(root.name, Tier.ANY)
             step = rec.step if rec else None
@@ -88,7 +72,7 @@ class LatestPublisher:
 class Pipeline:
     """A pool of stage workers over the store."""
 
-    def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootRuntime]],
+    def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  changes: Changes, publisher: LatestPublisher, workers: int,
                  on_resave: Callable[[], None],
                  after_stage: Callable[[str], None] = lambda root: None,
@@ -137,7 +121,7 @@ class Pipeline:
         first; other work yields until those are uploaded. Returns root -> step."""
         targets = {}
         for name, root in self.roots().items():
-            if not root.config.upload.enabled:
+            if not root.upload.enabled:
                 continue
             rec = self.store.latest(name, Tier.LOCAL)
             if rec is not None and rec.remote.value != "uploaded":
@@ -155,7 +139,7 @@ class Pipeline:
         left = {}
         roots = self.roots()
         for name, step in self.flushing.items():
-            if name not in roots or not roots[name].config.upload.enabled:
+            if name not in roots or not roots[name].upload.enabled:
                 continue  # the root stopped uploading (reload): nothing left to flush there
             rec = self.store.checkpoint(name, step)
             if rec is not None and rec.state.value == "valid" and rec.remote.value in (
@@ -180,9 +164,9 @@ class Pipeline:
             roots = self.roots()
             job = self.store.claim(
                 f"{self.owner}/{name}/{uuid.uuid4().hex[:8]}", time.time(), LEASE_S,
-                upload_roots=frozenset(n for n, r in roots.items() if r.config.upload.enabled),
+                upload_roots=frozenset(n for n, r in roots.items() if r.upload.enabled),
                 copy_roots=frozenset(n for n, r in roots.items()
-                                     if runners.wants_copy(r.config)),
+                                     if runners.wants_copy(r)),
                 only=self._flush_targets())
             if job is None:
                 self._wake.wait(1.0)
@@ -216,7 +200,7 @@ class Pipeline:
         self.inflight[rec.id] = progress
         with _Renewer(self.store, rec.id, job.owner):
             try:
-                outcome = self._stage(root.config, job, progress)
+                outcome = self._stage(root, job, progress)
             except runners.NoLongerValid as exc:
                 if (exc.result.reason in CONTENT_REASONS
                         and file_fingerprint(root.path, job.files) == fp):
@@ -246,7 +230,7 @@ class Pipeline:
             log.info("checkpoint_uploaded", seconds=elapsed, sent_bytes=outcome.sent_bytes,
                      skipped_objects=outcome.skipped_objects)
             # The copy of a compressed row is its only local copy: never dropped here.
-            if rec.local.value == "present" and runners.drop_copy_after_upload(root.config,
+            if rec.local.value == "present" and runners.drop_copy_after_upload(root,
                                                                                rec.step):
                 self.store.drop_copy(rec.root, rec.step)
             self.publisher.publish(root)
@@ -295,7 +279,7 @@ class Pipeline:
         log.error("stage_failed", error=str(exc), kind=type(exc).__name__, retry_in_s=delay,
                   exc_info=not permanent and not isinstance(exc, OSError | CkptdError))
 
-    def _validated(self, root: RootRuntime, job: Job, fp: str, outcome: runners.Validated,
+    def _validated(self, root: RootConfig, job: Job, fp: str, outcome: runners.Validated,
                    log: Any, elapsed: float) -> None:
         result = outcome.result
         if file_fingerprint(root.path, job.files) != fp:
