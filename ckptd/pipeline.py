@@ -222,7 +222,7 @@ class Pipeline:
         elapsed = round(time.monotonic() - started, 3)
         self._measure(job, rec.root, progress, elapsed, outcome)
         if job.stage == STAGE_VALIDATE:
-            self._validated(root, job, fp, outcome, log, elapsed)
+            self._validated(root, job, fp, outcome, log, elapsed, progress.total)
         elif job.stage == STAGE_COMPRESS:
             if self.store.finish_compress(job, job.owner, outcome):
                 log.info("stage_succeeded", seconds=elapsed)
@@ -280,7 +280,7 @@ class Pipeline:
                   exc_info=not permanent and not isinstance(exc, OSError | CkptdError))
 
     def _validated(self, root: RootConfig, job: Job, fp: str, outcome: runners.Validated,
-                   log: Any, elapsed: float) -> None:
+                   log: Any, elapsed: float, size: int) -> None:
         result = outcome.result
         if file_fingerprint(root.path, job.files) != fp:
             log.info("stage_deferred", why="files changed during validation; rescanning")
@@ -288,7 +288,7 @@ class Pipeline:
             self.on_resave()
             return
         if not self.store.finish_validation(job, job.owner, fp, result, time.time(),
-                                            stored=outcome.stored):
+                                            stored=outcome.stored, size_on_disk=size):
             return
         if result.valid:
             log.info("checkpoint_valid", seconds=elapsed, bytes=sum(f.size for f in result.files),

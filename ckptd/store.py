@@ -411,7 +411,7 @@ class Store:
 
     def finish_validation(self, job: Job, owner: str, fingerprint: str,
                           result: ValidationResult, now: float,
-                          stored: Sequence[StoredFile] = ()) -> bool:
+                          stored: Sequence[StoredFile] = (), size_on_disk: int = 0) -> bool:
         """Record a validation outcome. False (and nothing written) when the lease was lost or
         the files changed since the job was claimed (a re-save: the next scan supersedes)."""
         cid = job.checkpoint.id
@@ -424,7 +424,9 @@ class Store:
                 return False
             state = State.VALID if result.valid else State.INVALID
             metrics = {**result.metrics, **json.loads(row["metrics"])}
-            total = sum(f.size for f in result.files)
+            # An invalid result may stop before hashing every file: then report what is on disk.
+            total = sum(f.size for f in result.files) if result.valid else max(
+                size_on_disk, sum(f.size for f in result.files))
             db.execute(
                 "UPDATE checkpoints SET state=?, reason=?, message=?, validated=?,"
                 " validated_fingerprint=?, metrics=?, bytes=?, lease_owner=NULL,"

@@ -84,7 +84,9 @@ def test_single_files_latest_skips_corrupt_and_truncated(daemon_factory: Any) ->
     with open(p30, "r+b") as f:
         f.truncate(os.path.getsize(p30) - 100)
     (root / "model_step_40.pt").write_bytes(b"")
-    assert d.wait_for("r1", 20)["reason"] == "crc_mismatch"
+    bad = d.wait_for("r1", 20)
+    assert bad["reason"] == "crc_mismatch"
+    assert bad["bytes"] == (root / "model_step_20.pt").stat().st_size  # its size, even invalid
     assert d.wait_for("r1", 30)["state"] == "invalid"
     assert d.wait_for("r1", 40)["state"] == "invalid"
     latest = d.client.latest("r1")
