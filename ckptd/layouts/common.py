@@ -241,3 +241,18 @@ def written_at(snap: Snapshot, cand: Candidate) -> float:
     """When the candidate was last written (latest member mtime); orders same-step candidates."""
     times = [snap.files[f].mtime for f in cand.files if f in snap.files]
     return max(times, default=0.0)
+
+
+def pointer_problem(snap: Snapshot, directory: str, pointer: str, wanted: str,
+                    accepts: Callable[[str], bool]) -> str:
+    """What a framework's pointer file still lacks ("" when none): the file `pointer` in the save
+    dir beside `directory` (DeepSpeed's `latest`, Megatron's tracker) must exist, be readable
+    and name this checkpoint or a later one (`accepts` judges its stripped text)."""
+    rel = join(parent_of(directory), pointer)
+    if rel not in snap.files:
+        return f"{rel} naming {wanted}"
+    data = snap.contents.get(rel)
+    if data is None:
+        return f"{rel} to be readable"
+    text = data.decode("utf-8", "replace").strip()
+    return "" if accepts(text) else f"{rel} naming {wanted} or later (names {text!r})"

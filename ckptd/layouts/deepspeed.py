@@ -68,17 +68,13 @@ def _is_deepspeed(names: list[str]) -> bool:
 
 def _latest_problem(snap: Snapshot, directory: str, step: int) -> str:
     """`latest` lives in the save dir, beside the tag dirs."""
-    latest_rel = common.join(common.parent_of(directory), LATEST)
-    if latest_rel not in snap.files:
-        return f"{latest_rel} naming {common.name_of(directory)}"
-    data = snap.contents.get(latest_rel)
-    if data is None:
-        return f"{latest_rel} to be readable"
-    tag = data.decode("utf-8", "replace").strip()
-    tag_step = step_of_tag(tag)
-    if tag == common.name_of(directory) or (tag_step is not None and tag_step >= step):
-        return ""
-    return f"{latest_rel} naming {common.name_of(directory)} or later (names {tag!r})"
+    name = common.name_of(directory)
+
+    def accepts(tag: str) -> bool:
+        tag_step = step_of_tag(tag)
+        return tag == name or (tag_step is not None and tag_step >= step)
+
+    return common.pointer_problem(snap, directory, LATEST, name, accepts)
 
 
 def _rank_problems(names: list[str], world_size: int, expect_optim: bool) -> list[str]:

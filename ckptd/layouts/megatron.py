@@ -67,16 +67,8 @@ def _candidate(snap: Snapshot, tree: common.Tree, opts: RootOptions, now: float,
 
 def _tracker_problem(snap: Snapshot, directory: str, step: int) -> str:
     """The tracker sits in the save dir beside the iter dirs; "release" names no iteration."""
-    tracker = common.join(common.parent_of(directory), TRACKER)
-    if tracker not in snap.files:
-        return f"{tracker} naming {step}"
-    data = snap.contents.get(tracker)
-    if data is None:
-        return f"{tracker} to be readable"
-    text = data.decode("utf-8", "replace").strip()
-    if text.isdigit() and int(text) >= step:
-        return ""
-    return f"{tracker} naming {step} or later (names {text!r})"
+    return common.pointer_problem(snap, directory, TRACKER, str(step),
+                                  lambda text: text.isdigit() and int(text) >= step)
 
 
 LAYOUT = MegatronLayout()
