@@ -16,13 +16,13 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ckptd import __version__
 from ckptd.changes import Changes
+from ckptd.config import RootConfig
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Remote, State, Tier
 from ckptd.store import Store
@@ -37,47 +37,61 @@ class HttpError(Exception):
         self.status, self.code, self.message = status, code, message
 
 
-@dataclass(frozen=True)
-class RootView:
-    """What the API needs of one root's config."""
+class Wakeable(Protocol):
+    def wake(self) -> None: ...
 
-    name: str
-    path: Path
-    metric: str
-    metric_mode: str
-    upload_enabled: bool
+
+class Workers(Protocol):
+    def flush(self) -> dict[str, int]: ...
+    def flushing(self) -> dict[str, int]: ...
+    def in_flight(self) -> list[dict[str, Any]]: ...
+
+
+class Retention(Protocol):
+    # Held by retention while it deletes locally: a pin or a reader's lease waits for the
+    # deletes to end, so the safety nets a run checked are never out of date while it acts.
+    exclusive: Any
+
+    def plan_json(self, root: RootConfig) -> dict[str, Any]: ...
+    def apply_now(self, root: RootConfig) -> list[dict[str, Any]]: ...
+    def health_json(self, name: str) -> dict[str, Any] | None: ...
+
+
+class Discovery(Protocol):
+    def refresh(self, name: str, max_age: float = ...) -> None: ...
+
+
+class Services(Protocol):
+    def alive(self) -> bool: ...
+    def health(self) -> list[dict[str, Any]]: ...
+
+
+class MetricsText(Protocol):
+    def render(self) -> str: ...
 
 
 class ApiContext:
-    """Everything a request handler may touch, built by the daemon."""
+    """Everything a request handler may touch: the store, and the daemon's services."""
 
-    def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootView]], changes: Changes,
-                 wake_scan: Callable[[], None], in_flight: Callable[[], list[dict[str, Any]]],
-                 extra_routes: Mapping[tuple[str, str], Callable[..., Any]] | None = None) -> None:
+    def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
+                 changes: Changes, scan: Wakeable, workers: Workers, retention: Retention,
+                 discovery: Discovery, services: Services, metrics: MetricsText) -> None:
         self.store = store
         self.roots = roots
         self.changes = changes
-        self.wake_scan = wake_scan
-        self.in_flight = in_flight
+        self.scan = scan
+        self.workers = workers
+        self.retention = retention
+        self.discovery = discovery
+        self.services = services
+        self.metrics = metrics
         self.started = time.monotonic()
         self.stopping = threading.Event()
-        self.extra_routes = dict(extra_routes or {})
-        self.metrics_text: Callable[[], str] = lambda: ""
-        # Retention hooks, set by the daemon: the plan (dry run), and a run now.
-        self.prune_plan: Callable[[str], dict[str, Any]] = lambda root: {"root": root, "plan": []}
-        self.prune_now: Callable[[str], list[dict[str, Any]]] = lambda root: []
-        self.root_health: Callable[[str], dict[str, Any] | None] = lambda root: None
-        self.refresh_remote: Callable[[str], None] = lambda root: None
-        self.flush: Callable[[], dict[str, int]] = lambda: {}
-        # Held by retention while it deletes: a pin or a reader's lease waits for the run to
-        # end, so the safety nets a run checked are never out of date while it acts.
-        self.retention_lock: Any = threading.RLock()
-        self.flushing: Callable[[], dict[str, int]] = lambda: {}
 
     def uptime(self) -> float:
         return round(time.monotonic() - self.started, 3)
 
-    def root(self, name: str) -> RootView:
+    def root(self, name: str) -> RootConfig:
         root = self.roots().get(name)
         if root is None:
             raise HttpError(404, "no_root", f"no root named {name!r} in the config")
@@ -85,16 +99,25 @@ class ApiContext:
 
     # -- views -------------------------------------------------------------------------------
 
+    def state(self) -> str:
+        """ok, degraded (a service crashed and is being restarted) or stopping."""
+        if self.stopping.is_set():
+            return "stopping"
+        return "ok" if self.services.alive() else "degraded"
+
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "version": __version__, "uptime_s": self.uptime()}
+        return {"status": self.state(), "version": __version__, "uptime_s": self.uptime(),
+                "services": self.services.health()}
 
     def status(self) -> dict[str, Any]:
         roots = [self.root_status(r) for r in self.roots().values()]
-        return {"status": "stopping" if self.stopping.is_set() else "ok", "version": __version__,
-                "uptime_s": self.uptime(), "roots": roots, "in_flight": self.in_flight(),
-                "flushing": [{"root": r, "step": s} for r, s in self.flushing().items()]}
+        return {"status": self.state(), "version": __version__, "uptime_s": self.uptime(),
+                "roots": roots, "in_flight": self.workers.in_flight(),
+                "flushing": [{"root": r, "step": s}
+                             for r, s in self.workers.flushing().items()],
+                "services": self.services.health()}
 
-    def root_status(self, root: RootView) -> dict[str, Any]:
+    def root_status(self, root: RootConfig) -> dict[str, Any]:
         latest = self.store.latest(root.name)
         best = self.store.best(root.name, root.metric, root.metric_mode)
         return {
@@ -102,18 +125,18 @@ class ApiContext:
             "latest": latest.step if latest else None,
             "best": best.step if best else None,
             "counts": self.store.counts(root.name),
-            "queue": self.store.queue_length(root.name, uploads=root.upload_enabled),
+            "queue": self.store.queue_length(root.name),
             "disk_free_bytes": disk_free(root.path),
             "last_error": self.store.root_info(root.name)["last_error"] or None,
-            "preflight": self.root_health(root.name),
+            "preflight": self.retention.health_json(root.name),
         }
 
-    def listing(self, root: RootView) -> dict[str, Any]:
-        self.refresh_remote(root.name)
+    def listing(self, root: RootConfig) -> dict[str, Any]:
+        self.discovery.refresh(root.name)
         return {"root": root.name,
                 "checkpoints": [c.as_json() for c in self.store.checkpoints(root.name)]}
 
-    def latest(self, root: RootView, tier: Tier) -> dict[str, Any]:
+    def latest(self, root: RootConfig, tier: Tier) -> dict[str, Any]:
         rec = self.store.latest(root.name, tier)
         if rec is None:
             raise HttpError(404, "no_checkpoint", f"root {root.name!r} has no valid checkpoint"
@@ -121,7 +144,7 @@ class ApiContext:
         return latest_json(root, rec)
 
 
-def latest_json(root: RootView, rec: CheckpointRecord) -> dict[str, Any]:
+def latest_json(root: RootConfig, rec: CheckpointRecord) -> dict[str, Any]:
     return {"root": root.name, "step": rec.step, "path": str(root.path / rec.path),
             "state": str(rec.state), "local": str(rec.local), "remote": str(rec.remote),
             "layout": rec.layout, "metrics": rec.metrics}
@@ -199,9 +222,6 @@ class Handler(BaseHTTPRequestHandler):
 
     def _route(self, method: str, path: str, query: dict[str, str], body: Any
                ) -> tuple[int, Any]:
-        extra = self.ctx.extra_routes.get((method, path))
-        if extra is not None:
-            return 200, extra(query, body)
         allowed = False
         for m, pattern, name in _ROUTES:
             match = pattern.match(path)
@@ -261,11 +281,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def h_flush(self, **_: Any) -> tuple[int, Any]:
         self._not_stopping()
-        targets = self.ctx.flush()
+        targets = self.ctx.workers.flush()
         return 200, {"flushing": [{"root": r, "step": s} for r, s in targets.items()]}
 
     def h_metrics(self, **_: Any) -> tuple[int, Any]:
-        return 200, self.ctx.metrics_text()
+        return 200, self.ctx.metrics.render()
 
     def h_list(self, root: str, **_: Any) -> tuple[int, Any]:
         return 200, self.ctx.listing(self.ctx.root(root))
@@ -284,7 +304,7 @@ class Handler(BaseHTTPRequestHandler):
         step, paths, metrics = parse_registration(body, r.path)
         self.ctx.store.register(r.name, step, paths, metrics, time.time())
         get_logger().info("checkpoint_registered", root=r.name, step=step, paths=len(paths))
-        self.ctx.wake_scan()
+        self.ctx.scan.wake()
         return 202, {"root": r.name, "step": step, "accepted": True}
 
     def h_pin(self, root: str, step: str, **_: Any) -> tuple[int, Any]:
@@ -296,7 +316,7 @@ class Handler(BaseHTTPRequestHandler):
     def _set_pin(self, root: str, step: str, pinned: bool) -> tuple[int, Any]:
         r = self.ctx.root(root)
         n = _step(step)
-        with self.ctx.retention_lock:
+        with self.ctx.retention.exclusive:
             done = self.ctx.store.set_pinned(r.name, n, pinned)
         if not done:
             raise HttpError(404, "no_checkpoint", f"root {r.name!r} has no step {n}")
@@ -313,7 +333,7 @@ class Handler(BaseHTTPRequestHandler):
         if not owner or len(owner) > 128:
             raise HttpError(400, "bad_field", "owner must be a non-empty id (<= 128 chars)")
         ttl = min(max(_float(query.get("ttl", "600"), "ttl"), 1.0), 86400.0)
-        with self.ctx.retention_lock:
+        with self.ctx.retention.exclusive:
             rec = self._record(r, rec.step)
             if rec.local.value == "pruned" and rec.remote is not Remote.UPLOADED:
                 raise HttpError(409, "gone", f"step {rec.step} of {r.name!r} has no copy left")
@@ -327,12 +347,16 @@ class Handler(BaseHTTPRequestHandler):
         return 200, {"root": r.name, "step": n, "released": True}
 
     def h_prune_plan(self, root: str, **_: Any) -> tuple[int, Any]:
-        return 200, self.ctx.prune_plan(self.ctx.root(root).name)
+        return 200, self.ctx.retention.plan_json(self.ctx.root(root))
 
     def h_prune_now(self, root: str, **_: Any) -> tuple[int, Any]:
         self._not_stopping()
         r = self.ctx.root(root)
-        return 200, {"root": r.name, "outcomes": self.ctx.prune_now(r.name)}
+        try:
+            outcomes = self.ctx.retention.apply_now(r)
+        except TimeoutError as exc:
+            raise HttpError(503, "retention_busy", f"retention did not run: {exc}") from None
+        return 200, {"root": r.name, "outcomes": outcomes}
 
     def h_wait(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         r = self.ctx.root(root)
@@ -340,17 +364,21 @@ class Handler(BaseHTTPRequestHandler):
         until = query.get("until", "valid")
         if until not in ("valid", "uploaded"):
             raise HttpError(400, "bad_field", "until must be 'valid' or 'uploaded'")
-        if until == "uploaded" and not r.upload_enabled:
+        if until == "uploaded" and not r.upload.enabled:
             raise HttpError(409, "upload_not_configured",
                             f"root {r.name!r} has no upload.url; it never uploads")
         timeout = _float(query.get("timeout", "30"), "timeout")
         return self._wait(r, n, until, min(max(timeout, 0.0), MAX_WAIT_S))
 
-    def _wait(self, r: RootView, step: int, until: str, timeout: float) -> tuple[int, Any]:
+    def _wait(self, r: RootConfig, step: int, until: str, timeout: float) -> tuple[int, Any]:
+        """Answers once the store shows `until`, looking again only after a change was
+        announced: the effects hook announces a transition after carrying out its effects
+        (latest.json rewritten), so a waiter never returns ahead of them."""
         deadline = time.monotonic() + timeout
         gen = self.ctx.changes.generation
+        changed = True
         while True:
-            rec = self.ctx.store.checkpoint(r.name, step)
+            rec = self.ctx.store.checkpoint(r.name, step) if changed else None
             if rec is not None:
                 if rec.state is State.INVALID:
                     raise HttpError(409, "invalid", f"step {step} is invalid: {rec.reason}:"
@@ -360,10 +388,11 @@ class Handler(BaseHTTPRequestHandler):
             left = deadline - time.monotonic()
             if left <= 0 or self.ctx.stopping.is_set():
                 break
-            gen = self.ctx.changes.wait(gen, min(left, 1.0))
+            new = self.ctx.changes.wait(gen, min(left, 1.0))
+            changed, gen = new != gen, new
         raise HttpError(408, "timeout", f"step {step} did not become {until} within {timeout}s")
 
-    def _record(self, r: RootView, step: int) -> CheckpointRecord:
+    def _record(self, r: RootConfig, step: int) -> CheckpointRecord:
         rec = self.ctx.store.checkpoint(r.name, step)
         if rec is None:
             raise HttpError(404, "no_checkpoint", f"root {r.name!r} has no step {step}")

@@ -12,12 +12,14 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckptd.backends import Backend
 from ckptd.config import RootConfig
+from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, CheckpointRecord, Local, Remote, State, Tier
 from ckptd.policy import retention
@@ -47,56 +49,88 @@ class Pruner:
     """Runs retention per root on its own thread, never inside a stage worker."""
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
-                 backend_for: Callable[[RootConfig], Backend | None],
-                 on_change: Callable[[RootConfig], None]) -> None:
+                 backend_for: Callable[[RootConfig], Backend | None]) -> None:
         self.store = store
         self.roots = roots
         self.backend_for = backend_for
-        self.on_change = on_change
         self.health: dict[str, RootHealth] = {}
         self._compress_backoff: dict[tuple[str, int], float] = {}
         self.log = get_logger()
         self._wanted: set[str] = set()
+        self._asked: list[tuple[str, Future[list[prune.Outcome]]]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._stop = threading.Event()
-        # One retention run at a time, and never during a scan: a scan that walks a root while
-        # a checkpoint is being moved into the trash would see it half gone.
+        self._running = threading.Event()
+        # Local deletes and scans never interleave: a scan that walks a root while a
+        # checkpoint is being moved into the trash would see it half gone.
         self.exclusive = threading.RLock()
-        self._thread: threading.Thread | None = None
 
     # -- scheduling --------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="ckptd-prune", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
+    def wake(self) -> None:
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+
+    def plan_json(self, root: RootConfig) -> dict[str, Any]:
+        return self.plan(root).as_json(root.name)
+
+    def apply_now(self, root: RootConfig) -> list[dict[str, Any]]:
+        return [{"step": o.step, "tier": o.tier, "action": o.action, "reason": o.reason,
+                 "bytes_freed": o.bytes_freed} for o in self.run_now(root.name)]
+
+    def health_json(self, name: str) -> dict[str, Any] | None:
+        return health_json(self.health.get(name))
 
     def request(self, root: str) -> None:
         with self._lock:
             self._wanted.add(root)
         self._wake.set()
 
-    def _loop(self) -> None:
-        last_timer = time.monotonic()
-        while not self._stop.is_set():
-            self._wake.wait(1.0)
-            self._wake.clear()
-            if time.monotonic() - last_timer >= TIMER_S:
-                last_timer = time.monotonic()
-                self._want_all()
-            self._want_pressured()
-            with self._lock:
-                wanted, self._wanted = self._wanted, set()
-            for name in sorted(wanted):
-                root = self.roots().get(name)
-                if root is not None and not self._stop.is_set():
-                    self.run(root)
+    def run_now(self, name: str, timeout: float = 300.0) -> list[prune.Outcome]:
+        """Run retention on `name` now, on the retention thread (never beside another run),
+        and wait for the outcomes. Raises TimeoutError when the thread does not get to it."""
+        if not self._running.is_set():
+            raise TimeoutError("retention is not running")
+        future: Future[list[prune.Outcome]] = Future()
+        with self._lock:
+            self._asked.append((name, future))
+        self._wake.set()
+        try:
+            return future.result(timeout)
+        finally:
+            future.cancel()  # never run later for a caller that gave up
+
+    def run(self, stop: threading.Event) -> None:
+        """The retention service: every run happens here, one at a time."""
+        self._running.set()
+        try:
+            self._want_all()
+            last_timer = time.monotonic()
+            while not stop.is_set():
+                self._wake.wait(1.0)
+                self._wake.clear()
+                if time.monotonic() - last_timer >= TIMER_S:
+                    last_timer = time.monotonic()
+                    self._want_all()
+                self._want_pressured()
+                self._serve_asked(stop)
+                with self._lock:
+                    wanted, self._wanted = self._wanted, set()
+                for name in sorted(wanted):
+                    root = self.roots().get(name)
+                    if root is not None and not stop.is_set():
+                        self.run_root(root)
+        finally:
+            self._running.clear()
+
+    def _serve_asked(self, stop: threading.Event) -> None:
+        with self._lock:
+            asked, self._asked = self._asked, []
+        for name, future in asked:
+            root = self.roots().get(name)
+            if stop.is_set() or root is None:
+                future.set_exception(TimeoutError("retention is stopping"))
+            elif future.set_running_or_notify_cancel():
+                future.set_result(self.run_root(root))
 
     def _want_all(self) -> None:
         with self._lock:
@@ -126,7 +160,7 @@ class Pruner:
                               metric_mode=root.metric_mode,
                               upload_configured=root.upload.enabled)
 
-    def run(self, root: RootConfig) -> list[prune.Outcome]:
+    def run_root(self, root: RootConfig) -> list[prune.Outcome]:
         try:
             # Only the local deletes hold the lock (with the guards they check, read inside it):
             # remote calls and compressing in place can take long and must not hold up scans,
@@ -153,10 +187,12 @@ class Pruner:
         targets = {r.step: target_of(root, r, self.store.members(r.id)) for r in records}
         outcomes = prune.execute_local(
             root.path, plan, targets, guards, prune.trash_dir_for(root.path),
-            on_trashed=lambda step, entry: self.store.set_local(root.name, step, Local.PRUNED,
-                                                                str(entry)),
+            on_trashed=lambda step, _entry: self._pruned(root.name, step),
             root=root.name)
         return plan, outcomes
+
+    def _pruned(self, name: str, step: int) -> None:
+        self.store.record(name, step, Event.PRUNED_LOCAL, time.time())
 
     def _finish_compressed(self, root: RootConfig) -> None:
         """A crash after a row was recorded `compressed` but before its originals went leaves
@@ -191,21 +227,15 @@ class Pruner:
         )
 
     def _record(self, root: RootConfig, outcomes: list[prune.Outcome]) -> None:
-        changed = False
+        """Record what was done as lifecycle events; their effects (the copy removed,
+        latest.json) follow the transition."""
         for o in outcomes:
-            if o.action in ("deleted", "trashed") and o.tier == "local":
-                if o.action == "deleted":  # "trashed" keeps the trash path on_trashed recorded
-                    self.store.set_local(root.name, o.step, Local.PRUNED)
-                compress.remove_copy(root.path, o.step)
-                self.store.drop_copy(root.name, o.step)
-                changed = True
+            if o.action == "deleted" and o.tier == "local":  # "trashed" was recorded already
+                self.store.record(root.name, o.step, Event.PRUNED_LOCAL, time.time())
             elif o.action == "deleted" and o.tier == "remote":
-                self.store.set_remote(root.name, o.step, Remote.PRUNED)
-                changed = True
+                self.store.record(root.name, o.step, Event.PRUNED_REMOTE, time.time())
             elif o.action == "deferred" and o.reason == "compress":
-                changed |= self._compress_in_place(root, o.step)
-        if changed:
-            self.on_change(root)
+                self._compress_in_place(root, o.step)
 
     def _compress_in_place(self, root: RootConfig, step: int) -> bool:
         """compress_older: replace the originals with the verified local compressed copy."""
@@ -215,7 +245,7 @@ class Pruner:
             return False  # the compress stage makes the copy first; a later run replaces
         manifest = compress.read_local_manifest(root.path, step)
         if manifest is None:
-            self.store.drop_copy(root.name, step)
+            self.store.record(root.name, step, Event.COPY_LOST, time.time())
             return False
         if time.monotonic() < self._compress_backoff.get((root.name, step), 0.0):
             return False
@@ -223,9 +253,10 @@ class Pruner:
             return False  # a reader holds the originals
         # Recorded first: a crash while the originals go leaves a row that says "compressed"
         # with originals still beside the copy (finished later), never one that lost its copy.
-        self.store.set_local(root.name, step, Local.COMPRESSED)
+        if not self.store.record(root.name, step, Event.COMPRESSED_LOCAL, time.time()):
+            return False
         if not self._replace(root, step, rec.id, rec.path):
-            self.store.set_local(root.name, step, Local.PRESENT)
+            self.store.record(root.name, step, Event.COMPRESS_UNDONE, time.time())
             return False
         self.log.info("checkpoint_compressed_locally", root=root.name, step=step)
         return True

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal, TextIO, cast
 
 from ckptd import fileio, remote
-from ckptd.backends import Backend, make_backend, wrap_backend
+from ckptd.backends import Backend, backend_for_upload
 from ckptd.config import Config, RootConfig
 from ckptd.errors import CorruptData, NotFound, ObjectNotFound
 from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
@@ -221,16 +221,7 @@ def remote_backend(root: RootConfig) -> Backend | None:
     up = root.upload
     if not up.enabled:
         return None
-    backend = make_backend(
-        up.url,
-        endpoint=up.endpoint,
-        region=up.region,
-        access_key_id=up.access_key_id,
-        secret_access_key=up.secret_access_key.get_secret_value(),
-        part_size=up.part_size,
-        concurrency=up.concurrency,
-    )
-    return wrap_backend(backend, max_bytes_per_s=up.max_bandwidth)
+    return backend_for_upload(up)
 
 
 def resolve_step(

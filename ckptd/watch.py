@@ -217,7 +217,12 @@ class EventWatcher:
     def start(self) -> None:
         self._observer.start()
 
+    def alive(self) -> bool:
+        return bool(self._observer.is_alive())
+
     def stop(self) -> None:
+        if not self._observer.is_alive():
+            return
         self._observer.stop()
         self._observer.join(timeout=5)
 

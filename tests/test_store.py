@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.lifecycle.table import Event, Policy
+from ckptd.manifest import StoredFile
 from ckptd.model import Candidate, FileRecord, Local, Remote, State, Tier, ValidationResult
 from ckptd.store import MIGRATIONS, Found, Store
 
@@ -20,13 +22,23 @@ def found(step: int, fp: str = "fp", **kw: object) -> Found:
     return Found(cand(step, **kw), fp)  # type: ignore[arg-type]
 
 
-def validate_ok(store: Store, valid: bool = True, now: float = 10.0) -> int:
+def validate_ok(store: Store, valid: bool = True, now: float = 10.0, copy: bool = False) -> int:
     job = store.claim("me", now, 60)
     assert job is not None
     res = ValidationResult(valid, "" if valid else "crc_mismatch", "",
                            files=(FileRecord(job.files[0], 5, "h", "xxh3-128"),))
-    assert store.finish_validation(job, "me", job.checkpoint.fingerprint, res, now)
+    stored = [StoredFile(job.files[0], 5, "h", "xxh3-128", "zstd", 3, job.files[0] + ".zst")]
+    assert store.finish_validation(job, "me", job.checkpoint.fingerprint, res, now,
+                                   stored=stored if copy else ())
     return job.checkpoint.step
+
+
+def uploaded(store: Store, root: str, step: int, now: float = 20.0) -> None:
+    """Drive a valid step with a copy through a real upload claim to `uploaded`."""
+    store.set_policies({root: Policy(uploads=True)})
+    job = store.claim("up", now, 60, only=frozenset({(root, step)}))
+    assert job is not None and job.stage == "upload" and job.checkpoint.step == step
+    assert store.finish_upload(job, "up", now)
 
 
 @pytest.fixture
@@ -155,7 +167,7 @@ def test_pending_candidate_never_supersedes_a_pruned_row(store: Store) -> None:
     a pending candidate for that step, which must not replace the valid, uploaded row."""
     store.sync_root("r", [found(4, fp="one")], 1.0)
     validate_ok(store)
-    store.set_local("r", 4, Local.PRUNED)
+    assert store.record("r", 4, Event.PRUNED_LOCAL)
     assert store.sync_root("r", [found(4, fp="gone", complete=False)], 2.0) == []
     rec = store.checkpoint("r", 4)
     assert rec is not None and rec.state is State.VALID
@@ -182,9 +194,9 @@ def test_partial_deletion_is_vanishing_not_a_resave(store: Store) -> None:
     gone, keeping its pin and remote copy, rather than replaced by a pending newcomer."""
     files = ("step-9/a.pt", "step-9/b.pt", "step-9/meta.json")
     store.sync_root("r", [Found(Candidate("native", 9, "step-9", files, True), "fp")], 1.0)
-    validate_ok(store)
+    validate_ok(store, copy=True)
     store.set_pinned("r", 9, True)
-    store.set_remote("r", 9, Remote.UPLOADED)
+    uploaded(store, "r", 9)
     half = Found(Candidate("native", 9, "step-9", files[:1], False), "half")
     ch = store.sync_root("r", [half], 2.0)
     assert [c.event for c in ch] == ["checkpoint_vanished"]
@@ -208,7 +220,8 @@ def test_flush_restricts_uploads_but_never_validation(store: Store) -> None:
     store.sync_root("r", [found(1), found(2)], 1.0)
     validate_ok(store)  # step 2 (newest first) becomes valid
     only = frozenset({("r", 7)})
-    job = store.claim("w", 5.0, 60, upload_roots=frozenset({"r"}), only=only)
+    store.set_policies({"r": Policy(uploads=True)})
+    job = store.claim("w", 5.0, 60, only=only)
     assert job is not None and job.stage == "validate" and job.checkpoint.step == 1
 
 
@@ -222,21 +235,20 @@ def test_claims_are_per_token(store: Store) -> None:
 
 def test_remote_replacement_only_after_our_own_superseded_upload(store: Store) -> None:
     store.sync_root("r", [found(3, fp="one")], 1.0)
-    validate_ok(store)
+    validate_ok(store, copy=True)
     assert not store.replaced_upload("r", 3)  # never re-saved: someone else's remote step
-    store.set_remote("r", 3, Remote.UPLOADED)
+    uploaded(store, "r", 3)
     store.sync_root("r", [found(3, fp="two")], 2.0)  # a re-save of an uploaded step
     assert store.replaced_upload("r", 3)
 
 
 def test_lost_copy_of_a_compressed_row_means_no_local_copy(store: Store) -> None:
     store.sync_root("r", [found(2)], 1.0)
-    validate_ok(store)
-    store.set_local("r", 2, Local.COMPRESSED)
+    validate_ok(store, copy=True)
+    assert store.record("r", 2, Event.COMPRESSED_LOCAL)
+    assert store.claim("w", 3.0, 60) is None  # the root does not upload: nothing to do
+    store.set_policies({"r": Policy(uploads=True)})
     job = store.claim("w", 3.0, 60)
-    assert job is None  # nothing to do without a copy flag; make it look ready to upload
-    store._db.execute("UPDATE checkpoints SET copy='ready'")  # noqa: SLF001 - test set-up
-    job = store.claim("w", 3.0, 60, upload_roots=frozenset({"r"}))
     assert job is not None and job.stage == "upload"
     store.copy_lost(job, job.owner)
     rec = store.checkpoint("r", 2)

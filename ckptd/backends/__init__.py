@@ -5,15 +5,19 @@
 
 from __future__ import annotations
 
+import threading
+
 from ckptd.backends.base import DEFAULT_PART_SIZE, Backend, ObjectMeta, check_key
 from ckptd.backends.local import LocalBackend
 from ckptd.backends.objstore import ObstoreBackend
 from ckptd.backends.wrappers import LimitedBackend, RetryingBackend, ThrottledBackend, TokenBucket
+from ckptd.config import RootConfig, UploadConfig
 from ckptd.errors import PermanentError
 
 __all__ = [
     "DEFAULT_PART_SIZE",
     "Backend",
+    "BackendCache",
     "LimitedBackend",
     "LocalBackend",
     "ObjectMeta",
@@ -21,6 +25,7 @@ __all__ = [
     "RetryingBackend",
     "ThrottledBackend",
     "TokenBucket",
+    "backend_for_upload",
     "check_key",
     "make_backend",
     "wrap_backend",
@@ -97,3 +102,33 @@ def _file_path(url: str) -> str:
             raise PermanentError(f"file URL {url!r} names a host; use file:///absolute/dir")
         rest = slash + path
     return rest
+
+
+def backend_for_upload(up: UploadConfig) -> Backend:
+    """The backend a root's `[upload]` table describes, with retries and its bandwidth cap:
+    the one construction used by the daemon and by `ckptd restore`."""
+    backend = make_backend(
+        up.url, endpoint=up.endpoint, region=up.region, access_key_id=up.access_key_id,
+        secret_access_key=up.secret_access_key.get_secret_value(), part_size=up.part_size,
+        concurrency=up.concurrency)
+    return wrap_backend(backend, max_bytes_per_s=up.max_bandwidth)
+
+
+class BackendCache:
+    """One backend per root, rebuilt only when the root's upload settings change (reload)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[UploadConfig, Backend]] = {}
+
+    def get(self, root: RootConfig) -> Backend | None:
+        """The root's backend; None when it does not upload."""
+        if not root.upload.enabled:
+            return None
+        with self._lock:
+            cached = self._cache.get(root.name)
+            if cached is not None and cached[0] == root.upload:
+                return cached[1]
+            backend = backend_for_upload(root.upload)
+            self._cache[root.name] = (root.upload, backend)
+            return backend

@@ -1,14 +1,13 @@
-"""How each stage is run for one claimed job: the glue between a Job and the stage modules.
+"""How each stage is called for one claimed job: a Job and the root's config become the stage's
+plain arguments (a Candidate, a Stager, a backend and the expected files).
 
-Pipeline layer. Owns building a Candidate/Stager/backend call from a job and the root's config;
-the stages themselves decide and do the work, the pipeline records the outcome.
+Decides nothing and records nothing: the stages do the work, the workers record the outcome.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ckptd.config import RootConfig
@@ -150,15 +149,3 @@ def _replace_older_remote(backend: Any, root_name: str, manifest: Any) -> None:
         return  # the same content: a re-run, which the upload stage makes idempotent
     get_logger().warning("remote_step_replaced", root=root_name, step=manifest.step)
     delete_step(backend, root_name, manifest.step)
-
-
-def drop_copy_after_upload(root: RootConfig, step: int) -> bool:
-    """The copy was made for the upload; keep it only when retention may need it locally."""
-    if root.retention.local.compress_older:
-        return False
-    compress.remove_copy(root.path, step)  # renamed aside first: never a half copy in place
-    return True
-
-
-def objects_path(root: RootConfig, step: int) -> Path:
-    return compress.objects_dir(root.path, step)

@@ -1,0 +1,137 @@
+"""The one hook after a transition commits: publish latest.json, remove a released compressed
+copy, wake the workers, retention and scanner, and wake long-polls.
+
+Owns every consequence of a transition; nothing else writes latest.json or deletes a local
+compressed copy. Decides nothing about checkpoints: the table said which effects follow.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from ckptd import fileio
+from ckptd.changes import Changes
+from ckptd.config import RootConfig
+from ckptd.lifecycle.table import Effect, Event
+from ckptd.log import get_logger
+from ckptd.model import CKPTD_DIR, Local, Tier
+from ckptd.stages import compress
+from ckptd.store import Applied, Store
+
+
+class Wakeable(Protocol):
+    def wake(self) -> None: ...
+
+
+class RetentionQueue(Protocol):
+    def request(self, root: str) -> None: ...
+
+
+class LatestPublisher:
+    """Keeps `<root>/.ckptd/latest.json` equal to the store's latest of each root: step, path,
+    layout and where it can be had (local, remote)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self.log = get_logger()
+
+    def publish(self, root: RootConfig) -> None:
+        with self._lock:
+            rec = self.store.latest(root.name, Tier.ANY)
+            target = root.path / CKPTD_DIR / "latest.json"
+            doc: dict[str, Any] | None = None if rec is None else {
+                "step": rec.step, "path": str(root.path / rec.path), "layout": rec.layout,
+                "local": str(rec.local), "remote": str(rec.remote)}
+            key = json.dumps(doc, sort_keys=True)
+            info = self.store.root_info(root.name)
+            if info["latest_doc"] == key and (doc is None or target.exists()):
+                return
+            try:
+                if doc is None:
+                    target.unlink(missing_ok=True)
+                else:
+                    target.parent.mkdir(exist_ok=True)
+                    updated = datetime.now(UTC).isoformat(timespec="seconds")
+                    fileio.atomic_write_json(target, {**doc, "updated": updated})
+            except OSError as exc:
+                self.log.warning("latest_write_failed", root=root.name, error=str(exc))
+                return
+            step = None if rec is None else rec.step
+            self.store.set_published_latest(root.name, step, key)
+            if info["latest_step"] != step:
+                self.log.info("latest_changed", root=root.name, step=step,
+                              previous=info["latest_step"])
+
+
+class Effects:
+    """Carries out the effects of committed transitions, in commit order, on the committing
+    thread. A failing effect is logged and never undoes the transition."""
+
+    def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
+                 changes: Changes, workers: Wakeable, retention: RetentionQueue,
+                 scan: Wakeable) -> None:
+        self.store = store
+        self.roots = roots
+        self.changes = changes
+        self.workers = workers
+        self.retention = retention
+        self.scan = scan
+        self.publisher = LatestPublisher(store)
+        self.log = get_logger()
+
+    def __call__(self, applied: Sequence[Applied]) -> None:
+        try:
+            self._carry_out(applied)
+        finally:
+            # Last: long-polls look at the store again only once the effects are done.
+            if any(a.effects for a in applied):
+                self.changes.notify()
+
+    def _carry_out(self, applied: Sequence[Applied]) -> None:
+        roots = self.roots()
+        publish: set[str] = set()
+        retain: set[str] = set()
+        effects: set[Effect] = set()
+        for a in applied:
+            root = roots.get(a.root)
+            if root is None:
+                continue
+            effects |= a.effects
+            try:
+                self._copies(root, a)
+            except OSError as exc:
+                self.log.warning("copy_removal_failed", root=a.root, step=a.step, error=str(exc))
+            if Effect.PUBLISH in a.effects:
+                publish.add(a.root)
+            if Effect.WAKE_RETENTION in a.effects:
+                retain.add(a.root)
+        for name in sorted(publish):
+            self.publish(roots[name])
+        if Effect.WAKE_WORKERS in effects:
+            self.workers.wake()
+        for name in sorted(retain):
+            self.retention.request(name)
+        if Effect.WAKE_SCAN in effects:
+            self.scan.wake()
+
+    def publish(self, root: RootConfig) -> None:
+        try:
+            self.publisher.publish(root)
+        except Exception as exc:  # a full disk or a lost root must not fail the transition
+            self.log.warning("latest_write_failed", root=root.name, error=str(exc))
+
+    def _copies(self, root: RootConfig, a: Applied) -> None:
+        if Effect.REMOVE_COPY in a.effects:
+            compress.remove_copy(root.path, a.step)  # renamed aside first: never half a copy
+        if Effect.RELEASE_COPY in a.effects and a.target is not None and (
+                a.target.local is Local.PRUNED or a.target.local is Local.PRESENT
+                and not root.retention.local.compress_older):
+            # The copy was made for the upload: kept only where retention keeps compressed
+            # copies of checkpoints still on disk.
+            compress.remove_copy(root.path, a.step)
+            self.store.record(a.root, a.step, Event.COPY_DROPPED)

@@ -1,0 +1,97 @@
+"""The discovery service: learns what the remote holds that the store does not know (a fresh
+node, a lost state dir) and which recorded uploads are gone from it.
+
+Owns when each uploading root's remote is listed (at start, then periodically, and on demand
+before a listing, at most every few seconds). Records what it finds as lifecycle events.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ckptd import remote
+from ckptd.config import RootConfig
+from ckptd.lifecycle.table import Event
+from ckptd.log import get_logger
+from ckptd.model import Remote
+from ckptd.store import Store
+
+INTERVAL_S = 300.0
+MIN_AGE_S = 15.0
+LOST_AFTER_S = 120.0
+
+
+class Discovery:
+    """Reconciles the store with each uploading root's committed remote steps."""
+
+    def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
+                 backend_for: Callable[[RootConfig], Any]) -> None:
+        self.store = store
+        self.roots = roots
+        self.backend_for = backend_for
+        self._seen: dict[str, float] = {}
+        # Steps recorded uploaded but absent from the listings since (monotonic) time T.
+        self._missing: dict[str, dict[int, float]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self.log = get_logger()
+
+    def run(self, stop: threading.Event) -> None:
+        """Every root at start, then every INTERVAL_S (or when woken by a reload)."""
+        while not stop.is_set():
+            for name in list(self.roots()):
+                if stop.is_set():
+                    return
+                self.refresh(name, max_age=0.0)
+            self._wake.wait(INTERVAL_S)
+            self._wake.clear()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def refresh(self, name: str, max_age: float = MIN_AGE_S) -> None:
+        """List the root's committed steps unless that was done in the last `max_age` s.
+        The remote being down is logged and never breaks a listing or startup."""
+        root = self.roots().get(name)
+        backend = self.backend_for(root) if root is not None else None
+        if backend is None:
+            return
+        with self._lock:
+            if time.monotonic() - self._seen.get(name, -1e9) < max_age:
+                return
+            self._seen[name] = time.monotonic()
+        uploaded = {r.step for r in self.store.checkpoints(name) if r.remote is Remote.UPLOADED}
+        try:
+            steps = set(remote.list_steps(backend, name))
+            added = self._add_unknown(name, backend, steps)
+        except Exception as exc:  # noqa: BLE001 - a down remote is a warning, not a crash
+            self.log.warning("remote_list_failed", root=name, error=str(exc))
+            return
+        lost = self._mark_lost(name, uploaded - steps)
+        if added or lost:
+            self.log.info("remote_checkpoints_found", root=name, added=added, lost=lost or None)
+
+    def _add_unknown(self, name: str, backend: Any, steps: set[int]) -> int:
+        added = 0
+        for step in sorted(steps):
+            if self.store.checkpoint(name, step) is None:
+                added += self.store.add_remote_only(
+                    name, remote.read_manifest(backend, name, step), time.time())
+        return added
+
+    def _mark_lost(self, name: str, absent: set[int]) -> list[int]:
+        """Steps recorded uploaded (before the listing began) whose manifest has been absent
+        from every listing for LOST_AFTER_S: no longer had remotely. A single listing is not
+        enough: retention deletes a remote step before it records the deletion."""
+        now = time.monotonic()
+        before = self._missing.get(name, {})
+        since = {step: before.get(step, now) for step in absent}
+        self._missing[name] = since
+        lost = sorted(step for step, t in since.items() if now - t >= LOST_AFTER_S)
+        for step in lost:
+            if self.store.record(name, step, Event.REMOTE_LOST, time.time()):
+                self.log.warning("remote_copy_lost", root=name, step=step)
+        return lost

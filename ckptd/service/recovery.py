@@ -1,0 +1,75 @@
+"""Start-up recovery and the daemon's listening socket.
+
+Owns what a restart after a crash cleans up: every lease dropped (one daemon per state dir),
+ckptd's own temp files and staging dirs, deletes half done in the trash, and compressed copies
+whose transition to "no copy" committed before their files went. Never removes anything that
+is not ckptd's own, nor a copy the store does not know (it may be the only one).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from ckptd import fileio, sdnotify
+from ckptd.api import bind_socket
+from ckptd.config import Config, DaemonConfig
+from ckptd.log import get_logger
+from ckptd.model import CKPTD_DIR, Local
+from ckptd.stages import compress, prune
+from ckptd.store import Store
+
+
+def recover(store: Store, cfg: Config) -> None:
+    released = store.release_all()
+    removed = 0
+    for d in [cfg.daemon.state_dir] + [r.path / CKPTD_DIR for r in cfg.roots]:
+        removed += remove_stale_temps(d)
+    purged = orphans = 0
+    for r in cfg.roots:
+        if r.path.is_dir():
+            # Deletes interrupted between the rename into the trash and the removal.
+            purged += prune.purge_trash(prune.trash_dir_for(r.path), r.path)
+            removed += compress.remove_stale_staging(r.path)
+            orphans += _remove_released_copies(store, r.name, r.path)
+    get_logger().info("daemon_recovered", leases_released=released, temp_files_removed=removed,
+                      trash_purged=purged, released_copies_removed=orphans)
+
+
+def _remove_released_copies(store: Store, root: str, path: Path) -> int:
+    n = 0
+    for step in compress.local_steps(path):
+        status = store.status(root, step)
+        if status is not None and not status.copy and status.local is not Local.COMPRESSED:
+            n += compress.remove_copy(path, step)
+    return n
+
+
+def remove_stale_temps(directory: os.PathLike[str]) -> int:
+    """Delete ckptd's own temp files left by a crash (never anything else)."""
+    n = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for e in entries:
+        if e.name.startswith(fileio.TEMP_PREFIX) and e.is_file(follow_symlinks=False):
+            try:
+                os.unlink(e.path)
+                n += 1
+            except OSError:
+                pass
+    return n
+
+
+def listen_socket(cfg: DaemonConfig) -> tuple[socket.socket, bool]:
+    """The inherited socket under socket activation (LISTEN_FDS), else our own; and whether
+    it was inherited (then it belongs to systemd's unit and is never unlinked)."""
+    inherited = sdnotify.unix_listener(sdnotify.listen_fds())
+    if inherited is None:
+        return bind_socket(cfg.socket, cfg.socket_group), False
+    name = inherited.getsockname()
+    if str(name) != str(cfg.socket):
+        get_logger().warning("socket_mismatch", inherited=str(name), configured=str(cfg.socket))
+    return inherited, True

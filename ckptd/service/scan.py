@@ -1,0 +1,142 @@
+"""The scan service: walks each root into candidates and has the store reconcile them; the
+watcher's events only wake it early. Also keeps the watcher alive.
+
+Owns the roots' scanners, the inotify/polling watcher and the scan loop's pacing. Decides
+nothing about checkpoints (layouts find, the lifecycle table decides, the store records).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ckptd.config import RootConfig
+from ckptd.log import get_logger
+from ckptd.metrics import Metrics
+from ckptd.store import Found, Store
+from ckptd.watch import EventWatcher, OpenFiles, RootScanner
+
+DEBOUNCE_S = 0.1
+WATCH_CHECK_S = 1.0
+
+
+class Scanner:
+    """Scans every root on a timer and when woken; one thread (the `scan` service)."""
+
+    def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
+                 scan_interval: Callable[[], float], polling: bool, metrics: Metrics,
+                 exclusive: Any = None) -> None:
+        self.store = store
+        self.roots = roots
+        self.scan_interval = scan_interval
+        self.metrics = metrics
+        # Held while a root is walked and reconciled: retention takes it for local deletes,
+        # so a scan never sees a checkpoint half moved into the trash.
+        self.exclusive = exclusive if exclusive is not None else contextlib.nullcontext()
+        self._polling = polling
+        self._wake = threading.Event()
+        self._scanners: dict[str, RootScanner] = {}
+        self._pending: set[str] = set()
+        self.beat = time.monotonic()
+        self.watcher = self._new_watcher()
+        self.log = get_logger()
+
+    def _new_watcher(self) -> EventWatcher:
+        poll = max(1.0, min(self.scan_interval(), 5.0))
+        return EventWatcher(self.wake, self._polling, poll_interval=poll)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- roots -------------------------------------------------------------------------------
+
+    def set_roots(self, roots: Mapping[str, RootConfig]) -> None:
+        """Start watching new or changed roots, stop watching removed ones (start, reload)."""
+        for name, scanner in list(self._scanners.items()):
+            new = roots.get(name)
+            if new is None or new.path != scanner.path:
+                self.watcher.unwatch(scanner.path)
+                del self._scanners[name]
+        for root in roots.values():
+            old = self._scanners.get(root.name)
+            # The watcher keeps feeding the OpenFiles it was given for a path: reuse it.
+            open_files = old.open_files if old is not None else OpenFiles()
+            self._scanners[root.name] = RootScanner(root.name, root.path, root.layout,
+                                                    root.options, open_files)
+            if not self.watcher.watch(root.path, open_files):
+                self.log.warning("root_missing", root=root.name, path=str(root.path))
+
+    # -- services ----------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """The scan loop: a full rescan every scan_interval, sooner when woken or settling."""
+        while not stop.is_set():
+            self.beat = time.monotonic()
+            wait = self.scan_interval()
+            if self._pending:
+                # Something is settling: look again soon instead of a full interval later.
+                settle = min((r.settle for r in self.roots().values()), default=wait)
+                wait = min(wait, max(0.25, settle / 2))
+            self._wake.wait(wait)
+            if stop.is_set():
+                return
+            time.sleep(DEBOUNCE_S)  # let a burst of events land before walking the tree
+            self._wake.clear()
+            self.scan_all()
+
+    def watch(self, stop: threading.Event) -> None:
+        """Keep the watcher's observer alive: a dead one is replaced, its roots watched again."""
+        if not self.watcher.alive():
+            old = self.watcher
+            self.watcher = self._new_watcher()
+            old.stop()
+            for scanner in self._scanners.values():
+                self.watcher.watch(scanner.path, scanner.open_files)
+        self.watcher.start()
+        self.wake()  # events may have been missed while it was down
+        while not stop.wait(WATCH_CHECK_S):
+            if not self.watcher.alive():
+                raise RuntimeError("the file watcher's observer thread died")
+        self.watcher.stop()
+
+    # -- one scan ----------------------------------------------------------------------------
+
+    def scan_all(self) -> None:
+        for root in list(self.roots().values()):
+            try:
+                self.scan_root(root)
+            except Exception as exc:  # one root's bad state must not stop the others' scans
+                self.metrics.error("scan")
+                self.store.set_root_error(root.name, f"scan: {exc}", time.time())
+                self.log.error("scan_failed", root=root.name, error=str(exc), exc_info=True)
+
+    def scan_root(self, root: RootConfig) -> None:
+        scanner = self._scanners.get(root.name)
+        if scanner is None:
+            return  # removed by a reload meanwhile
+        if not root.path.is_dir():
+            self.store.set_root_error(root.name, f"root path {root.path} does not exist",
+                                      time.time())
+            return
+        self.watcher.watch(root.path, scanner.open_files)
+        with self.exclusive:
+            now = time.time()
+            _, found = scanner.scan(now, self.store.registrations(root.name))
+            changes = self.store.sync_root(root.name, [Found(c, fp) for c, fp in found], now,
+                                           unreadable=frozenset(scanner.unreadable))
+        if scanner.unreadable:
+            self.store.set_root_error(root.name, f"could not read {sorted(scanner.unreadable)}"
+                                      " (checkpoints there are not marked gone)", now)
+        if any(not c.complete for c, _ in found):
+            self._pending.add(root.name)
+        else:
+            self._pending.discard(root.name)
+        for ch in changes:
+            self.log.info(ch.event, root=root.name, step=ch.step, layout=ch.layout, path=ch.path,
+                          detail=ch.detail or None)
+
+    def healthy(self, scan_interval: float) -> bool:
+        return time.monotonic() - self.beat < 2 * scan_interval + 60

@@ -1,0 +1,336 @@
+"""Stage workers: claim the stage the lifecycle left due on a checkpoint, run it under a lease,
+record the outcome as a lifecycle event.
+
+Owns worker threads' loops (each a supervised service), leases, priorities of background work
+and the preemption flush. Stages get plain paths and options (through `service.jobs`); only the
+store records, and the effects hook does what follows a transition.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ckptd.config import RootConfig
+from ckptd.errors import CkptdError, PermanentError
+from ckptd.lifecycle.table import Stage
+from ckptd.log import get_logger
+from ckptd.metrics import Metrics
+from ckptd.model import State, Tier
+from ckptd.service import jobs
+from ckptd.store import Job, Store
+from ckptd.watch import file_fingerprint
+
+LEASE_S = 60.0
+# After files changed under a stage, wait for the scanner to see the change before retrying.
+RESCAN_DEFER_S = 1.0
+# Reasons that prove a once-valid checkpoint's bytes are damaged (not a passing I/O error or
+# files changing under the read).
+CONTENT_REASONS = frozenset({"crc_mismatch", "size_mismatch", "truncated", "bad_header",
+                             "bad_metadata", "nan", "unsafe_pickle", "empty_file"})
+NICE = 10
+IDLE_WAIT_S = 1.0
+
+
+class Workers:
+    """A pool of stage workers over the store; each worker is one supervised service."""
+
+    def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
+                 count: int, rescan: Callable[[], None],
+                 backend_for: Callable[[RootConfig], Any], metrics: Metrics) -> None:
+        self.store = store
+        self.roots = roots
+        self.count = count
+        self.rescan = rescan
+        self.backend_for = backend_for
+        self.metrics = metrics
+        self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._flushing: dict[str, int] = {}  # root -> step being flushed to the remote first
+        self.progress: dict[str, float] = {}  # worker -> last time it made progress
+        self.busy: dict[str, bool] = {}
+        self.inflight: dict[int, Progress] = {}
+        self.log = get_logger()
+
+    @property
+    def names(self) -> list[str]:
+        return [f"worker-{i}" for i in range(self.count)]
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- the preemption flush ----------------------------------------------------------------
+
+    def flush(self) -> dict[str, int]:
+        """Preemption: the newest valid, not yet uploaded step of each uploading root goes
+        first; other copies and uploads yield until those are uploaded. Returns root -> step."""
+        targets = {}
+        for name, root in self.roots().items():
+            if not root.upload.enabled:
+                continue
+            rec = self.store.latest(name, Tier.LOCAL)
+            if rec is not None and rec.remote.value != "uploaded":
+                targets[name] = rec.step
+                self.store.expedite(name, rec.step)  # no waiting out an earlier backoff
+        with self._lock:
+            self._flushing = targets
+        self.log.info("flush_requested", targets=targets or None)
+        self.wake()
+        return targets
+
+    def flushing(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._flushing)
+
+    def _flush_targets(self) -> frozenset[tuple[str, int]] | None:
+        """The flush's steps still to upload; None when no flush is on."""
+        with self._lock:
+            flushing = dict(self._flushing)
+        if not flushing:
+            return None
+        left = {}
+        roots = self.roots()
+        for name, step in flushing.items():
+            if name not in roots or not roots[name].upload.enabled:
+                continue  # the root stopped uploading (reload): nothing left to flush there
+            rec = self.store.checkpoint(name, step)
+            if rec is not None and rec.state is State.VALID and rec.remote.value in (
+                    "none", "uploading"):
+                left[name] = step
+        with self._lock:
+            if self._flushing == flushing:
+                if not left:
+                    self.log.info("flush_done", roots=sorted(flushing))
+                self._flushing = left
+        return frozenset(left.items()) or None
+
+    def _abandon_flush(self, root: str, step: int, log: Any, error: str) -> None:
+        with self._lock:
+            if self._flushing.get(root) != step:
+                return
+            # A flush must not hold other work hostage to a remote that is failing.
+            self._flushing.pop(root, None)
+        log.warning("flush_abandoned", error=error)
+
+    def stalled(self, now: float, limit: float) -> list[str]:
+        """Workers busy on one job without progress for longer than `limit` seconds."""
+        return [w for w, t in list(self.progress.items())
+                if self.busy.get(w) and now - t > limit]
+
+    # -- one worker --------------------------------------------------------------------------
+
+    def run(self, name: str, stop: threading.Event) -> None:
+        """A worker's loop until `stop`: claim, run, record. A job that raised out of the
+        recording is given back (retried after backoff) before the worker crashes."""
+        lower_priority()
+        while not stop.is_set():
+            self.progress[name] = time.time()
+            job = self.store.claim(f"{self.owner}/{name}/{uuid.uuid4().hex[:8]}", time.time(),
+                                   LEASE_S, only=self._flush_targets())
+            if job is None:
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            self.busy[name] = True
+            try:
+                self._run(job, name)
+            except BaseException as exc:
+                self.store.fail_attempt(job, job.owner, f"{job.stage}: {type(exc).__name__}:"
+                                        f" {exc}", time.time())
+                raise
+            finally:
+                self.busy[name] = False
+
+    def _run(self, job: Job, worker: str) -> None:
+        root = self.roots().get(job.checkpoint.root)
+        if root is None:
+            return  # root removed from config; the lease just expires
+        rec = job.checkpoint
+        log = self.log.bind(root=rec.root, step=rec.step, stage=job.stage, layout=rec.layout)
+        fp = rec.fingerprint
+        if job.stage != Stage.UPLOAD and rec.local.value == "present":
+            fp = file_fingerprint(root.path, job.files)
+            if fp != rec.fingerprint:
+                self._changed(job, log, "files changed since completion; rescanning")
+                return
+        log.info("stage_started")
+        started = time.monotonic()
+        total = sum(_size(root.path / f) for f in job.files)
+        progress = Progress(rec.root, rec.step, job.stage, total, lambda: self._tick(worker))
+        self.inflight[rec.id] = progress
+        with _Renewer(self.store, rec.id, job.owner):
+            try:
+                outcome = self._stage(root, job, progress)
+            except jobs.NoLongerValid as exc:
+                self._no_longer_valid(root, job, fp, exc, log)
+                return
+            except Exception as exc:  # an OS, storage or code failure: retry later, never crash
+                self._failed(job, log, exc)
+                return
+            finally:
+                self.inflight.pop(rec.id, None)
+        elapsed = round(time.monotonic() - started, 3)
+        self._measure(job, rec.root, progress, elapsed, outcome)
+        self._record(root, job, fp, outcome, log, elapsed, progress.total)
+
+    def _stage(self, root: RootConfig, job: Job, progress: Progress) -> Any:
+        if job.stage == Stage.VALIDATE:
+            return jobs.run_validate(root, job, progress)
+        if job.stage == Stage.COMPRESS:
+            return jobs.run_compress(root, job, progress)
+        backend = self.backend_for(root)
+        if backend is None:
+            raise PermanentError(f"root {root.name} has no upload.url")
+        rec = job.checkpoint
+        return jobs.run_upload(root, job, progress, backend, self.store.stored_files(rec.id),
+                               replace_remote=self.store.replaced_upload(rec.root, rec.step))
+
+    def _record(self, root: RootConfig, job: Job, fp: str, outcome: Any, log: Any,
+                elapsed: float, size: int) -> None:
+        now = time.time()
+        if job.stage == Stage.VALIDATE:
+            result = outcome.result
+            if file_fingerprint(root.path, job.files) != fp:
+                self._changed(job, log, "files changed during validation; rescanning")
+            elif self.store.finish_validation(job, job.owner, fp, result, now,
+                                              stored=outcome.stored, size_on_disk=size):
+                if result.valid:
+                    log.info("checkpoint_valid", seconds=elapsed,
+                             bytes=sum(f.size for f in result.files),
+                             stored_bytes=sum(f.stored_size for f in outcome.stored) or None)
+                else:
+                    log.warning("checkpoint_invalid", reason=result.reason,
+                                message=result.message, seconds=elapsed)
+        elif job.stage == Stage.COMPRESS:
+            if self.store.finish_compress(job, job.owner, outcome, now):
+                log.info("stage_succeeded", seconds=elapsed)
+        elif self.store.finish_upload(job, job.owner, now):
+            log.info("checkpoint_uploaded", seconds=elapsed, sent_bytes=outcome.sent_bytes,
+                     skipped_objects=outcome.skipped_objects)
+
+    def _changed(self, job: Job, log: Any, why: str) -> None:
+        log.info("stage_deferred", why=why)
+        self.store.defer(job, job.owner, RESCAN_DEFER_S, time.time())
+        self.rescan()
+
+    def _no_longer_valid(self, root: RootConfig, job: Job, fp: str, exc: jobs.NoLongerValid,
+                         log: Any) -> None:
+        if (exc.result.reason in CONTENT_REASONS
+                and file_fingerprint(root.path, job.files) == fp):
+            if self.store.invalidate(job, job.owner, exc.result.reason, exc.result.message,
+                                     time.time()):
+                log.warning("checkpoint_invalid", reason=exc.result.reason,
+                            message=exc.result.message, found_by=job.stage)
+            return
+        # An I/O error, or files changing under the pass: not proof of damage.
+        self._failed(job, log, RuntimeError(f"{exc.result.reason}: {exc.result.message}"))
+        self.rescan()
+
+    def _measure(self, job: Job, root: str, progress: Progress, seconds: float,
+                 outcome: Any) -> None:
+        self.metrics.observe_stage(job.stage, seconds)
+        if job.stage == Stage.UPLOAD:
+            self.metrics.add_bytes("uploaded", root, int(outcome.sent_bytes))
+            return
+        self.metrics.add_bytes("read", root, progress.done)
+        stored = outcome.stored if job.stage == Stage.VALIDATE else outcome
+        written = sum(f.stored_size for f in stored)
+        if written:
+            self.metrics.add_bytes("written", root, written)
+
+    def _failed(self, job: Job, log: Any, exc: Exception) -> None:
+        self.metrics.error(job.stage)
+        if isinstance(exc, jobs.CopyMissing):
+            self.store.copy_lost(job, job.owner, time.time())  # compress redoes it
+        rec = job.checkpoint
+        self._abandon_flush(rec.root, rec.step, log, str(exc))
+        permanent = isinstance(exc, PermanentError)
+        delay = self.store.fail_attempt(job, job.owner, f"{job.stage}: {type(exc).__name__}:"
+                                        f" {exc}", time.time(), permanent=permanent)
+        log.error("stage_failed", error=str(exc), kind=type(exc).__name__, retry_in_s=delay,
+                  exc_info=not permanent and not isinstance(exc, OSError | CkptdError))
+
+    def _tick(self, worker: str) -> None:
+        self.progress[worker] = time.time()
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        return [p.as_json() for p in list(self.inflight.values())]
+
+
+class Progress:
+    """A read-pass sink that counts bytes a stage has processed (status, and the watchdog's
+    notion of a worker making progress)."""
+
+    def __init__(self, root: str, step: int, stage: str, total: int,
+                 tick: Callable[[], Any]) -> None:
+        self.root, self.step, self.stage, self.total = root, step, stage, total
+        self.done = 0
+        self._tick = tick
+
+    def update(self, offset: int, chunk: memoryview) -> None:
+        self.done += len(chunk)
+        self._tick()
+
+    def finish(self, total: int) -> None:
+        self._tick()
+
+    def advance(self, n: int) -> None:
+        """Byte-count progress from stages that are not read passes (upload)."""
+        self.done += n
+        self._tick()
+
+    def as_json(self) -> dict[str, Any]:
+        return {"root": self.root, "step": self.step, "stage": self.stage,
+                "done_bytes": self.done, "total_bytes": self.total}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class _Renewer:
+    """Renews a job's lease in the background while the stage runs, so a long stage keeps it
+    and a dead daemon's lease expires."""
+
+    def __init__(self, store: Store, cid: int, owner: str) -> None:
+        self._store, self._cid, self._owner = store, cid, owner
+        self._done = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True, name="ckptd-lease")
+
+    def __enter__(self) -> _Renewer:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._t.join()
+
+    def _loop(self) -> None:
+        while not self._done.wait(LEASE_S / 3):
+            try:
+                self._store.renew(self._cid, self._owner, time.time(), LEASE_S)
+            except Exception as exc:  # noqa: BLE001 - the lease then expires; the stage goes on
+                get_logger().warning("lease_renew_failed", error=str(exc))
+
+
+def lower_priority() -> None:
+    """Run the calling thread at low CPU priority (SCHED_IDLE where allowed, else nice)."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, NICE)
+    except OSError:
+        pass

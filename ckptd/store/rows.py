@@ -1,0 +1,111 @@
+"""Plain types the store hands out (Found, Job, Applied, SyncChange) and row conversions.
+
+Owns the mapping between SQLite rows and ckptd's types; holds no connection and no SQL.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ckptd.lifecycle.table import Effect, Event, Stage, Status
+from ckptd.model import Candidate, CheckpointRecord, Local, Remote, State
+
+
+@dataclass(frozen=True)
+class Found:
+    """A candidate from a scan with the fingerprint of its member files at scan time."""
+
+    candidate: Candidate
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Job:
+    """A unit of claimed work: one stage of one checkpoint, held under a lease."""
+
+    checkpoint: CheckpointRecord
+    stage: str
+    files: tuple[str, ...]
+    expected_sizes: dict[str, int]
+    min_sizes: dict[str, int]
+    invalid_reason: str
+    invalid_message: str
+    opaque: tuple[str, ...] = ()
+    owner: str = ""  # the lease token of this claim: every outcome is recorded under it
+
+
+@dataclass(frozen=True)
+class SyncChange:
+    """What a reconcile did to one step, for logging (`event` is the log event name)."""
+
+    event: str
+    step: int
+    layout: str
+    path: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Applied:
+    """One committed transition, handed to the effects hook after its transaction commits."""
+
+    root: str
+    step: int
+    event: Event
+    source: Status | None
+    target: Status | None
+    effects: frozenset[Effect]
+
+
+def status_of(r: sqlite3.Row) -> Status:
+    return Status(State(r["state"]), Local(r["local"]), Remote(r["remote"]), r["copy"] == "ready")
+
+
+def record_of(r: sqlite3.Row) -> CheckpointRecord:
+    return CheckpointRecord(
+        id=int(r["id"]), root=r["root"], step=int(r["step"]), layout=r["layout"],
+        path=r["path"], state=State(r["state"]), local=Local(r["local"]),
+        remote=Remote(r["remote"]), bytes=int(r["bytes"]), stored_bytes=int(r["stored_bytes"]),
+        metrics=json.loads(r["metrics"]), reason=r["reason"], message=r["message"],
+        pinned=bool(r["pinned"]), created=float(r["created"]),
+        completed=None if r["completed"] is None else float(r["completed"]),
+        fingerprint=r["fingerprint"],
+    )
+
+
+def job_of(r: sqlite3.Row, stage: Stage, owner: str) -> Job:
+    expected = json.loads(r["expected"])
+    return Job(
+        checkpoint=record_of(r), stage=stage.value,
+        files=tuple(json.loads(r["files"])),
+        expected_sizes={k: int(v) for k, v in expected.get("sizes", {}).items()},
+        min_sizes={k: int(v) for k, v in expected.get("min", {}).items()},
+        invalid_reason=expected.get("invalid_reason", ""),
+        invalid_message=expected.get("invalid_message", ""),
+        opaque=tuple(expected.get("opaque", ())),
+        owner=owner,
+    )
+
+
+def expected_json(c: Candidate) -> str:
+    return json.dumps({"sizes": c.expected_sizes, "min": c.min_sizes,
+                       "invalid_reason": c.invalid_reason,
+                       "invalid_message": c.invalid_message, "opaque": list(c.opaque)})
+
+
+def overlaps(path: str, dirs: frozenset[str]) -> bool:
+    """Is `path` at, under or above one of `dirs` ("" is the root: everything overlaps)?"""
+    return any(d == "" or path == d or path.startswith(d + "/") or d.startswith(path + "/")
+               for d in dirs)
+
+
+def one_per_step(found: Sequence[Found]) -> list[Found]:
+    """Two candidates of one step in a scan: the later-written one wins (layouts return the
+    earlier first); acting on both would make them supersede each other on every scan."""
+    by_step: dict[int, Found] = {}
+    for f in found:
+        by_step[f.candidate.step] = f
+    return list(by_step.values())
