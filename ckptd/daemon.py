@@ -7,7 +7,6 @@ signal/watchdog beat: every other thread is a service under the supervisor.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import os
 import signal
@@ -15,14 +14,13 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import IO
 
 from ckptd import sdnotify
 from ckptd.api import ApiContext, UnixHttpServer
 from ckptd.backends import BackendCache
 from ckptd.changes import Changes
 from ckptd.config import Config, RootConfig, load_config
-from ckptd.errors import ConfigError, StateLocked
+from ckptd.errors import ConfigError
 from ckptd.lifecycle.effects import Effects
 from ckptd.lifecycle.table import Policy
 from ckptd.log import get_logger
@@ -30,6 +28,7 @@ from ckptd.metrics import Metrics
 from ckptd.pruning import Pruner
 from ckptd.service import recovery
 from ckptd.service.discovery import Discovery
+from ckptd.service.recovery import StateDirLock
 from ckptd.service.scan import Scanner
 from ckptd.service.supervisor import Supervisor
 from ckptd.service.workers import Workers
@@ -39,35 +38,6 @@ STOP_GRACE_S = 20.0
 # A stage worker that has read no byte for this long counts as stuck (the watchdog stops).
 STALL_LIMIT_S = 300.0
 STATUS_EVERY_S = 10.0
-
-
-class StateDirLock:
-    """An exclusive flock on `<state_dir>/ckptd.lock`: one daemon per state dir."""
-
-    def __init__(self, state_dir: Path) -> None:
-        self.state_dir = state_dir
-        self.path = state_dir / "ckptd.lock"
-        self._fh: IO[str] | None = None
-
-    def acquire(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "a+")  # noqa: SIM115 - held for the daemon's lifetime
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            fh.close()
-            raise StateLocked(f"another ckptd holds {self.path}; only one daemon may use a"
-                              " state directory") from exc
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"{os.getpid()}\n")
-        fh.flush()
-        self._fh = fh
-
-    def release(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
 
 
 def policy_of(root: RootConfig) -> Policy:

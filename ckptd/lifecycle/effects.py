@@ -82,15 +82,23 @@ class Effects:
         self.retention = retention
         self.scan = scan
         self.publisher = LatestPublisher(store)
+        self._local = threading.local()
         self.log = get_logger()
 
     def __call__(self, applied: Sequence[Applied]) -> None:
+        local = self._local
+        if getattr(local, "queue", None) is not None:
+            local.queue.extend(applied)  # an effect's own transition: after this batch
+            return
+        local.queue = list(applied)
         try:
-            self._carry_out(applied)
+            while local.queue:
+                batch, local.queue = local.queue, []
+                self._carry_out(batch)
         finally:
-            # Last: long-polls look at the store again only once the effects are done.
-            if any(a.effects for a in applied):
-                self.changes.notify()
+            local.queue = None
+            # Last: long-polls look at the store again only once every effect is done.
+            self.changes.notify()
 
     def _carry_out(self, applied: Sequence[Applied]) -> None:
         roots = self.roots()

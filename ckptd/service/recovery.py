@@ -1,4 +1,4 @@
-"""Start-up recovery and the daemon's listening socket.
+"""Start-up: the state-dir lock, recovery, and the daemon's listening socket.
 
 Owns what a restart after a crash cleans up: every lease dropped (one daemon per state dir),
 ckptd's own temp files and staging dirs, deletes half done in the trash, and compressed copies
@@ -8,13 +8,16 @@ is not ckptd's own, nor a copy the store does not know (it may be the only one).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 from pathlib import Path
+from typing import IO
 
 from ckptd import fileio, sdnotify
 from ckptd.api import bind_socket
 from ckptd.config import Config, DaemonConfig
+from ckptd.errors import StateLocked
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local
 from ckptd.stages import compress, prune
@@ -73,3 +76,32 @@ def listen_socket(cfg: DaemonConfig) -> tuple[socket.socket, bool]:
     if str(name) != str(cfg.socket):
         get_logger().warning("socket_mismatch", inherited=str(name), configured=str(cfg.socket))
     return inherited, True
+
+
+class StateDirLock:
+    """An exclusive flock on `<state_dir>/ckptd.lock`: one daemon per state dir."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.path = state_dir / "ckptd.lock"
+        self._fh: IO[str] | None = None
+
+    def acquire(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        fh = open(self.path, "a+")  # noqa: SIM115 - held for the daemon's lifetime
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            fh.close()
+            raise StateLocked(f"another ckptd holds {self.path}; only one daemon may use a"
+                              " state directory") from exc
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        self._fh = fh
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None

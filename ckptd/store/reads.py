@@ -1,0 +1,141 @@
+"""Read-only queries of the state store: what `ls`, `status`, `latest`, retention and the
+stages' callers ask. Writes nothing; `Store` (db.py) adds every write.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ckptd.lifecycle.table import Status
+from ckptd.manifest import StoredFile
+from ckptd.model import CheckpointRecord, FileRecord, Local, Remote, State, Tier
+from ckptd.store.rows import record_of, status_of
+
+
+class Reads:
+    """The queries; `_db` and `_lock` belong to the Store that inherits them."""
+
+    _db: sqlite3.Connection
+    _lock: threading.RLock
+
+    def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return list(self._db.execute(sql, args).fetchall())
+
+    def transitions(self, root: str, step: int) -> list[tuple[str, str, str]]:
+        """The logged (event, source, target) of every save of one step, oldest first."""
+        rows = self._rows("SELECT event, source, target FROM transitions WHERE root=? AND"
+                          " step=? ORDER BY id", (root, step))
+        return [(r["event"], r["source"], r["target"]) for r in rows]
+
+    def registrations(self, root: str) -> dict[int, tuple[str, ...]]:
+        rows = self._rows("SELECT step, paths FROM registrations WHERE root=?", (root,))
+        return {int(r["step"]): tuple(json.loads(r["paths"])) for r in rows}
+
+    def members(self, checkpoint_id: int) -> tuple[str, ...]:
+        """Root-relative member files as the layout reported them."""
+        rows = self._rows("SELECT files FROM checkpoints WHERE id=?", (checkpoint_id,))
+        return tuple(json.loads(rows[0]["files"])) if rows else ()
+
+    def stored_files(self, checkpoint_id: int) -> list[StoredFile]:
+        rows = self._rows("SELECT * FROM files WHERE checkpoint_id=? ORDER BY path",
+                          (checkpoint_id,))
+        return [StoredFile(r["path"], int(r["size"]), r["hash"], r["hash_alg"], r["codec"],
+                           int(r["stored_size"] or 0), r["key"]) for r in rows]
+
+    def replaced_upload(self, root: str, step: int) -> bool:
+        """Did this node upload an earlier save of `step` that a re-save has since replaced?
+        Only then may the remote copy of the step be replaced by the new one."""
+        rows = self._rows("SELECT 1 FROM checkpoints WHERE root=? AND step=? AND superseded=1"
+                          " AND remote IN ('uploaded','uploading') LIMIT 1", (root, step))
+        return bool(rows)
+
+    def has_copy(self, root: str, step: int) -> bool:
+        rows = self._rows("SELECT copy FROM checkpoints WHERE root=? AND step=? AND superseded=0",
+                          (root, step))
+        return bool(rows) and rows[0]["copy"] == "ready"
+
+    def in_use(self, root: str, now: float) -> frozenset[int]:
+        rows = self._rows("SELECT DISTINCT step FROM readers WHERE root=? AND expires>=?",
+                          (root, now))
+        return frozenset(int(r["step"]) for r in rows)
+
+    def checkpoints(self, root: str) -> list[CheckpointRecord]:
+        rows = self._rows("SELECT * FROM checkpoints WHERE root=? AND superseded=0 ORDER BY step",
+                          (root,))
+        return [record_of(r) for r in rows]
+
+    def checkpoint(self, root: str, step: int) -> CheckpointRecord | None:
+        rows = self._rows("SELECT * FROM checkpoints WHERE root=? AND step=? AND superseded=0",
+                          (root, step))
+        return record_of(rows[0]) if rows else None
+
+    def status(self, root: str, step: int) -> Status | None:
+        rows = self._rows("SELECT * FROM checkpoints WHERE root=? AND step=? AND superseded=0",
+                          (root, step))
+        return status_of(rows[0]) if rows else None
+
+    def files(self, checkpoint_id: int) -> list[FileRecord]:
+        rows = self._rows("SELECT path, size, hash, hash_alg FROM files WHERE checkpoint_id=?"
+                          " ORDER BY path", (checkpoint_id,))
+        return [FileRecord(r["path"], int(r["size"]), r["hash"], r["hash_alg"]) for r in rows]
+
+    def latest(self, root: str, tier: Tier = Tier.ANY) -> CheckpointRecord | None:
+        where = {
+            Tier.ANY: "(local IN ('present','compressed') OR remote='uploaded')",
+            Tier.LOCAL: "local IN ('present','compressed')",
+            Tier.REMOTE: "remote='uploaded'",
+        }[tier]
+        rows = self._rows(
+            f"SELECT * FROM checkpoints WHERE root=? AND superseded=0 AND state='valid'"  # noqa: S608
+            f" AND {where} ORDER BY step DESC LIMIT 1", (root,))
+        return record_of(rows[0]) if rows else None
+
+    def best(self, root: str, metric: str, mode: str) -> CheckpointRecord | None:
+        if not metric:
+            return None
+        candidates = [
+            c for c in self.checkpoints(root)
+            if c.state is State.VALID and metric in c.metrics
+            and (c.local is not Local.PRUNED or c.remote is Remote.UPLOADED)
+        ]
+        if not candidates:
+            return None
+        sign = 1.0 if mode == "min" else -1.0
+        # Ties go to the newer step: it carries more training.
+        return min(candidates, key=lambda c: (sign * c.metrics[metric], -c.step))
+
+    def counts(self, root: str) -> dict[str, int]:
+        rows = self._rows("SELECT state, COUNT(*) AS n FROM checkpoints WHERE root=?"
+                          " AND superseded=0 GROUP BY state", (root,))
+        counts = {s.value: 0 for s in State}
+        counts.update({r["state"]: int(r["n"]) for r in rows})
+        return counts
+
+    def queue_length(self, root: str) -> int:
+        """Checkpoints with a stage due (validation, a copy, an upload)."""
+        rows = self._rows("SELECT COUNT(*) AS n FROM checkpoints WHERE root=? AND superseded=0"
+                          " AND stage IS NOT NULL", (root,))
+        return int(rows[0]["n"])
+
+    def in_flight(self, now: float) -> list[dict[str, Any]]:
+        rows = self._rows("SELECT root, step, lease_stage FROM checkpoints"
+                          " WHERE lease_owner IS NOT NULL AND lease_expires>=? AND superseded=0",
+                          (now,))
+        return [{"root": r["root"], "step": int(r["step"]), "stage": r["lease_stage"]}
+                for r in rows]
+
+    def root_info(self, root: str) -> dict[str, Any]:
+        rows = self._rows("SELECT latest_step, latest_doc, last_error FROM roots WHERE name=?",
+                          (root,))
+        if not rows:
+            return {"latest_step": None, "latest_doc": "", "last_error": ""}
+        return {"latest_step": rows[0]["latest_step"], "latest_doc": rows[0]["latest_doc"],
+                "last_error": rows[0]["last_error"]}
+
+    def roots(self) -> list[str]:
+        return [r["root"] for r in self._rows("SELECT DISTINCT root FROM checkpoints")]

@@ -1,0 +1,200 @@
+"""What the scan, the API, retention and discovery record in the state store: a scan's
+reconcile, registrations, pins, readers' leases, retention's and discovery's events.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Sequence
+from typing import Any
+
+from ckptd.lifecycle.table import (
+    Event,
+    Sighting,
+    classify,
+)
+from ckptd.manifest import Manifest
+from ckptd.model import State
+from ckptd.store.core import Core
+from ckptd.store.rows import (
+    Found,
+    SyncChange,
+    expected_json,
+    one_per_step,
+    overlaps,
+    status_of,
+)
+
+_SCAN_EVENTS = {Event.FOUND_PENDING: "", Event.FOUND_COMPLETE: "checkpoint_complete",
+                Event.RESAVED: "checkpoint_superseded", Event.VANISHED: "checkpoint_vanished",
+                Event.REAPPEARED: "checkpoint_reappeared"}
+
+
+class Sync(Core):
+    """Everything recorded besides stage work."""
+
+
+    def sync_root(self, root: str, found: Sequence[Found], now: float,
+                  unreadable: frozenset[str] = frozenset()) -> list[SyncChange]:
+        """Reconcile the rows of `root` with one scan's candidates. Returns what changed.
+        Rows at, under or above an `unreadable` directory are never marked vanished: an
+        unreadable directory is not a deleted checkpoint."""
+        changes: list[SyncChange] = []
+        with self._tx() as db:
+            regs = self._registration_metrics(root)
+            for f in one_per_step(found):
+                change = self._sync_one(db, root, f, regs.get(f.candidate.step, {}), now)
+                if change:
+                    changes.append(change)
+            seen = {f.candidate.step for f in found}
+            changes.extend(self._sync_gone(db, root, seen, unreadable, now))
+        return changes
+
+    def _registration_metrics(self, root: str) -> dict[int, dict[str, float]]:
+        rows = self._db.execute("SELECT step, metrics FROM registrations WHERE root=?", (root,))
+        return {int(r["step"]): json.loads(r["metrics"]) for r in rows}
+
+    def _sync_one(self, db: sqlite3.Connection, root: str, f: Found,
+                  reg_metrics: dict[str, float], now: float) -> SyncChange | None:
+        c = f.candidate
+        row = db.execute(
+            "SELECT * FROM checkpoints WHERE root=? AND step=? AND superseded=0", (root, c.step)
+        ).fetchone()
+        metrics = {**c.metrics, **reg_metrics}
+        if row is None:
+            self._insert_found(db, root, f, metrics, now, pinned=False)
+            return SyncChange("checkpoint_discovered", c.step, c.layout, c.path,
+                              "complete" if c.complete else c.waiting_for)
+        seen = Sighting(complete=c.complete,
+                        same_save=row["fingerprint"] == f.fingerprint and row["path"] == c.path,
+                        fewer_files=set(c.files) < set(json.loads(row["files"])),
+                        same_path=row["path"] == c.path)
+        event = classify(status_of(row), seen)
+        if event is None:
+            return None
+        if event in (Event.FOUND_PENDING, Event.FOUND_COMPLETE):
+            self._apply(db, row, event, now, **_found_fields(f, metrics, now))
+        elif event is Event.RESAVED:
+            self._apply(db, row, event, now)
+            self._insert_found(db, root, f, metrics, now, pinned=bool(row["pinned"]))
+            return SyncChange("checkpoint_superseded", c.step, c.layout, c.path,
+                              f"previous {row['layout']} at {row['path']} ({row['state']})")
+        else:
+            self._apply(db, row, event, now)
+            if event is Event.VANISHED:
+                self._forget_registration(db, root, c.step)
+                return SyncChange("checkpoint_vanished", c.step, c.layout, c.path,
+                                  "partly deleted")
+        name = _SCAN_EVENTS[event]
+        return SyncChange(name, c.step, c.layout, c.path) if name else None
+
+    def _insert_found(self, db: sqlite3.Connection, root: str, f: Found,
+                      metrics: dict[str, float], now: float, pinned: bool) -> None:
+        event = Event.FOUND_COMPLETE if f.candidate.complete else Event.FOUND_PENDING
+        self._insert(db, root, event, now, step=f.candidate.step, pinned=int(pinned),
+                     **_found_fields(f, metrics, now))
+
+    def _sync_gone(self, db: sqlite3.Connection, root: str, seen: set[int],
+                   unreadable: frozenset[str], now: float) -> list[SyncChange]:
+        changes = []
+        rows = db.execute("SELECT * FROM checkpoints WHERE root=? AND superseded=0"
+                          " AND local='present'", (root,)).fetchall()
+        for r in rows:
+            if r["step"] in seen or overlaps(r["path"], unreadable):
+                continue
+            self._apply(db, r, Event.VANISHED, now)
+            if r["state"] != State.PENDING.value:
+                self._forget_registration(db, root, int(r["step"]))
+                changes.append(SyncChange("checkpoint_vanished", r["step"], r["layout"],
+                                          r["path"]))
+        return changes
+
+
+    def register(self, root: str, step: int, paths: Sequence[str], metrics: dict[str, float],
+                 now: float) -> None:
+        with self._tx() as db:
+            old = db.execute("SELECT paths, metrics FROM registrations WHERE root=? AND step=?",
+                             (root, step)).fetchone()
+            merged_metrics = {**(json.loads(old["metrics"]) if old else {}), **metrics}
+            merged_paths = list(paths) or (json.loads(old["paths"]) if old else [])
+            db.execute(
+                "INSERT OR REPLACE INTO registrations (root, step, paths, metrics, created)"
+                " VALUES (?,?,?,?,?)",
+                (root, step, json.dumps(merged_paths), json.dumps(merged_metrics), now),
+            )
+            row = self._current(db, root, step)
+            if row is not None:
+                m = {**json.loads(row["metrics"]), **metrics}
+                self._apply(db, row, Event.REGISTERED, now, metrics=json.dumps(m))
+
+    def set_pinned(self, root: str, step: int, pinned: bool) -> bool:
+        with self._tx() as db:
+            cur = db.execute("UPDATE checkpoints SET pinned=? WHERE root=? AND step=?"
+                             " AND superseded=0", (int(pinned), root, step))
+            return cur.rowcount > 0
+
+
+    def record(self, root: str, step: int, event: Event, now: float = 0.0) -> bool:
+        """Apply `event` to the current row of a step (retention, discovery, the effects of a
+        transition). False when there is no such row or the table refuses."""
+        with self._tx() as db:
+            row = self._current(db, root, step)
+            if row is None or not self._atomically(db, lambda: self._apply(db, row, event, now)):
+                return False
+            if event is Event.PRUNED_LOCAL:
+                self._forget_registration(db, root, step)
+            return True
+
+    def expedite(self, root: str, step: int) -> None:
+        """Forget the backoff of a step's failed attempts (a flush wants it now)."""
+        with self._tx() as db:
+            db.execute("UPDATE checkpoints SET next_attempt=0, attempts=0 WHERE root=? AND step=?"
+                       " AND superseded=0", (root, step))
+
+    def add_remote_only(self, root: str, manifest: Manifest, now: float) -> bool:
+        """A step committed remotely that this store does not know (a fresh node, a lost
+        state dir): recorded as valid, uploaded, not present locally. False if known."""
+        with self._tx() as db:
+            if self._current(db, root, manifest.step) is not None:
+                return False
+            cid = self._insert(
+                db, root, Event.REMOTE_FOUND, now, step=manifest.step, layout=manifest.layout,
+                path=f"step-{manifest.step}",
+                files=json.dumps([f.path for f in manifest.files]), bytes=manifest.size,
+                stored_bytes=manifest.stored_size, metrics=json.dumps(manifest.metrics),
+                completed=now)
+            db.executemany(
+                "INSERT INTO files (checkpoint_id, path, size, hash, hash_alg, codec, stored_size,"
+                " key) VALUES (?,?,?,?,?,?,?,?)",
+                [(cid, f.path, f.size, f.hash, f.hash_alg, f.codec, f.stored_size, f.key)
+                 for f in manifest.files])
+            return True
+
+
+    def lease_reader(self, root: str, step: int, owner: str, expires: float) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO readers (root, step, owner, expires)"
+                       " VALUES (?,?,?,?)", (root, step, owner, expires))
+
+    def release_reader(self, root: str, step: int, owner: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM readers WHERE root=? AND step=? AND owner=?",
+                       (root, step, owner))
+
+    def set_root_error(self, root: str, error: str, now: float) -> None:
+        with self._tx() as db:
+            self._set_error(db, root, error, now)
+
+    def set_published_latest(self, root: str, step: int | None, doc: str = "") -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO roots (name, latest_step, latest_doc) VALUES (?,?,?)"
+                       " ON CONFLICT(name) DO UPDATE SET latest_step=excluded.latest_step,"
+                       " latest_doc=excluded.latest_doc", (root, step, doc))
+
+
+def _found_fields(f: Found, metrics: dict[str, float], now: float) -> dict[str, Any]:
+    c = f.candidate
+    return {"layout": c.layout, "path": c.path, "files": json.dumps(list(c.files)),
+            "expected": expected_json(c), "metrics": json.dumps(metrics),
+            "fingerprint": f.fingerprint, "completed": now if c.complete else None, "bytes": 0}

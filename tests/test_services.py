@@ -1,0 +1,145 @@
+"""The daemon's services in-process, on real files, a real SQLite store and a real Unix socket:
+latest.json follows every field of the latest, a job whose outcome could not be recorded is
+retried (not lost), a dead file watcher is replaced, a reload retries failed stages at once."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import render_config
+from writers import save_torch
+
+from ckptd.client import Client
+from ckptd.config import load_config
+from ckptd.daemon import Daemon
+from ckptd.model import ValidationResult
+from ckptd.store import Job, Store
+
+
+def wait_until(cond: Any, timeout: float = 20.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = cond()
+        if last:
+            return last
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+class Harness:
+    def __init__(self, tmp: Path, sock_dir: Path, store_factory: type[Store] = Store,
+                 **root: Any) -> None:
+        self.root = tmp / "ckpt"
+        self.root.mkdir()
+        self.config_path = tmp / "ckptd.toml"
+        self.daemon_cfg = {"state_dir": str(tmp / "state"), "socket": str(sock_dir / "s.sock"),
+                           "scan_interval": "1s", "workers": 1}
+        if root.pop("uploads", False):
+            root["upload"] = {"url": f"file://{tmp / 'remote'}"}
+        self.root_cfg = {"name": "r", "path": str(self.root), "settle": "200ms", **root}
+        self.write_config()
+        self.daemon = Daemon(load_config(self.config_path), self.config_path,
+                             store_factory=store_factory)
+        self.daemon.supervisor._base = 0.05  # noqa: SLF001 - restart quickly in tests
+        self.client = Client(sock_dir / "s.sock", strict=True)
+
+    def write_config(self) -> None:
+        self.config_path.write_text(render_config(self.daemon_cfg, [self.root_cfg]))
+
+    def latest_json(self) -> dict[str, Any] | None:
+        try:
+            doc: dict[str, Any] = json.loads((self.root / ".ckptd" / "latest.json").read_text())
+        except FileNotFoundError:
+            return None
+        return doc
+
+
+@pytest.fixture
+def harness(tmp_path: Path, short_dir: Path, request: pytest.FixtureRequest) -> Iterator[Harness]:
+    kw = dict(getattr(request, "param", {}))
+    h = Harness(tmp_path, short_dir, **kw)
+    h.daemon.start()
+    try:
+        yield h
+    finally:
+        h.daemon.stop(grace=5)
+
+
+@pytest.mark.parametrize("harness", [{"uploads": True}], indirect=True)
+def test_latest_json_follows_the_remote_field(harness: Harness, tmp_path: Path) -> None:
+    """latest.json is rewritten when the latest's remote (or local) changes, not only its
+    step: a job that resumes from the file alone knows the step is safe remotely."""
+    h = harness
+    save_torch(h.root / "model_step_3.pt")
+    assert h.client.wait("r", 3, until="uploaded", timeout=30)
+    doc = wait_until(h.latest_json, what="latest.json")
+    assert doc["step"] == 3 and doc["remote"] == "uploaded" and doc["local"] == "present"
+    latest = h.client.latest("r")
+    assert latest is not None
+    for key in ("step", "path", "layout", "local", "remote"):
+        assert doc[key] == latest[key], key
+
+
+class RecordFailsOnce(Store):
+    """The first validation outcome cannot be recorded (a database error)."""
+
+    failed = threading.Event()
+
+    def finish_validation(self, job: Job, owner: str, fingerprint: str,
+                          result: ValidationResult, now: float, stored: Any = (),
+                          size_on_disk: int = 0) -> bool:
+        if not RecordFailsOnce.failed.is_set():
+            RecordFailsOnce.failed.set()
+            raise OSError("database is locked (injected)")
+        return super().finish_validation(job, owner, fingerprint, result, now, stored,
+                                         size_on_disk)
+
+
+@pytest.mark.parametrize("harness", [{"store_factory": RecordFailsOnce}], indirect=True)
+def test_a_job_whose_outcome_raised_is_retried_not_lost(harness: Harness) -> None:
+    RecordFailsOnce.failed.clear()
+    h = harness
+    save_torch(h.root / "model_step_8.pt")
+    wait_until(RecordFailsOnce.failed.is_set, what="the injected failure")
+    # the worker crashed and was restarted; the job was given back with a backoff
+    wait_until(lambda: any(s["name"] == "worker-0" and s["restarts"] == 1
+                           for s in h.client.health()["services"]),  # type: ignore[index]
+               what="the worker restart")
+    assert h.client.wait("r", 8, until="valid", timeout=30)
+    assert "database is locked" in (h.client.status()["roots"][0]["last_error"]  # type: ignore[index]
+                                    or "")
+
+
+def test_a_dead_watcher_is_replaced(harness: Harness) -> None:
+    h = harness
+    old = h.daemon.scanner.watcher
+    old._observer.stop()  # noqa: SLF001 - its thread ends, as if it had died
+    wait_until(lambda: h.daemon.scanner.watcher is not old and h.daemon.supervisor.alive(),
+               what="a new watcher")
+    (watch,) = [s for s in h.client.health()["services"]  # type: ignore[index]
+                if s["name"] == "watch"]
+    assert watch["restarts"] == 1 and "observer" in watch["last_error"]
+    save_torch(h.root / "model_step_2.pt")  # the new watcher (or the rescan) finds it
+    assert h.client.wait("r", 2, until="valid", timeout=30)
+
+
+@pytest.mark.parametrize("harness", [{"upload": {"url": "file:///proc/ckptd-not-writable"}}],
+                         indirect=True)
+def test_reload_retries_failed_uploads_at_once(harness: Harness, tmp_path: Path) -> None:
+    h = harness
+    save_torch(h.root / "model_step_4.pt")
+    assert h.client.wait("r", 4, until="valid", timeout=30)
+    wait_until(lambda: (h.client.status()["roots"][0]["last_error"] or "")  # type: ignore[index]
+               .startswith("upload"), what="the failed upload")
+    # the operator fixes the remote and reloads: no waiting out the backoff
+    h.root_cfg["upload"] = {"url": f"file://{tmp_path / 'remote'}"}
+    h.write_config()
+    assert h.daemon.reload()
+    assert h.client.wait("r", 4, until="uploaded", timeout=15)
