@@ -23,6 +23,7 @@ from typing import Any
 
 from ckptd import __version__
 from ckptd.changes import Changes
+from ckptd.errors import ServiceUnavailable
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Remote, State, Tier
 from ckptd.store import Store
@@ -63,7 +64,8 @@ class ApiContext:
         self.stopping = threading.Event()
         self.extra_routes = dict(extra_routes or {})
         self.metrics_text: Callable[[], str] = lambda: ""
-        # Retention hooks, set by the daemon: the plan (dry run), and a run now.
+        # Retention hooks, set by the daemon: the plan (dry run), and a run now (on the
+        # retention thread; ServiceUnavailable when it could not be done in time).
         self.prune_plan: Callable[[str], dict[str, Any]] = lambda root: {"root": root, "plan": []}
         self.prune_now: Callable[[str], list[dict[str, Any]]] = lambda root: []
         self.root_health: Callable[[str], dict[str, Any] | None] = lambda root: None
@@ -332,7 +334,11 @@ class Handler(BaseHTTPRequestHandler):
     def h_prune_now(self, root: str, **_: Any) -> tuple[int, Any]:
         self._not_stopping()
         r = self.ctx.root(root)
-        return 200, {"root": r.name, "outcomes": self.ctx.prune_now(r.name)}
+        try:
+            outcomes = self.ctx.prune_now(r.name)
+        except ServiceUnavailable as exc:
+            raise HttpError(503, "retention_unavailable", str(exc)) from exc
+        return 200, {"root": r.name, "outcomes": outcomes}
 
     def h_wait(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         r = self.ctx.root(root)

@@ -26,8 +26,9 @@ from ckptd.log import get_logger
 from ckptd.metrics import Metrics
 from ckptd.model import CKPTD_DIR, Tier
 from ckptd.pipeline import LatestPublisher, Pipeline
-from ckptd.pruning import Pruner, health_json
-from ckptd.stages import compress, prune
+from ckptd.retention import executor
+from ckptd.retention.scheduler import RetentionService, health_json
+from ckptd.stages import compress
 from ckptd.store import Found, Store
 from ckptd.watch import EventWatcher, OpenFiles, RootScanner
 
@@ -82,7 +83,7 @@ class Daemon:
         self.server: UnixHttpServer | None = None
         self.watcher: EventWatcher | None = None
         self.pipeline: Pipeline | None = None
-        self.pruner: Pruner | None = None
+        self.pruner: RetentionService | None = None
         self.publisher: LatestPublisher | None = None
         self._backends: dict[str, tuple[Any, Any]] = {}
         self._remote_seen: dict[str, float] = {}
@@ -161,14 +162,11 @@ class Daemon:
 
     def _prune_plan(self, name: str) -> dict[str, Any]:
         assert self.pruner is not None
-        root = self._root_configs()[name]
-        return self.pruner.plan(root).as_json(name)
+        return self.pruner.plan(name).as_json(name)
 
     def _prune_now(self, name: str) -> list[dict[str, Any]]:
         assert self.pruner is not None
-        outcomes = self.pruner.run(self._root_configs()[name])
-        return [{"step": o.step, "tier": o.tier, "action": o.action, "reason": o.reason,
-                 "bytes_freed": o.bytes_freed} for o in outcomes]
+        return [o.as_json() for o in self.pruner.run_now(name)]
 
     def _views(self) -> dict[str, RootView]:
         return {r.name: RootView(r.name, r.path, r.metric, r.metric_mode, r.upload.enabled)
@@ -192,8 +190,8 @@ class Daemon:
         self.publisher = publisher = LatestPublisher(self.store)
         for rt in self._root_configs().values():
             publisher.publish(rt)
-        self.pruner = Pruner(self.store, self._root_configs, self.backend_for,
-                             on_change=self._after_prune)
+        self.pruner = RetentionService(self.store, self._root_configs, self.backend_for,
+                                       on_change=self._after_prune)
         self.pipeline = Pipeline(self.store, self._root_configs, self.changes, publisher,
                                  cfg.daemon.workers, on_resave=self.wake_scan,
                                  after_stage=self.pruner.request, backend_for=self.backend_for,
@@ -206,7 +204,7 @@ class Daemon:
         self.ctx.retention_lock = self.pruner.exclusive
         self.ctx.flushing = lambda: dict(self.pipeline.flushing) if self.pipeline else {}
         self.ctx.prune_now = self._prune_now
-        self.ctx.root_health = lambda name: health_json(self.pruner.health.get(name)
+        self.ctx.root_health = lambda name: health_json(self.pruner.health(name)
                                                         if self.pruner else None)
         self.ctx.metrics_text = self._render_metrics
         sock = self._listen_socket()
@@ -215,7 +213,6 @@ class Daemon:
             self.metrics_server = self.metrics.serve_tcp(cfg.metrics.listen)
         self.pipeline.start()
         self.pruner.start()
-        self.pruner._want_all()
         self._spawn(self.server.serve_forever, "ckptd-api")
         self._spawn(self._refresh_all_remote, "ckptd-remote")
         self._spawn(self._scan_loop, "ckptd-scan")
@@ -252,7 +249,7 @@ class Daemon:
         for r in self.config.roots:
             if r.path.is_dir():
                 # Deletes interrupted between the rename into the trash and the removal.
-                purged += prune.purge_trash(prune.trash_dir_for(r.path), r.path)
+                purged += executor.purge_trash(executor.trash_dir_for(r.path), r.path)
                 removed += compress.remove_stale_staging(r.path)
         self.log.info("daemon_recovered", leases_released=released, temp_files_removed=removed,
                       trash_purged=purged)
@@ -479,7 +476,7 @@ class Daemon:
             since = newest - remote.step if remote else newest
         raw = sum(r.bytes for r in records if r.stored_bytes)
         stored = sum(r.stored_bytes for r in records if r.stored_bytes)
-        health = self.pruner.health.get(root.name) if self.pruner else None
+        health = self.pruner.health(root.name) if self.pruner else None
         self.metrics.set_root(
             root.name, counts=self.store.counts(root.name),
             queue=self.store.queue_length(root.name, uploads=root.upload.enabled),
