@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from ckptd import __version__
 from ckptd.changes import Changes
 from ckptd.config import RootConfig
+from ckptd.errors import ServiceUnavailable
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Remote, State, Tier
 from ckptd.store import Store
@@ -354,8 +355,8 @@ class Handler(BaseHTTPRequestHandler):
         r = self.ctx.root(root)
         try:
             outcomes = self.ctx.retention.apply_now(r)
-        except TimeoutError as exc:
-            raise HttpError(503, "retention_busy", f"retention did not run: {exc}") from None
+        except ServiceUnavailable as exc:
+            raise HttpError(503, "retention_unavailable", str(exc)) from exc
         return 200, {"root": r.name, "outcomes": outcomes}
 
     def h_wait(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:

@@ -25,7 +25,7 @@ from ckptd.lifecycle.effects import Effects
 from ckptd.lifecycle.table import Policy
 from ckptd.log import get_logger
 from ckptd.metrics import Metrics
-from ckptd.pruning import Pruner
+from ckptd.retention.scheduler import RetentionService
 from ckptd.service import recovery
 from ckptd.service.discovery import Discovery
 from ckptd.service.recovery import StateDirLock
@@ -78,7 +78,7 @@ class Daemon:
         self.store = store = self._store_factory(cfg.daemon.state_dir / "state.db")
         store.set_policies({r.name: policy_of(r) for r in cfg.roots})
         recovery.recover(store, cfg)
-        self.retention = Pruner(store, self.roots, self.backends.get)
+        self.retention = RetentionService(store, self.roots, self.backends.get)
         self.scanner = Scanner(store, self.roots, lambda: self.config.daemon.scan_interval,
                                cfg.daemon.polling, self.metrics, self.retention.exclusive)
         self.workers = Workers(store, self.roots, cfg.daemon.workers, self.scanner.wake,

@@ -37,6 +37,13 @@ class StateLocked(CkptdError):
     exit_code = 75
 
 
+class ServiceUnavailable(CkptdError):
+    """A service of the daemon could not do what was asked in time (not running, or busy);
+    asking again later may succeed. The socket API answers it with 503."""
+
+    exit_code = 69
+
+
 class NotFound(CkptdError):
     """No such root, step or object."""
 

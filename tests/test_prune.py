@@ -23,17 +23,7 @@ from ckptd.backends import Backend, LocalBackend
 from ckptd.errors import TransientError
 from ckptd.manifest import MANIFEST_NAME, step_prefix
 from ckptd.model import Local, Remote, State
-from ckptd.policy.retention import (
-    Action,
-    CheckpointView,
-    Disk,
-    LocalRules,
-    Plan,
-    PlanItem,
-    RemoteRules,
-    plan,
-)
-from ckptd.stages.prune import (
+from ckptd.retention.executor import (
     Guards,
     Outcome,
     Target,
@@ -45,6 +35,16 @@ from ckptd.stages.prune import (
     restore,
     trash,
     trash_dir_for,
+)
+from ckptd.retention.planner import (
+    Action,
+    CheckpointView,
+    Disk,
+    LocalRules,
+    Plan,
+    PlanItem,
+    RemoteRules,
+    plan,
 )
 
 OPEN = Guards(
@@ -425,14 +425,14 @@ import os, sys
 from pathlib import Path
 from ckptd.log import configure
 from ckptd.model import Local, Remote
-from ckptd.stages import prune
+from ckptd.retention import executor
 
 configure("json", stream=sys.stderr)  # stdout is the line to the parent
 
 root, mode = Path(sys.argv[1]), sys.argv[2]
 files = tuple(f"ckpt/step_10_{p}.pt" for p in ("meta", "model", "optim"))
-target = prune.Target(10, files[1], files, Local.PRESENT, Remote.NONE, is_dir=False)
-guards = prune.Guards(None, None, frozenset(), frozenset(), frozenset(), False)
+target = executor.Target(10, files[1], files, Local.PRESENT, Remote.NONE, is_dir=False)
+guards = executor.Guards(None, None, frozenset(), frozenset(), frozenset(), False)
 
 def block(word):
     print(word, flush=True)
@@ -446,7 +446,7 @@ if mode == "mid-move":
             block("moved-one")
     os.rename = rename
 
-record = prune.trash(root, target, guards, prune.trash_dir_for(root))
+record = executor.trash(root, target, guards, executor.trash_dir_for(root))
 block("trashed")
 """
 

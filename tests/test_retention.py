@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ckptd.model import Local, Remote, State
-from ckptd.policy.retention import (
+from ckptd.retention.planner import (
     Action,
     CheckpointView,
     Disk,

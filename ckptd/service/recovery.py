@@ -20,7 +20,8 @@ from ckptd.config import Config, DaemonConfig
 from ckptd.errors import StateLocked
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local
-from ckptd.stages import compress, prune
+from ckptd.retention import executor
+from ckptd.stages import compress
 from ckptd.store import Store
 
 
@@ -33,7 +34,7 @@ def recover(store: Store, cfg: Config) -> None:
     for r in cfg.roots:
         if r.path.is_dir():
             # Deletes interrupted between the rename into the trash and the removal.
-            purged += prune.purge_trash(prune.trash_dir_for(r.path), r.path)
+            purged += executor.purge_trash(executor.trash_dir_for(r.path), r.path)
             removed += compress.remove_stale_staging(r.path)
             orphans += _remove_released_copies(store, r.name, r.path)
     get_logger().info("daemon_recovered", leases_released=released, temp_files_removed=removed,

@@ -1,2 +1,2 @@
-"""Pipeline stages (validate, compress, upload, prune): each idempotent, given plain paths and
-options; none touches the store or imports another stage."""
+"""Pipeline stages (validate, compress, upload): each idempotent, given plain paths and options;
+none touches the store or imports another stage. Retention's deletes live in `ckptd.retention`."""

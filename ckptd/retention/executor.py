@@ -1,8 +1,8 @@
-"""The prune stage: carries out a retention plan's deletes after re-checking the safety nets.
+"""The retention executor: carries out a plan's deletes after re-checking the safety nets.
 
 Owns crash-safe local deletion (rename into `<root>/.ckptd/trash`, then removal) and remote deletes
-through a function it is given. Never imports the store, the pipeline or another stage; never
-follows a symlink; never compresses (compress items come back as `deferred`).
+through a function it is given. Never imports the store, the scheduler or a stage; never follows
+a symlink; never compresses (compress items come back as `deferred`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ckptd.errors import StorageError
 from ckptd.log import get_logger
 from ckptd.manifest import step_prefix
 from ckptd.model import CKPTD_DIR, Local, Remote
-from ckptd.policy.retention import Action, Plan, PlanItem, Tag
+from ckptd.retention.planner import Action, Plan, PlanItem, Tag
 
 TRASH_DIR = "trash"  # <root>/.ckptd/trash: same filesystem as the checkpoints, so renames work
 JOURNAL_NAME = "journal.json"
@@ -77,13 +77,17 @@ class Guards:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What happened to one tier's copy of one step; the pipeline records it in the store."""
+    """What happened to one tier's copy of one step; the scheduler records it in the store."""
 
     step: int
     tier: TierName
     action: OutcomeAction
     reason: str
     bytes_freed: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"step": self.step, "tier": self.tier, "action": self.action,
+                "reason": self.reason, "bytes_freed": self.bytes_freed}
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,7 @@ def execute_local(
     `on_trashed(step, entry)` runs between the two so the store records "trashed" before any
     byte is removed; if it raises, the checkpoint is put back and the outcome is `failed`. An
     outcome `trashed` means gone from its place but not yet removed (purge_trash finishes it).
-    Compress items come back as `deferred` (reason "compress") for the compress stage.
+    Compress items come back as `deferred` (reason "compress"): the caller compresses in place.
     """
     log = get_logger(root=root or Path(root_dir).name)
     _trash_location(Path(root_dir).resolve(), trash_dir)  # a caller bug fails before any move

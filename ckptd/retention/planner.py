@@ -1,7 +1,8 @@
 """Retention planner: decides, per checkpoint and tier, keep / compress / delete, with reasons.
 
 Pure: plain data in, an immutable `Plan` out; no I/O, no clock, imports only `ckptd.model`.
-Carrying a plan out (and re-checking the safety nets) is the executor's job. See docs/RETENTION.md.
+Carrying a plan out (and re-checking the safety nets) is `ckptd.retention.executor`'s job.
+See docs/RETENTION.md.
 """
 
 from __future__ import annotations
