@@ -21,13 +21,13 @@ from ckptd.backends import BackendCache
 from ckptd.changes import Changes
 from ckptd.config import Config, RootConfig, load_config
 from ckptd.errors import ConfigError
-from ckptd.lifecycle.effects import Effects
-from ckptd.lifecycle.table import Policy
 from ckptd.log import get_logger
 from ckptd.metrics import Metrics
 from ckptd.retention.scheduler import RetentionService
 from ckptd.service import recovery
 from ckptd.service.discovery import Discovery
+from ckptd.service.effects import Effects
+from ckptd.service.jobs import policy_of
 from ckptd.service.recovery import StateDirLock
 from ckptd.service.scan import Scanner
 from ckptd.service.supervisor import Supervisor
@@ -38,10 +38,6 @@ STOP_GRACE_S = 20.0
 # A stage worker that has read no byte for this long counts as stuck (the watchdog stops).
 STALL_LIMIT_S = 300.0
 STATUS_EVERY_S = 10.0
-
-
-def policy_of(root: RootConfig) -> Policy:
-    return Policy(uploads=root.upload.enabled, keeps_copies=root.retention.local.compress_older)
 
 
 class Daemon:

@@ -26,11 +26,6 @@ def latest_key(root_name: str) -> str:
     return f"{root_name}/{LATEST_NAME}"
 
 
-def object_key(manifest: Manifest, rel_key: str) -> str:
-    """The full key of one stored object of `manifest` (its `key` is relative to the step)."""
-    return f"{step_prefix(manifest.root, manifest.step)}/{rel_key}"
-
-
 def list_steps(backend: Backend, root_name: str) -> list[int]:
     """Steps of `root_name` that are committed (have a MANIFEST.json), ascending.
 

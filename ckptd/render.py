@@ -47,6 +47,11 @@ def render_status(doc: dict[str, Any]) -> str:
     if doc.get("flushing"):
         out += ["", "flushing (preemption): " + ", ".join(
             f"{f['root']} step {f['step']}" for f in doc["flushing"])]
+    troubled = [s for s in doc.get("services", []) if s["state"] != "running" or s["restarts"]]
+    for svc in troubled:
+        when = "" if svc["state"] == "running" else f" ({svc['state']})"
+        out += ["", f"service {svc['name']}{when}: restarted {svc['restarts']}x,"
+                    f" last error: {svc['last_error']}"]
     warnings = [r for r in doc["roots"] if r.get("preflight") and not r["preflight"]["ok"]]
     for r in warnings:
         out += ["", f"capacity warning for {r['name']}: {r['preflight']['message']}"]

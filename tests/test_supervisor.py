@@ -4,6 +4,8 @@ The daemon test injects a real fault through a Store subclass (same protocol, no
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -137,6 +139,11 @@ def test_daemon_worker_crash_is_restarted_and_shown_in_health(daemon_with_faulty
         (s for s in c.health()["services"] if s["name"] == "worker-0" and s["restarts"]), None),
         what="the restart in health")
     assert health["last_error"] == "OSError: disk I/O error (injected)"
+    shown = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket",
+                            str(d.config.daemon.socket)], capture_output=True, text=True,
+                           timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "service worker-0: restarted 1x, last error: OSError: disk I/O error" in shown.stdout
     # the restarted worker does its job: a checkpoint still becomes valid
     save_torch(ckpt / "model_step_5.pt")
     wait_until(lambda: (c.latest("r") or {}).get("step") == 5, timeout=30,

@@ -1,2 +1,2 @@
-"""The checkpoint lifecycle: statuses, events and the pure transition table (`table`), and the
-one hook that carries out a committed transition's consequences (`effects`)."""
+"""The checkpoint lifecycle as data: statuses, events, effects and the pure transition table
+(`table`). What carries out a transition's effects is a service (`ckptd.service.effects`)."""

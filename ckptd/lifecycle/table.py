@@ -62,7 +62,7 @@ class Event(StrEnum):
 
 
 class Effect(StrEnum):
-    """Consequences performed after the transition commits, by `lifecycle.effects` only."""
+    """Consequences performed after the transition commits, by `service.effects` only."""
 
     PUBLISH = "publish"  # recompute latest; rewrite <root>/.ckptd/latest.json if it differs
     NOTIFY = "notify"  # wake long-polls (`wait`) and status watchers

@@ -80,11 +80,6 @@ class RetentionService:
             self._wanted.add(root)
         self._wake.set()
 
-    def request_all(self) -> None:
-        with self._mutex:
-            self._wanted.update(self.roots())
-        self._wake.set()
-
     def run_now(self, root: str, timeout: float = RUN_NOW_TIMEOUT_S) -> list[executor.Outcome]:
         """Have the retention thread run `root` (a run that starts after this call) and return
         its outcomes. Raises what the run raised, NotFound for an unknown root, and

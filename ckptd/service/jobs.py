@@ -12,6 +12,7 @@ from typing import Any
 
 from ckptd.config import RootConfig
 from ckptd.errors import DiskFull
+from ckptd.lifecycle.table import Policy
 from ckptd.log import get_logger
 from ckptd.manifest import StoredFile
 from ckptd.model import Candidate, ValidationResult
@@ -41,9 +42,10 @@ def _checks(root: RootConfig) -> dict[str, Any]:
     return {"deep": root.deep_validate, "trusted": frozenset(root.trusted_globals)}
 
 
-def wants_copy(root: RootConfig) -> bool:
-    """A root keeps a compressed copy when it uploads it or may keep it instead of originals."""
-    return root.upload.enabled or root.retention.local.compress_older
+def policy_of(root: RootConfig) -> Policy:
+    """What the lifecycle needs of a root's config to know which stages its checkpoints need:
+    a compressed copy when it uploads or may keep copies instead of originals."""
+    return Policy(uploads=root.upload.enabled, keeps_copies=root.retention.local.compress_older)
 
 
 def stager_for(root: RootConfig, job: Job) -> compress.Stager:
@@ -57,7 +59,7 @@ def run_validate(root: RootConfig, job: Job, progress: Any) -> Validated:
     cand = candidate_of(job)
     if cand.invalid_reason:
         return Validated(ValidationResult(False, cand.invalid_reason, cand.invalid_message))
-    if not wants_copy(root):
+    if not policy_of(root).wants_copy:
         return Validated(validate(root.path, cand, **_checks(root),
                                   extra_sinks=lambda _rel: [progress]))
     stager = stager_for(root, job)
