@@ -92,13 +92,12 @@ def upload_step(
     committed = _existing_commit(backend, root_name, manifest, remote)
     meter = Meter(progress)
     run = _Run(backend, step_prefix(root_name, manifest.step), objects_dir, meter)
-    todo: list[StoredFile] = []
-    for f in manifest.files:
-        if run.already_there(f, remote.get(f.key), trust_size=committed):
-            meter.advance(f.stored_size)
-        else:
-            todo.append(f)
-    _send_all(run, todo, max(1, concurrency))
+    try:
+        todo = [f for f in manifest.files
+                if not run.already_there(f, remote.get(f.key), trust_size=committed)]
+        _send_all(run, todo, max(1, concurrency))
+    finally:
+        run.ledger.close()
     _verify(backend, root_name, manifest, run.expected)
     if not committed:
         meter.sent(_commit(backend, root_name, manifest))
@@ -215,15 +214,18 @@ class _Run:
         path = self.local(f)
         here = fingerprint(path)
         if trust_size or (here and self.ledger.vouches(f.key, here, meta)):
-            self.expected[f.key] = meta
-            return True
+            return self._skip(f, meta)
         if self.md5_etags and etag_matches_file(meta, path, f.stored_size,
                                                  self.backend.part_size):
-            self.expected[f.key] = meta
             if here:
                 self.ledger.record(f.key, here, meta)
-            return True
+            return self._skip(f, meta)
         return False
+
+    def _skip(self, f: StoredFile, meta: ObjectMeta) -> bool:
+        self.expected[f.key] = meta
+        self.meter.advance(f.stored_size)
+        return True
 
     def send(self, f: StoredFile) -> None:
         key = f"{self.prefix}/{f.key}"
