@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from structlog.testing import capture_logs
 from test_upload import (
     PART,
     ROOT,
@@ -190,3 +191,13 @@ def test_a_link_leading_out_of_the_objects_dir_is_refused(tmp_path: Path, link: 
     assert list_steps(backend, ROOT) == []
     linked = "rank1/" if link == "dir" else "rank1/shard2.bin"
     assert not [k for k in keys_of(backend, 8) if k.startswith(linked)]
+
+
+def test_an_unwritable_ledger_never_fails_the_upload(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path / "remote", part_size=PART)
+    objects, manifest = make_step(tmp_path, 9, many_files(), codec="none")
+    (objects / LEDGER_NAME).mkdir()  # neither readable nor writable as a file
+    with capture_logs() as logs:
+        result = upload_step(backend, ROOT, objects, manifest)
+    assert result.uploaded_objects == FILES and list_steps(backend, ROOT) == [9]
+    assert len([e for e in logs if e["event"] == "upload_ledger_unwritable"]) == FILES
