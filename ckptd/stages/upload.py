@@ -92,13 +92,12 @@ def upload_step(
     committed = _existing_commit(backend, root_name, manifest, remote)
     meter = Meter(progress)
     run = _Run(backend, step_prefix(root_name, manifest.step), objects_dir, meter)
-    todo: list[StoredFile] = []
-    for f in manifest.files:
-        if run.already_there(f, remote.get(f.key), trust_size=committed):
-            meter.advance(f.stored_size)
-        else:
-            todo.append(f)
-    _send_all(run, todo, max(1, concurrency))
+    try:
+        todo = [f for f in manifest.files
+                if not run.already_there(f, remote.get(f.key), trust_size=committed)]
+        _send_all(run, todo, max(1, concurrency))
+    finally:
+        run.ledger.close()
     _verify(backend, root_name, manifest, run.expected)
     if not committed:
         meter.sent(_commit(backend, root_name, manifest))
@@ -196,12 +195,30 @@ class _Run:
         self.checksummed = 0
         self.stop = threading.Event()
         self._lock = threading.Lock()
+        self._dirs: dict[str, Path] = {}  # directory key -> its checked local path
 
     def local(self, f: StoredFile) -> Path:
+        """`objects_dir/key`, refused as `fileio.safe_join` refuses a path leading out of
+        `objects_dir`. Each directory is resolved once a run, then a file costs one lstat
+        instead of resolving every component of its path (measured: 9% of a 10,000-object
+        upload's samples went to realpath)."""
+        parent, _, name = f.key.rpartition("/")
+        if not _plain(f.key):
+            return self._safe_join(f.key)  # refused, with safe_join's reason
+        base = self._dirs.get(parent)
+        if base is None:
+            base = self._safe_join(f.key, parent) if parent else self.objects_dir
+            self._dirs[parent] = base
+        path = base / name
+        if path.is_symlink():
+            return self._safe_join(f.key)  # where the link leads decides
+        return path
+
+    def _safe_join(self, key: str, rel: str | None = None) -> Path:
         try:
-            return fileio.safe_join(self.objects_dir, f.key)
+            return fileio.safe_join(self.objects_dir, key if rel is None else rel)
         except UnsafePath as exc:
-            raise PermanentError(f"stored object {f.key!r}: {exc}") from None
+            raise PermanentError(f"stored object {key!r}: {exc}") from None
 
     def already_there(self, f: StoredFile, meta: ObjectMeta | None, trust_size: bool) -> bool:
         """Is the remote object `meta` this file's bytes, without sending them again?
@@ -215,15 +232,18 @@ class _Run:
         path = self.local(f)
         here = fingerprint(path)
         if trust_size or (here and self.ledger.vouches(f.key, here, meta)):
-            self.expected[f.key] = meta
-            return True
+            return self._skip(f, meta)
         if self.md5_etags and etag_matches_file(meta, path, f.stored_size,
                                                  self.backend.part_size):
-            self.expected[f.key] = meta
             if here:
                 self.ledger.record(f.key, here, meta)
-            return True
+            return self._skip(f, meta)
         return False
+
+    def _skip(self, f: StoredFile, meta: ObjectMeta) -> bool:
+        self.expected[f.key] = meta
+        self.meter.advance(f.stored_size)
+        return True
 
     def send(self, f: StoredFile) -> None:
         key = f"{self.prefix}/{f.key}"
@@ -253,6 +273,12 @@ class _Run:
         # SSE-KMS/SSE-C objects have etags that are not MD5s, indistinguishable from a
         # corrupted upload here; restore checks every file's hash end to end.
         get_logger().warning("upload_etag_mismatch", key=key, etag=meta.etag, md5=sent)
+
+
+def _plain(key: str) -> bool:
+    """A relative key of plain names: nothing that could climb or be absolute."""
+    return "\x00" not in key and not key.startswith("/") and all(
+        part not in ("", ".", "..") for part in key.split("/"))
 
 
 def _send_all(run: _Run, todo: list[StoredFile], concurrency: int) -> None:
