@@ -7,11 +7,13 @@ Never runs a stage itself and never blocks the accept loop (one thread per conne
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import socket
 import socketserver
+import stat
 import threading
 import time
 import urllib.parse
@@ -23,13 +25,19 @@ from typing import Any, Protocol
 from ckptd import __version__
 from ckptd.changes import Changes
 from ckptd.config import RootConfig
-from ckptd.errors import ServiceUnavailable
+from ckptd.errors import ConfigError, ServiceUnavailable
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Remote, State, Tier
+from ckptd.service.pins import write_pins
 from ckptd.store import Store
 
 MAX_BODY = 1024 * 1024
 MAX_WAIT_S = 3600.0
+# A burst of a few hundred clients at once is queued, not refused.
+LISTEN_BACKLOG = 1024
+MAX_STEP = 2**63
+MAX_PATHS = 10_000
+MAX_METRICS = 256
 
 
 class HttpError(Exception):
@@ -88,6 +96,7 @@ class ApiContext:
         self.metrics = metrics
         self.started = time.monotonic()
         self.stopping = threading.Event()
+        self.problem: str | None = None  # why the daemon stopped acting (set by the daemon)
 
     def uptime(self) -> float:
         return round(time.monotonic() - self.started, 3)
@@ -104,11 +113,11 @@ class ApiContext:
         """ok, degraded (a service crashed and is being restarted) or stopping."""
         if self.stopping.is_set():
             return "stopping"
-        return "ok" if self.services.alive() else "degraded"
+        return "ok" if self.services.alive() and self.problem is None else "degraded"
 
     def health(self) -> dict[str, Any]:
         return {"status": self.state(), "version": __version__, "uptime_s": self.uptime(),
-                "services": self.services.health()}
+                "services": self.services.health(), "problem": self.problem}
 
     def status(self) -> dict[str, Any]:
         roots = [self.root_status(r) for r in self.roots().values()]
@@ -116,7 +125,7 @@ class ApiContext:
                 "roots": roots, "in_flight": self.workers.in_flight(),
                 "flushing": [{"root": r, "step": s}
                              for r, s in self.workers.flushing().items()],
-                "services": self.services.health()}
+                "services": self.services.health(), "problem": self.problem}
 
     def root_status(self, root: RootConfig) -> dict[str, Any]:
         latest = self.store.latest(root.name)
@@ -254,7 +263,7 @@ class Handler(BaseHTTPRequestHandler):
         if not raw:
             return None
         try:
-            return json.loads(raw)
+            return json.loads(raw, parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:
             raise HttpError(400, "bad_json", f"request body is not valid JSON: {exc}") from exc
 
@@ -262,7 +271,8 @@ class Handler(BaseHTTPRequestHandler):
         if isinstance(payload, str):
             data, ctype = payload.encode(), "text/plain; version=0.0.4; charset=utf-8"
         else:
-            data, ctype = json.dumps(payload).encode() + b"\n", "application/json"
+            data = json.dumps(payload, allow_nan=False).encode() + b"\n"
+            ctype = "application/json"
         try:
             self.send_response(status)
             self.send_header("Content-Type", ctype)
@@ -303,6 +313,12 @@ class Handler(BaseHTTPRequestHandler):
         self._not_stopping()
         r = self.ctx.root(root)
         step, paths, metrics = parse_registration(body, r.path)
+        taken = _taken(self.ctx.store.owners(r.name), paths, step)
+        if taken:
+            p, other = taken[0]
+            raise HttpError(409, "path_taken", f"{p} belongs to step {other} of root {r.name!r}"
+                            f" ({len(taken)} registered path(s) do): a file belongs to one"
+                            " checkpoint only")
         self.ctx.store.register(r.name, step, paths, metrics, time.time())
         get_logger().info("checkpoint_registered", root=r.name, step=step, paths=len(paths))
         self.ctx.scan.wake()
@@ -319,23 +335,33 @@ class Handler(BaseHTTPRequestHandler):
         n = _step(step)
         with self.ctx.retention.exclusive:
             done = self.ctx.store.set_pinned(r.name, n, pinned)
-        if not done:
-            raise HttpError(404, "no_checkpoint", f"root {r.name!r} has no step {n}")
+            if not done:
+                raise HttpError(404, "no_checkpoint", f"root {r.name!r} has no step {n}")
+            beside = self._keep_pins_beside(r)
         get_logger().info("checkpoint_pinned" if pinned else "checkpoint_unpinned",
-                          root=r.name, step=n)
+                          root=r.name, step=n, kept_beside_root=beside)
         self.ctx.changes.notify()
-        return 200, {"root": r.name, "step": n, "pinned": pinned}
+        return 200, {"root": r.name, "step": n, "pinned": pinned, "kept_beside_root": beside}
+
+    def _keep_pins_beside(self, r: RootConfig) -> bool:
+        """The root's pins file follows the store, so a lost state database keeps them."""
+        try:
+            write_pins(r.path, self.ctx.store.pinned_steps(r.name))
+        except OSError as exc:
+            get_logger().warning("pins_write_failed", root=r.name, error=str(exc))
+            return False
+        return True
 
     def h_lease(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         """A reader (a resume, a restore) holds `step`: retention never deletes it meanwhile."""
         r = self.ctx.root(root)
-        rec = self._record(r, _step(step))
-        owner = query.get("owner", "")
+        n = _step(step)
+        owner = _text(query.get("owner", ""), "owner")
         if not owner or len(owner) > 128:
             raise HttpError(400, "bad_field", "owner must be a non-empty id (<= 128 chars)")
-        ttl = min(max(_float(query.get("ttl", "600"), "ttl"), 1.0), 86400.0)
+        ttl = _float(query.get("ttl", "600"), "ttl", 1.0, 86400.0)
         with self.ctx.retention.exclusive:
-            rec = self._record(r, rec.step)
+            rec = self._record(r, n)
             if rec.local.value == "pruned" and rec.remote is not Remote.UPLOADED:
                 raise HttpError(409, "gone", f"step {rec.step} of {r.name!r} has no copy left")
             self.ctx.store.lease_reader(r.name, rec.step, owner, time.time() + ttl)
@@ -344,7 +370,7 @@ class Handler(BaseHTTPRequestHandler):
     def h_unlease(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         r = self.ctx.root(root)
         n = _step(step)
-        self.ctx.store.release_reader(r.name, n, query.get("owner", ""))
+        self.ctx.store.release_reader(r.name, n, _text(query.get("owner", ""), "owner"))
         return 200, {"root": r.name, "step": n, "released": True}
 
     def h_prune_plan(self, root: str, **_: Any) -> tuple[int, Any]:
@@ -368,7 +394,7 @@ class Handler(BaseHTTPRequestHandler):
         if until == "uploaded" and not r.upload.enabled:
             raise HttpError(409, "upload_not_configured",
                             f"root {r.name!r} has no upload.url; it never uploads")
-        timeout = _float(query.get("timeout", "30"), "timeout")
+        timeout = _float(query.get("timeout", "30"), "timeout", 0.0, MAX_WAIT_S)
         return self._wait(r, n, until, min(max(timeout, 0.0), MAX_WAIT_S))
 
     def _wait(self, r: RootConfig, step: int, until: str, timeout: float) -> tuple[int, Any]:
@@ -411,10 +437,41 @@ def _reached(rec: CheckpointRecord, until: str) -> bool:
     return rec.state is State.VALID and rec.remote in (Remote.UPLOADED, Remote.PRUNED)
 
 
+def _taken(owners: dict[str, int], paths: list[str], step: int) -> list[tuple[str, int]]:
+    """Registered paths that are, or hold, another checkpoint's files."""
+    taken = [(p, owners[p]) for p in paths if owners.get(p, step) != step]
+    dirs = tuple(p + "/" for p in paths)
+    taken += [(f, s) for f, s in owners.items() if s != step and f.startswith(dirs)]
+    return sorted(taken)
+
+
 def _step(text: str) -> int:
-    if not text.isdigit():
-        raise HttpError(400, "bad_field", f"step must be a non-negative integer, got {text!r}")
+    """A step: ASCII decimal digits, below 2^63 (what SQLite and every layout can hold)."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 19 or int(text) >= MAX_STEP:
+        raise HttpError(400, "bad_field", f"step must be an integer from 0 to 2^63-1, got"
+                        f" {text[:40]!r}")
     return int(text)
+
+
+def _text(value: str, name: str, limit: int = 4096) -> str:
+    """A client string: bounded, no NUL, no lone surrogate (nothing a file system, SQLite or
+    a JSON encoder would refuse later)."""
+    if len(value) > limit or "\x00" in value or not _encodable(value):
+        raise HttpError(400, "bad_field", f"{name} must be UTF-8 text without NUL, at most"
+                        f" {limit} characters")
+    return value
+
+
+def _encodable(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (numbers must be finite)")
 
 
 def _tier(text: str) -> Tier:
@@ -424,11 +481,17 @@ def _tier(text: str) -> Tier:
         raise HttpError(400, "bad_field", "tier must be any, local or remote") from exc
 
 
-def _float(text: str, name: str) -> float:
+def _float(text: str, name: str, lo: float, hi: float) -> float:
+    """A finite number of seconds in [lo, hi]; NaN, infinities and values out of range are
+    refused, never clamped into something the client did not ask for."""
     try:
-        return float(text)
-    except ValueError as exc:
-        raise HttpError(400, "bad_field", f"{name} must be a number of seconds") from exc
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise HttpError(400, "bad_field", f"{name} must be a number of seconds from {lo:g}"
+                        f" to {hi:g}, got {text[:40]!r}")
+    return value
 
 
 def parse_registration(body: Any, root_path: Path) -> tuple[int, list[str], dict[str, float]]:
@@ -439,24 +502,29 @@ def parse_registration(body: Any, root_path: Path) -> tuple[int, list[str], dict
     if unknown:
         raise HttpError(400, "bad_field", f"unknown field(s): {', '.join(sorted(unknown))}")
     step = body.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise HttpError(400, "bad_field", "step must be a non-negative integer")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
+        raise HttpError(400, "bad_field", "step must be an integer from 0 to 2^63-1")
     paths = body.get("paths") or []
-    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
-        raise HttpError(400, "bad_field", "paths must be a list of non-empty strings")
+    if (not isinstance(paths, list) or len(paths) > MAX_PATHS
+            or not all(isinstance(p, str) and p for p in paths)):
+        raise HttpError(400, "bad_field", f"paths must be a list of at most {MAX_PATHS}"
+                        " non-empty strings")
     metrics = body.get("metrics") or {}
-    if not isinstance(metrics, dict) or not all(
+    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS or not all(
         isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
-        for k, v in metrics.items()
+        and math.isfinite(v) for k, v in metrics.items()
     ):
-        raise HttpError(400, "bad_field", "metrics must map names to numbers")
-    rel = [relative_inside(root_path, p) for p in paths]
+        raise HttpError(400, "bad_field", f"metrics must map at most {MAX_METRICS} names to"
+                        " finite numbers")
+    for k in metrics:
+        _text(k, "a metric name", 256)
+    rel = [relative_inside(root_path, _text(p, "a path")) for p in paths]
     return step, rel, {k: float(v) for k, v in metrics.items()}
 
 
 def relative_inside(root: Path, p: str) -> str:
     """`p` (absolute, or relative to the root) as a root-relative path; 422 when it leaves
-    the root, directly or through a symlink."""
+    the root, directly or through a symlink, or is longer than the file system allows."""
     candidate = Path(p) if os.path.isabs(p) else root / p
     real_root = os.path.realpath(root)
     real = os.path.realpath(candidate)
@@ -465,7 +533,19 @@ def relative_inside(root: Path, p: str) -> str:
     rel = os.path.relpath(real, real_root)
     if rel == "." or rel.split(os.sep)[0] == ".ckptd":
         raise HttpError(422, "outside_root", f"{p} is not a checkpoint path inside {root}")
+    name_max, path_max = _limits(real_root)
+    if (len(os.fsencode(real)) >= path_max
+            or any(len(os.fsencode(part)) > name_max for part in rel.split(os.sep))):
+        raise HttpError(422, "path_too_long", f"{p[:200]} is longer than the file system"
+                        f" allows ({name_max} bytes a name, {path_max} a path)")
     return rel.replace(os.sep, "/")
+
+
+def _limits(path: str) -> tuple[int, int]:
+    try:
+        return os.pathconf(path, "PC_NAME_MAX"), os.pathconf(path, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return 255, 4096
 
 
 class UnixHttpServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -484,25 +564,40 @@ class UnixHttpServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
 
 
 def bind_socket(path: Path, group: str = "") -> socket.socket:
-    """Bind the Unix socket at `path` with mode 0660 (and `group` when given). A stale socket
-    file is replaced; a live one (another daemon answering) is an error."""
+    """Bind the Unix socket at `path` with mode 0660 (and `group` when given). Only a stale
+    socket is ever removed: anything else at the path (a file, a directory, a link) and a live
+    socket (another daemon answering) are config errors, as is a directory we cannot use."""
     import grp
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() or path.is_symlink():
+    where = f"daemon.socket = {str(path)!r}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"{where}: {exc.strerror or exc}") from None
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ConfigError(f"{where}: something that is not a socket is there; ckptd never"
+                              " removes it: point daemon.socket elsewhere")
         if _alive(path):
-            raise OSError(f"another process is serving on {path}")
+            raise ConfigError(f"{where}: another process is serving on it")
         path.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o117)  # the file is created 0660: never a window where it is wider
     try:
         sock.bind(str(path))
+        os.chmod(path, 0o660)
+        if group:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+    except (OSError, KeyError) as exc:
+        sock.close()
+        why = f"no group {group!r}" if isinstance(exc, KeyError) else exc.strerror or str(exc)
+        raise ConfigError(f"{where}: {why}") from None
     finally:
         os.umask(old)
-    os.chmod(path, 0o660)
-    if group:
-        os.chown(path, -1, grp.getgrnam(group).gr_gid)
-    sock.listen(64)
+    sock.listen(LISTEN_BACKLOG)
     return sock
 
 

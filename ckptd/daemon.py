@@ -28,6 +28,7 @@ from ckptd.service import recovery
 from ckptd.service.discovery import Discovery
 from ckptd.service.effects import Effects
 from ckptd.service.jobs import policy_of
+from ckptd.service.pins import read_pins
 from ckptd.service.recovery import StateDirLock
 from ckptd.service.scan import Scanner
 from ckptd.service.supervisor import Supervisor
@@ -73,6 +74,8 @@ class Daemon:
         cfg = self.config
         self.store = store = self._store_factory(cfg.daemon.state_dir / "state.db")
         store.set_policies({r.name: policy_of(r) for r in cfg.roots})
+        for r in cfg.roots:
+            store.set_root_pins(r.name, read_pins(r.path))
         recovery.recover(store, cfg)
         self.retention = RetentionService(store, self.roots, self.backends.get)
         self.scanner = Scanner(store, self.roots, lambda: self.config.daemon.scan_interval,
@@ -120,6 +123,7 @@ class Daemon:
         last_status = 0.0
         while not self._stop.wait(1.0):
             self._handle_signals()
+            self._check_state()
             self.watchdog.beat(self.healthy())
             if time.monotonic() - last_status >= STATUS_EVERY_S:
                 last_status = time.monotonic()
@@ -148,6 +152,19 @@ class Daemon:
                 self.workers.flush()
             else:
                 self.log.info("daemon_stopping", signal=signal.Signals(signum).name)
+
+    def _check_state(self) -> None:
+        """A state database deleted or replaced under the daemon: stop acting on the roots at
+        once (nothing is deleted meanwhile) and say so; systemd's watchdog restarts us."""
+        if self.ctx.problem is not None:
+            return
+        why = self.store.lost()
+        if why is None:
+            return
+        self.ctx.problem = f"{why}; ckptd stopped acting on its roots until restarted"
+        self.log.error("state_db_lost", error=why)
+        self.supervisor.stop("scan", "watch", "discovery", "retention", *self.workers.names,
+                             timeout=STOP_GRACE_S)
 
     def healthy(self) -> bool:
         """Every service is up, the scan loop turns and no stage worker is stuck: what the
@@ -204,9 +221,6 @@ class Daemon:
 
     def wake_scan(self) -> None:
         self.scanner.wake()
-
-    def request_stop(self) -> None:
-        self._stop.set()
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         self.notifier.stopping()

@@ -31,6 +31,11 @@ class DaemonUnreachable(CkptdError):
     exit_code = 69
 
 
+class StateUnusable(ConfigError):
+    """The state database is corrupt, truncated or unreadable: the daemon refuses to start
+    rather than take it for an empty one (an operator must look at it)."""
+
+
 class StateLocked(CkptdError):
     """Another daemon holds the state directory's lock."""
 

@@ -47,6 +47,8 @@ def render_status(doc: dict[str, Any]) -> str:
     if doc.get("flushing"):
         out += ["", "flushing (preemption): " + ", ".join(
             f"{f['root']} step {f['step']}" for f in doc["flushing"])]
+    if doc.get("problem"):
+        out += ["", f"PROBLEM: {doc['problem']}"]
     troubled = [s for s in doc.get("services", []) if s["state"] != "running" or s["restarts"]]
     for svc in troubled:
         when = "" if svc["state"] == "running" else f" ({svc['state']})"

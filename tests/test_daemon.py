@@ -296,7 +296,7 @@ def test_cli_commands(daemon_factory: Any) -> None:
     s = d.socket
     st = json.loads(cli("status", "--json", sock=s).stdout)
     assert set(st) == {"status", "version", "uptime_s", "roots", "in_flight", "flushing",
-                       "services"}
+                       "services", "problem"}
     assert set(st["roots"][0]) >= {"name", "path", "latest", "best", "counts", "queue",
                                    "disk_free_bytes", "last_error"}
     assert "preflight" in st["roots"][0]  # the capacity warning (retention)

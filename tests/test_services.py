@@ -34,10 +34,12 @@ def wait_until(cond: Any, timeout: float = 20.0, what: str = "condition") -> Any
 
 
 class Harness:
+    """One daemon in this process on real files, a real store and a real socket."""
+
     def __init__(self, tmp: Path, sock_dir: Path, store_factory: type[Store] = Store,
                  **root: Any) -> None:
         self.root = tmp / "ckpt"
-        self.root.mkdir()
+        self.root.mkdir(exist_ok=True)
         self.config_path = tmp / "ckptd.toml"
         self.daemon_cfg = {"state_dir": str(tmp / "state"), "socket": str(sock_dir / "s.sock"),
                            "scan_interval": "1s", "workers": 1}

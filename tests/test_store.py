@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.errors import StateUnusable
 from ckptd.lifecycle.table import Event, Policy
 from ckptd.manifest import StoredFile
 from ckptd.model import Candidate, FileRecord, Local, Remote, State, Tier, ValidationResult
@@ -59,7 +60,7 @@ def test_newer_schema_refused(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / "s.db")
     db.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
     db.close()
-    with pytest.raises(RuntimeError, match="newer than this ckptd"):
+    with pytest.raises(StateUnusable, match="newer than this ckptd"):
         Store(tmp_path / "s.db")
 
 

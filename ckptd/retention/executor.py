@@ -42,6 +42,7 @@ UNSAFE_PATH = "unsafe_path"  # outside the root, absolute, climbing, or ckptd's 
 SYMLINK = "symlink"  # a symlinked checkpoint directory, or a parent link leaving the root
 NOT_ON_DISK = "not_on_disk"  # the store says the local copy is already gone
 NO_TARGET = "no_target"  # the caller passed no (or a mismatched) Target for a planned step
+SHARED = "shared_files"  # its files are also another checkpoint's
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,9 @@ class Guards:
     """Facts the safety nets check, read from the store right before executing (not the plan).
 
     `invalid`: steps the store holds invalid; they are never uploaded, so the not-uploaded net
-    does not keep them (every other net still does)."""
+    does not keep them (every other net still does). `shared`: steps whose local files (or
+    whose directory) hold a file another checkpoint on disk counts as its own: deleting them
+    would delete that one too, so they are never deleted locally."""
 
     latest_step: int | None
     best_step: int | None
@@ -73,6 +76,7 @@ class Guards:
     remote_verified: frozenset[int]
     upload_configured: bool
     invalid: frozenset[int] = frozenset()
+    shared: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,7 @@ def _check_guards(step: int, tier: TierName, g: Guards) -> None:
     if tier == "local":
         unsafe = g.upload_configured and step not in g.remote_verified and step not in g.invalid
         nets.append((unsafe, Tag.NOT_UPLOADED))
+        nets.append((step in g.shared, SHARED))
     else:
         newest_remote = max(g.remote_verified, default=None)
         nets.append((step == newest_remote, Tag.LATEST))

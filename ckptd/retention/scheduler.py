@@ -8,12 +8,15 @@ outcomes (compress_older in place included). Decides nothing (`planner`) and del
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ckptd.backends import Backend
@@ -319,7 +322,25 @@ class _Runner:
             remote_verified=frozenset(r.step for r in records if r.remote is Remote.UPLOADED),
             upload_configured=root.upload.enabled,
             invalid=frozenset(r.step for r in records if r.state is State.INVALID),
+            shared=self._shared(root, records),
         )
+
+    def _shared(self, root: RootConfig, records: list[CheckpointRecord]) -> frozenset[int]:
+        """Steps on disk whose files, or whose directory, hold another on-disk checkpoint's
+        file: a file belongs to one checkpoint, so a delete never reaches past its own."""
+        present = [r for r in records if r.local is Local.PRESENT]
+        owners: dict[str, set[int]] = {}
+        for r in present:
+            for f in self.store.members(r.id):
+                owners.setdefault(f, set()).add(r.step)
+        shared = {s for steps in owners.values() if len(steps) > 1 for s in steps}
+        for r in present:
+            if _real_dir(root.path / r.path):
+                prefix = r.path.rstrip("/") + "/"
+                if any(f.startswith(prefix) and steps - {r.step}
+                       for f, steps in owners.items()):
+                    shared.add(r.step)
+        return frozenset(shared)
 
     def _record(self, root: RootConfig, outcomes: list[executor.Outcome]) -> None:
         """Record what was done as lifecycle events; their effects (a released compressed
@@ -424,7 +445,7 @@ def target_of(root: RootConfig, r: CheckpointRecord, members: tuple[str, ...]
         return executor.Target(r.step, f"{CKPTD_DIR}/objects/step-{r.step}", (), r.local,
                                r.remote, True)
     anchor = root.path / r.path
-    is_dir = anchor.is_dir() and not anchor.is_symlink()
+    is_dir = _real_dir(anchor)
     return executor.Target(r.step, r.path, members, r.local, r.remote, is_dir)
 
 
@@ -433,3 +454,12 @@ def health_json(h: RootHealth | None) -> dict[str, Any] | None:
         return None
     return {"ok": h.preflight_ok, "message": h.message or None,
             "next_save_estimate_bytes": h.next_save_estimate, "min_free_unmet": h.min_free_unmet}
+
+
+def _real_dir(path: Path) -> bool:
+    """A directory, not a link to one. Any error (a name too long, a permission) is "no": one
+    checkpoint's odd path never fails the run for the others."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except (OSError, ValueError):
+        return False

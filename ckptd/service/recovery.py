@@ -17,7 +17,7 @@ from typing import IO
 from ckptd import fileio, sdnotify
 from ckptd.api import bind_socket
 from ckptd.config import Config, DaemonConfig
-from ckptd.errors import StateLocked
+from ckptd.errors import ConfigError, StateLocked
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local
 from ckptd.retention import executor
@@ -88,8 +88,12 @@ class StateDirLock:
         self._fh: IO[str] | None = None
 
     def acquire(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "a+")  # noqa: SIM115 - held for the daemon's lifetime
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            fh = open(self.path, "a+")  # noqa: SIM115 - held for the daemon's lifetime
+        except OSError as exc:
+            raise ConfigError(f"daemon.state_dir = {str(self.state_dir)!r}: cannot use it:"
+                              f" {exc.strerror or exc}") from None
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

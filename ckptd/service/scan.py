@@ -40,6 +40,7 @@ class Scanner:
         self._wake = threading.Event()
         self._scanners: dict[str, RootScanner] = {}
         self._pending: set[str] = set()
+        self._conflicts: set[tuple[str, int]] = set()
         self.beat = time.monotonic()
         self.watcher = self._new_watcher()
         self.log = get_logger()
@@ -124,7 +125,7 @@ class Scanner:
         self.watcher.watch(root.path, scanner.open_files)
         with self.exclusive:
             now = time.time()
-            _, found = scanner.scan(now, self.store.registrations(root.name))
+            _, found = scanner.scan(now, self._registrations(root.name))
             changes = self.store.sync_root(root.name, [Found(c, fp) for c, fp in found], now,
                                            unreadable=frozenset(scanner.unreadable))
         if scanner.unreadable:
@@ -137,6 +138,25 @@ class Scanner:
         for ch in changes:
             self.log.info(ch.event, root=root.name, step=ch.step, layout=ch.layout, path=ch.path,
                           detail=ch.detail or None)
+
+    def _registrations(self, root: str) -> dict[int, tuple[str, ...]]:
+        """The root's registrations, less those naming a file another checkpoint on disk
+        holds: a file belongs to one checkpoint, and a registration never takes it away."""
+        owners = self.store.owners(root)
+        kept = {}
+        for step, paths in self.store.registrations(root).items():
+            taken = sorted(p for p in paths if owners.get(p, step) != step)
+            if taken:
+                self._warn_once(root, step, taken)
+            else:
+                kept[step] = paths
+        return kept
+
+    def _warn_once(self, root: str, step: int, taken: list[str]) -> None:
+        if (root, step) not in self._conflicts:
+            self._conflicts.add((root, step))
+            self.log.warning("registration_conflict", root=root, step=step, paths=taken[:5],
+                             message="its files belong to another checkpoint; ignored")
 
     def healthy(self, scan_interval: float) -> bool:
         return time.monotonic() - self.beat < 2 * scan_interval + 60

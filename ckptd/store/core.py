@@ -5,6 +5,7 @@ effects hook. Decides nothing itself: the table does.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -41,9 +42,25 @@ class Core(Reads):
         self.path = path
         self._lock = threading.RLock()
         self._db = schema.open_db(path)
+        st = os.stat(path)
+        self._identity = (st.st_dev, st.st_ino)
         self._on_commit = on_commit
         self._applied: list[Applied] = []
         self._policies: dict[str, Policy] = {}
+        self._pins: dict[str, set[int]] = {}  # pins kept beside each root, for rows to come
+
+    def lost(self) -> str | None:
+        """Why the file this store has open is no longer the state database at its path
+        (deleted, or replaced by another file), or None while it still is."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return f"state database {self.path} was deleted while the daemon ran"
+        except OSError as exc:
+            return f"state database {self.path} cannot be checked: {exc.strerror or exc}"
+        if (st.st_dev, st.st_ino) != self._identity:
+            return f"state database {self.path} was replaced by another file while the daemon ran"
+        return None
 
     def close(self) -> None:
         with self._lock:
@@ -111,6 +128,8 @@ class Core(Reads):
         cols = {"root": root, "state": t.to.state.value, "local": t.to.local.value,
                 "remote": t.to.remote.value, "copy": "ready" if t.to.copy else "",
                 "stage": self._stage(root, t.to), "created": now, **fields}
+        if int(fields["step"]) in self._pins.get(root, ()):
+            cols["pinned"] = 1  # pinned beside the root before this store knew the step
         cur = db.execute(f"INSERT INTO checkpoints ({', '.join(cols)})"  # noqa: S608
                          f" VALUES ({', '.join('?' * len(cols))})", tuple(cols.values()))
         cid = int(cur.lastrowid or 0)
@@ -132,6 +151,14 @@ class Core(Reads):
         if (cur.lastrowid or 0) % 1000 == 0:
             db.execute("DELETE FROM transitions WHERE id <= ?",
                        ((cur.lastrowid or 0) - TRANSITIONS_KEPT,))
+
+    def set_root_pins(self, root: str, steps: set[int]) -> None:
+        """Pins read from beside the root (they outlive a lost state database): rows of
+        those steps are pinned now, and when they first appear."""
+        with self._tx() as db:
+            self._pins[root] = set(steps)
+            db.executemany("UPDATE checkpoints SET pinned=1 WHERE root=? AND step=?"
+                           " AND superseded=0", [(root, s) for s in sorted(steps)])
 
     def set_policies(self, policies: Mapping[str, Policy]) -> None:
         """The roots' policies (start, reload): the stage each checkpoint needs next is

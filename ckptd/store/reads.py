@@ -139,3 +139,9 @@ class Reads:
 
     def roots(self) -> list[str]:
         return [r["root"] for r in self._rows("SELECT DISTINCT root FROM checkpoints")]
+
+    def owners(self, root: str) -> dict[str, int]:
+        """Member file -> the step of the checkpoint on disk that holds it."""
+        rows = self._rows("SELECT step, files FROM checkpoints WHERE root=? AND superseded=0"
+                          " AND local='present'", (root,))
+        return {f: int(r["step"]) for r in rows for f in json.loads(r["files"])}

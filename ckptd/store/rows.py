@@ -6,9 +6,11 @@ Owns the mapping between SQLite rows and ckptd's types; holds no connection and 
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ckptd.lifecycle.table import Effect, Event, Stage, Status
 from ckptd.model import Candidate, CheckpointRecord, Local, Remote, State
@@ -94,6 +96,19 @@ def expected_json(c: Candidate) -> str:
     return json.dumps({"sizes": c.expected_sizes, "min": c.min_sizes,
                        "invalid_reason": c.invalid_reason,
                        "invalid_message": c.invalid_message, "opaque": list(c.opaque)})
+
+
+def metrics_json(*sources: dict[str, Any]) -> str:
+    """Merge metric maps (later wins) into strict JSON: a value that is not a finite number
+    (a NaN loss in trainer_state.json) is dropped, never stored as `NaN` nor ranked as best."""
+    merged: dict[str, float] = {}
+    for source in sources:
+        for k, v in source.items():
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+                merged[str(k)] = float(v)
+            else:
+                merged.pop(str(k), None)
+    return json.dumps(merged, allow_nan=False)
 
 
 def overlaps(path: str, dirs: frozenset[str]) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+from ckptd.errors import StateUnusable
+
 # Each entry upgrades the schema from version i to i+1 (PRAGMA user_version).
 MIGRATIONS: tuple[str, ...] = (
     """
@@ -109,15 +111,32 @@ MIGRATIONS: tuple[str, ...] = (
 
 
 def open_db(path: Path) -> sqlite3.Connection:
-    """Connect (WAL, synchronous=FULL, foreign keys) and bring the schema up to date."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-    db.row_factory = sqlite3.Row
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=FULL")
-    db.execute("PRAGMA foreign_keys=ON")
-    db.execute("PRAGMA busy_timeout=5000")
-    _migrate(db, path)
+    """Connect (WAL, synchronous=FULL, foreign keys), check the file is whole and bring the
+    schema up to date. A file that exists but is empty, not a database, or fails SQLite's own
+    check raises StateUnusable: never silently taken for a fresh, empty state."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.stat().st_size if path.exists() else None
+    except OSError as exc:
+        raise StateUnusable(f"state database {path}: {exc.strerror or exc}") from None
+    if existed == 0:
+        raise StateUnusable(f"state database {path} is empty (truncated?); move it aside to"
+                            " start afresh (pins are kept beside each root)")
+    try:
+        db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA foreign_keys=ON")
+        db.execute("PRAGMA busy_timeout=5000")
+        if existed is not None:
+            check = db.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise sqlite3.DatabaseError(check)
+        _migrate(db, path)
+    except sqlite3.Error as exc:
+        raise StateUnusable(f"state database {path} is not usable ({exc}); move it aside to"
+                            " start afresh (pins are kept beside each root)") from None
     return db
 
 
@@ -128,7 +147,7 @@ def schema_version(db: sqlite3.Connection) -> int:
 def _migrate(db: sqlite3.Connection, path: Path) -> None:
     version = schema_version(db)
     if version > len(MIGRATIONS):
-        raise RuntimeError(
+        raise StateUnusable(
             f"state database {path} has schema {version}, newer than this ckptd "
             f"({len(MIGRATIONS)}); upgrade ckptd or point state_dir elsewhere"
         )

@@ -21,6 +21,7 @@ from ckptd.store.rows import (
     Found,
     SyncChange,
     expected_json,
+    metrics_json,
     one_per_step,
     overlaps,
     status_of,
@@ -116,7 +117,8 @@ class Sync(Core):
         with self._tx() as db:
             old = db.execute("SELECT paths, metrics FROM registrations WHERE root=? AND step=?",
                              (root, step)).fetchone()
-            merged_metrics = {**(json.loads(old["metrics"]) if old else {}), **metrics}
+            merged_metrics = json.loads(metrics_json(json.loads(old["metrics"]) if old else {},
+                                                     metrics))
             merged_paths = list(paths) or (json.loads(old["paths"]) if old else [])
             db.execute(
                 "INSERT OR REPLACE INTO registrations (root, step, paths, metrics, created)"
@@ -125,15 +127,27 @@ class Sync(Core):
             )
             row = self._current(db, root, step)
             if row is not None:
-                m = {**json.loads(row["metrics"]), **metrics}
-                self._apply(db, row, Event.REGISTERED, now, metrics=json.dumps(m))
+                self._apply(db, row, Event.REGISTERED, now,
+                            metrics=metrics_json(json.loads(row["metrics"]), metrics))
 
     def set_pinned(self, root: str, step: int, pinned: bool) -> bool:
         with self._tx() as db:
             cur = db.execute("UPDATE checkpoints SET pinned=? WHERE root=? AND step=?"
                              " AND superseded=0", (int(pinned), root, step))
-            return cur.rowcount > 0
+            waiting = self._pins.setdefault(root, set())
+            registered = db.execute("SELECT 1 FROM registrations WHERE root=? AND step=?",
+                                    (root, step)).fetchone() is not None
+            # A step registered but not seen by a scan yet is pinned as soon as it is.
+            known = cur.rowcount > 0 or registered or step in waiting
+            if known:
+                (waiting.add if pinned else waiting.discard)(step)
+            return known
 
+    def pinned_steps(self, root: str) -> set[int]:
+        """Every pinned step of the root: rows pinned, and pins waiting for their row."""
+        rows = self._rows("SELECT step FROM checkpoints WHERE root=? AND superseded=0"
+                          " AND pinned=1", (root,))
+        return {int(r["step"]) for r in rows} | self._pins.get(root, set())
 
     def record(self, root: str, step: int, event: Event, now: float = 0.0) -> bool:
         """Apply `event` to the current row of a step (retention, discovery, the effects of a
@@ -162,7 +176,7 @@ class Sync(Core):
                 db, root, Event.REMOTE_FOUND, now, step=manifest.step, layout=manifest.layout,
                 path=f"step-{manifest.step}",
                 files=json.dumps([f.path for f in manifest.files]), bytes=manifest.size,
-                stored_bytes=manifest.stored_size, metrics=json.dumps(manifest.metrics),
+                stored_bytes=manifest.stored_size, metrics=metrics_json(manifest.metrics),
                 completed=now)
             db.executemany(
                 "INSERT INTO files (checkpoint_id, path, size, hash, hash_alg, codec, stored_size,"
@@ -196,5 +210,5 @@ class Sync(Core):
 def _found_fields(f: Found, metrics: dict[str, float], now: float) -> dict[str, Any]:
     c = f.candidate
     return {"layout": c.layout, "path": c.path, "files": json.dumps(list(c.files)),
-            "expected": expected_json(c), "metrics": json.dumps(metrics),
+            "expected": expected_json(c), "metrics": metrics_json(metrics),
             "fingerprint": f.fingerprint, "completed": now if c.complete else None, "bytes": 0}

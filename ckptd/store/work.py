@@ -21,6 +21,7 @@ from ckptd.store.core import Core
 from ckptd.store.rows import (
     Job,
     job_of,
+    metrics_json,
     status_of,
 )
 
@@ -112,7 +113,7 @@ class Work(Core):
         if not row or row[0]["fingerprint"] != fingerprint:
             self.defer(job, owner, 0.0, now)
             return False
-        metrics = {**result.metrics, **json.loads(row[0]["metrics"])}
+        metrics = metrics_json(result.metrics, json.loads(row[0]["metrics"]))
         # An invalid result may stop before hashing every file: then report what is on disk.
         total = sum(f.size for f in result.files) if result.valid else max(
             size_on_disk, sum(f.size for f in result.files))
@@ -132,7 +133,7 @@ class Work(Core):
         if result.valid and stored:
             events.append(Event.COPY_MADE)
         return self._outcome(job, owner, events, now, before=files, reason=result.reason,
-                             message=result.message, metrics=json.dumps(metrics),
+                             message=result.message, metrics=metrics,
                              bytes=total, attempts=0)
 
     @staticmethod

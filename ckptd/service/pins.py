@@ -1,0 +1,48 @@
+"""Pins kept beside each root (`<root>/.ckptd/pins.json`), so a lost state database never
+loses them: written after every pin or unpin, read at start.
+
+Owns the file's format; the store holds the pins the daemon acts on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ckptd import fileio
+from ckptd.log import get_logger
+from ckptd.model import CKPTD_DIR
+
+FORMAT = "ckptd-pins/1"
+MAX_BYTES = 1024 * 1024
+
+
+def pins_path(root: Path) -> Path:
+    return root / CKPTD_DIR / "pins.json"
+
+
+def read_pins(root: Path) -> set[int]:
+    """The steps pinned beside `root`; a missing file is no pins, a damaged one is logged and
+    read as no pins (the store's pins still stand)."""
+    path = pins_path(root)
+    try:
+        if path.stat().st_size > MAX_BYTES:
+            raise ValueError(f"over {MAX_BYTES} bytes")
+        doc = json.loads(path.read_bytes())
+        steps = doc["steps"] if doc.get("format") == FORMAT else None
+        if not isinstance(steps, list) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**63
+                for s in steps):
+            raise ValueError("not a ckptd pins file")
+        return set(steps)
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        get_logger().warning("pins_unreadable", path=str(path), error=str(exc))
+        return set()
+
+
+def write_pins(root: Path, steps: set[int]) -> None:
+    path = pins_path(root)
+    path.parent.mkdir(exist_ok=True)
+    fileio.atomic_write_json(path, {"format": FORMAT, "steps": sorted(steps)})
