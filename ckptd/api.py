@@ -35,6 +35,9 @@ MAX_BODY = 1024 * 1024
 MAX_WAIT_S = 3600.0
 # A burst of a few hundred clients at once is queued, not refused.
 LISTEN_BACKLOG = 1024
+# Connection threads at once, and how long an idle keep-alive connection is kept.
+MAX_CONNECTIONS = 512
+IDLE_TIMEOUT_S = 5.0
 MAX_STEP = 2**63
 MAX_PATHS = 10_000
 MAX_METRICS = 256
@@ -194,9 +197,9 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"ckptd/{__version__}"
-    # An idle keep-alive connection gives its thread back after this long (long-polls are
-    # capped well below it by their own timeout; clients reconnect freely).
-    timeout = MAX_WAIT_S + 60
+    # An idle keep-alive connection (no next request) gives its thread back after this long;
+    # a long-poll is not idle reading, so its own timeout (<= MAX_WAIT_S) bounds it.
+    timeout = IDLE_TIMEOUT_S
     ctx: ApiContext  # set on the subclass the server builds
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
@@ -549,7 +552,11 @@ def _limits(path: str) -> tuple[int, int]:
 
 
 class UnixHttpServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """One thread per connection, at most MAX_CONNECTIONS at once: past that the accept loop
+    waits for a slot and new clients wait in the listen backlog (served, never refused)."""
+
     daemon_threads = True
+    block_on_close = False
     allow_reuse_address = False
 
     def __init__(self, sock: socket.socket, ctx: ApiContext) -> None:
@@ -557,6 +564,21 @@ class UnixHttpServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
         super().__init__(str(sock.getsockname()), handler, bind_and_activate=False)
         self.socket.close()
         self.socket = sock
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def get_request(self) -> tuple[socket.socket, Any]:
         conn, _ = self.socket.accept()

@@ -253,8 +253,10 @@ def _redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
-Count = Annotated[int, Field(ge=0), Expect("a whole number >= 0")]
-AtLeastOne = Annotated[int, Field(ge=1), Expect("a whole number >= 1")]
+# Every number has an upper bound too: `workers = 1e8` is a typo, not a request.
+Count = Annotated[int, Field(ge=0, le=10**9), Expect("a whole number from 0 to 10^9")]
+Threads = Annotated[int, Field(ge=1, le=64), Expect("a whole number from 1 to 64")]
+Requests = Annotated[int, Field(ge=1, le=256), Expect("a whole number from 1 to 256")]
 Flag = Annotated[bool, Expect("true or false")]
 Text = Annotated[str, Expect("a string")]
 ConfigPath = Annotated[Path, PlainValidator(_path), Render(str)]
@@ -289,7 +291,7 @@ class DaemonConfig(_Model):
     state_dir: ConfigPath = Path("/var/lib/ckptd")
     socket: SocketPath = DEFAULT_SOCKET_PATH
     socket_group: Text = ""
-    workers: AtLeastOne = 2
+    workers: Threads = 2
     scan_interval: PositiveDuration = 30.0
     polling: Flag = False
     log_format: Annotated[LogFormat, _one_of(LogFormat)] = "auto"
@@ -310,7 +312,7 @@ class MetricsConfig(_Model):
 class CompressConfig(_Model):
     codec: Annotated[Codec, _one_of(Codec)] = "auto"
     level: Annotated[int, Field(ge=1, le=22), Expect("a whole number from 1 to 22")] = 3
-    threads: AtLeastOne = 1
+    threads: Threads = 1
     min_saving: Annotated[float, Field(ge=0, lt=1), Expect("a number from 0 to below 1")] = 0.03
 
 
@@ -320,7 +322,7 @@ class UploadConfig(_Model):
     region: Text = ""
     access_key_id: Text = ""
     secret_access_key: Annotated[SecretStr, Expect("a string")] = SecretStr("")
-    concurrency: AtLeastOne = 4
+    concurrency: Requests = 4
     part_size: PartSize = 64 * 1024**2
     max_bandwidth: Rate = None
 
@@ -436,6 +438,9 @@ _TOP_KEYS = ("daemon", "metrics", "defaults", "roots")
 _ROOT_ONLY = ("name", "path")
 
 
+MAX_CONFIG_BYTES = 1024 * 1024
+
+
 def load_config(path: Path) -> Config:
     """Read and validate a TOML config file; any problem raises ConfigError naming the file."""
     path = Path(path)
@@ -446,7 +451,10 @@ def load_config(path: Path) -> Config:
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as f:
-            return tomllib.load(f)
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: over {MAX_CONFIG_BYTES} bytes, not a ckptd config")
+        return tomllib.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -457,6 +465,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(_toml_syntax_message(path, str(e))) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a ckptd config") from None
 
 
 def _toml_syntax_message(path: Path, message: str) -> str:

@@ -195,6 +195,8 @@ class Daemon:
             ok = True
         except ConfigError as exc:
             self.log.error("config_reload_rejected", error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bad reload never takes the daemon down
+            self.log.error("config_reload_rejected", error=f"{type(exc).__name__}: {exc}")
         finally:
             self.metrics.reloaded(ok, time.time())
             self.notifier.ready(status=self.summary())

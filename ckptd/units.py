@@ -40,6 +40,11 @@ _DURATION_HINT = 'use a number and a unit (ms, s, m, h, d), e.g. "500ms", "30s" 
 _SIZE_HINT = "use bytes or a unit (KB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: of 1024)"
 
 
+# Beyond these, a wait or an allocation would overflow somewhere: refused at the door.
+MAX_DURATION_S = 10 * 365 * 86400
+MAX_SIZE = 2**60
+
+
 def _show(value: object) -> str:
     return f'"{value}"' if isinstance(value, str) else repr(value)
 
@@ -68,6 +73,8 @@ def parse_duration(value: str | float) -> float:
     total = _sum_duration_parts(text)
     if total is None:
         raise ValueError(f'"{value}" is not a duration: {_DURATION_HINT}')
+    if total > MAX_DURATION_S:
+        raise ValueError(f'"{value}" is longer than ckptd handles (at most 10 years)')
     return float(total)
 
 
@@ -91,6 +98,8 @@ def parse_size(value: str | int) -> int:
     if _is_number(value) and isinstance(value, int):
         if value < 0:
             raise ValueError(f"{value} is negative: a size must be >= 0")
+        if value > MAX_SIZE:
+            raise ValueError(f"{value} is larger than ckptd handles (at most 1 EiB)")
         return value
     if not isinstance(value, str):
         raise ValueError(f"{_show(value)} is not a size: {_SIZE_HINT}")
@@ -101,6 +110,8 @@ def parse_size(value: str | int) -> int:
     exact = number * _unit_factor(unit)
     if exact != exact.to_integral_value():
         raise ValueError(f'"{value}" is not a whole number of bytes')
+    if exact > MAX_SIZE:
+        raise ValueError(f'"{value}" is larger than ckptd handles (at most 1 EiB)')
     return int(exact)
 
 

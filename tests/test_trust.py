@@ -19,6 +19,7 @@ from conftest import render_config
 from test_services import Harness, wait_until
 from writers import save_torch
 
+from ckptd.client import Client
 from ckptd.config import parse_config
 from ckptd.lifecycle.table import Event
 from ckptd.model import Candidate, FileRecord, Local, ValidationResult
@@ -268,3 +269,68 @@ def test_a_pin_right_after_a_register_holds(h: Harness) -> None:
     assert h.client.wait("r", 500, until="valid", timeout=30)
     rec = h.daemon.store.checkpoint("r", 500)
     assert rec is not None and rec.pinned
+
+
+# -- availability ------------------------------------------------------------------------------
+
+
+def test_a_burst_of_300_clients_is_answered(h: Harness) -> None:
+    save_torch(h.root / "model_step_1.pt")
+    assert h.client.wait("r", 1, until="valid", timeout=30)
+    answers: list[Any] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        got = Client(h.daemon.config.daemon.socket, timeout=30).latest("r")
+        with lock:
+            answers.append(got)
+
+    threads = [threading.Thread(target=one) for _ in range(300)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(answers) == 300 and all(a is not None and a["step"] == 1 for a in answers)
+
+
+def test_idle_connections_do_not_starve_the_socket(h: Harness) -> None:
+    """600 connections that send nothing (more than the 512 connection threads): they are
+    closed after the idle timeout, and a real client is answered meanwhile or soon after."""
+    idle = []
+    try:
+        for _ in range(600):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(h.daemon.config.daemon.socket))
+            idle.append(s)
+        t0 = time.monotonic()
+        assert Client(h.daemon.config.daemon.socket, timeout=30).health() is not None
+        assert time.monotonic() - t0 < 15
+    finally:
+        for s in idle:
+            s.close()
+
+
+# -- config ------------------------------------------------------------------------------------
+
+
+def test_a_deeply_nested_config_on_reload_keeps_the_old_one(h: Harness) -> None:
+    h.config_path.write_text(h.config_path.read_text() + "x = " + "[" * 5000 + "]" * 5000 + "\n")
+    assert not h.daemon.reload()
+    assert h.client.health()["status"] == "ok"  # type: ignore[index]
+    save_torch(h.root / "model_step_3.pt")
+    assert h.client.wait("r", 3, until="valid", timeout=30)
+
+
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("workers", 100000000, "daemon.workers"),
+    ("workers", 1e8, "daemon.workers"),
+    ("scan_interval", "99999999999999d", "daemon.scan_interval"),
+])
+def test_numbers_in_the_config_are_bounded(tmp_path: Path, key: str, value: Any,
+                                           says: str) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(render_config({"state_dir": str(tmp_path / "s"), key: value},
+                                 [{"name": "r", "path": str(tmp_path / "ckpt")}]))
+    done = subprocess.run([sys.executable, "-m", "ckptd", "config", "check", str(cfg)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 78 and says in done.stderr, done.stderr
