@@ -6,10 +6,12 @@ Owns how ckptd touches bytes on disk; knows nothing of checkpoint formats, the s
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import posixpath
 import secrets
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -60,17 +62,23 @@ def read_pass(
     sinks: Sequence[Sink],
     chunk_size: int = CHUNK_SIZE,
     drop_cache: bool = True,
+    fd: int | None = None,
 ) -> int:
     """Read `path` once, front to back, handing each chunk to every sink; return bytes read.
 
-    Memory is one reused buffer of `chunk_size`. With `drop_cache`, pages behind the cursor are
-    dropped from the page cache as the pass goes, so validating a checkpoint does not evict the
-    training job's data. Raises ValidationFailed(reason "changed") when the file's size changes
+    With `fd`, reads that open descriptor (from its start) instead of opening `path`, which
+    then only names the file in messages. Memory is one reused buffer of `chunk_size`. With
+    `drop_cache`, pages behind the cursor are dropped from the page cache as the pass goes, so
+    validating a checkpoint does not evict the training job's data. Raises ValidationFailed(reason "changed") when the file's size changes
     during the pass; OSError as is; whatever a sink raises stops the pass.
     """
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    own = fd is None
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    else:
+        os.lseek(fd, 0, os.SEEK_SET)  # the caller's descriptor (`open_beneath`), from the top
     try:
         size_at_open = os.fstat(fd).st_size
         _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
@@ -80,7 +88,8 @@ def read_pass(
                 Reason.CHANGED, f"{path} changed size while being read", str(path)
             )
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
     for sink in sinks:
         sink.finish(total)
     return total
@@ -217,3 +226,54 @@ def safe_join(root: str | os.PathLike[str], rel: str) -> Path:
     if real != real_root and real_root not in real.parents:
         raise UnsafePath(f"{rel!r} leads out of {root} (to {real})")
     return joined
+
+
+def open_beneath(root: str | os.PathLike[str], rel: str) -> int:
+    """A read-only descriptor of the regular file `root/rel`, opened component by component
+    beneath the root's own descriptor with O_NOFOLLOW: no symlink is followed anywhere along
+    the way, and a file swapped for a link after a check is refused, never read. Everything
+    that reads the file afterwards (hash, CRC, format checks, the compressor) reads this one
+    descriptor. Raises UnsafePath for a link or a climb, FileNotFoundError, or OSError."""
+    parts = _parts(rel)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(root, flags | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            nxt = _open_at(fd, part, rel, flags | os.O_DIRECTORY)
+            os.close(fd)
+            fd = nxt
+        file_fd = _open_at(fd, parts[-1], rel, flags | os.O_NONBLOCK)
+    finally:
+        os.close(fd)
+    st = os.fstat(file_fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(file_fd)
+        raise UnsafePath(f"{rel!r} is not a regular file")
+    os.set_blocking(file_fd, True)
+    return file_fd
+
+
+def _parts(rel: str) -> list[str]:
+    if not rel or "\x00" in rel or posixpath.isabs(rel):
+        raise UnsafePath(f"bad relative path {rel!r}")
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise UnsafePath(f"{rel!r} climbs out of its root")
+    return parts
+
+
+def _open_at(dir_fd: int, name: str, rel: str, flags: int) -> int:
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(dir_fd, name):
+            raise UnsafePath(f"{rel!r}: {name!r} is a symbolic link; ckptd never follows"
+                             " one inside a root") from None
+        raise
+
+
+def _is_link(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except OSError:
+        return False
