@@ -69,8 +69,9 @@ def read_pass(
     With `fd`, reads that open descriptor (from its start) instead of opening `path`, which
     then only names the file in messages. Memory is one reused buffer of `chunk_size`. With
     `drop_cache`, pages behind the cursor are dropped from the page cache as the pass goes, so
-    validating a checkpoint does not evict the training job's data. Raises ValidationFailed(reason "changed") when the file's size changes
-    during the pass; OSError as is; whatever a sink raises stops the pass.
+    validating a checkpoint does not evict the training job's data. Raises
+    ValidationFailed(reason "changed") when the file's size changes during the pass; OSError
+    as is; whatever a sink raises stops the pass.
     """
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
