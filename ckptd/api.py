@@ -208,6 +208,17 @@ class Handler(BaseHTTPRequestHandler):
     def address_string(self) -> str:
         return "unix"
 
+    def send_error(self, code: int, message: str | None = None,
+                   explain: str | None = None) -> None:
+        """Errors http.server raises itself (a malformed request line, a method no route
+        has, headers too long) answer in the API's JSON shape too."""
+        if code == 501:  # a method with no handler at all
+            code, name = 405, "method_not_allowed"
+        else:
+            name = {400: "bad_request", 414: "too_long", 431: "too_large"}.get(code, "bad_request")
+        self.close_connection = True
+        self._send(code, {"error": name, "message": message or explain or "bad request"})
+
     def do_GET(self) -> None:
         self._dispatch("GET")
 
