@@ -255,7 +255,8 @@ def test_bad_daemon_values_name_their_key(tmp_path: Path, toml: str, expected: s
         ("compress = 1", "roots[0].compress: must be a table, got 1"),
         ('[roots.compress]\ncodec = "gzip"', "roots[0].compress.codec: must be one of: auto, zstd"),
         ("[roots.compress]\nlevel = 0", "roots[0].compress.level: must be a whole number from 1"),
-        ("[roots.compress]\nthreads = 0", "roots[0].compress.threads: must be a whole number from 1 to 64"),
+        ("[roots.compress]\nthreads = 0",
+         "roots[0].compress.threads: must be a whole number from 1 to 64"),
         ("[roots.compress]\nmin_saving = 1.0", "roots[0].compress.min_saving: must be a number"),
         ("[roots.compress]\nmin_saving = -0.1", "roots[0].compress.min_saving:"),
         (
@@ -315,9 +316,11 @@ def test_every_problem_is_collected(tmp_path: Path) -> None:
     )
     assert "4 problems" in text
     assert "daemon.workers:" in text
-    assert 'roots[0].retention.local.keep_last: must be a whole number from 0 to 10^9, got "two"' in text
+    assert ('roots[0].retention.local.keep_last: must be a whole number from 0 to 10^9,'
+            ' got "two"') in text
     assert "roots[1].name: is required" in text
-    assert 'roots[1].retention.local.keep_last: must be a whole number from 0 to 10^9, got "three"' in text
+    assert ('roots[1].retention.local.keep_last: must be a whole number from 0 to 10^9,'
+            ' got "three"') in text
 
 
 def test_root_without_path_is_reported(tmp_path: Path) -> None:
