@@ -66,6 +66,7 @@ class Retention(Protocol):
 
     def plan_json(self, root: RootConfig) -> dict[str, Any]: ...
     def apply_now(self, root: RootConfig) -> list[dict[str, Any]]: ...
+    def adopted_json(self, root: RootConfig) -> dict[str, Any] | None: ...
     def health_json(self, name: str) -> dict[str, Any] | None: ...
 
 
@@ -142,6 +143,7 @@ class ApiContext:
             "disk_free_bytes": disk_free(root.path),
             "last_error": self.store.root_info(root.name)["last_error"] or None,
             "preflight": self.retention.health_json(root.name),
+            "adopted": self.retention.adopted_json(root),
         }
 
     def listing(self, root: RootConfig) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import difflib
+import ipaddress
 import json
 import math
 import os
@@ -191,19 +192,32 @@ def check_trusted_globals(value: list[str]) -> list[str]:
 
 
 def _listen(value: str) -> str:
-    if value and _split_listen(value) is None:
+    """The one check `config check` and `run` share: IP:PORT, [IPV6]:PORT, localhost:PORT or
+    :PORT (every interface). Hosts are IP literals: nothing is looked up in DNS."""
+    if not value:
+        return value
+    address = _split_listen(value)
+    if address is None:
         raise ValueError(
-            f'{_show(value)} is not an address: use "HOST:PORT", e.g. "127.0.0.1:9464"'
+            f'{_show(value)} is not an address: use "IP:PORT", e.g. "127.0.0.1:9464",'
+            ' "[::1]:9464", or ":PORT" for every interface'
         )
     return value
 
 
 def _split_listen(value: str) -> tuple[str, int] | None:
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         return None
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+    if host == "localhost":
+        host = "127.0.0.1"
+    if host:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return None
     return host, int(port)
 
 

@@ -22,12 +22,13 @@ from ckptd.changes import Changes
 from ckptd.config import Config, RootConfig, load_config
 from ckptd.errors import ConfigError
 from ckptd.log import get_logger
-from ckptd.metrics import Metrics
+from ckptd.metrics import Metrics, MetricsServer
 from ckptd.retention.scheduler import RetentionService
 from ckptd.service import recovery
 from ckptd.service.discovery import Discovery
 from ckptd.service.effects import Effects
 from ckptd.service.jobs import policy_of
+from ckptd.service.observe import root_samples
 from ckptd.service.pins import read_pins
 from ckptd.service.recovery import StateDirLock
 from ckptd.service.scan import Scanner
@@ -60,7 +61,7 @@ class Daemon:
             unset=True, on_error=lambda m: self.log.warning("sd_notify_failed", error=m))
         self.watchdog = sdnotify.ProgressWatchdog.from_env(self.notifier)
         self.server: UnixHttpServer | None = None
-        self.metrics_server: object | None = None
+        self.metrics_tcp: MetricsServer | None = None
 
     def roots(self) -> dict[str, RootConfig]:
         return {r.name: r for r in self.config.roots}
@@ -85,11 +86,13 @@ class Daemon:
         self.discovery = Discovery(store, self.roots, self.backends.get)
         self.effects = Effects(store, self.roots, self.changes, self.workers, self.retention,
                                self.scanner)
+        self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention))
         store.set_on_commit(self.effects)
         self.scanner.set_roots(self.roots())
         self.scanner.scan_all()
         for root in cfg.roots:
             self.effects.publish(root)
+            self.retention.announce_adopted(root)
         self.ctx = ApiContext(store, self.roots, self.changes, self.scanner, self.workers,
                               self.retention, self.discovery, self.supervisor, self.metrics)
         sock, inherited = recovery.listen_socket(cfg.daemon)
@@ -107,8 +110,10 @@ class Daemon:
         assert server is not None
         sup.add("api", lambda stop: server.serve_forever(poll_interval=0.5),
                 halt=server.shutdown)
-        if self.config.metrics.listen:
-            self.metrics_server = self.metrics.serve_tcp(self.config.metrics.listen)
+        address = self.config.metrics.address
+        if address is not None:  # a bad address fails the start here (exit 78)
+            tcp = self.metrics_tcp = self.metrics.serve_tcp(address)
+            sup.add("metrics", lambda stop: tcp.serve_forever(), halt=tcp.shutdown)
         sup.add("watch", self.scanner.watch)
         sup.add("scan", self.scanner.run, halt=self.scanner.wake)
         sup.add("discovery", self.discovery.run, halt=self.discovery.wake)
@@ -207,6 +212,8 @@ class Daemon:
         for key in ("state_dir", "socket", "socket_group"):
             if getattr(old.daemon, key) != getattr(new.daemon, key):
                 self.log.warning("config_needs_restart", key=f"daemon.{key}")
+        if old.metrics != new.metrics:
+            self.log.warning("config_needs_restart", key="metrics.listen")
         old_roots = {r.name for r in old.roots}
         self.config = new
         for name in old_roots - set(self.roots()):
@@ -234,7 +241,9 @@ class Daemon:
         if not finished:
             self.log.warning("daemon_stop_incomplete",
                              message="in-flight stages left to resume after restart")
-        sup.stop("api")
+        sup.stop("api", *(["metrics"] if self.metrics_tcp is not None else []))
+        if self.metrics_tcp is not None:
+            self.metrics_tcp.close()
         assert self.server is not None
         self.server.server_close()
         if not self._socket_inherited:  # an inherited socket belongs to systemd's unit
@@ -242,8 +251,6 @@ class Daemon:
                 os.unlink(self.config.daemon.socket)
             except OSError:
                 pass
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()  # type: ignore[attr-defined]
         if finished:
             self.store.close()
         self.lock.release()

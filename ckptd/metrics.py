@@ -1,18 +1,19 @@
-"""Prometheus metrics of the daemon: a private registry, typed update methods, the text
-rendering, and an optional TCP listener that serves `/metrics` and nothing else.
+"""Prometheus metrics of the daemon: a private registry with counters the daemon updates and a
+collector that reads each root's facts at scrape time, the text rendering, and prometheus_client's
+own HTTP listener for `metrics.listen`.
 
-Owns metric names and labels; holds numbers it is handed and never reads the store itself.
+Owns metric names and labels; never reads the store itself (the facts come from a function the
+daemon hands it), so the socket's `/metrics` and the TCP listener give the same numbers.
 """
 
 from __future__ import annotations
 
 import platform
 import socket
-import socketserver
-import threading
-from collections.abc import Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -22,11 +23,15 @@ from prometheus_client import (
     Info,
     ProcessCollector,
     generate_latest,
+    make_wsgi_app,
 )
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
 
 from ckptd import __version__
+from ckptd.errors import ConfigError
 from ckptd.model import State
 
 # Stages run from well under a second (a small file) to hours (a 1 TB upload).
@@ -41,7 +46,8 @@ class Metrics:
     def __init__(self, version: str = __version__, process: bool = True) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._roots: set[str] = set()
-        self._define_root_gauges()
+        self._samples: Callable[[], Iterable[RootSample]] = lambda: ()
+        self.registry.register(_RootCollector(lambda: self._samples()))
         self._define_activity()
         self._define_daemon(version)
         if process:  # process_resident_memory_bytes etc.: the bounded-memory promise, visible
@@ -49,20 +55,6 @@ class Metrics:
 
     def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ("root",)) -> Gauge:
         return Gauge(name, doc, labels, registry=self.registry)
-
-    def _define_root_gauges(self) -> None:
-        self.checkpoints = self._gauge("ckptd_checkpoints", "Checkpoints by root and state.",
-                                       ("root", "state"))
-        self.ratio = self._gauge("ckptd_compression_ratio",
-                                 "Stored bytes / original bytes of compressed checkpoints.")
-        self.queue = self._gauge("ckptd_queue_depth", "Stage work waiting to run.")
-        self.steps_since_remote = self._gauge(
-            "ckptd_steps_since_remote_verified",
-            "Latest valid step minus the latest step uploaded and verified remotely.")
-        self.disk_free = self._gauge("ckptd_disk_free_bytes", "Free bytes on the root's disk.")
-        self.preflight = self._gauge("ckptd_preflight_warning",
-                                     "1 when the root's preflight check warns, else 0.")
-        self.latest = self._gauge("ckptd_latest_step", "Latest valid step of the root.")
 
     def _define_activity(self) -> None:
         self.stage_seconds = Histogram("ckptd_stage_duration_seconds", "Time a stage took.",
@@ -97,6 +89,7 @@ class Metrics:
         counter = self.bytes.get(kind)
         if counter is None:
             raise ValueError(f"byte kind must be one of {BYTE_KINDS}, got {kind!r}")
+        self._roots.add(root)
         counter.labels(root).inc(n)
 
     def error(self, kind: str) -> None:
@@ -107,31 +100,16 @@ class Metrics:
         self.reload_ok.set(1 if ok else 0)
         self.reload_time.set(when)
 
-    def set_root(self, root: str, *, counts: Mapping[str, int], queue: int,
-                 disk_free: int | None = None, latest: int | None = None,
-                 steps_since_remote: int | None = None, preflight_warning: bool = False,
-                 ratio: float | None = None) -> None:
-        """Replace one root's gauges. None means unknown: the series is dropped rather than
-        exported as a made-up 0."""
-        self._roots.add(root)
-        for state in _states(counts):
-            self.checkpoints.labels(root, state).set(counts.get(state, 0))
-        self.queue.labels(root).set(queue)
-        self.preflight.labels(root).set(1 if preflight_warning else 0)
-        _set_or_drop(self.disk_free, root, disk_free)
-        _set_or_drop(self.latest, root, latest)
-        _set_or_drop(self.steps_since_remote, root, steps_since_remote)
-        _set_or_drop(self.ratio, root, ratio)
+    def set_samples(self, samples: Callable[[], Iterable[RootSample]]) -> None:
+        """Where the per-root facts come from (read at each scrape)."""
+        self._samples = samples
 
     def remove_root(self, root: str) -> None:
-        """Drop every series of a root (it left the config on reload). Counters included:
-        a root that comes back starts from 0, which Prometheus' rate() handles as a reset."""
+        """Drop a root's counters (it left the config on reload): a root that comes back
+        starts from 0, which Prometheus' rate() handles as a reset."""
         self._roots.discard(root)
-        for state in _states({}):
-            _drop(self.checkpoints, root, state)
-        for gauge in (self.queue, self.preflight, self.disk_free, self.latest,
-                      self.steps_since_remote, self.ratio, *self.bytes.values()):
-            _drop(gauge, root)
+        for counter in self.bytes.values():
+            _drop(counter, root)
 
     def roots(self) -> set[str]:
         return set(self._roots)
@@ -140,20 +118,8 @@ class Metrics:
         """The Prometheus text exposition format."""
         return generate_latest(self.registry).decode()
 
-    def serve_tcp(self, listen: str) -> MetricsServer:
-        return MetricsServer(self, listen)
-
-
-def _states(counts: Mapping[str, int]) -> list[str]:
-    # Every known state is always exported, so a state dropping to none reads 0, not stale.
-    return [s.value for s in State] + sorted(set(counts) - {s.value for s in State})
-
-
-def _set_or_drop(gauge: Gauge, root: str, value: float | None) -> None:
-    if value is None:
-        _drop(gauge, root)
-    else:
-        gauge.labels(root).set(value)
+    def serve_tcp(self, address: tuple[str, int]) -> MetricsServer:
+        return MetricsServer(self, address)
 
 
 def _drop(metric: MetricWrapperBase, *labels: str) -> None:
@@ -163,76 +129,114 @@ def _drop(metric: MetricWrapperBase, *labels: str) -> None:
         pass
 
 
-def split_listen(listen: str) -> tuple[str, int]:
-    """`HOST:PORT` or `[V6]:PORT` to (host, port). Raises ValueError."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"not a HOST:PORT address: {listen!r}")
-    return host.removeprefix("[").removesuffix("]"), int(port)
+@dataclass(frozen=True)
+class RootSample:
+    """One root's facts at scrape time. None means unknown: the series is left out rather
+    than exported as a made-up 0."""
+
+    root: str
+    counts: Mapping[str, int]
+    queue: int
+    disk_free: int | None = None
+    latest: int | None = None
+    steps_since_remote: int | None = None
+    preflight_warning: bool = False
+    ratio: float | None = None
 
 
-class _Handler(BaseHTTPRequestHandler):
-    metrics: Metrics  # set on the subclass MetricsServer builds
+_GAUGES = (
+    ("ckptd_compression_ratio", "Stored bytes / original bytes of compressed checkpoints.",
+     "ratio"),
+    ("ckptd_queue_depth", "Stage work waiting to run.", "queue"),
+    ("ckptd_steps_since_remote_verified",
+     "Latest valid step minus the latest step uploaded and verified remotely.",
+     "steps_since_remote"),
+    ("ckptd_disk_free_bytes", "Free bytes on the root's disk.", "disk_free"),
+    ("ckptd_preflight_warning", "1 when the root's preflight check warns, else 0.",
+     "preflight_warning"),
+    ("ckptd_latest_step", "Latest valid step of the root.", "latest"),
+)
 
-    def do_GET(self) -> None:
-        self._answer(body=True)
 
-    def do_HEAD(self) -> None:
-        self._answer(body=False)
+class _RootCollector(Collector):
+    """Per-root gauges read at scrape time, so any scrape (socket or TCP) is current."""
 
-    def _answer(self, body: bool) -> None:
-        if self.path.split("?", 1)[0] != "/metrics":
-            data, status, ctype = b"not found; try /metrics\n", 404, "text/plain; charset=utf-8"
-        else:
-            data, status, ctype = self.metrics.render().encode(), 200, CONTENT_TYPE_LATEST
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if body:
-            self.wfile.write(data)
+    def __init__(self, samples: Callable[[], Iterable[RootSample]]) -> None:
+        self._samples = samples
 
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("ckptd_checkpoints", "Checkpoints by root and state.",
+                                labels=["root", "state"])
+        for name, doc, _ in _GAUGES:
+            yield GaugeMetricFamily(name, doc, labels=["root"])
+
+    def collect(self) -> Iterator[Metric]:
+        samples = list(self._samples())
+        counts = GaugeMetricFamily("ckptd_checkpoints", "Checkpoints by root and state.",
+                                   labels=["root", "state"])
+        for s in samples:
+            # Every known state is always exported: a state dropping to none reads 0.
+            for state in [x.value for x in State] + sorted(set(s.counts) - set(State)):
+                counts.add_metric([s.root, state], s.counts.get(state, 0))
+        yield counts
+        for name, doc, field in _GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["root"])
+            for s in samples:
+                value = getattr(s, field)
+                if value is not None:
+                    family.add_metric([s.root], float(value))
+            yield family
+
+
+class MetricsServer:
+    """prometheus_client's WSGI app and threading server on the configured address, answering
+    `/metrics` and 404 for anything else. `serve_forever` runs on the caller's thread (the
+    daemon's supervised `metrics` service); `shutdown` stops it from another."""
+
+    def __init__(self, metrics: Metrics, address: tuple[str, int]) -> None:
+        host, port = address
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            family = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM,
+                                        flags=socket.AI_PASSIVE)[0][0]
+
+            class Server(ThreadingWSGIServer):
+                address_family = family
+
+            self._server = make_server(host or "0.0.0.0", port, _only_metrics(
+                make_wsgi_app(metrics.registry)), Server, handler_class=_Quiet)
+        except OSError as exc:
+            raise ConfigError(f"metrics.listen = {where!r}: cannot listen there:"
+                              f" {exc.strerror or exc}") from None
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_port)
+
+    def serve_forever(self) -> None:
+        self._server.serve_forever(poll_interval=0.5)
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+
+    def close(self) -> None:
+        self._server.server_close()
+
+
+class _Quiet(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         return  # a scrape every 15 s would drown the journal
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+def _only_metrics(app: Any) -> Any:
+    def serve(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("REQUEST_METHOD") != "GET":  # prometheus_client's app serves GET only
+            start_response("405 Method Not Allowed", [("Allow", "GET"),
+                                                      ("Content-Type", "text/plain")])
+            return [b"GET /metrics\n"]
+        if environ.get("PATH_INFO", "") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found; try /metrics\n"]
+        return app(environ, start_response)
 
-    def __init__(self, address: tuple[str, int], handler: type[_Handler]) -> None:
-        # The family follows the address: binding "::1" must not fall back to IPv4 or
-        # widen to every interface.
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        super().__init__(address, handler)
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind looks up the host's FQDN: a DNS query nobody needs here.
-        socketserver.TCPServer.server_bind(self)
-        host, port = self.server_address[:2]
-        self.server_name, self.server_port = str(host), int(port)
-
-
-class MetricsServer:
-    """`/metrics` over HTTP on exactly the address given (e.g. 127.0.0.1:9464); 404 for any
-    other path. Runs in a daemon thread until `shutdown()`."""
-
-    def __init__(self, metrics: Metrics, listen: str) -> None:
-        handler = type("MetricsHandler", (_Handler,), {"metrics": metrics})
-        self._server = _Server(split_listen(listen), handler)
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="ckptd-metrics", daemon=True)
-        self._thread.start()
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self._server.server_address[:2]
-        return str(host), int(port)
-
-    @property
-    def port(self) -> int:
-        return self.address[1]
-
-    def shutdown(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5.0)
+    return serve

@@ -170,6 +170,7 @@ class CheckpointRecord:
     created: float  # wall time when first seen
     completed: float | None  # wall time when found complete
     fingerprint: str  # digest of (member paths, sizes, mtimes) at completion
+    adopted: bool = False  # on disk before ckptd first watched the root
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -184,4 +185,5 @@ class CheckpointRecord:
             "metrics": dict(self.metrics),
             "reason": self.reason or None,
             "pinned": self.pinned,
+            "adopted": self.adopted,
         }

@@ -54,6 +54,9 @@ def render_status(doc: dict[str, Any]) -> str:
         when = "" if svc["state"] == "running" else f" ({svc['state']})"
         out += ["", f"service {svc['name']}{when}: restarted {svc['restarts']}x,"
                     f" last error: {svc['last_error']}"]
+    for r in doc["roots"]:
+        if r.get("adopted"):
+            out += ["", f"{r['name']}: {r['adopted']['message']}"]
     warnings = [r for r in doc["roots"] if r.get("preflight") and not r["preflight"]["ok"]]
     for r in warnings:
         out += ["", f"capacity warning for {r['name']}: {r['preflight']['message']}"]

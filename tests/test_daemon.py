@@ -302,7 +302,8 @@ def test_cli_commands(daemon_factory: Any) -> None:
     assert "preflight" in st["roots"][0]  # the capacity warning (retention)
     ls = json.loads(cli("ls", "r1", "--json", sock=s).stdout)
     assert set(ls["checkpoints"][0]) == {"step", "state", "local", "remote", "layout", "path",
-                                         "bytes", "stored_bytes", "metrics", "reason", "pinned"}
+                                         "bytes", "stored_bytes", "metrics", "reason", "pinned",
+                                         "adopted"}
     r = cli("--socket", str(s), "latest", "r1", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["step"] == 11
     r = cli("latest", "r1", "--tier", "remote", "--json", sock=s)

@@ -4,13 +4,20 @@ optional TCP listener that serves /metrics and nothing else."""
 from __future__ import annotations
 
 import http.client
+import threading
 from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from ckptd.metrics import Metrics, MetricsServer, split_listen
+from ckptd.errors import ConfigError
+from ckptd.metrics import Metrics, MetricsServer, RootSample
+
+
+def set_roots(metrics: Metrics, *roots: RootSample) -> None:
+    """What the daemon's store reads would answer at the next scrape."""
+    metrics.set_samples(lambda: roots)
 
 
 def samples(metrics: Metrics) -> dict[str, list[Sample]]:
@@ -28,14 +35,13 @@ def value(metrics: Metrics, sample: str, **labels: str) -> float | None:
 
 def test_every_family_is_exported_with_its_type() -> None:
     m = Metrics()
-    m.set_root("llm-7b", counts={"valid": 1}, queue=0)
     m.add_bytes("read", "llm-7b", 1)
     m.add_bytes("written", "llm-7b", 1)
     m.add_bytes("uploaded", "llm-7b", 1)
     m.observe_stage("validate", 1.0)
     m.error("scan")
-    m.set_root("llm-7b", counts={}, queue=0, disk_free=1, latest=1, steps_since_remote=1,
-               ratio=0.5)
+    set_roots(m, RootSample("llm-7b", counts={}, queue=0, disk_free=1, latest=1,
+                            steps_since_remote=1, ratio=0.5))
     types = {f.name: f.type for f in text_string_to_metric_families(m.render())}
     expected = {
         "ckptd_checkpoints": "gauge", "ckptd_stage_duration_seconds": "histogram",
@@ -52,9 +58,10 @@ def test_every_family_is_exported_with_its_type() -> None:
 
 def test_root_gauges_carry_labels_and_values() -> None:
     m = Metrics(process=False)
-    m.set_root("llm-7b", counts={"valid": 3, "invalid": 1}, queue=2, disk_free=10**12,
-               latest=1200, steps_since_remote=400, preflight_warning=True, ratio=0.62)
-    m.set_root("vit", counts={"pending": 1}, queue=0)
+    set_roots(m, RootSample("llm-7b", counts={"valid": 3, "invalid": 1}, queue=2,
+                            disk_free=10**12, latest=1200, steps_since_remote=400,
+                            preflight_warning=True, ratio=0.62),
+              RootSample("vit", counts={"pending": 1}, queue=0))
     assert value(m, "ckptd_checkpoints", root="llm-7b", state="valid") == 3
     assert value(m, "ckptd_checkpoints", root="llm-7b", state="invalid") == 1
     assert value(m, "ckptd_checkpoints", root="llm-7b", state="pending") == 0  # never stale
@@ -71,8 +78,9 @@ def test_root_gauges_carry_labels_and_values() -> None:
 
 def test_unknown_values_drop_their_series() -> None:
     m = Metrics(process=False)
-    m.set_root("r", counts={}, queue=0, disk_free=5, latest=7, ratio=0.5)
-    m.set_root("r", counts={}, queue=0, disk_free=None, latest=None, ratio=None)
+    set_roots(m, RootSample("r", counts={}, queue=0, disk_free=5, latest=7, ratio=0.5))
+    assert value(m, "ckptd_latest_step", root="r") == 7
+    set_roots(m, RootSample("r", counts={}, queue=0, disk_free=None, latest=None, ratio=None))
     assert value(m, "ckptd_disk_free_bytes", root="r") is None
     assert value(m, "ckptd_latest_step", root="r") is None
     assert value(m, "ckptd_compression_ratio", root="r") is None
@@ -112,10 +120,11 @@ def test_daemon_info_and_reload() -> None:
 
 def test_remove_root_drops_every_series() -> None:
     m = Metrics(process=False)
-    m.set_root("gone", counts={"valid": 1}, queue=1, disk_free=1, latest=1,
-               steps_since_remote=1, ratio=0.5)
+    set_roots(m, RootSample("gone", counts={"valid": 1}, queue=1, disk_free=1, latest=1,
+                            steps_since_remote=1, ratio=0.5))
     m.add_bytes("written", "gone", 1)
-    m.set_root("kept", counts={}, queue=0)
+    m.add_bytes("written", "kept", 1)
+    set_roots(m, RootSample("kept", counts={}, queue=0))  # the reload left it out
     m.remove_root("gone")
     assert m.roots() == {"kept"}
     assert 'root="gone"' not in m.render()
@@ -134,11 +143,15 @@ def test_registries_are_private() -> None:
 @pytest.fixture(scope="module")  # one listener: each shutdown waits out a poll interval
 def server() -> Iterator[tuple[Metrics, MetricsServer]]:
     m = Metrics(process=False)
-    srv = m.serve_tcp("127.0.0.1:0")
+    srv = m.serve_tcp(("127.0.0.1", 0))
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
     try:
         yield m, srv
     finally:
         srv.shutdown()
+        srv.close()
+        t.join(5)
 
 
 def get(port: int, path: str, method: str = "GET") -> tuple[int, str, bytes]:
@@ -151,17 +164,15 @@ def get(port: int, path: str, method: str = "GET") -> tuple[int, str, bytes]:
         conn.close()
 
 
-def test_tcp_serves_metrics(server: tuple[Metrics, MetricsServer]) -> None:
+def test_tcp_serves_metrics_read_at_scrape_time(server: tuple[Metrics, MetricsServer]) -> None:
     m, srv = server
-    assert srv.address[0] == "127.0.0.1" and srv.port > 0
-    m.set_root("r", counts={"valid": 2}, queue=0)
+    set_roots(m, RootSample("r", counts={"valid": 2}, queue=0, latest=9))
     status, ctype, body = get(srv.port, "/metrics")
     assert status == 200 and ctype.startswith("text/plain")
-    fams = {f.name for f in text_string_to_metric_families(body.decode())}
+    fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
     assert "ckptd_checkpoints" in fams
+    assert [s.value for s in fams["ckptd_latest_step"].samples] == [9]
     assert get(srv.port, "/metrics?name[]=ckptd_up")[0] == 200
-    status, _, body = get(srv.port, "/metrics", method="HEAD")
-    assert status == 200 and body == b""
 
 
 @pytest.mark.parametrize("path", ["/", "/v1/status", "/metrics/", "/metricsx", "/favicon.ico"])
@@ -169,31 +180,19 @@ def test_tcp_serves_nothing_else(server: tuple[Metrics, MetricsServer], path: st
     assert get(server[1].port, path)[0] == 404
 
 
-def test_tcp_rejects_other_methods(server: tuple[Metrics, MetricsServer]) -> None:
-    assert get(server[1].port, "/metrics", method="POST")[0] == 501
+@pytest.mark.parametrize("method", ["POST", "PUT", "HEAD"])
+def test_tcp_rejects_other_methods(server: tuple[Metrics, MetricsServer], method: str) -> None:
+    assert get(server[1].port, "/metrics", method=method)[0] == 405
 
 
-def test_tcp_shutdown_frees_the_port() -> None:
+def test_tcp_close_frees_the_port_and_a_taken_port_is_a_config_error() -> None:
     m = Metrics(process=False)
-    srv = m.serve_tcp("127.0.0.1:0")
+    srv = m.serve_tcp(("127.0.0.1", 0))
     port = srv.port
-    srv.shutdown()
+    with pytest.raises(ConfigError, match=f"metrics.listen = '127.0.0.1:{port}'"):
+        m.serve_tcp(("127.0.0.1", port))  # taken: one line naming the key, exit 78
+    srv.close()
     with pytest.raises(OSError):
         get(port, "/metrics")
-    again = m.serve_tcp(f"127.0.0.1:{port}")  # the port is free to bind again
-    again.shutdown()
-
-
-@pytest.mark.parametrize(("listen", "expected"), [
-    ("127.0.0.1:9464", ("127.0.0.1", 9464)),
-    ("[::1]:9464", ("::1", 9464)),
-    ("localhost:0", ("localhost", 0)),
-])
-def test_split_listen(listen: str, expected: tuple[str, int]) -> None:
-    assert split_listen(listen) == expected
-
-
-@pytest.mark.parametrize("listen", ["9464", ":9464", "host:", "host:port", "h:70000"])
-def test_split_listen_rejects(listen: str) -> None:
-    with pytest.raises(ValueError):
-        split_listen(listen)
+    again = m.serve_tcp(("127.0.0.1", port))  # the port is free to bind again
+    again.close()

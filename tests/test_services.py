@@ -145,3 +145,50 @@ def test_reload_retries_failed_uploads_at_once(harness: Harness, tmp_path: Path)
     h.write_config()
     assert h.daemon.reload()
     assert h.client.wait("r", 4, until="uploaded", timeout=15)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_tcp_listener_and_the_socket_give_the_same_numbers_from_the_first_scrape(
+        tmp_path: Path, short_dir: Path) -> None:
+    import http.client
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    h = Harness(tmp_path, short_dir)
+    port = _free_port()
+    save_torch(h.root / "model_step_6.pt")
+    cfg = h.config_path.read_text() + f'\n[metrics]\nlisten = "127.0.0.1:{port}"\n'
+    h.config_path.write_text(cfg)
+    h.daemon = Daemon(load_config(h.config_path), h.config_path)
+    h.daemon.start()
+    try:
+        assert h.client.wait("r", 6, until="valid", timeout=30)
+
+        def gauges(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name.startswith("ckptd_") and f.type == "gauge"
+                    and not s.name.startswith("ckptd_config")}
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/metrics")
+        tcp = gauges(conn.getresponse().read().decode())  # the first scrape of all
+        conn.close()
+        assert tcp[("ckptd_latest_step", (("root", "r"),))] == 6
+        assert tcp[("ckptd_checkpoints", (("root", "r"), ("state", "valid")))] == 1
+        status, text = h.client.request("GET", "/metrics")
+        assert status == 200
+        sock = gauges(text)
+        disk = ("ckptd_disk_free_bytes", (("root", "r"),))
+        tcp.pop(disk)  # free space moves on its own between two scrapes
+        sock.pop(disk)
+        assert sock == tcp
+    finally:
+        h.daemon.stop(grace=5)

@@ -334,3 +334,38 @@ def test_numbers_in_the_config_are_bounded(tmp_path: Path, key: str, value: Any,
     done = subprocess.run([sys.executable, "-m", "ckptd", "config", "check", str(cfg)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 78 and says in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(("listen", "ok"), [
+    ("127.0.0.1:9464", True), ("[::1]:9464", True), (":9464", True), ("localhost:9464", True),
+    ("9464", False), ("127.0.0.1:", False), ("127.0.0.1:99999", False), ("1.2.3.4.5:80", False),
+    ("host name:80", False), ("metrics.example:80", False), ("127.0.0.1:\u0661", False),
+])
+def test_metrics_listen_is_checked_as_run_uses_it(tmp_path: Path, listen: str,
+                                                  ok: bool) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(render_config({"state_dir": str(tmp_path / "s")},
+                                 [{"name": "r", "path": str(tmp_path / "ckpt")}])
+                   + f'\n[metrics]\nlisten = "{listen}"\n')
+    done = subprocess.run([sys.executable, "-m", "ckptd", "config", "check", str(cfg)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == (0 if ok else 78), done.stderr
+    if not ok:
+        assert "metrics.listen" in done.stderr
+
+
+def test_a_taken_metrics_port_is_one_line_and_exit_78(tmp_path: Path, short_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(render_config({"state_dir": str(tmp_path / "s"),
+                                      "socket": str(short_dir / "s.sock")},
+                                     [{"name": "r", "path": str(tmp_path / "ckpt")}])
+                       + f'\n[metrics]\nlisten = "127.0.0.1:{port}"\n')
+        done = subprocess.run([sys.executable, "-m", "ckptd", "run", "--config", str(cfg)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 78, done.stderr
+    assert "metrics.listen" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

@@ -77,6 +77,7 @@ class Guards:
     upload_configured: bool
     invalid: frozenset[int] = frozenset()
     shared: frozenset[int] = frozenset()
+    adopted: frozenset[int] = frozenset()  # adopted, no remote copy, and no --apply
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,7 @@ def _check_guards(step: int, tier: TierName, g: Guards) -> None:
         unsafe = g.upload_configured and step not in g.remote_verified and step not in g.invalid
         nets.append((unsafe, Tag.NOT_UPLOADED))
         nets.append((step in g.shared, SHARED))
+        nets.append((step in g.adopted, Tag.ADOPTED))
     else:
         newest_remote = max(g.remote_verified, default=None)
         nets.append((step == newest_remote, Tag.LATEST))

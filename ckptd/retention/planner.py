@@ -37,6 +37,7 @@ class Tag(StrEnum):
     PINNED = "pinned"
     IN_USE = "in_use"  # a client is reading it
     NOT_UPLOADED = "not_uploaded"  # local copy is the only verified one
+    ADOPTED = "adopted"  # there before ckptd; only deleted with a remote copy or --apply
     INVALID = "invalid"  # kept because delete_invalid is off
     KEEP_LAST = "keep_last"
     KEEP_BEST = "keep_best"
@@ -51,7 +52,8 @@ class Tag(StrEnum):
 
 
 # Tags that min_free may never override (the nets the executor enforces again).
-PROTECTED = frozenset({Tag.PENDING, Tag.LATEST, Tag.BEST, Tag.PINNED, Tag.IN_USE, Tag.NOT_UPLOADED})
+PROTECTED = frozenset({Tag.PENDING, Tag.LATEST, Tag.BEST, Tag.PINNED, Tag.IN_USE, Tag.NOT_UPLOADED,
+                       Tag.ADOPTED})
 _UNJUDGED = (State.PENDING, State.COMPLETE)
 _ON_DISK = (Local.PRESENT, Local.COMPRESSED)
 
@@ -74,6 +76,7 @@ class CheckpointView:
     metric: float | None = None
     pinned: bool = False
     in_use: bool = False
+    adopted: bool = False  # on disk before ckptd watched the root: kept until uploaded
 
 
 @dataclass(frozen=True)
@@ -198,13 +201,16 @@ def plan(
     now: float,
     metric_mode: MetricMode = "min",
     upload_configured: bool = False,
+    delete_adopted: bool = False,
 ) -> Plan:
     """Decide every checkpoint's local and remote copy. A copy is kept if ANY rule keeps it.
 
     Per tier, over the valid checkpoints in that tier: keep_last N newest; keep_best K best by
     metric (ties: newer step wins); keep_every M (step % M == 0); keep_within W (now - completed
     <= W, edge kept). Always kept: pending/complete, the tier's latest, the root's best, pinned,
-    in_use. Local only: valid copies not uploaded yet (when upload is configured); invalid ones
+    in_use. Local only: adopted copies (there before ckptd) without an uploaded remote copy,
+    unless `delete_adopted` (`ckptd prune --apply`); valid copies not uploaded yet (when upload
+    is configured); invalid ones
     unless delete_invalid; compress_older turns kept copies outside the newest keep_last (never
     the latest or in_use ones) into `compress`; min_free (when free < min_free) deletes the
     oldest unprotected kept copies, invalid ones first, until the projected free space reaches
@@ -214,7 +220,7 @@ def plan(
     available = [v for v in views if v.local in _ON_DISK or v.remote is Remote.UPLOADED]
     ranked = _ranked(available, metric_mode)
     ctx = _Ctx(now=now, mode=metric_mode, best=ranked[0].step if ranked else None)
-    local = _decide_local(views, local_rules, ctx, upload_configured)
+    local = _decide_local(views, local_rules, ctx, upload_configured, delete_adopted)
     local, freed, reclaimable, shortfall = _apply_min_free(views, local, disk)
     remote = _decide_remote(views, remote_rules, ctx)
     items = tuple(_item(v, local, remote) for v in views if _listed(v))
@@ -315,7 +321,8 @@ def _tier_tags(present: list[CheckpointView], rules: Rules, ctx: _Ctx) -> dict[i
 
 
 def _decide_local(
-    views: list[CheckpointView], rules: LocalRules, ctx: _Ctx, upload_configured: bool
+    views: list[CheckpointView], rules: LocalRules, ctx: _Ctx, upload_configured: bool,
+    delete_adopted: bool = False,
 ) -> dict[int, _Decision]:
     present = [v for v in views if v.local in _ON_DISK]
     tags = _tier_tags(present, rules, ctx)
@@ -323,13 +330,16 @@ def _decide_local(
     recent = {v.step for v in _newest(valid, rules.keep_last)}
     out: dict[int, _Decision] = {}
     for v in present:
-        keep = tags[v.step] + _local_guards(v, rules, upload_configured)
+        keep = tags[v.step] + _local_guards(v, rules, upload_configured, delete_adopted)
         out[v.step] = _local_decision(v, keep, rules, v.step in recent)
     return out
 
 
-def _local_guards(v: CheckpointView, rules: LocalRules, upload_configured: bool) -> list[str]:
+def _local_guards(v: CheckpointView, rules: LocalRules, upload_configured: bool,
+                  delete_adopted: bool = False) -> list[str]:
     guards: list[str] = []
+    if v.adopted and v.remote is not Remote.UPLOADED and not delete_adopted:
+        guards.append(Tag.ADOPTED)
     # Invalid data is never uploaded, so "not uploaded" must not pin it forever.
     if upload_configured and v.state is State.VALID and v.remote is not Remote.UPLOADED:
         guards.append(Tag.NOT_UPLOADED)

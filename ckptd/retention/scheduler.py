@@ -199,7 +199,8 @@ class RetentionService:
                 fut.set_exception(NotFound(f"no root named {name!r}"))
             return
         try:
-            outcomes = self._runner.run(root)
+            # A caller waiting is `ckptd prune --apply`: the user's say-so for adopted ones.
+            outcomes = self._runner.run(root, delete_adopted=bool(futures))
         except Exception as exc:  # one root's failure must not stop the others' retention
             try:
                 self.log.error("prune_run_failed", root=name, error=str(exc), exc_info=True)
@@ -235,6 +236,31 @@ class RetentionService:
     def apply_now(self, root: RootConfig) -> list[dict[str, Any]]:
         return [o.as_json() for o in self.run_now(root.name, self.api_timeout)]
 
+    def adopted_json(self, root: RootConfig) -> dict[str, Any] | None:
+        """What retention does with the checkpoints that were there before ckptd: `held` are
+        kept only because they are adopted (a `ckptd prune --apply` would delete them; an
+        upload of each makes it deletable by the rules)."""
+        records = [r for r in self.store.checkpoints(root.name)
+                   if r.adopted and r.local is not Local.PRUNED]
+        if not records:
+            return None
+        plan = self.plan(root.name)
+        held = sorted(i.step for i in plan.items
+                      if {r for r in i.reasons if r.startswith("local:")} == {"local:adopted"})
+        return {"count": len(records), "held": held,
+                "message": (f"{len(records)} checkpoint(s) were there before ckptd: never"
+                            " deleted locally without a verified remote copy; "
+                            + (f"{len(held)} kept only for that (steps {held[:10]}); "
+                               f"`ckptd prune {root.name} --apply` deletes them"
+                               if held else "none of them would be deleted by the rules"))}
+
+    def announce_adopted(self, root: RootConfig) -> None:
+        """Say at start what retention will do with the root's adopted checkpoints."""
+        adopted = self.adopted_json(root)
+        if adopted is not None:
+            self.log.info("adopted_checkpoints", root=root.name, count=adopted["count"],
+                          held=adopted["held"], message=adopted["message"])
+
     def health_json(self, name: str) -> dict[str, Any] | None:
         return health_json(self.health(name))
 
@@ -256,32 +282,33 @@ class _Runner:
         return self._plan(root, self.store.checkpoints(root.name), now)
 
     def _plan(self, root: RootConfig, records: list[CheckpointRecord],
-              now: float) -> planner.Plan:
+              now: float, delete_adopted: bool = False) -> planner.Plan:
         in_use = self.store.in_use(root.name, now)
         views = [view_of(r, root.metric, r.step in in_use) for r in records]
         disk = disk_of(root) or planner.Disk(0, 0, 0)
         return planner.plan(views, local_rules(root), remote_rules(root), disk, now,
-                            metric_mode=root.metric_mode, upload_configured=root.upload.enabled)
+                            metric_mode=root.metric_mode, upload_configured=root.upload.enabled,
+                            delete_adopted=delete_adopted)
 
-    def run(self, root: RootConfig) -> list[executor.Outcome]:
+    def run(self, root: RootConfig, delete_adopted: bool = False) -> list[executor.Outcome]:
         # Only the local deletes hold the lock (with the guards they check, read inside it):
         # remote calls and compressing in place can take long and must not hold up scans,
         # pins or readers' leases.
         with self.exclusive:
             now = time.time()
-            plan, outcomes = self._run_local(root, now)
+            plan, outcomes = self._run_local(root, now, delete_adopted)
             self._record(root, [o for o in outcomes if o.action != "deferred"])
         remote = self._remote(root, plan, now)
         self._record(root, remote + [o for o in outcomes if o.action == "deferred"])
         self._finish_compressed(root)
         return outcomes + remote
 
-    def _run_local(self, root: RootConfig, now: float
+    def _run_local(self, root: RootConfig, now: float, delete_adopted: bool = False
                    ) -> tuple[planner.Plan, list[executor.Outcome]]:
         records = self.store.checkpoints(root.name)
-        plan = self._plan(root, records, now)
+        plan = self._plan(root, records, now, delete_adopted)
         self._check_preflight(root, records, plan)
-        guards = self._guards(root, now)
+        guards = self._guards(root, now, delete_adopted)
         targets = {r.step: target_of(root, r, self.store.members(r.id)) for r in records}
         outcomes = executor.execute_local(
             root.path, plan, targets, guards, executor.trash_dir_for(root.path),
@@ -310,7 +337,8 @@ class _Runner:
         return executor.execute_remote(backend, root.name, plan, self._guards(root, now),
                                        delete_step)
 
-    def _guards(self, root: RootConfig, now: float) -> executor.Guards:
+    def _guards(self, root: RootConfig, now: float,
+                delete_adopted: bool = False) -> executor.Guards:
         records = self.store.checkpoints(root.name)
         latest = self.store.latest(root.name, Tier.ANY)
         best = self.store.best(root.name, root.metric, root.metric_mode)
@@ -323,6 +351,8 @@ class _Runner:
             upload_configured=root.upload.enabled,
             invalid=frozenset(r.step for r in records if r.state is State.INVALID),
             shared=self._shared(root, records),
+            adopted=frozenset() if delete_adopted else frozenset(
+                r.step for r in records if r.adopted and r.remote is not Remote.UPLOADED),
         )
 
     def _shared(self, root: RootConfig, records: list[CheckpointRecord]) -> frozenset[int]:
@@ -413,7 +443,8 @@ def view_of(r: CheckpointRecord, metric: str, in_use: bool) -> planner.Checkpoin
     return planner.CheckpointView(
         step=r.step, state=r.state, local=r.local, remote=r.remote,
         completed=r.completed if r.completed is not None else r.created, bytes=r.bytes,
-        metric=r.metrics.get(metric) if metric else None, pinned=r.pinned, in_use=in_use)
+        metric=r.metrics.get(metric) if metric else None, pinned=r.pinned, in_use=in_use,
+        adopted=r.adopted)
 
 
 def local_rules(root: RootConfig) -> planner.LocalRules:

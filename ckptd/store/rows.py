@@ -74,7 +74,7 @@ def record_of(r: sqlite3.Row) -> CheckpointRecord:
         metrics=json.loads(r["metrics"]), reason=r["reason"], message=r["message"],
         pinned=bool(r["pinned"]), created=float(r["created"]),
         completed=None if r["completed"] is None else float(r["completed"]),
-        fingerprint=r["fingerprint"],
+        fingerprint=r["fingerprint"], adopted=bool(r["adopted"]),
     )
 
 

@@ -107,6 +107,14 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX transitions_checkpoint ON transitions(root, step);
     ALTER TABLE roots ADD COLUMN latest_doc TEXT NOT NULL DEFAULT '';
     """,
+    # 4: adopted checkpoints (on disk before ckptd first watched the root), and when a root's
+    # first scan happened (what it found then is adopted).
+    """
+    ALTER TABLE checkpoints ADD COLUMN adopted INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE roots ADD COLUMN first_scan REAL;
+    INSERT OR IGNORE INTO roots (name) SELECT DISTINCT root FROM checkpoints;
+    UPDATE roots SET first_scan = 0 WHERE name IN (SELECT DISTINCT root FROM checkpoints);
+    """,
 )
 
 

@@ -44,29 +44,42 @@ class Sync(Core):
         changes: list[SyncChange] = []
         with self._tx() as db:
             regs = self._registration_metrics(root)
+            adopt = self._first_scan(db, root, now)
             for f in one_per_step(found):
-                change = self._sync_one(db, root, f, regs.get(f.candidate.step, {}), now)
+                change = self._sync_one(db, root, f, regs.get(f.candidate.step, {}), now, adopt)
                 if change:
                     changes.append(change)
             seen = {f.candidate.step for f in found}
             changes.extend(self._sync_gone(db, root, seen, unreadable, now))
         return changes
 
+    @staticmethod
+    def _first_scan(db: sqlite3.Connection, root: str, now: float) -> bool:
+        """Is this the first scan of `root` ever (what it finds was there before ckptd)?"""
+        row = db.execute("SELECT first_scan FROM roots WHERE name=?", (root,)).fetchone()
+        if row is not None and row["first_scan"] is not None:
+            return False
+        db.execute("INSERT INTO roots (name, first_scan) VALUES (?,?) ON CONFLICT(name)"
+                   " DO UPDATE SET first_scan=excluded.first_scan", (root, now))
+        return True
+
     def _registration_metrics(self, root: str) -> dict[int, dict[str, float]]:
         rows = self._db.execute("SELECT step, metrics FROM registrations WHERE root=?", (root,))
         return {int(r["step"]): json.loads(r["metrics"]) for r in rows}
 
     def _sync_one(self, db: sqlite3.Connection, root: str, f: Found,
-                  reg_metrics: dict[str, float], now: float) -> SyncChange | None:
+                  reg_metrics: dict[str, float], now: float,
+                  adopt: bool = False) -> SyncChange | None:
         c = f.candidate
         row = db.execute(
             "SELECT * FROM checkpoints WHERE root=? AND step=? AND superseded=0", (root, c.step)
         ).fetchone()
         metrics = {**c.metrics, **reg_metrics}
         if row is None:
-            self._insert_found(db, root, f, metrics, now, pinned=False)
+            self._insert_found(db, root, f, metrics, now, pinned=False, adopted=adopt)
             return SyncChange("checkpoint_discovered", c.step, c.layout, c.path,
-                              "complete" if c.complete else c.waiting_for)
+                              ("adopted; " if adopt else "")
+                              + ("complete" if c.complete else c.waiting_for))
         seen = Sighting(complete=c.complete,
                         same_save=row["fingerprint"] == f.fingerprint and row["path"] == c.path,
                         fewer_files=set(c.files) < set(json.loads(row["files"])),
@@ -91,10 +104,11 @@ class Sync(Core):
         return SyncChange(name, c.step, c.layout, c.path) if name else None
 
     def _insert_found(self, db: sqlite3.Connection, root: str, f: Found,
-                      metrics: dict[str, float], now: float, pinned: bool) -> None:
+                      metrics: dict[str, float], now: float, pinned: bool,
+                      adopted: bool = False) -> None:
         event = Event.FOUND_COMPLETE if f.candidate.complete else Event.FOUND_PENDING
         self._insert(db, root, event, now, step=f.candidate.step, pinned=int(pinned),
-                     **_found_fields(f, metrics, now))
+                     adopted=int(adopted), **_found_fields(f, metrics, now))
 
     def _sync_gone(self, db: sqlite3.Connection, root: str, seen: set[int],
                    unreadable: frozenset[str], now: float) -> list[SyncChange]:
