@@ -1,4 +1,4 @@
-"""HTTP/1.1 + JSON over the daemon's Unix socket (SPEC "Socket API").
+"""HTTP/1.1 + JSON over the daemon's Unix socket (docs/CLI.md, "Socket API").
 
 Reads the store, records intents (registrations, pins) and wakes the scanner and pipeline.
 Never runs a stage itself and never blocks the accept loop (one thread per connection).

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("prune", "the retention plan (--dry-run), or run retention now")
     s.add_argument("root")
     s.add_argument("--dry-run", action="store_true", help="print the plan; delete nothing")
+    s.add_argument("--apply", action="store_true",
+                   help="run the plan once now, adopted checkpoints included (the default"
+                        " without --dry-run)")
     s.add_argument("--json", action="store_true")
     s = cmd("restore", "rebuild a checkpoint's original files from its local compressed copy"
                        " or the remote (no daemon needed)")
@@ -90,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _nonneg_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    if not (text.isascii() and text.isdigit()) or len(text) > 19 or int(text) >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2^63-1, got {text!r}")
     return int(text)
 
 
@@ -264,6 +267,8 @@ def _pin(args: argparse.Namespace, method: str) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     c = _client(args)
     path = f"/v1/roots/{_q(args.root)}/prune"
+    if args.dry_run and args.apply:
+        raise UsageError("prune: --dry-run and --apply exclude each other")
     if args.dry_run:
         doc = _call(lambda: c.request_json("GET", path))
         if args.json:

@@ -1,4 +1,5 @@
-"""The configuration: frozen pydantic models of SPEC's TOML schema, and the loader that builds them.
+"""The configuration: frozen pydantic models of the TOML schema (config.example.toml documents
+every key), and the loader that builds them.
 
 Owns defaults, merging [defaults] into each [[roots]] entry, path resolution and error sentences
 that name each bad key's path. Reads only the config file; never creates, opens or watches anything.

@@ -1,6 +1,7 @@
 """Plain data types shared by every layer: states, snapshots, candidates, records.
 
-Owns the vocabulary of SPEC.md as Python types. Imports nothing else of ckptd; holds no I/O.
+Owns the product's vocabulary (docs/CLI.md, docs/LAYOUTS.md) as Python types. Imports
+nothing else of ckptd; holds no I/O.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Reason(StrEnum):
     CHANGED = "changed"  # files changed while being validated
 
 
-# Names that never belong to a complete checkpoint (SPEC: temporary names).
+# Names that never belong to a complete checkpoint (docs/LAYOUTS.md: temporary names).
 TEMP_SUFFIXES = (".tmp", ".partial")
 TEMP_MARKERS = (".orbax-checkpoint-tmp",)
 # ckptd's own directory inside each root; never scanned as checkpoint data.

@@ -1,6 +1,6 @@
 """Human-readable renderings of the daemon's JSON documents (status, ls) for a terminal.
 
-Pure string building from the SPEC's JSON shapes; no I/O, no daemon access.
+Pure string building from the JSON shapes of docs/CLI.md; no I/O, no daemon access.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ _STEP = re.compile(r"(?:step[_=-]?|iter_|global_step|checkpoint-|_)(\d+)(?:\D*$|
 
 def verify_path(path: Path, deep: bool = False,
                 trusted: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """Validate the checkpoint at `path` (a file or a directory): the SPEC's verify JSON."""
+    """Validate the checkpoint at `path` (a file or a directory): the verify JSON of docs/CLI.md."""
     path = Path(os.path.abspath(path))
     if not path.exists():
         return _doc(path, "unknown", None, ValidationResult(False, "missing_file",

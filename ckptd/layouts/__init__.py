@@ -22,7 +22,7 @@ from ckptd.model import Candidate, RootOptions, Snapshot
 
 __all__ = ["NAMES", "Layout", "detect", "get", "wants_content"]
 
-# SPEC.md's table order; also the accepted values of a root's `layout` (besides "auto").
+# docs/LAYOUTS.md's table order; also the accepted values of a root's `layout` (besides "auto").
 NAMES: tuple[str, ...] = (
     "native", "registered", "dcp", "split", "ranked", "hf", "deepspeed", "megatron", "orbax",
     "single",

@@ -12,7 +12,7 @@ from ckptd.model import Candidate, RootOptions, Snapshot
 
 
 class Layout(Protocol):
-    """One on-disk convention (SPEC.md, "Layouts and when a checkpoint is complete")."""
+    """One on-disk convention (docs/LAYOUTS.md)."""
 
     name: str
 

@@ -96,7 +96,7 @@ class Rules:
 
 @dataclass(frozen=True)
 class LocalRules(Rules):
-    """`[roots.retention.local]` (defaults as in SPEC.md; min_free lives in `Disk`)."""
+    """`[roots.retention.local]` (defaults as in config.example.toml; min_free lives in `Disk`)."""
 
     keep_last: int = 2
     keep_best: int = 1
@@ -106,7 +106,7 @@ class LocalRules(Rules):
 
 @dataclass(frozen=True)
 class RemoteRules(Rules):
-    """`[roots.retention.remote]` (defaults as in SPEC.md)."""
+    """`[roots.retention.remote]` (defaults as in config.example.toml)."""
 
     keep_last: int = 10
     keep_best: int = 3
@@ -164,7 +164,7 @@ class Plan:
         return tuple(i.step for i in self.items if getattr(i, tier) is action)
 
     def as_json(self, root: str) -> dict[str, Any]:
-        """SPEC.md's `ckptd prune ROOT --dry-run --json` document."""
+        """The `ckptd prune ROOT --dry-run --json` document (docs/CLI.md)."""
         return {"root": root, "plan": [item.as_json() for item in self.items]}
 
 
