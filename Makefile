@@ -21,8 +21,9 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/ckptd demo
 
+# Two workers: most tests wait on a daemon, a server or a subprocess, so two cores keep busy.
 test: install lint
-	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q
+	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q -n 2
 
 # The layering in docs/DESIGN.md is checked by import-linter (contracts in pyproject.toml).
 lint: install

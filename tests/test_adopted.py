@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_services import Harness, wait_until
+from support import Harness, wait_until
 from writers import save_torch
 
 KEEP_TWO = {"local": {"keep_last": 2, "keep_best": 0, "min_free": "0"}}

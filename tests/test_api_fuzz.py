@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_services import Harness
+from support import Harness
 from writers import save_torch
 
 ROUTES = ["/v1/health", "/v1/status", "/v1/flush", "/metrics", "/v1/roots/{r}/checkpoints",

@@ -4,63 +4,19 @@ retried (not lost), a dead file watcher is replaced, a reload retries failed sta
 
 from __future__ import annotations
 
-import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import render_config
+from support import Harness, wait_until
 from writers import save_torch
 
-from ckptd.client import Client
 from ckptd.config import load_config
 from ckptd.daemon import Daemon
 from ckptd.model import ValidationResult
 from ckptd.store import Job, Store
-
-
-def wait_until(cond: Any, timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = cond()
-        if last:
-            return last
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
-
-
-class Harness:
-    """One daemon in this process on real files, a real store and a real socket."""
-
-    def __init__(self, tmp: Path, sock_dir: Path, store_factory: type[Store] = Store,
-                 **root: Any) -> None:
-        self.root = tmp / "ckpt"
-        self.root.mkdir(exist_ok=True)
-        self.config_path = tmp / "ckptd.toml"
-        self.daemon_cfg = {"state_dir": str(tmp / "state"), "socket": str(sock_dir / "s.sock"),
-                           "scan_interval": "1s", "workers": 1}
-        if root.pop("uploads", False):
-            root["upload"] = {"url": f"file://{tmp / 'remote'}"}
-        self.root_cfg = {"name": "r", "path": str(self.root), "settle": "200ms", **root}
-        self.write_config()
-        self.daemon = Daemon(load_config(self.config_path), self.config_path,
-                             store_factory=store_factory)
-        self.daemon.supervisor._base = 0.05  # noqa: SLF001 - restart quickly in tests
-        self.client = Client(sock_dir / "s.sock", strict=True)
-
-    def write_config(self) -> None:
-        self.config_path.write_text(render_config(self.daemon_cfg, [self.root_cfg]))
-
-    def latest_json(self) -> dict[str, Any] | None:
-        try:
-            doc: dict[str, Any] = json.loads((self.root / ".ckptd" / "latest.json").read_text())
-        except FileNotFoundError:
-            return None
-        return doc
 
 
 @pytest.fixture

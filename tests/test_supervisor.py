@@ -8,13 +8,13 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
 from conftest import render_config
+from support import wait_until
 from writers import save_torch
 
 from ckptd.client import Client
@@ -22,16 +22,6 @@ from ckptd.config import load_config
 from ckptd.daemon import Daemon
 from ckptd.service.supervisor import Supervisor
 from ckptd.store import Store
-
-
-def wait_until(cond: Any, timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_a_crashing_service_is_logged_restarted_and_reported() -> None:

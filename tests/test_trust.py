@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import structlog
 from conftest import render_config
-from test_services import Harness, wait_until
+from support import Harness, raw, wait_until
 from writers import save_torch
 
 from ckptd.client import Client
@@ -25,23 +25,6 @@ from ckptd.lifecycle.table import Event
 from ckptd.model import Candidate, FileRecord, Local, ValidationResult
 from ckptd.retention.scheduler import RetentionService
 from ckptd.store import Found, Store
-
-
-def raw(sock_path: Path, method: str, path: str, body: bytes = b"") -> tuple[int, Any]:
-    """One HTTP request with a body sent byte for byte (the client would refuse to encode it)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
-    s.connect(str(sock_path))
-    head = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
-            "Content-Type: application/json\r\nConnection: close\r\n\r\n").encode()
-    s.sendall(head + body)
-    data = b""
-    while chunk := s.recv(65536):
-        data += chunk
-    s.close()
-    status = int(data.split(b" ", 2)[1])
-    payload = data.split(b"\r\n\r\n", 1)[1]
-    return status, json.loads(payload) if payload.startswith(b"{") else payload
 
 
 @pytest.fixture
