@@ -54,3 +54,34 @@ def test_a_fifo_is_not_a_regular_file_and_never_blocks(tmp_path: Path) -> None:
 def test_a_missing_file_is_file_not_found(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         fileio.open_beneath(tmp_path, "nope.pt")
+
+
+def test_a_file_swapped_for_a_link_before_validation_is_unsafe_never_read(tmp_path: Path
+                                                                         ) -> None:
+    """The scan saw a real file; by the time validation opens it, it is a symlink to a file
+    outside the root (e.g. /etc/passwd). It is refused, never hashed, copied or uploaded."""
+    from writers import save_torch
+
+    from ckptd.model import Candidate
+    from ckptd.stages.validate import validate
+
+    root = tmp_path / "root"
+    root.mkdir()
+    save_torch(root / "model_step_1.pt")
+    secret = tmp_path / "secret.pt"
+    save_torch(secret)
+    (root / "model_step_1.pt").unlink()
+    (root / "model_step_1.pt").symlink_to(secret)
+    seen: list[str] = []
+
+    class Spy:
+        def update(self, offset: int, view: memoryview) -> None:
+            seen.append("read")
+
+        def finish(self, total: int) -> None:
+            pass
+
+    result = validate(root, Candidate("single", 1, "model_step_1.pt", ("model_step_1.pt",),
+                                      True), extra_sinks=lambda rel: [Spy()])
+    assert not result.valid and result.reason == "unsafe_path", result
+    assert seen == []  # not a byte of it reached a sink (hash, copy, upload)

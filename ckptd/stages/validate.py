@@ -10,7 +10,6 @@ import json
 import os
 import pickle
 import posixpath
-import stat
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,8 +37,9 @@ _DEEP_LOCK = threading.Lock()
 @dataclass
 class _Member:
     rel: str
-    path: Path
+    path: Path  # /proc/self/fd/<fd>: the member as opened beneath the root
     size: int
+    fd: int = -1
     kind: str = "opaque"  # zip | pickle | safetensors | dcp_metadata | json | opaque
     record: FileRecord | None = None
     archives: list[zipcheck.ZipArchive] = field(default_factory=list)
@@ -102,6 +102,7 @@ class _Run:
         self.extra_sinks = extra_sinks or (lambda rel: [])
         self.members: list[_Member] = []
         self.dcp_ranges: dict[str, tuple[tuple[int, int], ...]] = {}
+        self._fds: list[int] = []
 
     def records(self) -> tuple[FileRecord, ...]:
         return tuple(m.record for m in self.members if m.record is not None)
@@ -115,6 +116,10 @@ class _Run:
             raise ValidationFailed(Reason.MISSING_FILE, f"{exc.filename}: vanished") from None
         except OSError as exc:
             raise ValidationFailed(Reason.IO_ERROR, f"{exc.filename}: {exc}") from None
+        finally:
+            for fd in self._fds:
+                os.close(fd)
+            self._fds.clear()
 
     def _note(self, m: _Member, found: frozenset[str]) -> None:
         if found & self.trusted:
@@ -142,14 +147,20 @@ class _Run:
     # --- cheap checks --------------------------------------------------------------------
 
     def _stat(self, rel: str) -> _Member:
-        path = fileio.safe_join(self.root, rel)
+        """Open the member beneath the root, following no link. Every later read (hash, CRC,
+        formats, the compressor, a deep load) goes through this one open file, by its
+        /proc/self/fd path: a file swapped after this moment is never what gets read."""
         try:
-            st = os.stat(path)
+            fd = fileio.open_beneath(self.root, rel)
         except FileNotFoundError:
             raise ValidationFailed(Reason.MISSING_FILE, f"{rel} is missing", rel) from None
-        if not stat.S_ISREG(st.st_mode):
-            raise ValidationFailed(Reason.MISSING_FILE, f"{rel} is not a regular file", rel)
-        return _Member(rel, path, st.st_size)
+        except UnsafePath as exc:
+            if "not a regular file" in str(exc):
+                raise ValidationFailed(Reason.MISSING_FILE, f"{rel} is not a regular file",
+                                       rel) from None
+            raise
+        self._fds.append(fd)
+        return _Member(rel, Path(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size, fd)
 
     def _check_size(self, m: _Member) -> None:
         expected = self.cand.expected_sizes.get(m.rel)
@@ -170,7 +181,7 @@ class _Run:
     def _read(self, m: _Member) -> None:
         hasher = HashSink()
         fmt, after = self._format_sinks(m)
-        size = fileio.read_pass(m.path, [hasher, *fmt, *self.extra_sinks(m.rel)])
+        size = fileio.read_pass(m.rel, [hasher, *fmt, *self.extra_sinks(m.rel)], fd=m.fd)
         if size != m.size:
             raise ValidationFailed(Reason.CHANGED, f"{m.rel} changed while validated", m.rel)
         m.record = FileRecord(m.rel, size, hasher.digest, HASH_ALG)
