@@ -178,17 +178,28 @@ def _root_name(value: str) -> str:
 _GLOBAL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 # Modules whose globals can run code or touch the system when a pickle calls them: never
 # trusted, whatever a config says.
-_NEVER_TRUSTED = ("builtins", "os", "posix", "nt", "sys", "subprocess", "importlib", "runpy",
-                  "pickle", "shutil", "socket", "code", "ctypes", "operator", "functools",
-                  "types", "pty", "webbrowser", "io", "codecs", "marshal", "torch")
+# Modules whose globals can run code, start processes, or touch files, the network or the
+# interpreter when a pickle calls them: never trusted, whatever the config says.
+_NEVER_TRUSTED = frozenset({
+    "builtins", "__builtin__", "os", "posix", "nt", "posixpath", "ntpath", "sys", "subprocess",
+    "_posixsubprocess", "importlib", "imp", "zipimport", "runpy", "pickle", "_pickle",
+    "copyreg", "shelve", "marshal", "shutil", "tempfile", "glob", "pathlib", "io", "_io",
+    "codecs", "socket", "ssl", "select", "selectors", "asyncio", "http", "urllib", "ftplib",
+    "smtplib", "xmlrpc", "webbrowser", "code", "codeop", "pdb", "bdb", "timeit", "trace",
+    "profile", "cProfile", "doctest", "unittest", "ctypes", "cffi", "operator", "functools",
+    "itertools", "types", "inspect", "gc", "weakref", "threading", "_thread",
+    "multiprocessing", "concurrent", "signal", "pty", "tty", "resource", "fcntl", "mmap",
+    "sqlite3", "dbm", "site", "sysconfig", "setuptools", "distutils", "pip", "torch",
+})
 
 
 def check_trusted_globals(value: list[str]) -> list[str]:
     for name in value:
         if not _GLOBAL_NAME.fullmatch(name):
             raise ValueError(f'{_show(name)} is not a "module.Name" global')
-        if name.split(".")[0] in _NEVER_TRUSTED:
-            raise ValueError(f"{_show(name)} can run code when unpickled; it is never trusted")
+        if name.split(".")[0] in _NEVER_TRUSTED or name.split(".")[-1].startswith("__"):
+            raise ValueError(f"{_show(name)} can run code or touch the system when unpickled;"
+                             " it is never trusted")
     return value
 
 

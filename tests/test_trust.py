@@ -352,3 +352,17 @@ def test_a_taken_metrics_port_is_one_line_and_exit_78(tmp_path: Path, short_dir:
     assert done.returncode == 78, done.stderr
     assert "metrics.listen" in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["pdb.run", "timeit.timeit", "_posixsubprocess.fork_exec",
+                                  "os.system", "builtins.eval", "subprocess.Popen",
+                                  "multiprocessing.Process", "signal.signal", "pty.spawn",
+                                  "torch.load", "deepspeed.Thing.__reduce__"])
+def test_a_code_running_trusted_global_is_refused(tmp_path: Path, name: str) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(render_config({"state_dir": str(tmp_path / "s")},
+                                 [{"name": "r", "path": str(tmp_path / "ckpt"),
+                                   "trusted_globals": [name]}]))
+    done = subprocess.run([sys.executable, "-m", "ckptd", "config", "check", str(cfg)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 78 and "never trusted" in done.stderr, done.stderr
