@@ -29,7 +29,6 @@ from ckptd.service.discovery import Discovery
 from ckptd.service.effects import Effects
 from ckptd.service.jobs import policy_of
 from ckptd.service.observe import root_samples
-from ckptd.service.pins import read_pins
 from ckptd.service.recovery import StateDirLock
 from ckptd.service.scan import Scanner
 from ckptd.service.supervisor import Supervisor
@@ -54,7 +53,6 @@ class Daemon:
         self.metrics = Metrics()
         self.backends = BackendCache()
         self.supervisor = Supervisor(on_crash=lambda name: self.metrics.error(f"service:{name}"))
-        self.ready = threading.Event()
         self._stop = threading.Event()
         self._signals: list[int] = []  # appended by handlers, handled by the main loop
         self.notifier = sdnotify.Notifier.from_env(
@@ -75,8 +73,6 @@ class Daemon:
         cfg = self.config
         self.store = store = self._store_factory(cfg.daemon.state_dir / "state.db")
         store.set_policies({r.name: policy_of(r) for r in cfg.roots})
-        for r in cfg.roots:
-            store.set_root_pins(r.name, read_pins(r.path))
         recovery.recover(store, cfg)
         self.retention = RetentionService(store, self.roots, self.backends.get)
         self.scanner = Scanner(store, self.roots, lambda: self.config.daemon.scan_interval,
@@ -100,7 +96,6 @@ class Daemon:
         self.server = UnixHttpServer(sock, self.ctx)
         self._add_services()
         self.supervisor.start()
-        self.ready.set()
         self.log.info("daemon_ready", socket=str(cfg.daemon.socket), roots=sorted(self.roots()),
                       pid=os.getpid(), socket_activated=inherited)
         self.notifier.ready(status=self.summary())
@@ -227,9 +222,6 @@ class Daemon:
         self.scanner.wake()
         self.workers.wake()
         self.discovery.wake()
-
-    def wake_scan(self) -> None:
-        self.scanner.wake()
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         self.notifier.stopping()

@@ -2,8 +2,8 @@
 
 Owns what a restart after a crash cleans up: every lease dropped (one daemon per state dir),
 ckptd's own temp files and staging dirs, deletes half done in the trash, and compressed copies
-whose transition to "no copy" committed before their files went. Never removes anything that
-is not ckptd's own, nor a copy the store does not know (it may be the only one).
+whose transition to "no copy" committed before their files went; and the pins kept beside each
+root. Never removes anything that is not ckptd's own, nor a copy the store does not know.
 """
 
 from __future__ import annotations
@@ -21,11 +21,14 @@ from ckptd.errors import ConfigError, StateLocked
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local
 from ckptd.retention import executor
+from ckptd.service.pins import read_pins
 from ckptd.stages import compress
 from ckptd.store import Store
 
 
 def recover(store: Store, cfg: Config) -> None:
+    for r in cfg.roots:  # pins kept beside the root outlive a lost state database
+        store.set_root_pins(r.name, read_pins(r.path))
     released = store.release_all()
     removed = 0
     for d in [cfg.daemon.state_dir] + [r.path / CKPTD_DIR for r in cfg.roots]:
