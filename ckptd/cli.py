@@ -125,12 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _config_path(args: argparse.Namespace) -> Path | None:
-    explicit = getattr(args, "config", None) or os.environ.get("CKPTD_CONFIG")
-    if explicit:
-        return Path(explicit)
-    from ckptd.config import DEFAULT_CONFIG_PATH
+    from ckptd.config import find_config
 
-    return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
+    return find_config(getattr(args, "config", None))
 
 
 def _load_config(args: argparse.Namespace, required: bool) -> Any:
@@ -139,8 +136,8 @@ def _load_config(args: argparse.Namespace, required: bool) -> Any:
     path = _config_path(args)
     if path is None:
         if required:
-            raise ConfigError("no config: pass --config PATH or set CKPTD_CONFIG"
-                              " (default /etc/ckptd/ckptd.toml does not exist)")
+            raise ConfigError("no config: pass --config PATH or set CKPTD_CONFIG (neither"
+                              " /etc/ckptd/ckptd.toml nor ./ckptd.toml exists)")
         return None
     return load_config(path)
 
@@ -292,10 +289,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
 def cmd_restore(args: argparse.Namespace) -> int:
     from ckptd.restore import restore, tty_progress
 
-    if args.step != "latest" and not args.step.isdigit():
+    if args.step != "latest" and not (args.step.isascii() and args.step.isdigit()):
         raise UsageError(f"ckptd restore: STEP must be a number or 'latest', got {args.step!r}")
     step: int | str = "latest" if args.step == "latest" else int(args.step)
     cfg = _load_config(args, required=True)
+    print(f"ckptd: config {_config_path(args)}", file=sys.stderr)
     n, paths = restore(cfg, args.root, step, Path(args.to), tty_progress())  # type: ignore[arg-type]
     if args.json:
         _print_json({"root": args.root, "step": n, "to": str(Path(args.to).resolve()),

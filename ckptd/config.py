@@ -48,6 +48,7 @@ from ckptd.units import (
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "find_config",
     "DEFAULT_SOCKET_PATH",
     "LAYOUT_NAMES",
     "CompressConfig",
@@ -66,6 +67,19 @@ __all__ = [
 ]
 
 DEFAULT_CONFIG_PATH = Path("/etc/ckptd/ckptd.toml")
+LOCAL_CONFIG_NAME = "ckptd.toml"
+
+
+def find_config(explicit: str | os.PathLike[str] | None = None) -> Path | None:
+    """The config every command and library call uses, found the way the daemon's is: the
+    explicit path, else $CKPTD_CONFIG, else /etc/ckptd/ckptd.toml, else ./ckptd.toml."""
+    chosen = explicit or os.environ.get("CKPTD_CONFIG")
+    if chosen:
+        return Path(chosen)
+    for candidate in (DEFAULT_CONFIG_PATH, Path.cwd() / LOCAL_CONFIG_NAME):
+        if candidate.is_file():
+            return candidate
+    return None
 DEFAULT_SOCKET_PATH = Path("/run/ckptd/ckptd.sock")
 # sun_path holds 108 bytes including the terminating NUL.
 _SOCKET_PATH_MAX = 107

@@ -22,6 +22,7 @@ from ckptd import fileio, remote
 from ckptd.backends import Backend, backend_for_upload
 from ckptd.config import Config, RootConfig
 from ckptd.errors import CorruptData, NotFound, ObjectNotFound
+from ckptd.log import get_logger
 from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
 from ckptd.model import CKPTD_DIR
 from ckptd.render import human_bytes, progress_bar
@@ -361,13 +362,18 @@ def restore_checkpoint(root_name: str, step: int, to: Path, root_dir: Path | Non
                        config_path: Path | None = None) -> list[Path]:
     """Rebuild one step's original files under `to` for a loader (`ckptd.torch.load`): from the
     local compressed copy in `root_dir` when there is one, else from the remote named by the
-    config (`config_path`, else $CKPTD_CONFIG, else /etc/ckptd/ckptd.toml)."""
+    config (`config_path`, else as the daemon finds its own: `config.find_config`)."""
     if root_dir is not None:
         manifest = read_local_manifest(Path(root_dir), step)
         if manifest is not None:
             return restore_from_dir(objects_dir(Path(root_dir), step), manifest, Path(to))
-    from ckptd.config import DEFAULT_CONFIG_PATH, load_config
+    from ckptd.config import find_config, load_config
+    from ckptd.errors import ConfigError
 
-    path = config_path or Path(os.environ.get("CKPTD_CONFIG") or DEFAULT_CONFIG_PATH)
+    path = find_config(config_path)
+    if path is None:
+        raise ConfigError("no config to find the remote: pass one, or set CKPTD_CONFIG (neither"
+                          " /etc/ckptd/ckptd.toml nor ./ckptd.toml exists)")
+    get_logger().info("config_used", path=str(path))
     _, paths = restore(load_config(path), root_name, step, Path(to))
     return paths

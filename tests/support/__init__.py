@@ -37,7 +37,7 @@ class Harness:
     def __init__(self, tmp: Path, sock_dir: Path, store_factory: type[Store] = Store,
                  **root: Any) -> None:
         self.root = tmp / "ckpt"
-        self.root.mkdir(exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
         self.config_path = tmp / "ckptd.toml"
         self.daemon_cfg = {"state_dir": str(tmp / "state"), "socket": str(sock_dir / "s.sock"),
                            "scan_interval": "1s", "workers": 1}
