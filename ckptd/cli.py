@@ -122,6 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_code(err)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `ckptd ls r | head`: the reader left; say nothing more (and not at exit either).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _config_path(args: argparse.Namespace) -> Path | None:
@@ -187,6 +191,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     path = _config_path(args)
     cfg = _load_config(args, required=True)
+    if getattr(args, "socket", None):  # --socket overrides daemon.socket for this run
+        cfg = cfg.model_copy(update={"daemon": cfg.daemon.model_copy(
+            update={"socket": Path(args.socket).absolute()})})
     configure(cfg.daemon.log_format, cfg.daemon.log_level)
     return Daemon(cfg, path).run()
 

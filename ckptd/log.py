@@ -13,6 +13,8 @@ import structlog
 def configure(fmt: str = "auto", level: str = "info", stream: Any = None) -> None:
     """Configure structlog once for the process. `fmt` is auto | json | console."""
     stream = stream or sys.stdout
+    if hasattr(stream, "reconfigure"):
+        stream.reconfigure(line_buffering=True)  # one event a line, even into a file or pipe
     if fmt == "auto":
         fmt = "console" if getattr(stream, "isatty", lambda: False)() else "json"
     renderer: Any

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import Harness
+from support import Harness, wait_until
 from writers import save_torch
 
 
@@ -32,3 +32,45 @@ def test_restore_on_a_fresh_node_finds_ckptd_toml_in_the_working_dir(tmp_path: P
     assert f"config {fresh / 'ckptd.toml'}" in done.stderr
     assert (fresh / "resume" / "model_step_9.pt").read_bytes() == (
         h.root / "model_step_9.pt").read_bytes()
+
+
+def test_ls_into_a_closed_pipe_is_quiet(tmp_path: Path, short_dir: Path) -> None:
+    """`ckptd ls r | head`: the reader is gone before ckptd writes; no traceback."""
+    h = Harness(tmp_path, short_dir)
+    save_torch(h.root / "model_step_1.pt")
+    h.daemon.start()
+    try:
+        for _ in range(3):
+            proc = subprocess.Popen([sys.executable, "-m", "ckptd", "ls", "r", "--socket",
+                                     str(h.daemon.config.daemon.socket)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            assert proc.stdout is not None and proc.stderr is not None
+            proc.stdout.close()  # the reader leaves at once
+            err = proc.stderr.read().decode()
+            assert proc.wait(60) == 0, err
+            assert "Traceback" not in err and "BrokenPipe" not in err
+    finally:
+        h.daemon.stop(grace=5)
+
+
+def test_run_honours_socket_on_its_command_line(tmp_path: Path, short_dir: Path) -> None:
+    import signal
+
+    from conftest import render_config
+
+    from ckptd.client import Client
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(render_config({"state_dir": str(tmp_path / "s"),
+                                  "socket": str(short_dir / "from-config.sock")},
+                                 [{"name": "r", "path": str(tmp_path / "ckpt")}]))
+    sock = short_dir / "from-cli.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "run", "--config", str(cfg),
+                             "--socket", str(sock)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: Client(sock, timeout=2).health(), timeout=60, what="the daemon")
+        assert not (short_dir / "from-config.sock").exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
