@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, Protocol
@@ -132,6 +133,7 @@ class ApiContext:
                 "services": self.services.health(), "problem": self.problem}
 
     def root_status(self, root: RootConfig) -> dict[str, Any]:
+        info = self.store.root_info(root.name)
         latest = self.store.latest(root.name)
         best = self.store.best(root.name, root.metric, root.metric_mode)
         return {
@@ -141,7 +143,8 @@ class ApiContext:
             "counts": self.store.counts(root.name),
             "queue": self.store.queue_length(root.name),
             "disk_free_bytes": disk_free(root.path),
-            "last_error": self.store.root_info(root.name)["last_error"] or None,
+            "last_error": info["last_error"] or None,
+            "last_error_at": _rfc3339(info["last_error_at"]) if info["last_error"] else None,
             "preflight": self.retention.health_json(root.name),
             "adopted": self.retention.adopted_json(root),
         }
@@ -163,6 +166,10 @@ def latest_json(root: RootConfig, rec: CheckpointRecord) -> dict[str, Any]:
     return {"root": root.name, "step": rec.step, "path": str(root.path / rec.path),
             "state": str(rec.state), "local": str(rec.local), "remote": str(rec.remote),
             "layout": rec.layout, "metrics": rec.metrics}
+
+
+def _rfc3339(t: float | None) -> str | None:
+    return None if t is None else datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds")
 
 
 def disk_free(path: Path) -> int | None:
@@ -349,6 +356,10 @@ class Handler(BaseHTTPRequestHandler):
     def _set_pin(self, root: str, step: str, pinned: bool) -> tuple[int, Any]:
         r = self.ctx.root(root)
         n = _step(step)
+        rec = self.ctx.store.checkpoint(r.name, n)
+        if (pinned and rec is not None and rec.local.value == "pruned"
+                and rec.remote is not Remote.UPLOADED):
+            raise HttpError(409, "gone", f"step {n} of {r.name!r} has no copy left to keep")
         with self.ctx.retention.exclusive:
             done = self.ctx.store.set_pinned(r.name, n, pinned)
             if not done:

@@ -41,7 +41,7 @@ def render_status(doc: dict[str, Any]) -> str:
         counts = " ".join(f"{k}={v}" for k, v in r["counts"].items() if v)
         rows.append([r["name"], _step(r["latest"]), _step(r["best"]), counts or "-",
                      str(r["queue"]), human_bytes(r["disk_free_bytes"]),
-                     (r["last_error"] or "-")[:60]])
+                     _since(r.get("last_error_at")) + (r["last_error"] or "-")[:60]])
     out = [head, "", table(["ROOT", "LATEST", "BEST", "COUNTS", "QUEUE", "DISK FREE",
                             "LAST ERROR"], rows)]
     if doc.get("flushing"):
@@ -67,6 +67,10 @@ def render_status(doc: dict[str, Any]) -> str:
                        f"{progress_bar(w.get('done_bytes', 0), w.get('total_bytes', 0))} "
                        f"{human_bytes(w.get('done_bytes'))}/{human_bytes(w.get('total_bytes'))}")
     return "\n".join(out)
+
+
+def _since(at: str | None) -> str:
+    return f"[{at[11:19]}] " if at else ""
 
 
 def render_ls(doc: dict[str, Any]) -> str:

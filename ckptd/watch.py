@@ -220,6 +220,9 @@ class EventWatcher:
     def alive(self) -> bool:
         return bool(self._observer.is_alive())
 
+    def started(self) -> bool:
+        return self._observer.ident is not None
+
     def stop(self) -> None:
         if not self._observer.is_alive():
             return

@@ -74,3 +74,37 @@ def test_run_honours_socket_on_its_command_line(tmp_path: Path, short_dir: Path)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_last_error_has_a_time_and_clears_when_the_cause_is_gone(tmp_path: Path,
+                                                                 short_dir: Path) -> None:
+    h = Harness(tmp_path, short_dir, upload={"url": "file:///proc/ckptd-not-writable"})
+    save_torch(h.root / "model_step_4.pt")
+    h.daemon.start()
+    try:
+        root = wait_until(lambda: next((r for r in h.client.status()["roots"]  # type: ignore[index]
+                                        if (r["last_error"] or "").startswith("upload")), None),
+                          timeout=30, what="the upload error")
+        assert root["last_error_at"] and root["last_error_at"].endswith("+00:00")
+        h.root_cfg["upload"] = {"url": f"file://{tmp_path / 'remote'}"}
+        h.write_config()
+        assert h.daemon.reload()
+        assert h.client.wait("r", 4, until="uploaded", timeout=30)
+        wait_until(lambda: h.client.status()["roots"][0]["last_error"] is None,  # type: ignore[index]
+                   what="the error cleared")
+    finally:
+        h.daemon.stop(grace=5)
+
+
+def test_a_pin_on_a_step_with_no_copy_left_is_refused(tmp_path: Path, short_dir: Path) -> None:
+    h = Harness(tmp_path, short_dir)
+    save_torch(h.root / "model_step_1.pt")
+    h.daemon.start()
+    try:
+        assert h.client.wait("r", 1, until="valid", timeout=30)
+        (h.root / "model_step_1.pt").unlink()
+        h.daemon.scanner.scan_all()
+        status, doc = h.client.request("PUT", "/v1/roots/r/checkpoints/1/pin")
+        assert status == 409 and doc["error"] == "gone", doc
+    finally:
+        h.daemon.stop(grace=5)

@@ -71,8 +71,8 @@ def test_a_job_whose_outcome_raised_is_retried_not_lost(harness: Harness) -> Non
                            for s in h.client.health()["services"]),  # type: ignore[index]
                what="the worker restart")
     assert h.client.wait("r", 8, until="valid", timeout=30)
-    assert "database is locked" in (h.client.status()["roots"][0]["last_error"]  # type: ignore[index]
-                                    or "")
+    # the failure was shown until the stage went through; then it is cleared
+    assert h.client.status()["roots"][0]["last_error"] is None  # type: ignore[index]
 
 
 def test_a_dead_watcher_is_replaced(harness: Harness) -> None:

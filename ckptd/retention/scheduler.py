@@ -209,6 +209,7 @@ class RetentionService:
                 for fut in futures:
                     fut.set_exception(exc)
             return
+        self.store.clear_root_error(name, "retention:")  # a run went through again
         for fut in futures:
             fut.set_result(outcomes)
 

@@ -90,7 +90,7 @@ class Scanner:
 
     def watch(self, stop: threading.Event) -> None:
         """Keep the watcher's observer alive: a dead one is replaced, its roots watched again."""
-        if not self.watcher.alive():
+        if self.watcher.started():  # a restart: the old observer died (or was stopped)
             old = self.watcher
             self.watcher = self._new_watcher()
             old.stop()
@@ -131,6 +131,8 @@ class Scanner:
         if scanner.unreadable:
             self.store.set_root_error(root.name, f"could not read {sorted(scanner.unreadable)}"
                                       " (checkpoints there are not marked gone)", now)
+        else:
+            self.store.clear_root_error(root.name, "scan:", "could not read", "root path")
         if any(not c.complete for c, _ in found):
             self._pending.add(root.name)
         else:

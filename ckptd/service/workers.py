@@ -194,6 +194,7 @@ class Workers:
     def _record(self, root: RootConfig, job: Job, fp: str, outcome: Any, log: Any,
                 elapsed: float, size: int) -> None:
         now = time.time()
+        self.store.clear_root_error(root.name, f"{job.stage}:")  # that stage works again
         if job.stage == Stage.VALIDATE:
             result = outcome.result
             if file_fingerprint(root.path, job.files) != fp:

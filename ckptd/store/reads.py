@@ -130,12 +130,14 @@ class Reads:
                 for r in rows]
 
     def root_info(self, root: str) -> dict[str, Any]:
-        rows = self._rows("SELECT latest_step, latest_doc, last_error FROM roots WHERE name=?",
+        rows = self._rows("SELECT latest_step, latest_doc, last_error, last_error_at FROM roots"
+                          " WHERE name=?",
                           (root,))
         if not rows:
-            return {"latest_step": None, "latest_doc": "", "last_error": ""}
+            return {"latest_step": None, "latest_doc": "", "last_error": "",
+                    "last_error_at": None}
         return {"latest_step": rows[0]["latest_step"], "latest_doc": rows[0]["latest_doc"],
-                "last_error": rows[0]["last_error"]}
+                "last_error": rows[0]["last_error"], "last_error_at": rows[0]["last_error_at"]}
 
     def roots(self) -> list[str]:
         return [r["root"] for r in self._rows("SELECT DISTINCT root FROM checkpoints")]

@@ -214,6 +214,14 @@ class Sync(Core):
         with self._tx() as db:
             self._set_error(db, root, error, now)
 
+    def clear_root_error(self, root: str, *prefixes: str) -> None:
+        """The cause of the root's last error is gone (the stage or scan that failed has
+        since succeeded): status stops showing it."""
+        with self._tx() as db:
+            db.executemany("UPDATE roots SET last_error='', last_error_at=NULL WHERE name=?"
+                           " AND substr(last_error, 1, length(?))=?",
+                           [(root, p, p) for p in prefixes])
+
     def set_published_latest(self, root: str, step: int | None, doc: str = "") -> None:
         with self._tx() as db:
             db.execute("INSERT INTO roots (name, latest_step, latest_doc) VALUES (?,?,?)"
