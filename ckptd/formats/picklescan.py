@@ -273,13 +273,25 @@ def scan_pickle(
 def scan_torch_pickle_file(f: BinaryIO, what: str, allowed: frozenset[str] = SAFE_GLOBALS
                            ) -> frozenset[str]:
     """Check a non-zip torch file (torch's legacy format: five pickles, then raw storages) or
-    a plain pickle file. Reads only the pickles, leaving the storage bytes alone."""
+    a plain pickle file. Reads only the pickles, leaving the storage bytes alone. Every pickle
+    torch's legacy loader would unpickle is scanned: when the first is (or may be) the magic
+    number, so are the four after it."""
     start = f.tell()
     found = set(scan_pickle(f, what, allowed))
-    if not _is_legacy_magic(f, start):
+    legacy = _is_legacy_magic(f, start)
+    if legacy is False:
         return frozenset(found)
     for _ in range(_LEGACY_PICKLES - 1):
-        found |= scan_pickle(f, what, allowed)
+        if legacy is None and not f.read(1):
+            break  # a plain pickle file after all
+        if legacy is None:
+            f.seek(-1, io.SEEK_CUR)
+        try:
+            found |= scan_pickle(f, what, allowed)
+        except ValidationFailed as exc:
+            if legacy is None and exc.reason == Reason.BAD_HEADER:
+                break  # raw bytes follow: not a legacy file, and no loader runs them
+            raise
     return frozenset(found)
 
 
@@ -288,14 +300,21 @@ class _NoGlobals(pickle.Unpickler):
         raise pickle.UnpicklingError("globals are not allowed here")
 
 
-def _is_legacy_magic(f: BinaryIO, start: int) -> bool:
+# torch's legacy loader unpickles the first pickle whatever its size and compares it with the
+# magic number: padding may push the number anywhere. Past this size it is not loaded here
+# (memory), and the pickles after it are scanned as if it were the magic.
+_MAGIC_PICKLE_MAX = 1024 * 1024
+
+
+def _is_legacy_magic(f: BinaryIO, start: int) -> bool | None:
+    """Is the pickle that just ended the legacy magic number? None: too big to tell."""
     end = f.tell()
-    if end - start > 64:  # the magic pickle is a dozen bytes; anything longer is not it
-        return False
+    if end - start > _MAGIC_PICKLE_MAX:
+        return None
     f.seek(start)
     head = f.read(end - start)
     f.seek(end)
     try:
         return bool(_NoGlobals(io.BytesIO(head)).load() == LEGACY_MAGIC)
-    except Exception:  # untrusted bytes: any failure just means "not the magic number"
-        return False
+    except Exception:  # untrusted bytes: it uses a global, so cannot tell; scan what follows
+        return None

@@ -66,8 +66,9 @@ class ZipMember:
 
 
 def is_pickle_member(name: str) -> bool:
-    """True for the pickle inside a torch archive (`<archive>/data.pkl`)."""
-    return name.rsplit("/", 1)[-1] == "data.pkl"
+    """True for any pickle a loader might read from the archive: every `*.pkl` member, in
+    any case (`archive/DATA.PKL` is scanned as surely as `archive/data.pkl`)."""
+    return name.rsplit("/", 1)[-1].lower().endswith(".pkl")
 
 
 @dataclass

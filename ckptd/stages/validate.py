@@ -26,6 +26,10 @@ SinkFactory = Callable[[str], list[Sink]]
 
 _TORCH_EXTS = {".pt", ".pth", ".ckpt", ".pkl", ".pickle"}  # must be a torch zip or a pickle
 _MAYBE_TORCH_EXTS = _TORCH_EXTS | {".bin"}  # `.bin` is also used for raw binaries
+# First bytes of a pickle of any protocol: PROTO, or an opcode protocols 0 and 1 open with.
+_PICKLE_OPENERS = frozenset({b"\x80", b"(", b"c", b"]", b"}", b")", b"I", b"L", b"F", b"S",
+                             b"V", b"N", b"X", b"U", b"T", b"J", b"K", b"M", b"G", b"q", b"r",
+                             b"\x88", b"\x89", b"i", b"o", b"d", b"l", b"t", b"p", b"g"})
 # Files that cannot be empty whatever the layout says.
 _PAYLOAD_EXTS = _MAYBE_TORCH_EXTS | {".safetensors", ".json", ".distcp"}
 _JSON_LIMIT = 64 << 20  # JSON files larger than this are hashed but not parsed
@@ -40,7 +44,7 @@ class _Member:
     path: Path  # /proc/self/fd/<fd>: the member as opened beneath the root
     size: int
     fd: int = -1
-    kind: str = "opaque"  # zip | pickle | safetensors | dcp_metadata | json | opaque
+    kind: str = "opaque"  # zip | pickle | maybe_pickle | safetensors | dcp_metadata | json | opaque
     record: FileRecord | None = None
     archives: list[zipcheck.ZipArchive] = field(default_factory=list)
     st_header: safetensors.SafetensorsHeader | None = None
@@ -197,10 +201,11 @@ class _Run:
                 m.st_header = sink.header
 
             return [sink], keep_header
-        if m.kind == "pickle":
+        if m.kind in ("pickle", "maybe_pickle"):
             if m.rel in self.cand.opaque:
                 return [], lambda: None
-            return [], lambda: self._note(m, _scan_pickle_file(m, self.allowed))
+            return [], lambda: self._note(m, _scan_pickle_file(m, self.allowed,
+                                                              m.kind == "maybe_pickle"))
         if m.kind == "dcp_metadata":
             meta = _CaptureSink(dcpmeta.MAX_METADATA_BYTES)
             return [meta], lambda: self._dcp_metadata(m, meta)
@@ -316,19 +321,27 @@ def _kind(rel: str, head: bytes) -> str:
         return "json"
     if zipcheck.is_zip_magic(head):
         return "zip"
-    if ext in _MAYBE_TORCH_EXTS and head[:1] == b"\x80":
-        return "pickle"
     if ext in _TORCH_EXTS and head:
-        raise ValidationFailed(Reason.BAD_HEADER, f"{rel} is neither a torch zip nor a pickle", rel)
+        return "pickle"  # any protocol: 0 and 1 start with no PROTO opcode
+    if ext in _MAYBE_TORCH_EXTS and head[:1] in _PICKLE_OPENERS:
+        return "maybe_pickle"  # `.bin`: a pickle torch.load would run, or raw bytes
     return "opaque"
 
 
-def _scan_pickle_file(m: _Member, allowed: frozenset[str]) -> frozenset[str]:
-    # A second read, of the pickles only (a legacy file's storages follow them, unread).
-    with open(m.path, "rb") as f:
-        found = picklescan.scan_torch_pickle_file(f, m.rel, allowed)
-    fileio.drop_cache(m.path)
-    return found
+def _scan_pickle_file(m: _Member, allowed: frozenset[str], maybe: bool = False
+                      ) -> frozenset[str]:
+    """A second read, of the pickles only (a legacy file's storages follow them, unread).
+    `maybe` (a `.bin`): bytes that do not parse as a pickle are raw data, which no pickle
+    loader can run either; anything unsafe before that point is still `unsafe_pickle`."""
+    try:
+        with open(m.path, "rb") as f:
+            return picklescan.scan_torch_pickle_file(f, m.rel, allowed)
+    except ValidationFailed as exc:
+        if maybe and exc.reason == Reason.BAD_HEADER:
+            return frozenset()
+        raise
+    finally:
+        fileio.drop_cache(m.path)
 
 
 class _CaptureSink:

@@ -1,0 +1,98 @@
+"""Hostile pickles that once passed the scan: each would run a command under a full
+`torch.load`; each must now be judged invalid, and nothing from it may ever run. Real files,
+written with pickle/zipfile/torch; the payload would create a marker file if it ever ran."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from writers import save_torch
+
+from ckptd.formats.picklescan import LEGACY_MAGIC
+from ckptd.model import Candidate
+from ckptd.stages.validate import validate
+
+
+class Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def judge(root: Path, name: str) -> tuple[bool, str]:
+    r = validate(root, Candidate("single", 1, name, (name,), True))
+    return r.valid, r.reason
+
+
+@pytest.mark.parametrize("protocol", [0, 1, 2, 4])
+@pytest.mark.parametrize("name", ["model_step_1.pt", "pytorch_model.bin", "weights_step_1.pkl"])
+def test_a_plain_pickle_of_any_protocol_is_scanned(tmp_path: Path, protocol: int,
+                                                   name: str) -> None:
+    marker = tmp_path / "ran"
+    (tmp_path / name).write_bytes(pickle.dumps({"w": Payload(marker)}, protocol=protocol))
+    assert judge(tmp_path, name) == (False, "unsafe_pickle")
+    assert not marker.exists()
+
+
+def test_a_zip_pickle_member_differing_only_in_case_is_scanned(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    good = tmp_path / "good.pt"
+    save_torch(good)
+    bad = tmp_path / "model_step_1.pt"
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/data.pkl"):
+                dst.writestr(info.filename[:-len("data.pkl")] + "DATA.PKL",
+                             pickle.dumps(Payload(marker), protocol=2))
+            else:
+                dst.writestr(info, data)
+    valid, reason = judge(tmp_path, "model_step_1.pt")
+    assert not valid and reason == "unsafe_pickle", reason
+    assert not marker.exists()
+
+
+def _legacy_file(magic_pickle: bytes, payload: object) -> bytes:
+    buf = io.BytesIO()
+    buf.write(magic_pickle)
+    pickle.dump(1001, buf, protocol=2)  # protocol version
+    pickle.dump({"protocol_version": 1001, "little_endian": True}, buf, protocol=2)
+    pickle.dump(payload, buf, protocol=2)
+    pickle.dump([], buf, protocol=2)  # storage keys
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("padding", [0, 200, 2 * 1024 * 1024])
+def test_a_legacy_file_with_its_magic_number_moved_is_scanned_whole(tmp_path: Path,
+                                                                   padding: int) -> None:
+    """The magic number's pickle padded (a string pushed and popped first): torch still reads
+    it as the magic and then unpickles the object pickle."""
+    marker = tmp_path / "ran"
+    body = pickle.dumps(LEGACY_MAGIC, protocol=2)[2:]  # without PROTO
+    pad = b""
+    if padding:
+        pad = b"B" + len(b"A" * padding).to_bytes(4, "little") + b"A" * padding + b"0"
+    magic = b"\x80\x02" + pad + body
+    assert pickle.loads(magic) == LEGACY_MAGIC
+    (tmp_path / "model_step_1.pt").write_bytes(_legacy_file(magic, {"w": Payload(marker)}))
+    assert judge(tmp_path, "model_step_1.pt") == (False, "unsafe_pickle")
+    assert not marker.exists()
+
+
+def test_a_real_legacy_torch_file_is_still_valid(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(3)}, tmp_path / "model_step_1.pt",
+               _use_new_zipfile_serialization=False)
+    assert judge(tmp_path, "model_step_1.pt") == (True, "")
+
+
+def test_a_raw_bin_that_is_not_a_pickle_stays_opaque(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.bin").write_bytes(b"(not a pickle at all" + bytes(range(256)))
+    assert judge(tmp_path, "tokenizer.bin") == (True, "")
