@@ -54,6 +54,10 @@ class Wakeable(Protocol):
     def wake(self) -> None: ...
 
 
+class Scan(Wakeable, Protocol):
+    def unrecognised(self, root: str) -> list[str]: ...
+
+
 class Workers(Protocol):
     def flush(self) -> dict[str, int]: ...
     def flushing(self) -> dict[str, int]: ...
@@ -88,7 +92,7 @@ class ApiContext:
     """Everything a request handler may touch: the store, and the daemon's services."""
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
-                 changes: Changes, scan: Wakeable, workers: Workers, retention: Retention,
+                 changes: Changes, scan: Scan, workers: Workers, retention: Retention,
                  discovery: Discovery, services: Services, metrics: MetricsText) -> None:
         self.store = store
         self.roots = roots
@@ -147,6 +151,7 @@ class ApiContext:
             "last_error_at": _rfc3339(info["last_error_at"]) if info["last_error"] else None,
             "preflight": self.retention.health_json(root.name),
             "adopted": self.retention.adopted_json(root),
+            "unrecognised": self.scan.unrecognised(root.name)[:100],
         }
 
     def listing(self, root: RootConfig) -> dict[str, Any]:

@@ -57,6 +57,8 @@ class Reason(StrEnum):
 # Names that never belong to a complete checkpoint (docs/LAYOUTS.md: temporary names).
 TEMP_SUFFIXES = (".tmp", ".partial")
 TEMP_MARKERS = (".orbax-checkpoint-tmp",)
+# A step is ASCII digits below 2^63 (what SQLite's INTEGER holds).
+MAX_STEP = 2**63
 # ckptd's own directory inside each root; never scanned as checkpoint data.
 CKPTD_DIR = ".ckptd"
 

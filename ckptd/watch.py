@@ -77,6 +77,8 @@ class RootScanner:
         self._top = top  # which top-level entries (name, is_dir) to walk; None = all
         # Directories (root-relative; "" = the root) the last scan could not read.
         self.unreadable: set[str] = set()
+        # Paths that look like checkpoints but carry a step no checkpoint can have.
+        self.unrecognised: list[str] = []
 
     def scan(self, now: float, registrations: dict[int, tuple[str, ...]] | None = None
              ) -> tuple[Snapshot, list[tuple[Candidate, str]]]:
@@ -99,7 +101,7 @@ class RootScanner:
         self._seen = seen
         snap = Snapshot(files=files, dirs=frozenset(dirs), contents=self._read_contents(seen),
                         registrations=dict(registrations or {}))
-        cands = layouts.detect(snap, self.opts, now, self.layout)
+        cands, self.unrecognised = layouts.detect_all(snap, self.opts, now, self.layout)
         return snap, [(c, fingerprint(c, seen)) for c in cands]
 
     def _walk(self, dirs: set[str]) -> Iterator[tuple[str, int, int]]:

@@ -366,3 +366,22 @@ def test_a_code_running_trusted_global_is_refused(tmp_path: Path, name: str) -> 
     done = subprocess.run([sys.executable, "-m", "ckptd", "config", "check", str(cfg)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 78 and "never trusted" in done.stderr, done.stderr
+
+
+# -- steps ---------------------------------------------------------------------------------------
+
+
+def test_a_huge_step_or_foreign_digits_never_stall_a_root(h: Harness) -> None:
+    """A file named with a step of 2^63 or more, or with Arabic-Indic digits, is unrecognised
+    (listed in status); the root's real checkpoints carry on."""
+    save_torch(h.root / f"model_step_{2**63}.pt")
+    save_torch(h.root / "model_step_\u0661\u0662.pt")
+    (h.root / "step-99999999999999999999999").mkdir()
+    save_torch(h.root / "model_step_7.pt")
+    assert h.client.wait("r", 7, until="valid", timeout=30)
+    status, doc = h.client.request("GET", "/v1/roots/r/checkpoints")
+    steps = [c["step"] for c in doc["checkpoints"]]
+    assert steps == [7]
+    root = h.client.status()["roots"][0]  # type: ignore[index]
+    assert f"model_step_{2**63}.pt" in root["unrecognised"]
+    assert root["last_error"] is None

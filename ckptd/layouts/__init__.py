@@ -18,7 +18,7 @@ from ckptd.layouts import (
     split,
 )
 from ckptd.layouts.base import Layout
-from ckptd.model import Candidate, RootOptions, Snapshot
+from ckptd.model import MAX_STEP, Candidate, RootOptions, Snapshot
 
 __all__ = ["NAMES", "Layout", "detect", "get", "wants_content"]
 
@@ -91,7 +91,15 @@ def wants_content(rel: str, layout: str = "auto") -> bool:
 
 
 def detect(snap: Snapshot, opts: RootOptions, now: float, layout: str = "auto") -> list[Candidate]:
-    """Every checkpoint in `snap`, complete or pending, sorted by step.
+    """Every checkpoint in `snap` (see `detect_all`), without the unrecognised names."""
+    return detect_all(snap, opts, now, layout)[0]
+
+
+def detect_all(snap: Snapshot, opts: RootOptions, now: float, layout: str = "auto"
+               ) -> tuple[list[Candidate], list[str]]:
+    """Every checkpoint in `snap`, complete or pending, sorted by step; and the paths that look
+    like checkpoints but carry a step no checkpoint can have (2^63 or more): unrecognised,
+    reported, and never allowed to stop the rest of the root.
 
     Two candidates with the same step are both returned, the earlier-written one first (by the
     newest mtime among their files, then by layout order): the store keeps the last one and
@@ -104,5 +112,7 @@ def detect(snap: Snapshot, opts: RootOptions, now: float, layout: str = "auto") 
         for cand in batch:
             claimed.update(cand.files)
             found.append((rank, cand))
+    bad = sorted({c.path for _, c in found if not 0 <= c.step < MAX_STEP})
+    found = [(r, c) for r, c in found if 0 <= c.step < MAX_STEP]
     found.sort(key=lambda rc: (rc[1].step, common.written_at(snap, rc[1]), rc[0], rc[1].path))
-    return [cand for _, cand in found]
+    return [cand for _, cand in found], bad

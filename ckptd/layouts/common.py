@@ -21,12 +21,12 @@ TEMP_PREFIXES = ("tmp-checkpoint-",)
 
 # Directory names that carry a step: step-N, step_N, stepN, step=N, iter_N, checkpoint-N,
 # checkpoint_N, global_stepN, or a bare number.
-_DIR_STEP = re.compile(r"^(?:step[-_=]?|iter_|checkpoint[-_]|global_step)?(\d+)$")
+_DIR_STEP = re.compile(r"^(?:step[-_=]?|iter_|checkpoint[-_]|global_step)?(\d+)$", re.ASCII)
 # Lightning/NeMo names put `step=N` among other fields: `epoch=1-step=500-last`.
-_KEYED_STEP = re.compile(r"(?:^|[^A-Za-z0-9])step=(\d+)")
+_KEYED_STEP = re.compile(r"(?:^|[^A-Za-z0-9])step=(\d+)", re.ASCII)
 # File names: step_N, step=N, step-N, iter_N anywhere in the name, else `_N.` (model_100.pt).
-_FILE_STEP = re.compile(r"(?:^|[^A-Za-z0-9])(?:step[-_=]|iter_)(\d+)")
-_FILE_UNDERSCORE_STEP = re.compile(r"_(\d+)\.")
+_FILE_STEP = re.compile(r"(?:^|[^A-Za-z0-9])(?:step[-_=]|iter_)(\d+)", re.ASCII)
+_FILE_UNDERSCORE_STEP = re.compile(r"_(\d+)\.", re.ASCII)
 
 
 def name_of(rel: str) -> str:

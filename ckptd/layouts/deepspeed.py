@@ -11,12 +11,12 @@ from ckptd.model import Candidate, RootOptions, Snapshot
 
 NAME = "deepspeed"
 LATEST = "latest"
-_DIR = re.compile(r"^global_step(\d+)$")
+_DIR = re.compile(r"^global_step(\d+)$", re.ASCII)
 # mp_rank_00_model_states.pt; ZeRO-3 writes one per data-parallel rank:
 # zero_pp_rank_3_mp_rank_00_model_states.pt
-_MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+_MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$", re.ASCII)
 # [bf16_]zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt
-_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$", re.ASCII)
 
 Cell = tuple[int, int]  # (data-parallel rank, model-parallel rank)
 

@@ -12,7 +12,7 @@ from ckptd.model import Candidate, Reason, RootOptions, Snapshot
 
 NAME = "hf"
 STATE = "trainer_state.json"
-_DIR = re.compile(r"^checkpoint-(\d+)$")
+_DIR = re.compile(r"^checkpoint-(\d+)$", re.ASCII)
 
 
 ARGS = "training_args.bin"

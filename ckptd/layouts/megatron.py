@@ -11,9 +11,9 @@ from ckptd.model import Candidate, RootOptions, Snapshot
 
 NAME = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"
-_DIR = re.compile(r"^iter_(\d{7,})$")
+_DIR = re.compile(r"^iter_(\d{7,})$", re.ASCII)
 # Files that only Megatron puts in an iter dir: legacy per-rank dirs, torch_dist side files.
-_TELLS = re.compile(r"^mp_rank_\d+(?:_\d+)*$")
+_TELLS = re.compile(r"^mp_rank_\d+(?:_\d+)*$", re.ASCII)
 _TOP_TELLS = ("metadata.json", "common.pt")
 
 
@@ -67,8 +67,9 @@ def _candidate(snap: Snapshot, tree: common.Tree, opts: RootOptions, now: float,
 
 def _tracker_problem(snap: Snapshot, directory: str, step: int) -> str:
     """The tracker sits in the save dir beside the iter dirs; "release" names no iteration."""
-    return common.pointer_problem(snap, directory, TRACKER, str(step),
-                                  lambda text: text.isdigit() and int(text) >= step)
+    return common.pointer_problem(
+        snap, directory, TRACKER, str(step),
+        lambda text: text.isascii() and text.isdigit() and int(text) >= step)
 
 
 LAYOUT = MegatronLayout()

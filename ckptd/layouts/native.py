@@ -14,7 +14,7 @@ from ckptd.model import Candidate, Reason, RootOptions, Snapshot
 NAME = "native"
 META = "meta.json"
 FORMAT_PREFIX = "ckptd-native/"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"^step-(\d+)$", re.ASCII)
 
 
 def step_of_dir(name: str) -> int | None:

@@ -13,8 +13,8 @@ from ckptd.model import Candidate, RootOptions, Snapshot
 NAME = "orbax"
 COMMIT_FILE = "commit_success.txt"
 STEP_METADATA = "_CHECKPOINT_METADATA"
-_FINAL = re.compile(r"^(\d+)$")
-_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+_FINAL = re.compile(r"^(\d+)$", re.ASCII)
+_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp", re.ASCII)
 # Files Orbax writes in its item dirs (`<N>/default/_METADATA`, ...).
 _ITEM_TELLS = ("_METADATA", "_sharding", "manifest.ocdbt")
 

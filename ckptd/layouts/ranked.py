@@ -12,9 +12,9 @@ from ckptd.layouts import common
 from ckptd.model import Candidate, Reason, RootOptions, Snapshot
 
 NAME = "ranked"
-_MODEL = re.compile(r"^model_(\d+)\.pt$")
-_META = re.compile(r"^meta_(\d+)\.json$")
-_OPTIM = re.compile(r"^optim_(\d+)_rank(\d+)\.pt$")
+_MODEL = re.compile(r"^model_(\d+)\.pt$", re.ASCII)
+_META = re.compile(r"^meta_(\d+)\.json$", re.ASCII)
+_OPTIM = re.compile(r"^optim_(\d+)_rank(\d+)\.pt$", re.ASCII)
 
 
 @dataclass

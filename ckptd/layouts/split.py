@@ -12,7 +12,7 @@ from ckptd.model import Candidate, RootOptions, Snapshot
 NAME = "split"
 REQUIRED = ("meta", "model", "optim")
 KNOWN = (*REQUIRED, "ema")
-_FILE = re.compile(r"^step_(\d+)_(\w+)\.pt$")
+_FILE = re.compile(r"^step_(\d+)_(\w+)\.pt$", re.ASCII)
 
 
 class SplitLayout:

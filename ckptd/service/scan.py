@@ -160,5 +160,9 @@ class Scanner:
             self.log.warning("registration_conflict", root=root, step=step, paths=taken[:5],
                              message="its files belong to another checkpoint; ignored")
 
+    def unrecognised(self, root: str) -> list[str]:
+        scanner = self._scanners.get(root)
+        return list(scanner.unrecognised) if scanner is not None else []
+
     def healthy(self, scan_interval: float) -> bool:
         return time.monotonic() - self.beat < 2 * scan_interval + 60
