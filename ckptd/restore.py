@@ -10,7 +10,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -316,11 +318,42 @@ def restore(
         if manifest is None:  # removed between resolving and reading
             raise NotFound(f"the local copy of step {n} of {root_name!r} disappeared")
         cb = _cumulative(progress, manifest.size)
-        return n, restore_from_dir(objects_dir(root.path, n), manifest, Path(to), cb)
+        return n, all_or_nothing(Path(to), lambda staging: restore_from_dir(
+            objects_dir(root.path, n), manifest, staging, cb))
     assert backend is not None
-    manifest = read_remote_manifest(backend, root.name, n)
-    cb = _cumulative(progress, manifest.size)
-    return n, _restore_remote(backend, manifest, Path(to), root.upload.concurrency, cb)
+    remote = read_remote_manifest(backend, root.name, n)
+    cb = _cumulative(progress, remote.size)
+    return n, all_or_nothing(Path(to), lambda staging: _restore_remote(
+        backend, remote, staging, root.upload.concurrency, cb))
+
+
+def all_or_nothing(to: Path, fill: Callable[[Path], list[Path]]) -> list[Path]:
+    """Restore into a staging directory inside `to`, and move the files into place only once
+    every one is written and verified: a failed restore leaves no partial files (and no `to`
+    it had to create). Files already in `to` under the same names are replaced."""
+    created = not to.exists()
+    try:
+        to.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=to))
+    except OSError as exc:
+        raise write_error(exc, str(to)) from exc
+    try:
+        done = fill(staging)
+        final = []
+        for p in done:
+            dest = to / p.relative_to(staging)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(p, dest)
+            final.append(dest)
+        for d in {f.parent for f in final}:
+            fileio.fsync_dir(d)
+        return _one_mtime(final)
+    except BaseException:
+        if created:
+            shutil.rmtree(to, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _cumulative(progress: TotalProgress | None, total: int) -> Progress | None:
@@ -366,7 +399,8 @@ def restore_checkpoint(root_name: str, step: int, to: Path, root_dir: Path | Non
     if root_dir is not None:
         manifest = read_local_manifest(Path(root_dir), step)
         if manifest is not None:
-            return restore_from_dir(objects_dir(Path(root_dir), step), manifest, Path(to))
+            return all_or_nothing(Path(to), lambda staging: restore_from_dir(
+                objects_dir(Path(root_dir), step), manifest, staging))
     from ckptd.config import find_config, load_config
     from ckptd.errors import ConfigError
 
@@ -377,3 +411,6 @@ def restore_checkpoint(root_name: str, step: int, to: Path, root_dir: Path | Non
     get_logger().info("config_used", path=str(path))
     _, paths = restore(load_config(path), root_name, step, Path(to))
     return paths
+
+
+STAGING_PREFIX = ".ckptd-restore-"

@@ -84,10 +84,17 @@ def save(
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
     head = _meta_head(step, world, metrics, config)  # fail on bad metrics before writing
     parts = _parts(rank, model, optimizer, scheduler, scaler, ema, extra)
-    if _dist_matches(world):
-        _save_dist(tmp, final, rank, world, parts, head)
-    else:
-        _save_files(tmp, final, rank, world, parts, head, time.monotonic() + timeout)
+    try:
+        if _dist_matches(world):
+            _save_dist(tmp, final, rank, world, parts, head)
+        else:
+            _save_files(tmp, final, rank, world, parts, head, time.monotonic() + timeout)
+    except BaseException:
+        # All or nothing: a save that failed (a state_dict that raised, a full disk) leaves no
+        # step-N.tmp behind. Rank 0 owns the directory; the others' files go with it.
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if rank == 0 and register:
         _register(root_name or root.resolve().name, step, head["metrics"], client)
     return final

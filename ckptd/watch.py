@@ -20,6 +20,8 @@ from typing import Any
 from ckptd import layouts
 from ckptd.model import CKPTD_DIR, Candidate, FileInfo, RootOptions, Snapshot
 
+# ckptd's own transient names (temp files, a restore's staging directory): never checkpoint data.
+OWN_TEMP_PREFIX = ".ckptd-"
 # Small marker/metadata files a layout asked for are read into the snapshot up to this size.
 MAX_CONTENT_BYTES = 64 * 1024 * 1024
 # An "opened for writing" mark with no close event expires after this long without change:
@@ -121,6 +123,8 @@ class RootScanner:
                         self._top is not None
                         and not self._top(entry.name, entry.is_dir(follow_symlinks=False)))):
                     continue
+                if entry.name.startswith(OWN_TEMP_PREFIX):
+                    continue  # ckptd's own temp files and a restore's staging dir, anywhere
                 try:
                     st, escapes = stat_member(self._real_root, entry.path)
                 except OSError:

@@ -108,3 +108,56 @@ def test_a_pin_on_a_step_with_no_copy_left_is_refused(tmp_path: Path, short_dir:
         assert status == 409 and doc["error"] == "gone", doc
     finally:
         h.daemon.stop(grace=5)
+
+
+def test_a_failed_restore_leaves_no_partial_files(tmp_path: Path, short_dir: Path) -> None:
+    """The second object of a step is damaged in the remote: the restore fails on it, and the
+    target holds nothing of the step (not even the first file, restored fine)."""
+    h = Harness(tmp_path / "node", short_dir, uploads=True)
+    d = h.root / "checkpoint-5"
+    d.mkdir(parents=True)
+    save_torch(d / "pytorch_model.bin")
+    save_torch(d / "optimizer.pt")
+    (d / "trainer_state.json").write_text('{"global_step": 5}')
+    h.daemon.start()
+    try:
+        assert h.client.wait("r", 5, until="uploaded", timeout=60)
+    finally:
+        h.daemon.stop(grace=5)
+    objects = sorted(p for p in (tmp_path / "node" / "remote").rglob("*")
+                     if p.is_file() and "MANIFEST" not in p.name and p.parent.name != "r")
+    victim = [p for p in objects if "trainer_state" in p.name or "pytorch_model" in p.name][-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    for target in (tmp_path / "new-dir", tmp_path / "existing"):
+        if target.name == "existing":
+            target.mkdir()
+            (target / "keep.txt").write_text("mine")
+        done = subprocess.run([sys.executable, "-m", "ckptd", "restore", "r", "5", "--to",
+                               str(target), "--config", str(h.config_path)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0, done.stdout
+        if target.name == "new-dir":
+            assert not target.exists()
+        else:
+            assert sorted(p.name for p in target.rglob("*")) == ["keep.txt"]
+
+
+def test_a_failed_save_leaves_no_tmp_dir(tmp_path: Path) -> None:
+    import pytest
+    import torch
+
+    import ckptd.torch as ct
+
+    class Broken(torch.optim.SGD):
+        def state_dict(self) -> dict[str, object]:
+            raise RuntimeError("state_dict failed midway")
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="midway"):
+        ct.save(tmp_path, 3, model=model, optimizer=Broken(model.parameters(), lr=0.1),
+                register=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    ct.save(tmp_path, 3, model=model, register=False)  # and the next save goes through
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
