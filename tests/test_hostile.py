@@ -96,3 +96,33 @@ def test_a_real_legacy_torch_file_is_still_valid(tmp_path: Path) -> None:
 def test_a_raw_bin_that_is_not_a_pickle_stays_opaque(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.bin").write_bytes(b"(not a pickle at all" + bytes(range(256)))
     assert judge(tmp_path, "tokenizer.bin") == (True, "")
+
+
+def _edit_sizes(path: Path, size: bytes, stride: bytes) -> None:
+    """Rewrite the size and stride tuples of the one tensor in a torch zip's data.pkl, as a
+    hostile writer would (`size`/`stride`: a pickled int, e.g. b"K\\xc8" for 200)."""
+    with zipfile.ZipFile(path) as z:
+        entries = [(i, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for info, data in entries:
+            if info.filename.endswith("data.pkl"):
+                old = b"K\x10\x85q\x08K\x01\x85q\t"  # (16,) q8 (1,) q9
+                assert old in data
+                data = data.replace(old, size + b"\x85q\x08" + stride + b"\x85q\t", 1)
+            z.writestr(info, data)
+
+
+@pytest.mark.parametrize(("size", "stride", "reason"), [
+    (b"K\xc8", b"K\x01", "bad_metadata"),  # 200 elements of a storage of 16
+    (b"\x8a\x06" + (2**40).to_bytes(6, "little"), b"K\x00", ""),  # stride 0: 2^40 views
+])
+def test_deep_validation_checks_a_tensors_extent_before_its_data(
+        tmp_path: Path, size: bytes, stride: bytes, reason: str) -> None:
+    path = tmp_path / "model_step_1.pt"
+    torch.save({"w": torch.arange(16, dtype=torch.float32)}, path)
+    _edit_sizes(path, size, stride)
+    r = validate(tmp_path, Candidate("single", 1, path.name, (path.name,), True), deep=True)
+    if reason:  # torch's loader refuses it first (bad_header), or the extent check does
+        assert not r.valid and r.reason in ("bad_header", "bad_metadata"), r
+    else:  # scanned through its one stored element, not 2^40 copies of it
+        assert r.valid, r

@@ -407,8 +407,34 @@ def _scan_torch_file(m: _Member) -> None:
             Reason.BAD_HEADER, f"{m.rel}: torch.load failed: {type(exc).__name__}: {exc}", m.rel
         ) from None
     for key, tensor in _tensors(obj):
-        if _has_nonfinite(tensor):
+        scanned = _within_storage(tensor, f"{m.rel}: tensor {key}", m.rel)
+        if _has_nonfinite(scanned):
             raise ValidationFailed(Reason.NAN, f"{m.rel}: tensor {key} has NaN/Inf values", m.rel)
+
+
+def _within_storage(t: Any, what: str, rel: str) -> Any:
+    """Check a tensor's extent against its storage before touching data, and return what to
+    scan: the tensor, or (a view that reuses elements: stride 0, overlaps) the span of its
+    storage it reads, so the scan's work is bounded by the file, not by the view's size."""
+    import torch
+
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        return t
+    if any(st < 0 for st in t.stride()) or t.storage_offset() < 0:
+        raise ValidationFailed(Reason.BAD_METADATA, f"{what} has a negative stride", rel)
+    if t.numel() == 0:
+        return t
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride(),
+                                                                     strict=True))
+    held = t.untyped_storage().nbytes() // max(1, t.element_size())
+    if last >= held:
+        raise ValidationFailed(Reason.BAD_METADATA, f"{what} reaches element {last} of a"
+                               f" storage of {held}: beyond its data", rel)
+    if t.numel() <= last - t.storage_offset() + 1:
+        return t
+    flat = torch.empty(0, dtype=t.dtype)
+    flat.set_(t.untyped_storage(), t.storage_offset(), (last - t.storage_offset() + 1,), (1,))
+    return flat
 
 
 def _numpy_safe_globals() -> list[Any]:
