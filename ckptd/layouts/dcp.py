@@ -4,10 +4,14 @@ it references, and it is not older than a data file beside it (older: a re-save 
 
 from __future__ import annotations
 
+import collections
+import threading
 from typing import Any
 
+import xxhash
+
 from ckptd.errors import ValidationFailed
-from ckptd.formats.dcpmeta import parse_dcp_metadata
+from ckptd.formats.dcpmeta import DcpMetadata, parse_dcp_metadata
 from ckptd.layouts import common
 from ckptd.model import Candidate, RootOptions, Snapshot
 
@@ -111,13 +115,38 @@ def _data_files(tree: common.Tree, dcp_dir: str) -> list[str]:
             and not common.is_temp_path(f)]
 
 
+_PARSED: collections.OrderedDict[tuple[str, int, str], DcpMetadata | ValidationFailed] = (
+    collections.OrderedDict())
+_PARSED_KEPT = 64
+_PARSED_LOCK = threading.Lock()
+
+
+def _parsed(data: bytes, meta_rel: str) -> DcpMetadata | ValidationFailed:
+    """One parse per `.metadata` content, its verdict included, remembered by digest (not by
+    the bytes): a rescan (every few seconds while a root settles) never parses an unchanged
+    file again, a hostile one least of all."""
+    key = (xxhash.xxh3_128_hexdigest(data), len(data), meta_rel)
+    with _PARSED_LOCK:
+        hit = _PARSED.get(key)
+        if hit is None:
+            try:
+                hit = parse_dcp_metadata(data, meta_rel)
+            except ValidationFailed as exc:
+                hit = exc
+            _PARSED[key] = hit
+            while len(_PARSED) > _PARSED_KEPT:
+                _PARSED.popitem(last=False)
+        _PARSED.move_to_end(key)
+        return hit
+
+
 def _check_references(snap: Snapshot, dcp_dir: str, meta_rel: str, data: bytes,
                       verdict: DirVerdict) -> None:
-    try:
-        refs = parse_dcp_metadata(data, meta_rel).references
-    except ValidationFailed as exc:
-        verdict.invalid.append((exc.reason, exc.message))
+    parsed = _parsed(data, meta_rel)
+    if isinstance(parsed, ValidationFailed):
+        verdict.invalid.append((parsed.reason, parsed.message))
         return
+    refs = parsed.references
     for name, size in sorted(refs.items()):
         rel = common.join(dcp_dir, name)
         info = snap.files.get(rel)
