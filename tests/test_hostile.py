@@ -126,3 +126,14 @@ def test_deep_validation_checks_a_tensors_extent_before_its_data(
         assert not r.valid and r.reason in ("bad_header", "bad_metadata"), r
     else:  # scanned through its one stored element, not 2^40 copies of it
         assert r.valid, r
+
+
+def test_a_zip_member_name_that_is_not_its_declared_utf8_is_bad_header(tmp_path: Path) -> None:
+    path = tmp_path / "model_step_1.pt"
+    save_torch(path)
+    with zipfile.ZipFile(path, "a") as z:
+        z.writestr("model_step_1/extra-\u00e1.bin", b"x")  # zipfile flags a UTF-8 name
+    raw = path.read_bytes()
+    assert raw.count("\u00e1".encode()) == 2  # local header and central directory
+    path.write_bytes(raw.replace("\u00e1".encode(), b"\xff\xfe"))
+    assert judge(tmp_path, path.name) == (False, "bad_header")

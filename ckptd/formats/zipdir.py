@@ -155,7 +155,11 @@ def _parse_directory(
         name_end = pos + _CDIR.size + n
         if name_end + m + k > len(data):
             raise ValidationFailed(Reason.BAD_HEADER, f"{path}: central directory cut short", path)
-        name = data[pos + _CDIR.size : name_end].decode("utf-8" if flags & 0x800 else "cp437")
+        try:
+            name = data[pos + _CDIR.size : name_end].decode("utf-8" if flags & 0x800 else "cp437")
+        except UnicodeDecodeError:
+            raise ValidationFailed(Reason.BAD_HEADER, f"{path}: a member name is not the UTF-8"
+                                   " its entry declares", path) from None
         extra = data[name_end : name_end + m]
         usize, csize, offset = _zip64_extra(extra, usize, csize, f[16], path)
         _check_member(name, flags, method, csize, usize, path)
