@@ -28,6 +28,8 @@ from ckptd.watch import file_fingerprint
 LEASE_S = 60.0
 # After files changed under a stage, wait for the scanner to see the change before retrying.
 RESCAN_DEFER_S = 1.0
+# After a stop's grace: how long read passes get to notice the cancel and clean up.
+CANCEL_WAIT_S = 5.0
 # Reasons that prove a once-valid checkpoint's bytes are damaged (not a passing I/O error or
 # files changing under the read).
 CONTENT_REASONS = frozenset({"crc_mismatch", "size_mismatch", "truncated", "bad_header",
@@ -90,6 +92,7 @@ class Pipeline:
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        self._cancel = threading.Event()  # set when a stop's grace ran out
         self._threads: list[threading.Thread] = []
         self.progress: dict[str, float] = {}  # worker -> last time it made progress
         self.busy: dict[str, bool] = {}
@@ -114,6 +117,13 @@ class Pipeline:
         deadline = time.monotonic() + grace
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
+            # Past the grace: end read passes at their next chunk, so a stage aborts (its
+            # staging dir removed) instead of being cut off mid-write when the process exits.
+            self._cancel.set()
+            deadline = time.monotonic() + CANCEL_WAIT_S
+            for t in self._threads:
+                t.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in self._threads)
 
     def flush(self) -> dict[str, int]:
@@ -175,6 +185,10 @@ class Pipeline:
             self.busy[name] = True
             try:
                 self._run(job, name)
+            except runners.StageCancelled:
+                self.log.warning("stage_cancelled", root=job.checkpoint.root,
+                                 step=job.checkpoint.step, stage=job.stage)
+                return  # its lease is released at the next start; the stage is redone then
             finally:
                 self.busy[name] = False
                 self.changes.notify()
@@ -196,7 +210,8 @@ class Pipeline:
         log.info("stage_started")
         started = time.monotonic()
         total = sum(_size(root.path / f) for f in job.files)
-        progress = Progress(rec.root, rec.step, job.stage, total, lambda: self._tick(worker))
+        progress = Progress(rec.root, rec.step, job.stage, total, lambda: self._tick(worker),
+                            cancelled=self._cancel.is_set)
         self.inflight[rec.id] = progress
         with _Renewer(self.store, rec.id, job.owner):
             try:
@@ -308,12 +323,16 @@ class Progress:
     notion of a worker making progress)."""
 
     def __init__(self, root: str, step: int, stage: str, total: int,
-                 tick: Callable[[], Any]) -> None:
+                 tick: Callable[[], Any], cancelled: Callable[[], bool] = lambda: False
+                 ) -> None:
         self.root, self.step, self.stage, self.total = root, step, stage, total
         self.done = 0
         self._tick = tick
+        self._cancelled = cancelled
 
     def update(self, offset: int, chunk: memoryview) -> None:
+        if self._cancelled():
+            raise runners.StageCancelled(f"{self.stage} of step {self.step} cancelled by stop")
         self.done += len(chunk)
         self._tick()
 

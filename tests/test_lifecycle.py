@@ -81,6 +81,32 @@ def test_sigterm_during_long_validation(daemon_factory: Any, tmp_path: Path) -> 
     assert not list((tmp_path / "remote").rglob(".ckptd-tmp-*"))
 
 
+def test_a_stop_past_its_grace_cancels_the_stage_and_leaves_no_staging(inproc_daemon: Any,
+                                                                       tmp_path: Path) -> None:
+    """A stage still running when the stop's grace ends is cancelled at its next chunk: its
+    staging dir is removed then, not left behind for the next start to find."""
+    d = inproc_daemon(roots=[{"name": "r1", "upload": file_remote(tmp_path / "remote")}])
+    root = d.roots["r1"]
+    torch.save({"w": torch.randn(32 * 1024 * 1024)}, root / "model_step_1.pt")  # 128 MiB
+
+    def staging() -> bool:
+        st = Client(d.socket, timeout=2).status() or {}
+        return any(w["stage"] == "validate" and w["done_bytes"] > 0
+                   for w in st.get("in_flight", [])) and bool(temp_leftovers(root))
+
+    wait_until(staging, 30, "step 1 validating into a staging dir",
+               detail=lambda: d.log_text()[-4000:])
+    t0 = time.monotonic()
+    d.stop(grace=0.0)
+    assert time.monotonic() - t0 < 5
+    assert d.events("stage_cancelled")[-1]["step"] == 1
+    assert not d.events("stage_failed")  # a cancel is not a failure: no backoff after restart
+    assert temp_leftovers(root) == []
+    d.start()
+    assert d.wait_for("r1", 1, timeout=60)["state"] == "valid"
+    assert d.client.wait("r1", 1, until="uploaded", timeout=60), d.log_text()[-3000:]
+
+
 # --- b. compress_older -----------------------------------------------------------------------
 
 

@@ -65,12 +65,16 @@ class InProcessDaemon:
         self._daemon = daemon
         return self
 
-    def stop(self) -> None:
-        """A graceful stop, as SIGTERM gives (idempotent)."""
+    def stop(self, grace: float | None = None) -> None:
+        """A graceful stop, as SIGTERM gives (idempotent); `grace` shortens the time in-flight
+        stages get to finish."""
         daemon, self._daemon = self._daemon, None
         if daemon is not None:
             daemon.request_stop()
-            daemon.stop()
+            if grace is None:
+                daemon.stop()
+            else:
+                daemon.stop(grace=grace)
 
     def restart(self) -> InProcessDaemon:
         self.stop()
