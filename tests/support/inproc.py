@@ -127,8 +127,11 @@ class InProcessDaemon:
     def wait_event(self, name: str, timeout: float = 15.0, count: int = 1
                    ) -> list[dict[str, Any]]:
         """The events named `name`, once there are at least `count` of them."""
-        return wait_until(lambda: (lambda ev: ev if len(ev) >= count else None)(
-                          self.events(name)), timeout, f"{count} {name} event(s)",
+        def enough() -> list[dict[str, Any]] | None:
+            found = self.events(name)
+            return found if len(found) >= count else None
+
+        return wait_until(enough, timeout, f"{count} {name} event(s)",
                           detail=lambda: self.log_text()[-4000:])
 
 
