@@ -128,11 +128,12 @@ def test_kill9_mid_upload_then_restart_completes(daemon_factory: Any, s3_server:
     assert os.path.exists(root / "model_step_1.pt")
 
 
-def test_flush_puts_the_newest_valid_step_first(inproc_daemon: Any, s3_server: Any,
-                                                s3_url: str, fault_proxy: Any) -> None:
+def test_flush_puts_the_newest_valid_step_first(s3_server: Any, s3_url: str, fault_proxy: Any,
+                                                inproc_daemon: Any) -> None:
     """SIGUSR1 / POST /v1/flush: the newest valid step of each uploading root goes to the
     front; `ckptd status` shows it until it is uploaded. (SIGUSR1 reaching the flush is
-    test_daemon's test_signals_flush_then_exit_zero.)"""
+    test_daemon's test_signals_flush_then_exit_zero_and_remove_socket. The daemon comes
+    after the proxy among the fixtures, so it stops before the proxy goes away.)"""
     fault_proxy.set("status", count=10_000, status=503)  # the remote is down for now
     down = type("S", (), {"endpoint": fault_proxy.endpoint, "region": s3_server.region,
                           "access_key": s3_server.access_key,
