@@ -291,7 +291,7 @@ class Handler(BaseHTTPRequestHandler):
         if not raw:
             return None
         try:
-            return json.loads(raw, parse_constant=_no_constant)
+            return json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
         except (ValueError, RecursionError) as exc:
             raise HttpError(400, "bad_json", f"request body is not valid JSON: {exc}") from exc
 
@@ -506,6 +506,13 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (numbers must be finite)")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as infinity
+        raise ValueError(f"{text[:40]} is out of range")
+    return value
+
+
 def _tier(text: str) -> Tier:
     try:
         return Tier(text)
@@ -608,6 +615,11 @@ class UnixHttpServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def serve_forever(self, poll_interval: float = 0.1) -> None:
+        # shutdown() waits for this loop to notice it: a short poll keeps a stop prompt
+        # (the default 0.5 s added half a second to every SIGTERM).
+        super().serve_forever(poll_interval)
 
     def get_request(self) -> tuple[socket.socket, Any]:
         conn, _ = self.socket.accept()

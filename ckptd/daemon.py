@@ -35,9 +35,8 @@ from ckptd.service.supervisor import Supervisor
 from ckptd.service.workers import Workers
 from ckptd.store import Store
 
-STOP_GRACE_S = 20.0
-# A stage worker that has read no byte for this long counts as stuck (the watchdog stops).
-STALL_LIMIT_S = 300.0
+STOP_GRACE_S, CANCEL_WAIT_S = 20.0, 5.0  # in-flight stages finish, then are cancelled
+STALL_LIMIT_S = 300.0  # a worker that read no byte for this long is stuck (no watchdog)
 STATUS_EVERY_S = 10.0
 
 
@@ -103,7 +102,7 @@ class Daemon:
     def _add_services(self) -> None:
         sup, server = self.supervisor, self.server
         assert server is not None
-        sup.add("api", lambda stop: server.serve_forever(poll_interval=0.5),
+        sup.add("api", lambda stop: server.serve_forever(poll_interval=0.1),
                 halt=server.shutdown)
         address = self.config.metrics.address
         if address is not None:  # a bad address fails the start here (exit 78)
@@ -154,8 +153,7 @@ class Daemon:
                 self.log.info("daemon_stopping", signal=signal.Signals(signum).name)
 
     def _check_state(self) -> None:
-        """A state database deleted or replaced under the daemon: stop acting on the roots at
-        once (nothing is deleted meanwhile) and say so; systemd's watchdog restarts us."""
+        """A state database deleted or replaced under us: stop acting on the roots at once."""
         if self.ctx.problem is not None:
             return
         why = self.store.lost()
@@ -230,6 +228,9 @@ class Daemon:
         sup = self.supervisor
         sup.stop("scan", "watch", "discovery", "retention")
         finished = sup.stop(*self.workers.names, timeout=grace)
+        if not finished:  # past the grace: read passes end at their next chunk, cleaned up
+            self.workers.cancel()
+            finished = sup.stop(*self.workers.names, timeout=CANCEL_WAIT_S)
         if not finished:
             self.log.warning("daemon_stop_incomplete",
                              message="in-flight stages left to resume after restart")

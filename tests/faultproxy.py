@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from support.wait import WaitTimeout, wait_until
+
 MAX_HEADER_BYTES = 64 * 1024
 IO_TIMEOUT_S = 60.0  # a connection idle this long is closed: no thread outlives a test for long
 CHUNK = 64 * 1024
@@ -95,15 +97,18 @@ class FaultProxy:
 
 
 def _wait_for_port(path: Path, proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def port() -> int | None:
         if path.exists() and path.read_text().strip():
             return int(path.read_text())
         if proc.poll() is not None:
             raise RuntimeError(f"fault proxy exited with {proc.returncode}")
-        time.sleep(0.02)
-    proc.kill()
-    raise RuntimeError("fault proxy did not report its port")
+        return None
+
+    try:
+        return wait_until(port, timeout, "the fault proxy to report its port", interval=0.02)
+    except WaitTimeout:
+        proc.kill()
+        raise
 
 
 def _write_json(path: Path, data: Any) -> None:

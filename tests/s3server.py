@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from faultproxy import FaultProxy
+from support.wait import wait_until
 
 ACCESS_KEY = "ckptd-test-key"
 SECRET_KEY = "ckptd-test-secret"
@@ -199,7 +199,6 @@ def _wait_ready(server: S3Server) -> None:
     from ckptd.backends import make_backend
     from ckptd.errors import StorageError
 
-    deadline = time.monotonic() + START_TIMEOUT_S
     probes = [
         make_backend(
             f"s3://{bucket}",
@@ -214,8 +213,9 @@ def _wait_ready(server: S3Server) -> None:
         )
         for bucket in (BUCKET, SPARE_BUCKET)
     ]
-    last = "not contacted yet"
-    while time.monotonic() < deadline:
+    last = ["not contacted yet"]
+
+    def buckets_answer() -> bool:
         if server.process.poll() is not None:
             raise RuntimeError(
                 f"weed mini exited with {server.process.returncode}:\n{server.log_tail()}"
@@ -223,13 +223,13 @@ def _wait_ready(server: S3Server) -> None:
         try:
             for probe in probes:
                 list(probe.list("ready-probe"))
-            return
+            return True
         except StorageError as exc:
-            last = str(exc)
-        time.sleep(0.2)
-    raise RuntimeError(
-        f"weed mini not ready after {START_TIMEOUT_S}s ({last}):\n{server.log_tail()}"
-    )
+            last[0] = str(exc)
+            return False
+
+    wait_until(buckets_answer, START_TIMEOUT_S, "weed mini's buckets to answer", interval=0.2,
+               detail=lambda: f"last error: {last[0]}\n{server.log_tail()}")
 
 
 def stop_server(server: S3Server) -> None:

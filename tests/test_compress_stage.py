@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import layout_writers as w
 import numpy as np
 import pytest
 import torch
+from support.wait import wait_until
 from test_layouts_real import CASES, detect
 from writers import flip_byte, member_data_offset, truncate
 
@@ -431,9 +431,8 @@ def test_kill_9_mid_compression_leaves_the_original_and_a_removable_staging_dir(
     marker = tmp_path / "marker"
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(root), str(marker)])
     try:
-        deadline = time.monotonic() + 30
-        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: marker.exists() or child.poll() is not None, 30,
+                   "the child past its first chunk (or gone)", interval=0.02)
         assert marker.exists(), "the child never got past its first chunk"
     finally:
         child.send_signal(signal.SIGKILL)

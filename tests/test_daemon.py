@@ -1,11 +1,12 @@
-"""End to end: a real `ckptd run` on a real Unix socket over real torch-written checkpoints."""
+"""End to end: a real daemon on a real Unix socket over real torch-written checkpoints. The
+daemon runs in the test process (`inproc_daemon`) unless a test is about the process itself
+(exit codes, signals, kill -9), which gets a `ckptd run` subprocess (`daemon_factory`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -15,67 +16,15 @@ from typing import Any
 
 import pytest
 import torch
+from support.ckpts import flip_byte, save_single, tiny_state
+from support.wait import wait_until
+from support.wire import cli, http
 
 from ckptd.client import Client, ClientError
 
 
-def tiny_state(seed: int = 0, n: int = 64) -> dict[str, Any]:
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(n, n)
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.randn(4, n)).sum().backward()
-    opt.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": seed}
-
-
-def save_single(root: Path, step: int, n: int = 64) -> Path:
-    path = root / f"model_step_{step}.pt"
-    torch.save(tiny_state(step, n), path)
-    return path
-
-
-def flip_byte(path: Path, where: float = 0.5) -> None:
-    with open(path, "r+b") as f:
-        f.seek(int(os.path.getsize(path) * where))
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0x55]))
-
-
-def http(sock: Path, raw: bytes) -> tuple[int, dict[str, Any]]:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
-    s.connect(str(sock))
-    s.sendall(raw)
-    data = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = [int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length")]
-        if length and len(body) >= length[0]:
-            break
-    s.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), json.loads(body) if body else {}
-
-
-def cli(*args: str, sock: Path | None = None, config: Path | None = None
-        ) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "ckptd", *args]
-    if sock:
-        cmd += ["--socket", str(sock)]
-    if config:
-        cmd += ["--config", str(config)]
-    env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_SOCKET", "CKPTD_CONFIG")}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
-
-
-def test_single_files_latest_skips_corrupt_and_truncated(daemon_factory: Any) -> None:
-    d = daemon_factory()
+def test_single_files_latest_skips_corrupt_and_truncated(inproc_daemon: Any) -> None:
+    d = inproc_daemon()
     root = d.roots["r1"]
     save_single(root, 10)
     assert d.wait_for("r1", 10)["state"] == "valid"
@@ -96,10 +45,10 @@ def test_single_files_latest_skips_corrupt_and_truncated(daemon_factory: Any) ->
     assert doc["step"] == 10 and doc["path"] == latest["path"]
 
 
-def test_dcp_complete_and_missing_metadata(daemon_factory: Any) -> None:
+def test_dcp_complete_and_missing_metadata(inproc_daemon: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
-    d = daemon_factory()
+    d = inproc_daemon()
     root = d.roots["r1"]
     dcp.save(tiny_state(1), checkpoint_id=str(root / "step-100"))
     dcp.save(tiny_state(2), checkpoint_id=str(root / "step-200"))
@@ -111,8 +60,8 @@ def test_dcp_complete_and_missing_metadata(daemon_factory: Any) -> None:
     assert d.client.latest("r1")["step"] == 100  # type: ignore[index]
 
 
-def test_split_and_ranked_layouts(daemon_factory: Any) -> None:
-    d = daemon_factory()
+def test_split_and_ranked_layouts(inproc_daemon: Any) -> None:
+    d = inproc_daemon()
     root = d.roots["r1"]
     st = tiny_state(3)
     torch.save({"step": 5}, root / "step_5_meta.pt")
@@ -129,8 +78,8 @@ def test_split_and_ranked_layouts(daemon_factory: Any) -> None:
     assert d.client.latest("r1")["step"] == 7  # type: ignore[index]
 
 
-def test_registered_with_paths_and_metrics(daemon_factory: Any) -> None:
-    d = daemon_factory(roots=[{"name": "r1", "metric": "val_loss"}])
+def test_registered_with_paths_and_metrics(inproc_daemon: Any) -> None:
+    d = inproc_daemon(roots=[{"name": "r1", "metric": "val_loss"}])
     root = d.roots["r1"]
     (root / "run").mkdir()
     torch.save(tiny_state(1), root / "run" / "weights.pt")
@@ -143,24 +92,24 @@ def test_registered_with_paths_and_metrics(daemon_factory: Any) -> None:
     assert c.status()["roots"][0]["best"] == 3  # type: ignore[index]
 
 
-def test_unsafe_pickle_never_runs(daemon_factory: Any, tmp_path: Path) -> None:
+def test_unsafe_pickle_never_runs(inproc_daemon: Any, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
 
     class Evil:
         def __reduce__(self) -> Any:
             return (os.system, (f"touch {marker}",))
 
-    d = daemon_factory()
+    d = inproc_daemon()
     torch.save({"x": Evil()}, d.roots["r1"] / "model_step_1.pt")
     rec = d.wait_for("r1", 1)
     assert rec["state"] == "invalid" and rec["reason"] == "unsafe_pickle"
     assert not marker.exists()
 
 
-def test_symlink_out_of_root_is_refused(daemon_factory: Any, tmp_path: Path) -> None:
+def test_symlink_out_of_root_is_refused(inproc_daemon: Any, tmp_path: Path) -> None:
     outside = tmp_path / "outside.pt"
     torch.save(tiny_state(1), outside)
-    d = daemon_factory()
+    d = inproc_daemon()
     root = d.roots["r1"]
     (root / "model_step_9.pt").symlink_to(outside)
     rec = d.wait_for("r1", 9)
@@ -168,8 +117,8 @@ def test_symlink_out_of_root_is_refused(daemon_factory: Any, tmp_path: Path) -> 
     assert outside.exists()
 
 
-def test_api_errors(daemon_factory: Any) -> None:
-    d = daemon_factory()
+def test_api_errors(inproc_daemon: Any) -> None:
+    d = inproc_daemon()
     s = d.socket
     post = "POST /v1/roots/r1/checkpoints HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
     assert http(s, (post + "Content-Length: 5\r\n\r\n{bad}").encode())[0] == 400
@@ -194,8 +143,8 @@ def test_api_errors(daemon_factory: Any) -> None:
     assert c.request("GET", "/v1/roots/r1/checkpoints/abc")[0] == 400
 
 
-def test_wait_long_poll_and_pins(daemon_factory: Any) -> None:
-    d = daemon_factory()
+def test_wait_long_poll_and_pins(inproc_daemon: Any) -> None:
+    d = inproc_daemon()
     c = d.client
     t0 = time.monotonic()
     save_single(d.roots["r1"], 4)
@@ -212,8 +161,8 @@ def test_wait_long_poll_and_pins(daemon_factory: Any) -> None:
         c.pin("r1", 99)
 
 
-def test_socket_mode_and_single_instance(daemon_factory: Any) -> None:
-    d = daemon_factory()
+def test_socket_mode_and_single_instance(inproc_daemon: Any) -> None:
+    d = inproc_daemon()
     assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o660
     second = subprocess.run([sys.executable, "-m", "ckptd", "run", "--config", str(d.config)],
                             capture_output=True, text=True, timeout=60)
@@ -230,16 +179,14 @@ def test_kill9_mid_validation_then_restart_same_answer(daemon_factory: Any) -> N
     big = root / "model_step_2.pt"
     torch.save({"w": torch.randn(64, 1024, 1024)}, big)  # 256 MiB: validation takes a while
     flip_byte(save_single(root, 3))
-    killed_in_flight = False
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def validating_2() -> bool:
         st = Client(d.socket, timeout=2).status() or {}
-        if any(w["step"] == 2 for w in st.get("in_flight", [])):
-            d.kill9()
-            killed_in_flight = True
-            break
-        time.sleep(0.01)
-    assert killed_in_flight, d.log_text()[-3000:]
+        return any(w["step"] == 2 for w in st.get("in_flight", []))
+
+    wait_until(validating_2, 30, "step 2 in flight", interval=0.01,
+               detail=lambda: d.log_text()[-3000:])
+    d.kill9()
     d.start()
     assert d.wait_for("r1", 2, timeout=60)["state"] == "valid"
     assert d.wait_for("r1", 3)["state"] == "invalid"
@@ -250,27 +197,25 @@ def test_kill9_mid_validation_then_restart_same_answer(daemon_factory: Any) -> N
     assert [c["state"] for c in d.client.checkpoints("r1")] == ["valid", "valid", "invalid"]
 
 
-def test_resave_same_step_supersedes(daemon_factory: Any) -> None:
-    d = daemon_factory()
+def test_resave_same_step_supersedes(inproc_daemon: Any) -> None:
+    d = inproc_daemon()
     root = d.roots["r1"]
     p = save_single(root, 8)
     first = d.wait_for("r1", 8)
     assert first["state"] == "valid"
     time.sleep(0.05)
     torch.save(tiny_state(99, n=32), p)  # re-save of the same step
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+
+    def resaved() -> dict[str, Any] | None:
         rec = d.client.checkpoint("r1", 8)
-        if rec and rec["state"] == "valid" and rec["bytes"] != first["bytes"]:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(d.log_text()[-3000:])
-    assert "checkpoint_superseded" in d.log_text()
+        return rec if rec and rec["state"] == "valid" and rec["bytes"] != first["bytes"] else None
+
+    wait_until(resaved, 20, "the re-save of step 8 valid", detail=lambda: d.log_text()[-3000:])
+    assert d.events("checkpoint_superseded")
 
 
-def test_client_falls_back_to_latest_json(daemon_factory: Any) -> None:
-    d = daemon_factory()
+def test_client_falls_back_to_latest_json(inproc_daemon: Any) -> None:
+    d = inproc_daemon()
     save_single(d.roots["r1"], 6)
     d.wait_for("r1", 6)
     d.stop()
@@ -282,14 +227,19 @@ def test_client_falls_back_to_latest_json(daemon_factory: Any) -> None:
         Client(d.socket, timeout=1, strict=True).register("r1", 7)
 
 
-def test_sigterm_exits_zero_and_removes_socket(daemon_factory: Any) -> None:
+def test_signals_flush_then_exit_zero_and_remove_socket(daemon_factory: Any) -> None:
+    """SIGUSR1 asks for a flush; SIGTERM stops the process with 0 and removes its socket."""
     d = daemon_factory()
+    d.signal(signal.SIGUSR1)
+    wait_until(lambda: d.events("flush_requested"), 15, "flush_requested after SIGUSR1",
+               detail=lambda: d.log_text()[-3000:])
     assert d.stop(signal.SIGTERM) == 0
     assert not d.socket.exists()
+    assert d.events("daemon_stopping")[-1]["signal"] == "SIGTERM"
 
 
-def test_cli_commands(daemon_factory: Any) -> None:
-    d = daemon_factory()
+def test_cli_commands(inproc_daemon: Any) -> None:
+    d = inproc_daemon()
     root = d.roots["r1"]
     save_single(root, 11)
     d.wait_for("r1", 11)
@@ -320,10 +270,10 @@ def test_cli_commands(daemon_factory: Any) -> None:
     assert r.returncode == 69 and "daemon" in r.stderr
 
 
-def test_retention_prunes_with_nets_and_explains(daemon_factory: Any) -> None:
+def test_retention_prunes_with_nets_and_explains(inproc_daemon: Any) -> None:
     """Retention runs by itself after each stage: keep_last=2 and the best survive, a pin
     holds, everything else goes; the dry run explains each decision."""
-    d = daemon_factory(roots=[{"name": "r1", "metric": "val_loss",
+    d = inproc_daemon(roots=[{"name": "r1", "metric": "val_loss",
                                "retention": {"local": {"keep_last": 2, "keep_best": 1,
                                                        "min_free": "0"}}}])
     root = d.roots["r1"]
@@ -335,12 +285,12 @@ def test_retention_prunes_with_nets_and_explains(daemon_factory: Any) -> None:
         d.wait_for("r1", step)
         if step == 2:
             assert c.pin("r1", 2)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+
+    def pruned_3() -> dict[int, str] | None:
         states = {x["step"]: x["local"] for x in c.checkpoints("r1")}  # type: ignore[union-attr]
-        if states.get(3) == "pruned":
-            break
-        time.sleep(0.1)
+        return states if states.get(3) == "pruned" else None
+
+    states = wait_until(pruned_3, 20, "step 3 pruned")
     assert states == {1: "present", 2: "present", 3: "pruned", 4: "present", 5: "present"}
     assert not (root / "model_step_3.pt").exists()
     for step in (1, 2, 4, 5):
@@ -360,10 +310,10 @@ def test_retention_prunes_with_nets_and_explains(daemon_factory: Any) -> None:
         assert lease.held
 
 
-def test_metrics_on_the_socket_parse(daemon_factory: Any) -> None:
+def test_metrics_on_the_socket_parse(inproc_daemon: Any) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    d = daemon_factory()
+    d = inproc_daemon()
     save_single(d.roots["r1"], 3)
     d.wait_for("r1", 3)
     status, text = d.client.request("GET", "/metrics")
@@ -377,18 +327,22 @@ def test_metrics_on_the_socket_parse(daemon_factory: Any) -> None:
     assert any(s.value > 0 for s in fams["ckptd_bytes_read"].samples)
     latest = [s for s in fams["ckptd_latest_step"].samples if s.labels == {"root": "r1"}]
     assert latest[0].value == 3
-    watch = subprocess.Popen([sys.executable, "-m", "ckptd", "status", "--watch", "0.2",
-                              "--socket", str(d.socket)], stdout=subprocess.PIPE, text=True)
-    time.sleep(2.0)
-    watch.send_signal(signal.SIGINT)
-    out, _ = watch.communicate(timeout=10)
-    assert out.count("ROOT") >= 2 and watch.returncode == 130  # redrawn until interrupted
+    screen = d.layout.base / "watch.out"
+    with open(screen, "w") as out_f:
+        watch = subprocess.Popen([sys.executable, "-m", "ckptd", "status", "--watch", "0.2",
+                                  "--socket", str(d.socket)], stdout=out_f, text=True)
+    try:
+        wait_until(lambda: screen.read_text().count("ROOT") >= 2, 30, "two redraws of status")
+    finally:
+        watch.send_signal(signal.SIGINT)
+        watch.wait(10)
+    assert screen.read_text().count("ROOT") >= 2 and watch.returncode == 130  # until interrupted
 
 
-def test_hostile_metadata_never_stops_the_scanner(daemon_factory: Any) -> None:
+def test_hostile_metadata_never_stops_the_scanner(inproc_daemon: Any) -> None:
     """A meta.json nested deeply enough to blow the JSON parser's stack is bad metadata for
     that checkpoint only: the root (and every other root) keeps being scanned."""
-    d = daemon_factory(roots=[{"name": "r1"}, {"name": "r2"}])
+    d = inproc_daemon(roots=[{"name": "r1"}, {"name": "r2"}])
     bad = d.roots["r1"] / "step-5"
     bad.mkdir()
     (bad / "meta.json").write_text("[" * 200_000 + "]" * 200_000)
@@ -398,4 +352,4 @@ def test_hostile_metadata_never_stops_the_scanner(daemon_factory: Any) -> None:
     assert d.wait_for("r2", 7)["state"] == "valid"
     rec = d.wait_for("r1", 5)
     assert rec["state"] == "invalid" and rec["reason"] == "bad_metadata"
-    assert "scan_failed" not in d.log_text()
+    assert not d.events("scan_failed")

@@ -1,8 +1,9 @@
 """Real 2-rank torch.distributed.checkpoint saves (gloo, one process per rank, a DTensor sharded
-across the ranks plus replicated state) into a root a running daemon watches: a whole save is
-valid and latest; a save missing a rank's data file, or whose rank 1 died before the commit, is
-never latest; `ckptd verify` tells a whole save from one with a flipped byte, and `ckptd restore`
-gives the whole save back byte for byte (but, a known bug, not one ckptd itself takes as whole).
+across the ranks plus replicated state) into a root that a daemon in the test process watches:
+a whole save is valid and latest; a save missing a rank's data file, or whose rank 1 died before
+the commit, is never latest; `ckptd verify` tells a whole save from one with a flipped byte, and
+`ckptd restore` gives the whole save back byte for byte (but, a known bug, not one ckptd itself
+takes as whole).
 
 Run as a script, this file is one rank of such a save (see `_rank_main`)."""
 
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.wait import WaitTimeout, wait_until
 
 # DCP warns when it reads or writes without a process group, which is what these tests mean.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -98,15 +100,17 @@ def _rank_main(ckpt_dir: str, seed: int, die_rank: int) -> None:
 
 
 def published_step(root: Path, timeout: float = 10.0) -> int | None:
-    """The step in `<root>/.ckptd/latest.json`, once the daemon has written it."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """The step in `<root>/.ckptd/latest.json`, once the daemon has written it (else None)."""
+    def read() -> tuple[int] | None:  # a tuple: step 0 is an answer too
         try:
-            return int(json.loads((root / ".ckptd" / "latest.json").read_text())["step"])
+            return (int(json.loads((root / ".ckptd" / "latest.json").read_text())["step"]),)
         except (OSError, ValueError, KeyError, TypeError):
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
+            return None
+
+    try:
+        return wait_until(read, timeout, f"{root}/.ckptd/latest.json")[0]
+    except WaitTimeout:
+        return None
 
 
 def rot_byte_mid(path: Path) -> None:
@@ -128,8 +132,8 @@ def verify(path: Path) -> tuple[int, dict[str, Any]]:
     return r.returncode, json.loads(r.stdout)
 
 
-def test_whole_save_is_valid_latest_and_verifies(daemon_factory: Any, tmp_path: Path) -> None:
-    d = daemon_factory(roots=[{"name": "r1", "upload": {"url": f"file://{tmp_path}/remote"}}])
+def test_whole_save_is_valid_latest_and_verifies(inproc_daemon: Any, tmp_path: Path) -> None:
+    d = inproc_daemon(roots=[{"name": "r1", "upload": {"url": f"file://{tmp_path}/remote"}}])
     root = d.roots["r1"]
     good = root / "step-100"
     dcp_save(good, seed=100)
@@ -179,10 +183,10 @@ def test_whole_save_is_valid_latest_and_verifies(daemon_factory: Any, tmp_path: 
     assert_never_latest(d, 200, latest=100)
 
 
-def test_rank_dying_before_the_commit_is_never_latest(daemon_factory: Any) -> None:
+def test_rank_dying_before_the_commit_is_never_latest(inproc_daemon: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
-    d = daemon_factory()
+    d = inproc_daemon()
     root = d.roots["r1"]
     dcp.save({"model": full_state(100)}, checkpoint_id=str(root / "step-100"), no_dist=True)
     assert d.wait_for("r1", 100)["state"] == "valid"
@@ -207,13 +211,13 @@ def assert_never_latest(d: Any, step: int, latest: int) -> None:
     assert code == 1 and doc["valid"] is False and doc["reason"], doc
 
 
-def test_restored_dcp_save_is_whole_for_ckptd(daemon_factory: Any, tmp_path: Path) -> None:
+def test_restored_dcp_save_is_whole_for_ckptd(inproc_daemon: Any, tmp_path: Path) -> None:
     """A fresh node restoring a DCP step to resume from it: the restored files must be a whole
     checkpoint for `ckptd verify` and for a daemon watching where they land (restore gives
     every file one mtime, else .metadata, restored first, would look older than its data)."""
     import torch.distributed.checkpoint as dcp
 
-    d = daemon_factory(roots=[{"name": "r1", "upload": {"url": f"file://{tmp_path}/remote"}},
+    d = inproc_daemon(roots=[{"name": "r1", "upload": {"url": f"file://{tmp_path}/remote"}},
                               {"name": "r2"}])
     src = d.roots["r1"] / "step-7"
     g = torch.Generator().manual_seed(7)

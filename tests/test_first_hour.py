@@ -56,7 +56,7 @@ def test_ls_into_a_closed_pipe_is_quiet(tmp_path: Path, short_dir: Path) -> None
 def test_run_honours_socket_on_its_command_line(tmp_path: Path, short_dir: Path) -> None:
     import signal
 
-    from conftest import render_config
+    from support.config import render_config
 
     from ckptd.client import Client
 

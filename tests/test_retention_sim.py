@@ -5,11 +5,11 @@ the run ends with exactly the set the retention rules describe."""
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from support.wait import WaitTimeout, wait_until
 
 from ckptd.client import Client
 
@@ -31,14 +31,11 @@ def save(root: Path, step: int, corrupt: bool) -> Path:
 
 
 def settle(c: Client, step: int, timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    rec = None
-    while time.monotonic() < deadline:
+    def settled() -> dict[str, Any] | None:
         rec = c.checkpoint("sim", step)
-        if rec and rec["state"] in ("valid", "invalid"):
-            return rec
-        time.sleep(0.02)
-    raise AssertionError(f"step {step} never validated: {rec}")
+        return rec if rec and rec["state"] in ("valid", "invalid") else None
+
+    return wait_until(settled, timeout, f"step {step} validated", interval=0.02)
 
 
 def latest_is_safe(c: Client, root: Path, remote: Path) -> None:
@@ -90,15 +87,23 @@ def test_random_run_with_kills_keeps_invariants(daemon_factory: Any, tmp_path: P
     expected_local = set(valid[-KEEP_LAST:]) | {best} | corrupt  # invalid kept (no delete_invalid)
     remote_best = sorted(valid, key=lambda s: (metrics[s], -s))[:REMOTE_BEST]
     expected_remote = set(valid[-REMOTE_LAST:]) | set(remote_best) | {best}
-    deadline = time.monotonic() + 30
-    while True:
+
+    def copies() -> tuple[set[int], set[int]]:
         ls = {x["step"]: x for x in c.checkpoints("sim")}  # type: ignore[union-attr]
-        local = {s for s, x in ls.items() if x["local"] == "present"}
-        remote_now = {s for s, x in ls.items() if x["remote"] == "uploaded"}
-        if (local, remote_now) == (expected_local, expected_remote) or time.monotonic() > deadline:
-            break
+        return ({s for s, x in ls.items() if x["local"] == "present"},
+                {s for s, x in ls.items() if x["remote"] == "uploaded"})
+
+    def pruned_as_described() -> bool:
+        if copies() == (expected_local, expected_remote):
+            return True
         c.request_json("POST", "/v1/roots/sim/prune", timeout=60)
-        time.sleep(0.5)
+        return False
+
+    try:
+        wait_until(pruned_as_described, 30, "the copies retention describes", interval=0.5)
+    except WaitTimeout:
+        pass  # the assertions below say which set differs
+    local, remote_now = copies()
     assert local == expected_local
     assert remote_now == expected_remote
     on_disk = {int(p.stem.split("_")[-1]) for p in root.glob("model_step_*.pt")}

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import structlog
-from conftest import render_config
 from support import wait_until
+from support.config import render_config
 from writers import save_torch
 
 from ckptd.client import Client

@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+from support.wait import wait_until
 from torch.optim.swa_utils import AveragedModel
 
 import ckptd.torch as ckpt
@@ -169,10 +170,12 @@ def test_file_rendezvous_two_processes_over_a_stale_leftover(tmp_path: Path) -> 
     (tmp / ".done.rank1").write_text(json.dumps({"token": "crashed", "files": []}))
     (tmp / "optim.rank1.pt").write_bytes(b"half-written")
     rank1 = run_py(["-c", RANK_SCRIPT, str(tmp_path), "1"])
-    deadline = time.monotonic() + 60
-    while json.loads((tmp / ".done.rank1").read_text())["files"] == []:
-        assert time.monotonic() < deadline and rank1.poll() is None
-        time.sleep(0.05)
+
+    def rank1_wrote() -> bool:
+        assert rank1.poll() is None, "rank 1 exited before writing"
+        return json.loads((tmp / ".done.rank1").read_text())["files"] != []
+
+    wait_until(rank1_wrote, 60, "rank 1 to write its files again")
     finish(run_py(["-c", RANK_SCRIPT, str(tmp_path), "0"]))
     finish(rank1)
 
@@ -400,9 +403,9 @@ def test_save_with_daemon_absent_or_hung_is_quick(tmp_path: Path, short_dir: Pat
     check_meta(path, 2, 1)
 
 
-def test_register_and_resume_through_a_running_daemon(daemon_factory: Any,
+def test_register_and_resume_through_a_running_daemon(inproc_daemon: Any,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    d = daemon_factory(roots=[{"name": "r1"}])
+    d = inproc_daemon(roots=[{"name": "r1"}])
     monkeypatch.setenv("CKPTD_SOCKET", str(d.socket))
     root = d.roots["r1"]
     model, opt = trained()

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import structlog
-from conftest import render_config
 from support import Harness, raw, wait_until
+from support.config import render_config
 from writers import save_torch
 
 from ckptd.client import Client

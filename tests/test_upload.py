@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import xxhash
 from structlog.testing import capture_logs
+from support.wait import wait_until
 
 from ckptd import fileio
 from ckptd.backends import Backend, LocalBackend, ObjectMeta, ObstoreBackend, wrap_backend
@@ -620,11 +621,11 @@ def test_kill_9_mid_upload_then_rerun_resends_nothing_complete(
     proc = subprocess.Popen([sys.executable, "-c", _UPLOADER, json.dumps(cfg)], env=env,
                             cwd=REPO, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 30
-        while len(keys_of(direct, 60)) < 2:
+        def two_objects_up() -> bool:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "the uploader made no progress"
-            time.sleep(0.02)
+            return len(keys_of(direct, 60)) >= 2
+
+        wait_until(two_objects_up, 30, "the uploader to send two objects", interval=0.02)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()

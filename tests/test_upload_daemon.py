@@ -1,5 +1,6 @@
 """The daemon end to end with uploads: file:// and a real S3 server (SeaweedFS), remote
-awareness on a fresh node, restore from remote, kill -9 mid-upload."""
+awareness on a fresh node, restore from remote, flush, a re-save replacing its remote copy
+(all with the daemon in the test process), and kill -9 mid-upload (a `ckptd run` process)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from test_daemon import flip_byte, save_single
+from support.ckpts import flip_byte, save_single
+from support.wait import wait_until
 
 from ckptd.client import Client
 
@@ -28,19 +30,16 @@ def upload_cfg(url: str, s3: Any = None, **extra: Any) -> dict[str, Any]:
 
 
 def wait_remote(c: Client, root: str, step: int, timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    rec = None
-    while time.monotonic() < deadline:
+    def uploaded() -> dict[str, Any] | None:
         rec = c.checkpoint(root, step)
-        if rec and rec["remote"] == "uploaded":
-            return rec
-        time.sleep(0.1)
-    raise AssertionError(f"step {step} not uploaded: {rec}")
+        return rec if rec and rec["remote"] == "uploaded" else None
+
+    return wait_until(uploaded, timeout, f"{root} step {step} uploaded")
 
 
-def test_file_remote_upload_latest_remote_and_wait(daemon_factory: Any, tmp_path: Path) -> None:
+def test_file_remote_upload_latest_remote_and_wait(inproc_daemon: Any, tmp_path: Path) -> None:
     remote = tmp_path / "remote"
-    d = daemon_factory(roots=[{"name": "r1", "upload": upload_cfg(f"file://{remote}")}])
+    d = inproc_daemon(roots=[{"name": "r1", "upload": upload_cfg(f"file://{remote}")}])
     root = d.roots["r1"]
     save_single(root, 10)
     flip_byte(save_single(root, 20))
@@ -58,9 +57,9 @@ def test_file_remote_upload_latest_remote_and_wait(daemon_factory: Any, tmp_path
     assert not (root / ".ckptd" / "objects" / "step-10").exists()
 
 
-def test_s3_fresh_node_lists_and_restores(daemon_factory: Any, s3_server: Any, s3_url: str,
+def test_s3_fresh_node_lists_and_restores(inproc_daemon: Any, s3_server: Any, s3_url: str,
                                           tmp_path: Path) -> None:
-    d = daemon_factory(roots=[{"name": "r1", "upload": upload_cfg(s3_url, s3_server)}])
+    d = inproc_daemon(roots=[{"name": "r1", "upload": upload_cfg(s3_url, s3_server)}])
     root = d.roots["r1"]
     original = save_single(root, 7, n=256).read_bytes()
     assert d.client.wait("r1", 7, until="uploaded", timeout=60)
@@ -72,12 +71,7 @@ def test_s3_fresh_node_lists_and_restores(daemon_factory: Any, s3_server: Any, s
     shutil.rmtree(root)
     root.mkdir()
     d.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        ls = d.client.checkpoints("r1") or []
-        if ls:
-            break
-        time.sleep(0.2)
+    ls = wait_until(lambda: d.client.checkpoints("r1") or [], 30, "r1 listing its remote steps")
     assert [(x["step"], x["state"], x["local"], x["remote"]) for x in ls] == [
         (7, "valid", "pruned", "uploaded")]
     assert d.client.latest("r1")["step"] == 7  # type: ignore[index]
@@ -112,14 +106,11 @@ def test_kill9_mid_upload_then_restart_completes(daemon_factory: Any, s3_server:
         s3_url, slow, part_size="5MiB", concurrency=2), "compress": {"codec": "none"}}])
     root = d.roots["r1"]
     torch.save({"w": torch.randn(4 * 1024 * 1024)}, root / "model_step_1.pt")  # 16 MiB
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    def uploading() -> bool:
         st = Client(d.socket, timeout=2).status() or {}
-        if any(w["stage"] == "upload" and w["done_bytes"] > 0 for w in st.get("in_flight", [])):
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError(d.log_text()[-3000:])
+        return any(w["stage"] == "upload" and w["done_bytes"] > 0 for w in st.get("in_flight", []))
+
+    wait_until(uploading, 60, "an upload under way", detail=lambda: d.log_text()[-3000:])
     d.kill9()
     from ckptd.backends import make_backend
 
@@ -137,17 +128,17 @@ def test_kill9_mid_upload_then_restart_completes(daemon_factory: Any, s3_server:
     assert os.path.exists(root / "model_step_1.pt")
 
 
-def test_flush_puts_the_newest_valid_step_first(daemon_factory: Any, s3_server: Any,
-                                                s3_url: str, fault_proxy: Any) -> None:
+def test_flush_puts_the_newest_valid_step_first(s3_server: Any, s3_url: str, fault_proxy: Any,
+                                                inproc_daemon: Any) -> None:
     """SIGUSR1 / POST /v1/flush: the newest valid step of each uploading root goes to the
-    front; `ckptd status` shows it until it is uploaded."""
-    import signal
-
+    front; `ckptd status` shows it until it is uploaded. (SIGUSR1 reaching the flush is
+    test_daemon's test_signals_flush_then_exit_zero_and_remove_socket. The daemon comes
+    after the proxy among the fixtures, so it stops before the proxy goes away.)"""
     fault_proxy.set("status", count=10_000, status=503)  # the remote is down for now
     down = type("S", (), {"endpoint": fault_proxy.endpoint, "region": s3_server.region,
                           "access_key": s3_server.access_key,
                           "secret_key": s3_server.secret_key})()
-    d = daemon_factory(roots=[{"name": "r1", "upload": upload_cfg(s3_url, down)}])
+    d = inproc_daemon(roots=[{"name": "r1", "upload": upload_cfg(s3_url, down)}])
     root = d.roots["r1"]
     for step in (1, 2, 3):
         save_single(root, step)
@@ -158,25 +149,20 @@ def test_flush_puts_the_newest_valid_step_first(daemon_factory: Any, s3_server: 
     assert c.status()["flushing"] == [{"root": "r1", "step": 3}]  # type: ignore[index]
     fault_proxy.set("pass")
     assert c.wait("r1", 3, until="uploaded", timeout=120), d.log_text()[-3000:]
-    deadline = time.monotonic() + 30
-    while c.status()["flushing"] and time.monotonic() < deadline:  # type: ignore[index]
-        time.sleep(0.2)
+    wait_until(lambda: c.status()["flushing"] == [], 30,  # type: ignore[index]
+               "the flush to end")
     assert c.status()["flushing"] == []  # type: ignore[index]
-    assert "flush_done" in d.log_text()
-    assert d.proc is not None
-    d.proc.send_signal(signal.SIGUSR1)
-    deadline = time.monotonic() + 10
-    while d.log_text().count("flush_requested") < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert d.log_text().count("flush_requested") == 2
+    assert d.events("flush_done")
+    assert d.request_flush() == {}  # nothing left to put first
+    assert len(d.events("flush_requested")) == 2
 
 
-def test_resave_of_an_uploaded_step_replaces_the_remote_copy(daemon_factory: Any,
+def test_resave_of_an_uploaded_step_replaces_the_remote_copy(inproc_daemon: Any,
                                                              tmp_path: Path) -> None:
     """A rollback re-saves step 4 after its first save was uploaded: the later save wins
     remotely too (no endless 'already committed' retries, no stale bytes on restore)."""
     remote = tmp_path / "remote"
-    d = daemon_factory(roots=[{"name": "r1", "upload": upload_cfg(f"file://{remote}")}])
+    d = inproc_daemon(roots=[{"name": "r1", "upload": upload_cfg(f"file://{remote}")}])
     root = d.roots["r1"]
     p = save_single(root, 4)
     c = d.client
@@ -185,17 +171,15 @@ def test_resave_of_an_uploaded_step_replaces_the_remote_copy(daemon_factory: Any
     time.sleep(0.05)
     torch.save({"w": torch.arange(1000.0)}, p)  # the re-save
     new_bytes = p.read_bytes()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def replaced() -> bool:
         try:  # absent for a moment: the old step is deleted (manifest first) before re-upload
             m = json.loads((remote / "r1" / "step-4" / "MANIFEST.json").read_text())
         except FileNotFoundError:
             m = first
-        if m["files"][0]["hash"] != first["files"][0]["hash"]:
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError(d.log_text()[-3000:])
+        return bool(m["files"][0]["hash"] != first["files"][0]["hash"])
+
+    wait_until(replaced, 60, "the remote step 4 replaced", detail=lambda: d.log_text()[-3000:])
     assert c.wait("r1", 4, until="uploaded", timeout=60)
     out = tmp_path / "out"
     from ckptd.backends import make_backend
@@ -203,4 +187,4 @@ def test_resave_of_an_uploaded_step_replaces_the_remote_copy(daemon_factory: Any
 
     restore_from_backend(make_backend(f"file://{remote}"), "r1", 4, out)
     assert (out / "model_step_4.pt").read_bytes() == new_bytes
-    assert "remote_step_replaced" in d.log_text()
+    assert d.events("remote_step_replaced")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from test_daemon import flip_byte, tiny_state
+from support.ckpts import flip_byte, tiny_state
 
 SHAPE = {"path", "layout", "step", "valid", "reason", "message", "files"}
 

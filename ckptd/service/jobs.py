@@ -101,6 +101,12 @@ def run_compress(root: RootConfig, job: Job, progress: Any) -> Sequence[StoredFi
         raise
 
 
+class StageCancelled(BaseException):
+    """A stop past its grace period ends a read pass early. A BaseException, so the stage's
+    own error handling never records it as a failure; the stage's cleanup (a Stager's abort,
+    which removes its staging dir) still runs."""
+
+
 class NoLongerValid(Exception):
     """A later read pass over a valid checkpoint found it damaged (bit rot, an edit)."""
 

@@ -51,6 +51,7 @@ class Workers:
         self.metrics = metrics
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._wake = threading.Event()
+        self._cancel = threading.Event()  # set when a stop's grace ran out
         self._lock = threading.Lock()
         self._flushing: dict[str, int] = {}  # root -> step being flushed to the remote first
         self.progress: dict[str, float] = {}  # worker -> last time it made progress
@@ -63,6 +64,12 @@ class Workers:
         return [f"worker-{i}" for i in range(self.count)]
 
     def wake(self) -> None:
+        self._wake.set()
+
+    def cancel(self) -> None:
+        """Past a stop's grace: end read passes at their next chunk, so a stage aborts (its
+        staging dir removed) instead of being cut off mid-write when the process exits."""
+        self._cancel.set()
         self._wake.set()
 
     # -- the preemption flush ----------------------------------------------------------------
@@ -162,11 +169,15 @@ class Workers:
         log.info("stage_started")
         started = time.monotonic()
         total = sum(_size(root.path / f) for f in job.files)
-        progress = Progress(rec.root, rec.step, job.stage, total, lambda: self._tick(worker))
+        progress = Progress(rec.root, rec.step, job.stage, total, lambda: self._tick(worker),
+                            cancelled=self._cancel.is_set)
         self.inflight[rec.id] = progress
         with _Renewer(self.store, rec.id, job.owner):
             try:
                 outcome = self._stage(root, job, progress)
+            except jobs.StageCancelled:
+                log.warning("stage_cancelled")
+                return  # its lease is released at the next start; the stage is redone then
             except jobs.NoLongerValid as exc:
                 self._no_longer_valid(root, job, fp, exc, log)
                 return
@@ -269,12 +280,16 @@ class Progress:
     notion of a worker making progress)."""
 
     def __init__(self, root: str, step: int, stage: str, total: int,
-                 tick: Callable[[], Any]) -> None:
+                 tick: Callable[[], Any], cancelled: Callable[[], bool] = lambda: False
+                 ) -> None:
         self.root, self.step, self.stage, self.total = root, step, stage, total
         self.done = 0
         self._tick = tick
+        self._cancelled = cancelled
 
     def update(self, offset: int, chunk: memoryview) -> None:
+        if self._cancelled():
+            raise jobs.StageCancelled(f"{self.stage} of step {self.step} cancelled by stop")
         self.done += len(chunk)
         self._tick()
 
