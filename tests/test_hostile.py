@@ -137,3 +137,15 @@ def test_a_zip_member_name_that_is_not_its_declared_utf8_is_bad_header(tmp_path:
     assert raw.count("\u00e1".encode()) == 2  # local header and central directory
     path.write_bytes(raw.replace("\u00e1".encode(), b"\xff\xfe"))
     assert judge(tmp_path, path.name) == (False, "bad_header")
+
+
+def test_a_memo_bomb_is_refused_with_bounded_work(tmp_path: Path) -> None:
+    """8 MiB of MEMOIZE opcodes: 8 million memo entries if kept (682 MiB peak RSS when it was);
+    the scan stops at its bound and says why."""
+    from ckptd.errors import ValidationFailed
+    from ckptd.formats import picklescan
+
+    bomb = b"\x80\x04N" + b"\x94" * (8 << 20) + b"."
+    with pytest.raises(ValidationFailed) as err:
+        picklescan.scan_pickle(bomb, "bomb")
+    assert err.value.reason == "bad_header" and "memory bomb" in err.value.message

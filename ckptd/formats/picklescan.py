@@ -130,6 +130,12 @@ def canonical_global(module: str, name: str) -> str:
     return f"{module}.{name}"
 
 
+# What the scan keeps is bounded whatever the pickle: a real checkpoint's pickle memoizes one
+# entry per object (tens of thousands for a large model); past these it is a bomb.
+MAX_MEMO = 1_000_000
+MAX_STACK = 1_000_000
+
+
 class _Machine:
     """A stack machine over opcodes that keeps only what safety depends on: which values are
     globals (and which), which are strings (STACK_GLOBAL's operands), and the memo."""
@@ -141,6 +147,8 @@ class _Machine:
         self.globals: set[str] = set()
 
     def step(self, op: pickletools.OpcodeInfo, arg: object) -> None:
+        if len(self.stack) > MAX_STACK:
+            raise ValueError(f"stack over {MAX_STACK} items (a memory bomb, not a checkpoint)")
         handler = getattr(self, f"_op_{op.name}", None)
         if handler is not None:
             handler(arg)
@@ -234,6 +242,8 @@ class _Machine:
     def _put(self, index: object) -> None:
         if not self.stack or not isinstance(index, int):
             raise ValueError("memo store with an empty stack")
+        if len(self.memo) >= MAX_MEMO and index not in self.memo:
+            raise ValueError(f"memo over {MAX_MEMO} entries (a memory bomb, not a checkpoint)")
         self.memo[index] = self.stack[-1]
 
     def _get(self, index: object) -> None:
