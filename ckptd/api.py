@@ -67,7 +67,8 @@ class Workers(Protocol):
 class Retention(Protocol):
     # Held by retention while it deletes locally: a pin or a reader's lease waits for the
     # deletes to end, so the safety nets a run checked are never out of date while it acts.
-    exclusive: Any
+    # Scans take another lock: a slow scan never holds up a pin.
+    nets: Any
 
     def plan_json(self, root: RootConfig) -> dict[str, Any]: ...
     def apply_now(self, root: RootConfig) -> list[dict[str, Any]]: ...
@@ -365,7 +366,7 @@ class Handler(BaseHTTPRequestHandler):
         if (pinned and rec is not None and rec.local.value == "pruned"
                 and rec.remote is not Remote.UPLOADED):
             raise HttpError(409, "gone", f"step {n} of {r.name!r} has no copy left to keep")
-        with self.ctx.retention.exclusive:
+        with self.ctx.retention.nets:
             done = self.ctx.store.set_pinned(r.name, n, pinned)
             if not done:
                 raise HttpError(404, "no_checkpoint", f"root {r.name!r} has no step {n}")
@@ -392,7 +393,7 @@ class Handler(BaseHTTPRequestHandler):
         if not owner or len(owner) > 128:
             raise HttpError(400, "bad_field", "owner must be a non-empty id (<= 128 chars)")
         ttl = _float(query.get("ttl", "600"), "ttl", 1.0, 86400.0)
-        with self.ctx.retention.exclusive:
+        with self.ctx.retention.nets:
             rec = self._record(r, n)
             if rec.local.value == "pruned" and rec.remote is not Remote.UPLOADED:
                 raise HttpError(409, "gone", f"step {rec.step} of {r.name!r} has no copy left")

@@ -385,3 +385,13 @@ def test_a_huge_step_or_foreign_digits_never_stall_a_root(h: Harness) -> None:
     root = h.client.status()["roots"][0]  # type: ignore[index]
     assert f"model_step_{2**63}.pt" in root["unrecognised"]
     assert root["last_error"] is None
+
+
+def test_a_pin_never_waits_on_a_scan(h: Harness) -> None:
+    """A scan holds the scan lock (a huge root, a slow disk): a pin still answers at once."""
+    save_torch(h.root / "model_step_2.pt")
+    assert h.client.wait("r", 2, until="valid", timeout=30)
+    with h.daemon.retention.exclusive:  # what a scan holds while it walks and reconciles
+        t0 = time.monotonic()
+        assert Client(h.daemon.config.daemon.socket, timeout=5, strict=True).pin("r", 2)
+        assert time.monotonic() - t0 < 2

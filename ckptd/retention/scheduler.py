@@ -55,8 +55,10 @@ class RetentionService:
     """Every retention run happens on the thread inside `run`, so two never overlap, whoever
     asked (a stage, the timer, disk pressure, `POST /v1/roots/{root}/prune` through `run_now`).
 
-    `exclusive` is held by a run's local-delete phase only; scans, pins and readers' leases take
-    it too (see docs/DESIGN.md for what may interleave with what).
+    A run's local-delete phase holds two locks: `exclusive`, which scans take (a scan never
+    sees a checkpoint half moved), and `nets`, which pins and readers' leases take (none lands
+    between the nets' reading and the last delete). Pins never wait on a scan: they share no
+    lock (see docs/DESIGN.md for what may interleave with what).
     """
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
@@ -67,8 +69,9 @@ class RetentionService:
         self.timer_s = timer_s
         self.api_timeout = api_timeout
         self.exclusive = threading.RLock()
+        self.nets = threading.RLock()
         self.log = get_logger()
-        self._runner = _Runner(store, backend_for, self.exclusive)
+        self._runner = _Runner(store, backend_for, self.exclusive, self.nets)
         self._mutex = threading.Lock()  # guards the three fields below
         self._wanted: set[str] = set()
         self._waiting: Waiters = {}
@@ -271,10 +274,11 @@ class _Runner:
     record. Only the service's thread calls `run`."""
 
     def __init__(self, store: Store, backend_for: Callable[[RootConfig], Backend | None],
-                 lock: threading.RLock) -> None:
+                 lock: threading.RLock, nets: threading.RLock) -> None:
         self.store = store
         self.backend_for = backend_for
         self.exclusive = lock
+        self.nets = nets
         self.health: dict[str, RootHealth] = {}
         self._compress_backoff: dict[tuple[str, int], float] = {}
         self.log = get_logger()
@@ -295,7 +299,7 @@ class _Runner:
         # Only the local deletes hold the lock (with the guards they check, read inside it):
         # remote calls and compressing in place can take long and must not hold up scans,
         # pins or readers' leases.
-        with self.exclusive:
+        with self.exclusive, self.nets:
             now = time.time()
             plan, outcomes = self._run_local(root, now, delete_adopted)
             self._record(root, [o for o in outcomes if o.action != "deferred"])
