@@ -149,3 +149,22 @@ def test_a_memo_bomb_is_refused_with_bounded_work(tmp_path: Path) -> None:
     with pytest.raises(ValidationFailed) as err:
         picklescan.scan_pickle(bomb, "bomb")
     assert err.value.reason == "bad_header" and "memory bomb" in err.value.message
+
+
+@pytest.mark.parametrize(("drop", "reason"), [(True, "missing_file"), (False, "truncated")])
+def test_a_crc_clean_zip_whose_storage_is_missing_or_short_is_invalid(
+        tmp_path: Path, drop: bool, reason: str) -> None:
+    """Every member's CRC is right, but the pickle references a storage that has no member
+    (or fewer bytes than it needs): torch.load would fail, so it is never a valid checkpoint."""
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.ones(64)}, good)
+    bad = tmp_path / "model_step_1.pt"
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/data/0"):
+                if drop:
+                    continue
+                data = data[:16]
+            dst.writestr(info, data)
+    assert judge(tmp_path, bad.name) == (False, reason)

@@ -328,3 +328,59 @@ def _is_legacy_magic(f: BinaryIO, start: int) -> bool | None:
         return bool(_NoGlobals(io.BytesIO(head)).load() == LEGACY_MAGIC)
     except Exception:  # untrusted bytes: it uses a global, so cannot tell; scan what follows
         return None
+
+
+# Bytes per element of the storage classes torch's zip format names in its persistent ids.
+STORAGE_ITEM_BYTES = {
+    "Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2,
+    "Char": 1, "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "Untyped": 1,
+    "QInt8": 1, "QUInt8": 1, "QInt32": 4, "QUInt4x2": 1, "QUInt2x4": 1,
+}
+
+
+class _Inert(dict):  # type: ignore[type-arg]
+    """What a global becomes while storage references are read: nothing of the file runs, and
+    whatever the pickle does to it (set items, append, set state) is absorbed."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__()
+
+    def append(self, item: object) -> None:
+        pass
+
+    def extend(self, items: object) -> None:
+        pass
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+
+class _StorageRefs(pickle.Unpickler):
+    """Reads a scanned-safe torch pickle only for its persistent ids ('storage', type, key,
+    location, numel); every global is an inert stand-in, nothing of the file runs."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.refs: list[tuple[str, str, int]] = []
+
+    def find_class(self, module: str, name: str) -> object:
+        return type(name, (_Inert,), {})
+
+    def persistent_load(self, pid: object) -> object:
+        if (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"
+                and isinstance(pid[2], str) and isinstance(pid[4], int)):
+            kind = getattr(pid[1], "__name__", str(pid[1])).removesuffix("Storage")
+            self.refs.append((pid[2], kind, pid[4]))
+        return _Inert()
+
+
+def storage_refs(data: bytes, what: str) -> list[tuple[str, str, int]]:
+    """(key, element type, numel) of every storage a torch zip's data.pkl references. Call only
+    on a pickle `scan_pickle` passed. ValidationFailed(bad_header) when it does not load."""
+    reader = _StorageRefs(data)
+    try:
+        reader.load()
+    except Exception as exc:  # untrusted bytes: a pickle that does not load is not a checkpoint
+        raise ValidationFailed(Reason.BAD_HEADER, f"{what}: its pickle does not load:"
+                               f" {type(exc).__name__}: {exc}", what) from None
+    return reader.refs

@@ -216,11 +216,15 @@ class _Run:
 
     def _zip_sinks(self, m: _Member) -> tuple[list[Sink], Callable[[], None]]:
         opaque = m.rel in self.cand.opaque
+        refs: dict[str, list[tuple[str, str, int]]] = {}
 
         def scan(entry: zipcheck.ZipEntry, data: bytes) -> None:
             if not opaque:
                 self._note(m, picklescan.scan_pickle(data, f"{m.rel}:{entry.name}",
                                                      self.allowed))
+                if entry.name.endswith("/data.pkl"):
+                    refs[entry.name[: -len("data.pkl")]] = picklescan.storage_refs(
+                        data, f"{m.rel}:{entry.name}")
 
         sink = zipcheck.ZipCrcSink.for_file(m.path, on_capture=scan)
         m.archives = sink.archives
@@ -233,6 +237,7 @@ class _Run:
                     self._note(m, picklescan.scan_pickle(f, f"{m.rel}:{entry.name}",
                                                          self.allowed))
                 fileio.drop_cache(m.path)
+            _check_storages(m, refs)
 
         return [sink], after
 
@@ -289,6 +294,23 @@ class _Run:
                 dirs[self.root.joinpath(*parts[:i])] = None
         for d in dirs:
             fileio.fsync_dir(d)
+
+
+def _check_storages(m: _Member, refs: dict[str, list[tuple[str, str, int]]]) -> None:
+    """Every storage a torch pickle references is a member, holding at least its bytes: a
+    zip that is CRC-clean but would fail to load is not a valid checkpoint."""
+    sizes = {e.name: e.size for a in m.archives for e in a.entries}
+    for prefix, found in refs.items():
+        for key, kind, numel in found:
+            name = f"{prefix}data/{key}"
+            size = sizes.get(name)
+            if size is None:
+                raise ValidationFailed(Reason.MISSING_FILE, f"{m.rel}: storage {key} has no"
+                                       f" member {name}", m.rel)
+            need = numel * picklescan.STORAGE_ITEM_BYTES.get(kind, 1)
+            if size < need:
+                raise ValidationFailed(Reason.TRUNCATED, f"{m.rel}: member {name} holds"
+                                       f" {size} bytes, its storage needs {need}", m.rel)
 
 
 def _pass_order(m: _Member) -> tuple[int, int]:
