@@ -268,16 +268,52 @@ def scan_pickle(
     opcodes do not parse. A file object is left just after the pickle's STOP.
     """
     machine = _Machine(allowed)
+    if not isinstance(source, bytes | bytearray | memoryview):
+        source = _Bounded(source)  # type: ignore[assignment]
     try:
         for op, arg, _pos in pickletools.genops(source):
             machine.step(op, arg)
     except _Unsafe as exc:
         raise ValidationFailed(Reason.UNSAFE_PICKLE, f"{what} {exc}", what) from None
-    except (ValueError, IndexError, KeyError, EOFError, UnicodeDecodeError) as exc:
+    except (ValueError, IndexError, KeyError, EOFError, UnicodeDecodeError, OverflowError,
+            MemoryError) as exc:
         raise ValidationFailed(
             Reason.BAD_HEADER, f"{what} is not a valid pickle: {exc}", what
         ) from None
     return frozenset(machine.globals)
+
+
+class _Bounded(io.RawIOBase):
+    """A file whose reads never ask for more than what is left in it: an opcode that declares
+    a 4 GiB string in a small file gets a short read (not a pickle), not a 4 GiB buffer."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        here = f.tell()
+        self._end = f.seek(0, io.SEEK_END)
+        f.seek(here)
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = max(0, self._end - self._f.tell())
+        return self._f.read(left if n is None or n < 0 else min(n, left))
+
+    def readline(self, limit: int | None = -1) -> bytes:
+        return self._f.readline(_LINE_MAX if limit is None or limit < 0 else limit)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+
+_LINE_MAX = 1 << 20  # a protocol 0 argument line (a GLOBAL name, a number) is short
 
 
 def scan_torch_pickle_file(f: BinaryIO, what: str, allowed: frozenset[str] = SAFE_GLOBALS
