@@ -412,6 +412,9 @@ class RootConfig(_Model):
     path: ConfigPath
     layout: Annotated[Layout, _one_of(Layout)] = "auto"
     settle: Duration = 5.0
+    # A save still incomplete this long after its files last changed is given up: invalid,
+    # with the reason its layout names (a file never written, a shard short of its bytes).
+    pending_timeout: Duration = 3600.0
     world_size: Count = 0
     deep_validate: Flag = False
     # Globals (besides torch's weights-only set) a framework pickles into its checkpoints,

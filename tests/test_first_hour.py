@@ -161,3 +161,21 @@ def test_a_failed_save_leaves_no_tmp_dir(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     ct.save(tmp_path, 3, model=model, register=False)  # and the next save goes through
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
+
+
+def test_a_save_that_can_never_complete_becomes_invalid_after_its_deadline(
+        tmp_path: Path, short_dir: Path) -> None:
+    """A registered file that never appears: after pending_timeout it is invalid
+    (missing_file), visible in ls, instead of pending forever."""
+    h = Harness(tmp_path, short_dir, pending_timeout="1s")
+    h.daemon.start()
+    try:
+        assert h.client.register("r", 12, paths=["never_written_step_12.pt"])
+        rec = wait_until(lambda: (c := h.daemon.store.checkpoint("r", 12)) is not None
+                         and c.state.value == "invalid" and c, timeout=30,
+                         what="step 12 given up")
+        assert rec.reason == "missing_file" and "never_written_step_12.pt" in rec.message
+        status, doc = h.client.request("GET", "/v1/roots/r/checkpoints/12")
+        assert doc["state"] == "invalid" and doc["reason"] == "missing_file"
+    finally:
+        h.daemon.stop(grace=5)

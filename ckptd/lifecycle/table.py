@@ -41,6 +41,7 @@ class Event(StrEnum):
 
     FOUND_PENDING = "found_pending"  # scan: files of a save that is not complete yet
     FOUND_COMPLETE = "found_complete"  # scan: the save is complete by its layout's rule
+    GAVE_UP = "gave_up"  # scan: incomplete, and nothing changed for the root's pending_timeout
     RESAVED = "resaved"  # scan: a known step holds a different save now
     VANISHED = "vanished"  # scan: the files are gone (or a delete was caught halfway)
     REAPPEARED = "reappeared"  # scan: the very same files are back (a scan raced a rename)
@@ -197,6 +198,8 @@ def _from_pending(s: Status, e: Event) -> Outcome:
         return Transition(Row.KEEP, COMPLETE, _CHANGED)
     if e is Event.VANISHED:
         return Transition(Row.DELETE, None, frozenset({Effect.NOTIFY}))
+    if e is Event.GAVE_UP:
+        return Transition(Row.KEEP, Status(State.INVALID, Local.PRESENT, Remote.NONE), _JUDGED)
     if e is Event.RESAVED:
         return Refusal("a pending save is re-read as it grows, not superseded")
     return Refusal("not complete yet: nothing may act on it")

@@ -16,7 +16,9 @@ from typing import Any
 from ckptd.config import RootConfig
 from ckptd.log import get_logger
 from ckptd.metrics import Metrics
+from ckptd.model import Candidate, Reason, Snapshot, State
 from ckptd.store import Found, Store
+from ckptd.units import format_duration
 from ckptd.watch import EventWatcher, OpenFiles, RootScanner
 
 DEBOUNCE_S = 0.1
@@ -125,9 +127,10 @@ class Scanner:
         self.watcher.watch(root.path, scanner.open_files)
         with self.exclusive:
             now = time.time()
-            _, found = scanner.scan(now, self._registrations(root.name))
+            snap, found = scanner.scan(now, self._registrations(root.name))
             changes = self.store.sync_root(root.name, [Found(c, fp) for c, fp in found], now,
                                            unreadable=frozenset(scanner.unreadable))
+        self._give_up_stale(root, snap, [c for c, _ in found if not c.complete], now)
         if scanner.unreadable:
             self.store.set_root_error(root.name, f"could not read {sorted(scanner.unreadable)}"
                                       " (checkpoints there are not marked gone)", now)
@@ -140,6 +143,24 @@ class Scanner:
         for ch in changes:
             self.log.info(ch.event, root=root.name, step=ch.step, layout=ch.layout, path=ch.path,
                           detail=ch.detail or None)
+
+    def _give_up_stale(self, root: RootConfig, snap: Snapshot, pending: list[Candidate],
+                       now: float) -> None:
+        """A save still incomplete `pending_timeout` after its files last changed (a registered
+        file never written, a shard short of its bytes) is invalid, with the reason."""
+        for c in pending:
+            rec = self.store.checkpoint(root.name, c.step)
+            if rec is None or rec.state is not State.PENDING:
+                continue
+            changed = [snap.files[f].changed_at for f in c.files if f in snap.files]
+            if now - max(changed, default=rec.created) < root.pending_timeout:
+                continue
+            reason = Reason.TRUNCATED if "to reach" in c.waiting_for else Reason.MISSING_FILE
+            message = (f"still incomplete {format_duration(root.pending_timeout)} after its"
+                       f" last change: waiting for {c.waiting_for}")
+            if self.store.give_up(root.name, c.step, reason.value, message, now):
+                self.log.warning("checkpoint_invalid", root=root.name, step=c.step,
+                                 reason=reason.value, message=message)
 
     def _registrations(self, root: str) -> dict[int, tuple[str, ...]]:
         """The root's registrations, less those naming a file another checkpoint on disk

@@ -214,6 +214,13 @@ class Sync(Core):
         with self._tx() as db:
             self._set_error(db, root, error, now)
 
+    def give_up(self, root: str, step: int, reason: str, message: str, now: float) -> bool:
+        """A save that stayed incomplete past its deadline: invalid with the reason given."""
+        with self._tx() as db:
+            row = self._current(db, root, step)
+            return row is not None and self._atomically(db, lambda: self._apply(
+                db, row, Event.GAVE_UP, now, reason=reason, message=message))
+
     def clear_root_error(self, root: str, *prefixes: str) -> None:
         """The cause of the root's last error is gone (the stage or scan that failed has
         since succeeded): status stops showing it."""
