@@ -331,9 +331,10 @@ def test_dcp_metadata_unparsable_or_wrong_shape_is_bad_metadata(data: bytes) -> 
 
 
 def test_dcp_metadata_build_on_a_stand_in_leaves_later_parses_alone(tmp_path: Path) -> None:
-    # BUILD on the torch.Size stand-in (a function): sets attributes on that parse's copy only.
+    # BUILD on the torch.Size global: a real unpickler would rewrite the class. The opcode scan
+    # (run first) refuses it; the stand-in of a later parse is left alone either way.
     hostile = b"\x80\x04\x8c\x05torch\x8c\x04Size\x93}\x8c\x01aK\x01sb."
-    assert _reason(dcpmeta.parse_dcp_metadata, hostile) == "bad_metadata"
+    assert _reason(dcpmeta.parse_dcp_metadata, hostile) == "unsafe_pickle"
     d = writers.save_dcp(tmp_path / "ckpt")
     assert dcpmeta.parse_dcp_metadata((d / ".metadata").read_bytes()).entries > 10
 

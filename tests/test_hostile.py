@@ -168,3 +168,13 @@ def test_a_crc_clean_zip_whose_storage_is_missing_or_short_is_invalid(
                 data = data[:16]
             dst.writestr(info, data)
     assert judge(tmp_path, bad.name) == (False, reason)
+
+
+def test_a_metadata_memo_bomb_is_refused_before_the_unpickler_runs() -> None:
+    from ckptd.formats import dcpmeta
+
+    bomb = b"\x80\x04N" + b"\x94" * (4 << 20) + b"."
+    with pytest.raises(Exception) as err:
+        dcpmeta.parse_dcp_metadata(bomb, ".metadata")
+    assert getattr(err.value, "reason", "") == "bad_metadata"
+    assert "memory bomb" in str(err.value)

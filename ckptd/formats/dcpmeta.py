@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.errors import ValidationFailed
+from ckptd.formats import picklescan
 from ckptd.model import Reason
 
 _DCP = "torch.distributed.checkpoint.metadata"
@@ -124,6 +125,9 @@ class _Unsafe(Exception):
     pass
 
 
+_SCAN_ALLOWED = frozenset(f"{m}.{n}" for m, n in ALLOWED_GLOBALS) | picklescan.SAFE_GLOBALS
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
@@ -161,6 +165,13 @@ def parse_dcp_metadata(data: bytes, path: str = ".metadata") -> DcpMetadata:
         raise ValidationFailed(
             Reason.BAD_METADATA, f"{path}: over {MAX_METADATA_BYTES} bytes", path
         )
+    # The opcode scan first: its memo and stack are bounded, so a memo bomb is refused before
+    # the unpickler would build a million-entry memo of its own.
+    try:
+        picklescan.scan_pickle(data, path, _SCAN_ALLOWED)
+    except ValidationFailed as exc:
+        reason = Reason.UNSAFE_PICKLE if exc.reason == Reason.UNSAFE_PICKLE else Reason.BAD_METADATA
+        raise ValidationFailed(reason, exc.message, path) from None
     try:
         root = _RestrictedUnpickler(data).load()
     except _Unsafe as exc:
