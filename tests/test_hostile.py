@@ -178,3 +178,14 @@ def test_a_metadata_memo_bomb_is_refused_before_the_unpickler_runs() -> None:
         dcpmeta.parse_dcp_metadata(bomb, ".metadata")
     assert getattr(err.value, "reason", "") == "bad_metadata"
     assert "memory bomb" in str(err.value)
+
+
+def test_a_symlink_member_in_a_torch_zip_is_bad_header(tmp_path: Path) -> None:
+    path = tmp_path / "model_step_1.pt"
+    save_torch(path)
+    with zipfile.ZipFile(path, "a") as z:
+        info = zipfile.ZipInfo("model_step_1/link")
+        info.create_system = 3
+        info.external_attr = (0o120777 << 16)  # S_IFLNK
+        z.writestr(info, "/etc/passwd")
+    assert judge(tmp_path, path.name) == (False, "bad_header")

@@ -7,6 +7,7 @@ Small reads from a file's tail only; the streaming CRC check lives in `zipcheck`
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -163,6 +164,7 @@ def _parse_directory(
         extra = data[name_end : name_end + m]
         usize, csize, offset = _zip64_extra(extra, usize, csize, f[16], path)
         _check_member(name, flags, method, csize, usize, path)
+        _check_kind(name, f[1], f[15], path)
         raw.append((name, start + offset, method, csize, usize, crc))
         pos = name_end + m + k
     return _with_limits(raw, start, cd_start, path)
@@ -203,6 +205,18 @@ def _check_member(name: str, flags: int, method: int, csize: int, usize: int, pa
         raise ValidationFailed(
             Reason.BAD_HEADER, f"{path}: stored member {name} has two sizes", path
         )
+
+
+def _check_kind(name: str, made_by: int, external: int, path: str) -> None:
+    """A member recorded by a Unix zip tool as a symlink, device, FIFO or socket is not data a
+    loader can use: judged bad_header rather than silently skipped."""
+    mode = external >> 16
+    if made_by >> 8 != 3 or not mode:  # not made on Unix, or no mode recorded
+        return
+    kind = stat.S_IFMT(mode)
+    if kind and kind not in (stat.S_IFREG, stat.S_IFDIR):
+        what = "a symbolic link" if kind == stat.S_IFLNK else "a special file"
+        raise ValidationFailed(Reason.BAD_HEADER, f"{path}: member {name} is {what}", path)
 
 
 def _with_limits(
