@@ -29,7 +29,7 @@ from ckptd.config import RootConfig
 from ckptd.errors import ConfigError, ServiceUnavailable
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Remote, State, Tier
-from ckptd.service.pins import write_pins
+from ckptd.pins import write_pins
 from ckptd.store import Store
 
 MAX_BODY = 1024 * 1024

@@ -20,8 +20,8 @@ from ckptd.config import Config, DaemonConfig
 from ckptd.errors import ConfigError, StateLocked
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local
+from ckptd.pins import read_pins
 from ckptd.retention import executor
-from ckptd.service.pins import read_pins
 from ckptd.stages import compress
 from ckptd.store import Store
 
