@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import Harness
+from support import Harness, raw
 from writers import save_torch
 
 ROUTES = ["/v1/health", "/v1/status", "/v1/flush", "/metrics", "/v1/roots/{r}/checkpoints",
@@ -59,20 +58,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
-def send(sock_path: Path, method: str, target: str, body: bytes) -> tuple[int, bytes]:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(20)
-    s.connect(str(sock_path))
-    head = (f"{method} {target} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n").encode()
-    s.sendall(head + body)
-    data = b""
-    while chunk := s.recv(65536):
-        data += chunk
-    s.close()
-    return int(data.split(b" ", 2)[1]), data.split(b"\r\n\r\n", 1)[1]
-
-
 # CI runs a few hundred; CKPTD_FUZZ_EXAMPLES=5000 for a longer hunt by hand.
 @settings(max_examples=int(os.environ.get("CKPTD_FUZZ_EXAMPLES", "300")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -89,7 +74,8 @@ def test_any_request_gets_an_answer_never_a_500(daemon: Harness, method: str, ro
     if "wait" in path:
         query = {**query, "timeout": "0"}  # a valid wait would otherwise hold the test
     target = path + ("?" + urllib.parse.urlencode(query) if query else "")
-    status, payload = send(daemon.daemon.config.daemon.socket, method, target, body)
+    status, payload = raw(daemon.daemon.config.daemon.socket, method, target, body,
+                          decode=False)
     assert status < 500 or status == 503, (status, payload[:300])
     if status >= 400:
         doc: Any = strict(payload)

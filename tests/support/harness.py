@@ -47,10 +47,12 @@ class Harness:
         return doc
 
 
-def raw(sock_path: Path, method: str, path: str, body: bytes = b"") -> tuple[int, Any]:
-    """One HTTP request with a body sent byte for byte (the client would refuse to encode it)."""
+def raw(sock_path: Path, method: str, path: str, body: bytes = b"",
+        decode: bool = True) -> tuple[int, Any]:
+    """One HTTP request with a body sent byte for byte (the client would refuse to encode it);
+    the answer's JSON decoded, or its bytes as sent (`decode=False`)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
+    s.settimeout(20)
     s.connect(str(sock_path))
     head = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
             "Content-Type: application/json\r\nConnection: close\r\n\r\n").encode()
@@ -61,4 +63,6 @@ def raw(sock_path: Path, method: str, path: str, body: bytes = b"") -> tuple[int
     s.close()
     status = int(data.split(b" ", 2)[1])
     payload = data.split(b"\r\n\r\n", 1)[1]
+    if not decode:
+        return status, payload
     return status, json.loads(payload) if payload.startswith(b"{") else payload
