@@ -179,3 +179,43 @@ def test_a_save_that_can_never_complete_becomes_invalid_after_its_deadline(
         assert doc["state"] == "invalid" and doc["reason"] == "missing_file"
     finally:
         h.daemon.stop(grace=5)
+
+
+def test_a_new_save_of_a_gone_step_with_fewer_files_is_a_new_save(tmp_path: Path,
+                                                                   short_dir: Path) -> None:
+    """Step 5 (an HF dir of three files) is deleted; a new save of step 5 with two files is
+    picked up and validated. Untouched leftovers of a half-done delete are not (below)."""
+    import shutil
+    import time
+
+    h = Harness(tmp_path, short_dir, settle="200ms")
+    d = h.root / "checkpoint-5"
+    d.mkdir()
+    save_torch(d / "pytorch_model.bin")
+    save_torch(d / "optimizer.pt")
+    (d / "trainer_state.json").write_text('{"global_step": 5}')
+    h.daemon.start()
+    try:
+        assert h.client.wait("r", 5, until="valid", timeout=30)
+        first = h.daemon.store.checkpoint("r", 5)
+        assert first is not None
+        # a half-done delete: the optimizer goes; the rest (untouched) must not be a new save
+        (d / "optimizer.pt").unlink()
+        wait_until(lambda: h.daemon.store.checkpoint("r", 5).local.value == "pruned",
+                   what="step 5 gone")
+        h.daemon.scanner.scan_all()
+        time.sleep(0.5)
+        h.daemon.scanner.scan_all()
+        assert h.daemon.store.checkpoint("r", 5).id == first.id  # leftovers: not a save
+        # the user deletes the rest and saves step 5 anew, with two files
+        shutil.rmtree(d)
+        d.mkdir()
+        time.sleep(0.05)
+        save_torch(d / "pytorch_model.bin")
+        (d / "trainer_state.json").write_text('{"global_step": 5}')
+        rec = wait_until(lambda: (c := h.daemon.store.checkpoint("r", 5)) is not None
+                         and c.id != first.id and c.state.value == "valid" and c, timeout=30,
+                         what="the new save of step 5 valid")
+        assert rec.local.value == "present"
+    finally:
+        h.daemon.stop(grace=5)

@@ -156,8 +156,9 @@ def test_next_stage(status: Status, policy: Policy, stage: Stage | None) -> None
 
 
 def _seen(complete: bool = True, same: bool = False, fewer: bool = False,
-          same_path: bool = True) -> Sighting:
-    return Sighting(complete=complete, same_save=same, fewer_files=fewer, same_path=same_path)
+          same_path: bool = True, fresh: bool = False) -> Sighting:
+    return Sighting(complete=complete, same_save=same, fewer_files=fewer, same_path=same_path,
+                    fresh=fresh)
 
 
 @pytest.mark.parametrize(("status", "seen", "event"), [
@@ -171,7 +172,9 @@ def _seen(complete: bool = True, same: bool = False, fewer: bool = False,
     (S("valid", "compressed", copy=True), _seen(same_path=False), None),
     (S("valid", "pruned", "uploaded"), _seen(False), None),  # a stale registration
     (S("valid"), _seen(False, fewer=True), Event.VANISHED),  # rm -rf caught halfway
-    (S("valid", "pruned"), _seen(fewer=True), None),
+    (S("valid", "pruned"), _seen(fewer=True), None),  # untouched leftovers of a delete
+    (S("valid", "pruned"), _seen(fewer=True, fresh=True), Event.RESAVED),  # a new, smaller save
+    (S("valid", "pruned"), _seen(False, fewer=True, fresh=True), None),  # not complete yet
     (S("invalid"), _seen(), Event.RESAVED),
 ])
 def test_classify_a_scan_sighting(status: Status | None, seen: Sighting,

@@ -300,6 +300,7 @@ class Sighting:
     same_save: bool  # the same member files, sizes and mtimes at the same path
     fewer_files: bool  # strictly a subset of the recorded member files
     same_path: bool
+    fresh: bool = False  # some member file was written after the checkpoint was last changed
 
 
 def classify(s: Status | None, seen: Sighting) -> Event | None:
@@ -314,8 +315,11 @@ def classify(s: Status | None, seen: Sighting) -> Event | None:
         return None
     if seen.fewer_files:
         # Members only disappeared: a deletion caught halfway, even if what is left looks
-        # complete. The checkpoint is going, not being re-saved.
-        return Event.VANISHED if s.local is Local.PRESENT else None
+        # complete. The checkpoint is going, not being re-saved. Once it is gone, a save of
+        # fewer files written since is a new save; untouched leftovers are not.
+        if s.local is Local.PRESENT:
+            return Event.VANISHED
+        return Event.RESAVED if seen.fresh and seen.complete else None
     if s.local is Local.COMPRESSED and not seen.same_path:
         return None  # another layout's view of the step, not a new save of it
     return Event.RESAVED

@@ -128,8 +128,9 @@ class Scanner:
         with self.exclusive:
             now = time.time()
             snap, found = scanner.scan(now, self._registrations(root.name))
-            changes = self.store.sync_root(root.name, [Found(c, fp) for c, fp in found], now,
-                                           unreadable=frozenset(scanner.unreadable))
+            changes = self.store.sync_root(
+                root.name, [Found(c, fp, _newest(snap, c)) for c, fp in found], now,
+                unreadable=frozenset(scanner.unreadable))
         self._give_up_stale(root, snap, [c for c, _ in found if not c.complete], now)
         if scanner.unreadable:
             self.store.set_root_error(root.name, f"could not read {sorted(scanner.unreadable)}"
@@ -187,3 +188,7 @@ class Scanner:
 
     def healthy(self, scan_interval: float) -> bool:
         return time.monotonic() - self.beat < 2 * scan_interval + 60
+
+
+def _newest(snap: Snapshot, c: Candidate) -> float:
+    return max((snap.files[f].mtime for f in c.files if f in snap.files), default=0.0)

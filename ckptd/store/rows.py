@@ -22,6 +22,7 @@ class Found:
 
     candidate: Candidate
     fingerprint: str
+    newest_mtime: float = 0.0  # of its member files at scan time (wall seconds)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,13 @@ class Sync(Core):
         return changes
 
     @staticmethod
+    def _last_change(db: sqlite3.Connection, cid: int) -> float:
+        """When the row's status last changed (its transitions' log)."""
+        row = db.execute("SELECT MAX(at) AS at FROM transitions WHERE checkpoint_id=?",
+                         (cid,)).fetchone()
+        return float(row["at"] or 0.0)
+
+    @staticmethod
     def _first_scan(db: sqlite3.Connection, root: str, now: float) -> bool:
         """Is this the first scan of `root` ever (what it finds was there before ckptd)?"""
         row = db.execute("SELECT first_scan FROM roots WHERE name=?", (root,)).fetchone()
@@ -80,10 +87,12 @@ class Sync(Core):
             return SyncChange("checkpoint_discovered", c.step, c.layout, c.path,
                               ("adopted; " if adopt else "")
                               + ("complete" if c.complete else c.waiting_for))
+        fewer = set(c.files) < set(json.loads(row["files"]))
         seen = Sighting(complete=c.complete,
                         same_save=row["fingerprint"] == f.fingerprint and row["path"] == c.path,
-                        fewer_files=set(c.files) < set(json.loads(row["files"])),
-                        same_path=row["path"] == c.path)
+                        fewer_files=fewer, same_path=row["path"] == c.path,
+                        fresh=fewer and f.newest_mtime > max(float(row["created"]),
+                                                             self._last_change(db, row["id"])))
         event = classify(status_of(row), seen)
         if event is None:
             return None
