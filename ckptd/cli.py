@@ -33,10 +33,27 @@ def _common() -> _Parser:
     return p
 
 
+_EXAMPLES = """examples:
+  ckptd demo                                   the whole pipeline on a toy run, in ./.demo
+  ckptd run --config /etc/ckptd/ckptd.toml     the daemon (what systemd runs)
+  ckptd status                                 health and each root's latest, queue, errors
+  ckptd ls llm-7b                              every checkpoint of a root
+  ckptd latest llm-7b --tier remote            the newest step safe in object storage
+  ckptd register llm-7b 1200 --metric val_loss=1.93
+  ckptd pin llm-7b 1200                        never prune step 1200
+  ckptd prune llm-7b --dry-run                 what retention would keep and delete, and why
+  ckptd verify /data/ckpt/llm-7b/step-1200     offline check of one checkpoint
+  ckptd restore llm-7b latest --to /scratch/resume
+exit codes: 0 ok, 1 no/invalid, 2 usage, 69 daemon unreachable, 75 state dir locked,
+78 bad config or environment (docs/CLI.md)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
     p = _Parser(prog="ckptd", parents=[common],
-                description="Checkpoint daemon for ML training.")
+                description="Checkpoint daemon for ML training: finds complete checkpoints,"
+                            " validates, compresses, uploads and prunes them.",
+                epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -344,6 +361,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ckptd.demo import run_demo
 
+    if getattr(args, "config", None) or getattr(args, "socket", None):
+        raise UsageError("ckptd demo runs on its own embedded config in ./.demo; --config and"
+                         " --socket are not used (start a real daemon with `ckptd run`)")
     return run_demo()
 
 
