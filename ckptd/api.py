@@ -1,4 +1,5 @@
-"""HTTP/1.1 + JSON over the daemon's Unix socket (docs/CLI.md, "Socket API").
+"""HTTP/1.1 + JSON over the daemon's Unix socket (docs/CLI.md, "Socket API"); what a client
+sends is checked by `ckptd.api_input`.
 
 Reads the store, records intents (registrations, pins) and wakes the scanner and pipeline.
 Never runs a stage itself and never blocks the accept loop (one thread per connection).
@@ -7,7 +8,6 @@ Never runs a stage itself and never blocks the accept loop (one thread per conne
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckptd import __version__
+from ckptd import api_input as checks
+from ckptd.api_input import HttpError
 from ckptd.changes import Changes
 from ckptd.config import RootConfig
 from ckptd.errors import ConfigError, ServiceUnavailable
@@ -39,15 +41,6 @@ LISTEN_BACKLOG = 1024
 # Connection threads at once, and how long an idle keep-alive connection is kept.
 MAX_CONNECTIONS = 512
 IDLE_TIMEOUT_S = 5.0
-MAX_STEP = 2**63
-MAX_PATHS = 10_000
-MAX_METRICS = 256
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 class Wakeable(Protocol):
@@ -292,7 +285,8 @@ class Handler(BaseHTTPRequestHandler):
         if not raw:
             return None
         try:
-            return json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+            return json.loads(raw, parse_constant=checks.no_constant,
+                              parse_float=checks.finite_float)
         except (ValueError, RecursionError) as exc:
             raise HttpError(400, "bad_json", f"request body is not valid JSON: {exc}") from exc
 
@@ -332,17 +326,17 @@ class Handler(BaseHTTPRequestHandler):
 
     def h_one(self, root: str, step: str, **_: Any) -> tuple[int, Any]:
         r = self.ctx.root(root)
-        rec = self._record(r, _step(step))
+        rec = self._record(r, checks.step(step))
         return 200, {"root": r.name, **rec.as_json()}
 
     def h_latest(self, root: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
-        return 200, self.ctx.latest(self.ctx.root(root), _tier(query.get("tier", "any")))
+        return 200, self.ctx.latest(self.ctx.root(root), checks.tier(query.get("tier", "any")))
 
     def h_register(self, root: str, body: Any, **_: Any) -> tuple[int, Any]:
         self._not_stopping()
         r = self.ctx.root(root)
-        step, paths, metrics = parse_registration(body, r.path)
-        taken = _taken(self.ctx.store.owners(r.name), paths, step)
+        step, paths, metrics = checks.parse_registration(body, r.path)
+        taken = checks.taken(self.ctx.store.owners(r.name), paths, step)
         if taken:
             p, other = taken[0]
             raise HttpError(409, "path_taken", f"{p} belongs to step {other} of root {r.name!r}"
@@ -361,7 +355,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _set_pin(self, root: str, step: str, pinned: bool) -> tuple[int, Any]:
         r = self.ctx.root(root)
-        n = _step(step)
+        n = checks.step(step)
         rec = self.ctx.store.checkpoint(r.name, n)
         if (pinned and rec is not None and rec.local.value == "pruned"
                 and rec.remote is not Remote.UPLOADED):
@@ -388,11 +382,11 @@ class Handler(BaseHTTPRequestHandler):
     def h_lease(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         """A reader (a resume, a restore) holds `step`: retention never deletes it meanwhile."""
         r = self.ctx.root(root)
-        n = _step(step)
-        owner = _text(query.get("owner", ""), "owner")
+        n = checks.step(step)
+        owner = checks.text(query.get("owner", ""), "owner")
         if not owner or len(owner) > 128:
             raise HttpError(400, "bad_field", "owner must be a non-empty id (<= 128 chars)")
-        ttl = _float(query.get("ttl", "600"), "ttl", 1.0, 86400.0)
+        ttl = checks.number(query.get("ttl", "600"), "ttl", 1.0, 86400.0)
         with self.ctx.retention.nets:
             rec = self._record(r, n)
             if rec.local.value == "pruned" and rec.remote is not Remote.UPLOADED:
@@ -402,8 +396,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def h_unlease(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         r = self.ctx.root(root)
-        n = _step(step)
-        self.ctx.store.release_reader(r.name, n, _text(query.get("owner", ""), "owner"))
+        n = checks.step(step)
+        self.ctx.store.release_reader(r.name, n, checks.text(query.get("owner", ""), "owner"))
         return 200, {"root": r.name, "step": n, "released": True}
 
     def h_prune_plan(self, root: str, **_: Any) -> tuple[int, Any]:
@@ -420,14 +414,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def h_wait(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         r = self.ctx.root(root)
-        n = _step(step)
+        n = checks.step(step)
         until = query.get("until", "valid")
         if until not in ("valid", "uploaded"):
             raise HttpError(400, "bad_field", "until must be 'valid' or 'uploaded'")
         if until == "uploaded" and not r.upload.enabled:
             raise HttpError(409, "upload_not_configured",
                             f"root {r.name!r} has no upload.url; it never uploads")
-        timeout = _float(query.get("timeout", "30"), "timeout", 0.0, MAX_WAIT_S)
+        timeout = checks.number(query.get("timeout", "30"), "timeout", 0.0, MAX_WAIT_S)
         return self._wait(r, n, until, min(max(timeout, 0.0), MAX_WAIT_S))
 
     def _wait(self, r: RootConfig, step: int, until: str, timeout: float) -> tuple[int, Any]:
@@ -468,124 +462,6 @@ def _reached(rec: CheckpointRecord, until: str) -> bool:
         return rec.state is State.VALID
     # A step retention has since removed remotely did reach "uploaded".
     return rec.state is State.VALID and rec.remote in (Remote.UPLOADED, Remote.PRUNED)
-
-
-def _taken(owners: dict[str, int], paths: list[str], step: int) -> list[tuple[str, int]]:
-    """Registered paths that are, or hold, another checkpoint's files."""
-    taken = [(p, owners[p]) for p in paths if owners.get(p, step) != step]
-    dirs = tuple(p + "/" for p in paths)
-    taken += [(f, s) for f, s in owners.items() if s != step and f.startswith(dirs)]
-    return sorted(taken)
-
-
-def _step(text: str) -> int:
-    """A step: ASCII decimal digits, below 2^63 (what SQLite and every layout can hold)."""
-    if not (text.isascii() and text.isdigit()) or len(text) > 19 or int(text) >= MAX_STEP:
-        raise HttpError(400, "bad_field", f"step must be an integer from 0 to 2^63-1, got"
-                        f" {text[:40]!r}")
-    return int(text)
-
-
-def _text(value: str, name: str, limit: int = 4096) -> str:
-    """A client string: bounded, no NUL, no lone surrogate (nothing a file system, SQLite or
-    a JSON encoder would refuse later)."""
-    if len(value) > limit or "\x00" in value or not _encodable(value):
-        raise HttpError(400, "bad_field", f"{name} must be UTF-8 text without NUL, at most"
-                        f" {limit} characters")
-    return value
-
-
-def _encodable(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON (numbers must be finite)")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e999 parses as infinity
-        raise ValueError(f"{text[:40]} is out of range")
-    return value
-
-
-def _tier(text: str) -> Tier:
-    try:
-        return Tier(text)
-    except ValueError as exc:
-        raise HttpError(400, "bad_field", "tier must be any, local or remote") from exc
-
-
-def _float(text: str, name: str, lo: float, hi: float) -> float:
-    """A finite number of seconds in [lo, hi]; NaN, infinities and values out of range are
-    refused, never clamped into something the client did not ask for."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or not lo <= value <= hi:
-        raise HttpError(400, "bad_field", f"{name} must be a number of seconds from {lo:g}"
-                        f" to {hi:g}, got {text[:40]!r}")
-    return value
-
-
-def parse_registration(body: Any, root_path: Path) -> tuple[int, list[str], dict[str, float]]:
-    """Check a registration body; paths become root-relative. Raises HttpError."""
-    if not isinstance(body, dict):
-        raise HttpError(400, "bad_json", "body must be a JSON object with a 'step'")
-    unknown = set(body) - {"step", "paths", "metrics"}
-    if unknown:
-        raise HttpError(400, "bad_field", f"unknown field(s): {', '.join(sorted(unknown))}")
-    step = body.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
-        raise HttpError(400, "bad_field", "step must be an integer from 0 to 2^63-1")
-    paths = body.get("paths") or []
-    if (not isinstance(paths, list) or len(paths) > MAX_PATHS
-            or not all(isinstance(p, str) and p for p in paths)):
-        raise HttpError(400, "bad_field", f"paths must be a list of at most {MAX_PATHS}"
-                        " non-empty strings")
-    metrics = body.get("metrics") or {}
-    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS or not all(
-        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
-        and math.isfinite(v) for k, v in metrics.items()
-    ):
-        raise HttpError(400, "bad_field", f"metrics must map at most {MAX_METRICS} names to"
-                        " finite numbers")
-    for k in metrics:
-        _text(k, "a metric name", 256)
-    rel = [relative_inside(root_path, _text(p, "a path")) for p in paths]
-    return step, rel, {k: float(v) for k, v in metrics.items()}
-
-
-def relative_inside(root: Path, p: str) -> str:
-    """`p` (absolute, or relative to the root) as a root-relative path; 422 when it leaves
-    the root, directly or through a symlink, or is longer than the file system allows."""
-    candidate = Path(p) if os.path.isabs(p) else root / p
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(candidate)
-    if real != real_root and not real.startswith(real_root + os.sep):
-        raise HttpError(422, "outside_root", f"{p} is outside the root {root}")
-    rel = os.path.relpath(real, real_root)
-    if rel == "." or rel.split(os.sep)[0] == ".ckptd":
-        raise HttpError(422, "outside_root", f"{p} is not a checkpoint path inside {root}")
-    name_max, path_max = _limits(real_root)
-    if (len(os.fsencode(real)) >= path_max
-            or any(len(os.fsencode(part)) > name_max for part in rel.split(os.sep))):
-        raise HttpError(422, "path_too_long", f"{p[:200]} is longer than the file system"
-                        f" allows ({name_max} bytes a name, {path_max} a path)")
-    return rel.replace(os.sep, "/")
-
-
-def _limits(path: str) -> tuple[int, int]:
-    try:
-        return os.pathconf(path, "PC_NAME_MAX"), os.pathconf(path, "PC_PATH_MAX")
-    except (OSError, ValueError):
-        return 255, 4096
 
 
 class UnixHttpServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
