@@ -29,8 +29,9 @@ from ckptd.api_input import HttpError
 from ckptd.changes import Changes
 from ckptd.config import RootConfig
 from ckptd.errors import ConfigError, ServiceUnavailable
+from ckptd.fileio import open_beneath
 from ckptd.log import get_logger
-from ckptd.model import CheckpointRecord, Remote, State, Tier
+from ckptd.model import CKPTD_DIR, CheckpointRecord, Remote, State, Tier
 from ckptd.pins import write_pins
 from ckptd.store import Store
 
@@ -82,12 +83,28 @@ class MetricsText(Protocol):
     def render(self) -> str: ...
 
 
+class Leases(Protocol):
+    def holds(self, name: str) -> bool: ...
+    def holder_json(self, name: str) -> dict[str, Any] | None: ...
+
+
+class HoldsAll:
+    """Every root is this daemon's (no lease service: a bare context in tests)."""
+
+    def holds(self, name: str) -> bool:
+        return True
+
+    def holder_json(self, name: str) -> dict[str, Any] | None:
+        return None
+
+
 class ApiContext:
     """Everything a request handler may touch: the store, and the daemon's services."""
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  changes: Changes, scan: Scan, workers: Workers, retention: Retention,
-                 discovery: Discovery, services: Services, metrics: MetricsText) -> None:
+                 discovery: Discovery, services: Services, metrics: MetricsText,
+                 leases: Leases | None = None) -> None:
         self.store = store
         self.roots = roots
         self.changes = changes
@@ -97,6 +114,7 @@ class ApiContext:
         self.discovery = discovery
         self.services = services
         self.metrics = metrics
+        self.leases: Leases = leases if leases is not None else HoldsAll()
         self.started = time.monotonic()
         self.stopping = threading.Event()
         self.problem: str | None = None  # why the daemon stopped acting (set by the daemon)
@@ -146,7 +164,18 @@ class ApiContext:
             "preflight": self.retention.health_json(root.name),
             "adopted": self.retention.adopted_json(root),
             "unrecognised": self.scan.unrecognised(root.name)[:100],
+            "holder": self.leases.holder_json(root.name),
+            "acting": self.leases.holds(root.name),
         }
+
+    def acting(self, root: RootConfig) -> None:
+        """Refuse a change to a root another daemon acts on (this one stands by)."""
+        if not self.leases.holds(root.name):
+            h = self.leases.holder_json(root.name)
+            who = (f"the daemon of node {h['node']!r} (pid {h['pid']} on {h['host']})"
+                   if h else "another daemon, or none yet")
+            raise HttpError(409, "standby", f"root {root.name!r} is acted on by {who}; this"
+                            " daemon stands by (see `ckptd status`): run this there")
 
     def listing(self, root: RootConfig) -> dict[str, Any]:
         self.discovery.refresh(root.name)
@@ -154,11 +183,51 @@ class ApiContext:
                 "checkpoints": [c.as_json() for c in self.store.checkpoints(root.name)]}
 
     def latest(self, root: RootConfig, tier: Tier) -> dict[str, Any]:
+        if not self.leases.holds(root.name):
+            return self._published_latest(root, tier)
         rec = self.store.latest(root.name, tier)
         if rec is None:
             raise HttpError(404, "no_checkpoint", f"root {root.name!r} has no valid checkpoint"
                             f" in tier {tier.value!r}")
         return latest_json(root, rec)
+
+
+    def _published_latest(self, root: RootConfig, tier: Tier) -> dict[str, Any]:
+        """A standby answers what the acting daemon published beside the root."""
+        doc = read_published_latest(root.path)
+        wanted = {Tier.ANY: True, Tier.LOCAL: doc and doc.get("local") == "present",
+                  Tier.REMOTE: doc and doc.get("remote") == "uploaded"}[tier]
+        if doc is None or not wanted:
+            raise HttpError(404, "no_checkpoint", f"root {root.name!r} has no valid checkpoint"
+                            f" in tier {tier.value!r} (as published by the daemon acting on"
+                            " it; this one stands by)")
+        return {"root": root.name, "step": doc["step"], "path": doc["path"], "state": "valid",
+                "local": str(doc.get("local", "")), "remote": str(doc.get("remote", "")),
+                "layout": str(doc.get("layout", "")), "metrics": {},
+                "holder": self.leases.holder_json(root.name)}
+
+
+def read_published_latest(root: Path) -> dict[str, Any] | None:
+    """`<root>/.ckptd/latest.json` when it is a sound one (never through a symlink)."""
+    try:
+        fd = open_beneath(root, f"{CKPTD_DIR}/latest.json")
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 65537)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(data) if len(data) <= 65536 else None
+    except ValueError:
+        return None
+    if (not isinstance(doc, dict) or not isinstance(doc.get("path"), str)
+            or not isinstance(doc.get("step"), int) or isinstance(doc.get("step"), bool)
+            or not 0 <= doc["step"] < 2**63):
+        return None
+    return doc
 
 
 def latest_json(root: RootConfig, rec: CheckpointRecord) -> dict[str, Any]:
@@ -355,6 +424,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _set_pin(self, root: str, step: str, pinned: bool) -> tuple[int, Any]:
         r = self.ctx.root(root)
+        self.ctx.acting(r)
         n = checks.step(step)
         rec = self.ctx.store.checkpoint(r.name, n)
         if (pinned and rec is not None and rec.local.value == "pruned"
@@ -382,6 +452,7 @@ class Handler(BaseHTTPRequestHandler):
     def h_lease(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         """A reader (a resume, a restore) holds `step`: retention never deletes it meanwhile."""
         r = self.ctx.root(root)
+        self.ctx.acting(r)
         n = checks.step(step)
         owner = checks.text(query.get("owner", ""), "owner")
         if not owner or len(owner) > 128:
@@ -406,6 +477,7 @@ class Handler(BaseHTTPRequestHandler):
     def h_prune_now(self, root: str, **_: Any) -> tuple[int, Any]:
         self._not_stopping()
         r = self.ctx.root(root)
+        self.ctx.acting(r)
         try:
             outcomes = self.ctx.retention.apply_now(r)
         except ServiceUnavailable as exc:

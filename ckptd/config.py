@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -159,6 +160,22 @@ def _positive_duration(value: Any) -> float:
     if seconds <= 0:
         raise ValueError(f"must be a duration above zero, got {_show(value)}")
     return seconds
+
+
+def _lease_timeout(value: Any) -> float:
+    seconds = _duration(value)
+    if not 2 <= seconds <= 86400:
+        raise ValueError(f"must be a duration from 2s to 24h, got {_show(value)}")
+    return seconds
+
+
+def _node(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"must be a string, got {_show(value)}")
+    if value and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", value):
+        raise ValueError("must be 1 to 64 letters, digits, '.', '_' or '-' (starting with a"
+                         f" letter or digit), or \"\" for the hostname; got {_show(value)}")
+    return value
 
 
 def _optional_duration(value: Any) -> float | None:
@@ -336,6 +353,14 @@ class DaemonConfig(_Model):
     polling: Flag = False
     log_format: Annotated[LogFormat, _one_of(LogFormat)] = "auto"
     log_level: Annotated[LogLevel, _one_of(LogLevel)] = "info"
+    node: Annotated[str, PlainValidator(_node)] = ""
+    lease_timeout: Annotated[float, PlainValidator(_lease_timeout),
+                             Render(format_duration)] = 30.0
+
+    @property
+    def node_id(self) -> str:
+        """This node's id: `node`, else the hostname."""
+        return self.node or socket.gethostname()
 
 
 class MetricsConfig(_Model):

@@ -28,6 +28,7 @@ from ckptd.service import recovery
 from ckptd.service.discovery import Discovery
 from ckptd.service.effects import Effects
 from ckptd.service.jobs import policy_of
+from ckptd.service.lease import Leases
 from ckptd.service.observe import root_samples
 from ckptd.service.recovery import StateDirLock
 from ckptd.service.scan import Scanner
@@ -73,23 +74,26 @@ class Daemon:
         self.store = store = self._store_factory(cfg.daemon.state_dir / "state.db")
         store.set_policies({r.name: policy_of(r) for r in cfg.roots})
         recovery.recover(store, cfg)
-        self.retention = RetentionService(store, self.roots, self.backends.get)
-        self.scanner = Scanner(store, self.roots, lambda: self.config.daemon.scan_interval,
-                               cfg.daemon.polling, self.metrics, self.retention.exclusive)
-        self.workers = Workers(store, self.roots, cfg.daemon.workers, self.scanner.wake,
+        # Services see only the roots whose lease this daemon holds (the rest stand by).
+        self.leases = leases = Leases(store, self.roots, lambda: self.config.daemon.node_id,
+                                      lambda: self.config.daemon.lease_timeout, self._retake)
+        acting = leases.acting
+        self.retention = RetentionService(store, acting, self.backends.get)
+        self.scanner = Scanner(store, acting, lambda: self.config.daemon.scan_interval,
+                               cfg.daemon.polling, self.metrics, self.retention.exclusive,
+                               may_adopt=leases.fresh)
+        self.workers = Workers(store, acting, cfg.daemon.workers, self.scanner.wake,
                                self.backends.get, self.metrics)
-        self.discovery = Discovery(store, self.roots, self.backends.get)
-        self.effects = Effects(store, self.roots, self.changes, self.workers, self.retention,
+        self.discovery = Discovery(store, acting, self.backends.get)
+        self.effects = Effects(store, acting, self.changes, self.workers, self.retention,
                                self.scanner)
         self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention))
         store.set_on_commit(self.effects)
         self.scanner.set_roots(self.roots())
-        self.scanner.scan_all()
-        for root in cfg.roots:
-            self.effects.publish(root)
-            self.retention.announce_adopted(root)
+        leases.tick()  # takes what is free, then scans and publishes only those
         self.ctx = ApiContext(store, self.roots, self.changes, self.scanner, self.workers,
-                              self.retention, self.discovery, self.supervisor, self.metrics)
+                              self.retention, self.discovery, self.supervisor, self.metrics,
+                              leases)
         sock, inherited = recovery.listen_socket(cfg.daemon)
         self._socket_inherited = inherited
         self.server = UnixHttpServer(sock, self.ctx)
@@ -98,6 +102,15 @@ class Daemon:
         self.log.info("daemon_ready", socket=str(cfg.daemon.socket), roots=sorted(self.roots()),
                       pid=os.getpid(), socket_activated=inherited)
         self.notifier.ready(status=self.summary())
+
+    def _retake(self, gained: set[str]) -> None:
+        """The roots this daemon acts on changed: scan them, publish and announce new ones."""
+        self.scanner.scan_all()
+        for root in (r for n, r in self.leases.acting().items() if n in gained):
+            self.effects.publish(root)
+            self.retention.announce_adopted(root)
+        for service in (self.workers, self.discovery, self.retention):
+            service.wake()
 
     def _add_services(self) -> None:
         sup, server = self.supervisor, self.server
@@ -108,6 +121,7 @@ class Daemon:
         if address is not None:  # a bad address fails the start here (exit 78)
             tcp = self.metrics_tcp = self.metrics.serve_tcp(address)
             sup.add("metrics", lambda stop: tcp.serve_forever(), halt=tcp.shutdown)
+        sup.add("lease", self.leases.run, halt=self.leases.wake)
         sup.add("watch", self.scanner.watch)
         sup.add("scan", self.scanner.run, halt=self.scanner.wake)
         sup.add("discovery", self.discovery.run, halt=self.discovery.wake)
@@ -161,8 +175,8 @@ class Daemon:
             return
         self.ctx.problem = f"{why}; ckptd stopped acting on its roots until restarted"
         self.log.error("state_db_lost", error=why)
-        self.supervisor.stop("scan", "watch", "discovery", "retention", *self.workers.names,
-                             timeout=STOP_GRACE_S)
+        self.supervisor.stop("lease", "scan", "watch", "discovery", "retention",
+                             *self.workers.names, timeout=STOP_GRACE_S)
 
     def healthy(self) -> bool:
         """Every service is up, the scan loop turns and no stage worker is stuck: what the
@@ -217,9 +231,8 @@ class Daemon:
         self.log.info("config_reloaded", roots=sorted(self.roots()),
                       added=sorted(set(self.roots()) - old_roots),
                       removed=sorted(old_roots - set(self.roots())))
-        self.scanner.wake()
-        self.workers.wake()
-        self.discovery.wake()
+        for service in (self.leases, self.scanner, self.workers, self.discovery):
+            service.wake()
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         self.notifier.stopping()
@@ -234,7 +247,8 @@ class Daemon:
         if not finished:
             self.log.warning("daemon_stop_incomplete",
                              message="in-flight stages left to resume after restart")
-        sup.stop("api", *(["metrics"] if self.metrics_tcp is not None else []))
+        sup.stop("lease", "api", *(["metrics"] if self.metrics_tcp is not None else []))
+        self.leases.release()
         if self.metrics_tcp is not None:
             self.metrics_tcp.close()
         assert self.server is not None

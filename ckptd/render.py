@@ -55,8 +55,19 @@ def render_status(doc: dict[str, Any]) -> str:
         out += ["", f"service {svc['name']}{when}: restarted {svc['restarts']}x,"
                     f" last error: {svc['last_error']}"]
     for r in doc["roots"]:
+        h = r.get("holder")
+        if r.get("acting") is False:
+            who = (f"{h['node']} (pid {h['pid']} on {h['host']}, since {h['since']})" if h
+                   else "no daemon yet")
+            out += ["", f"{r['name']}: STANDBY: acted on by {who}; this daemon takes over"
+                        " when that lease goes stale"]
         if r.get("adopted"):
             out += ["", f"{r['name']}: {r['adopted']['message']}"]
+        if r.get("unrecognised"):
+            names = ", ".join(r["unrecognised"][:5])
+            more = f" and {len(r['unrecognised']) - 5} more" if len(r["unrecognised"]) > 5 else ""
+            out += ["", f"{r['name']}: unrecognised (look like checkpoints, match no layout;"
+                        f" see docs/LAYOUTS.md): {names}{more}"]
     warnings = [r for r in doc["roots"] if r.get("preflight") and not r["preflight"]["ok"]]
     for r in warnings:
         out += ["", f"capacity warning for {r['name']}: {r['preflight']['message']}"]

@@ -30,8 +30,12 @@ class Scanner:
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  scan_interval: Callable[[], float], polling: bool, metrics: Metrics,
-                 exclusive: Any = None) -> None:
+                 exclusive: Any = None,
+                 may_adopt: Callable[[str], bool] = lambda root: True) -> None:
         self.store = store
+        # False for a root another ckptd held before: its checkpoints were not the user's
+        # own before ckptd came, whatever this daemon's store has seen.
+        self.may_adopt = may_adopt
         self.roots = roots
         self.scan_interval = scan_interval
         self.metrics = metrics
@@ -130,7 +134,7 @@ class Scanner:
             snap, found = scanner.scan(now, self._registrations(root.name))
             changes = self.store.sync_root(
                 root.name, [Found(c, fp, _newest(snap, c)) for c, fp in found], now,
-                unreadable=frozenset(scanner.unreadable))
+                unreadable=frozenset(scanner.unreadable), adopt=self.may_adopt(root.name))
         self._give_up_stale(root, snap, [c for c, _ in found if not c.complete], now)
         if scanner.unreadable:
             self.store.set_root_error(root.name, f"could not read {sorted(scanner.unreadable)}"

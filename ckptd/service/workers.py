@@ -139,7 +139,8 @@ class Workers:
         while not stop.is_set():
             self.progress[name] = time.time()
             job = self.store.claim(f"{self.owner}/{name}/{uuid.uuid4().hex[:8]}", time.time(),
-                                   LEASE_S, only=self._flush_targets())
+                                   LEASE_S, only=self._flush_targets(),
+                                   roots=frozenset(self.roots()))
             if job is None:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()

@@ -37,14 +37,16 @@ class Sync(Core):
 
 
     def sync_root(self, root: str, found: Sequence[Found], now: float,
-                  unreadable: frozenset[str] = frozenset()) -> list[SyncChange]:
+                  unreadable: frozenset[str] = frozenset(), adopt: bool = True
+                  ) -> list[SyncChange]:
         """Reconcile the rows of `root` with one scan's candidates. Returns what changed.
         Rows at, under or above an `unreadable` directory are never marked vanished: an
-        unreadable directory is not a deleted checkpoint."""
+        unreadable directory is not a deleted checkpoint. What the root's first scan finds is
+        adopted unless `adopt` is False (another ckptd acted on the root before)."""
         changes: list[SyncChange] = []
         with self._tx() as db:
             regs = self._registration_metrics(root)
-            adopt = self._first_scan(db, root, now)
+            adopt = self._first_scan(db, root, now) and adopt
             for f in one_per_step(found):
                 change = self._sync_one(db, root, f, regs.get(f.candidate.step, {}), now, adopt)
                 if change:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ckptd.lifecycle.table import (
@@ -37,18 +37,21 @@ class Work(Core):
 
 
     def claim(self, owner: str, now: float, lease_s: float,
-              only: frozenset[tuple[str, int]] | None = None) -> Job | None:
+              only: frozenset[tuple[str, int]] | None = None,
+              roots: Collection[str] | None = None) -> Job | None:
         """Claim the next piece of work: the stage the lifecycle table left due on a row,
         validation first (newest step first, so the resume point moves soonest), then a
         missing compressed copy, then an upload. `only` (a flush) restricts copies and
-        uploads to its steps; validation never yields to a flush."""
+        uploads to its steps; validation never yields to a flush. `roots`, when given, are
+        the only roots whose work may be claimed (those this daemon acts on)."""
         with self._tx() as db:
             rows = db.execute(
                 "SELECT * FROM checkpoints WHERE stage IS NOT NULL AND superseded=0"
                 " AND next_attempt<=? AND (lease_owner IS NULL OR lease_expires<?)",
                 (now, now)).fetchall()
-            due = [r for r in rows if only is None or r["stage"] == Stage.VALIDATE.value
-                   or (r["root"], int(r["step"])) in only]
+            due = [r for r in rows if (roots is None or r["root"] in roots) and (
+                only is None or r["stage"] == Stage.VALIDATE.value
+                or (r["root"], int(r["step"])) in only)]
             if not due:
                 return None
             row = min(due, key=lambda r: (STAGE_PRIORITY[Stage(r["stage"])], -int(r["step"])))

@@ -1,0 +1,1 @@
+"""Several daemons on one root or one checkpoint: decisions, no I/O."""

@@ -1,0 +1,144 @@
+"""The root lease, decided: which daemon acts on a root, from what each daemon has seen of the
+root's lease files. Pure: no file system, no clock (the caller passes what it saw and `now`).
+
+The files (written by `ckptd.service.lease`), in `<root>/.ckptd/`:
+
+- `lease.claim.<G>`: created create-only (O_EXCL) by the daemon that takes generation G; it
+  holds that daemon's token. The highest G names the holder: two daemons that both see a stale
+  lease both try to create the next claim, and exactly one succeeds.
+- `lease.json`: who holds generation G (node, pid, host, boot, since) for people and for the
+  other daemons. The holder renews it every few seconds by touching it (no new blocks: renewing
+  works on a full disk); it marks it `released` when it stops cleanly.
+
+A standby judges the lease stale when nothing about `lease.json` or the top claim changed for
+`lease_timeout` of its own clock (no clock is compared across machines), at once when the holder
+marked it released, and at once when the holder ran on this machine and its process is gone.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+FORMAT = "ckptd-lease/1"
+LEASE_FILE = "lease.json"
+CLAIM_PREFIX = "lease.claim."
+MAX_BYTES = 64 * 1024
+MAX_GENERATION = 2**62
+_CLAIM = re.compile(r"^lease\.claim\.([1-9][0-9]{0,18})$", re.ASCII)
+_TOKEN = re.compile(r"^[0-9a-f]{16,64}$", re.ASCII)
+
+
+def claim_name(gen: int) -> str:
+    return f"{CLAIM_PREFIX}{gen}"
+
+
+def claim_generation(name: str) -> int | None:
+    """G for a file named `lease.claim.G`, else None."""
+    m = _CLAIM.match(name)
+    return int(m.group(1)) if m and int(m.group(1)) < MAX_GENERATION else None
+
+
+def valid_token(token: str) -> bool:
+    return bool(_TOKEN.match(token))
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds one generation of a root's lease (the body of lease.json)."""
+
+    gen: int
+    token: str
+    node: str
+    pid: int
+    host: str
+    boot: str
+    since: float  # wall-clock seconds, for people only
+    released: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "gen": self.gen, "token": self.token, "node": self.node,
+                "pid": self.pid, "host": self.host, "boot": self.boot, "since": self.since,
+                "released": self.released}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Holder:
+        """Parse a lease.json body; ValueError names what is wrong."""
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} document")
+        fields = {"gen": int, "token": str, "node": str, "pid": int, "host": str, "boot": str,
+                  "since": float, "released": bool}
+        out: dict[str, Any] = {}
+        for key, kind in fields.items():
+            value = doc.get(key)
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"{key!r} is missing or not {kind.__name__}")
+            if isinstance(value, str) and len(value) > 256:
+                raise ValueError(f"{key!r} is too long")
+            out[key] = value
+        if not 1 <= out["gen"] < MAX_GENERATION or not 0 < out["pid"] < 2**31:
+            raise ValueError("'gen' or 'pid' is out of range")
+        if not valid_token(out["token"]) or out["since"] != out["since"]:
+            raise ValueError("'token' or 'since' is not valid")
+        return cls(**out)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One look at a root's lease files."""
+
+    top: int  # the highest claimed generation; 0 when none
+    top_token: str | None  # what its claim file holds (None: unreadable or being written)
+    holder: Holder | None  # lease.json, when it parses
+    key: tuple[Any, ...]  # changes whenever lease.json or the top claim changes (renewals too)
+
+
+@dataclass(frozen=True)
+class Me:
+    token: str
+    host: str
+    boot: str
+
+
+class Verdict(StrEnum):
+    HOLD = "hold"  # ours: act on the root, renew the lease
+    TAKE = "take"  # nobody's or stale: try to claim generation top + 1
+    STANDBY = "standby"  # another daemon's and alive: do not act
+
+
+@dataclass(frozen=True)
+class Judgement:
+    verdict: Verdict
+    why: str
+
+
+def judge(me: Me, seen: Seen, changed_at: float, now: float, timeout: float,
+          process_alive: bool | None) -> Judgement:
+    """What this daemon does about one root's lease.
+
+    `changed_at` is when (on this daemon's own clock) `seen.key` last changed; `process_alive`
+    says whether the holder's pid is alive, when the holder ran on this machine in this boot
+    (None otherwise: a pid on another machine means nothing here).
+    """
+    if seen.top == 0:
+        return Judgement(Verdict.TAKE, "no daemon has held the root")
+    if seen.top_token == me.token:
+        return Judgement(Verdict.HOLD, "ours")
+    h = seen.holder
+    current = h is not None and h.gen == seen.top and h.token == seen.top_token
+    if current and h is not None and h.released:
+        return Judgement(Verdict.TAKE, "released by its holder")
+    if current and process_alive is False:
+        return Judgement(Verdict.TAKE, "its holder's process on this machine is gone")
+    if now - changed_at >= timeout:
+        return Judgement(Verdict.TAKE, f"not renewed for {now - changed_at:.0f}s")
+    return Judgement(Verdict.STANDBY, "held by another daemon")
+
+
+def same_machine(me: Me, holder: Holder | None) -> bool:
+    """The holder ran on this machine since its last boot (so its pid can be checked here)."""
+    return holder is not None and holder.host == me.host and holder.boot == me.boot != ""

@@ -1,0 +1,397 @@
+"""The lease service: one daemon acts on a root at a time (see `ckptd.cluster.lease` for the
+files and the rule). Looks at every root's lease every few seconds, takes a free or stale one,
+renews its own, and stands by where another daemon holds the root.
+
+Owns the lease files; decides nothing (the pure `judge` does). The daemon gives the other
+services only the roots this one holds (`acting`), so a standby root is never scanned,
+validated, uploaded, pruned, or has its latest.json written by this daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ckptd.cluster.lease import (
+    CLAIM_PREFIX,
+    LEASE_FILE,
+    MAX_BYTES,
+    Holder,
+    Judgement,
+    Me,
+    Seen,
+    Verdict,
+    claim_generation,
+    claim_name,
+    judge,
+    same_machine,
+    valid_token,
+)
+from ckptd.config import RootConfig
+from ckptd.log import get_logger
+from ckptd.model import CKPTD_DIR
+from ckptd.store import Store
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:64]
+    except OSError:
+        return ""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    return True
+
+
+@dataclass
+class _RootLease:
+    key: tuple[Any, ...] | None = None
+    changed_at: float = 0.0  # monotonic: when `key` last changed
+    gen: int = 0  # the generation we hold; 0 = none
+    renewed_ok: float = -1e18  # monotonic: our last successful renewal
+    holder: Holder | None = None  # the last holder seen (ours or not)
+    fresh: bool = False  # taken as generation 1 of a root no ckptd had held
+    problem: str | None = None
+    verdict: Verdict | None = None
+
+
+class LeaseProblem(Exception):
+    """A root whose lease cannot be looked at or written; the message says why."""
+
+
+class Leases:
+    """Every configured root's lease, as this daemon sees it; the `lease` service."""
+
+    def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
+                 node: Callable[[], str], timeout: Callable[[], float],
+                 on_change: Callable[[set[str]], None] = lambda gained: None) -> None:
+        self.store = store
+        self.roots = roots
+        self.node = node
+        self.timeout = timeout
+        self.on_change = on_change
+        self.me = Me(token=secrets.token_hex(16), host=socket.gethostname(), boot=boot_id())
+        self._lock = threading.Lock()
+        self._state: dict[str, _RootLease] = {}
+        self._wake = threading.Event()
+        self.log = get_logger()
+
+    # -- what the other services ask -----------------------------------------------------------
+
+    def interval(self) -> float:
+        return min(5.0, max(0.25, self.timeout() / 6))
+
+    def holds(self, name: str) -> bool:
+        """Act on `name` only while this is True: our lease, renewed within half the timeout
+        (well before any standby may judge it stale)."""
+        with self._lock:
+            st = self._state.get(name)
+            return (st is not None and st.gen > 0
+                    and time.monotonic() - st.renewed_ok < self.timeout() / 2)
+
+    def acting(self) -> dict[str, RootConfig]:
+        """The configured roots this daemon acts on now."""
+        return {n: r for n, r in self.roots().items() if self.holds(n)}
+
+    def fresh(self, name: str) -> bool:
+        """This daemon took the root as the first ckptd ever to hold it: what its first scan
+        finds was there before ckptd (adopted)."""
+        with self._lock:
+            st = self._state.get(name)
+            return st is not None and st.fresh
+
+    def holder_json(self, name: str) -> dict[str, Any] | None:
+        """`{"node", "pid", "host", "since", "this_daemon"}` of the daemon acting on the root,
+        as last seen; None when none does."""
+        with self._lock:
+            st = self._state.get(name)
+            h = st.holder if st is not None else None
+            if st is None or h is None or h.released or st.verdict is Verdict.TAKE:
+                return None
+            ours = st.gen > 0 and h.token == self.me.token
+            return {"node": h.node, "pid": h.pid, "host": h.host,
+                    "since": datetime.fromtimestamp(h.since, UTC).isoformat(timespec="seconds"),
+                    "this_daemon": ours}
+
+    def problem(self, name: str) -> str | None:
+        with self._lock:
+            st = self._state.get(name)
+            return st.problem if st is not None else None
+
+    # -- the service ---------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.tick()
+            self._wake.wait(self.interval())
+            self._wake.clear()
+
+    def tick(self) -> None:
+        """One look at every root's lease: take, renew or stand by. Calls `on_change` with the
+        roots newly held when the set of roots this daemon acts on changed."""
+        roots = self.roots()
+        before = set(self.acting())
+        with self._lock:
+            for name in list(self._state):
+                if name not in roots:
+                    del self._state[name]
+        for root in roots.values():
+            try:
+                self._tick_root(root)
+            except LeaseProblem as exc:
+                self._problem(root, str(exc))
+        after = set(self.acting())
+        if after != before:
+            self.on_change(after - before)
+
+    def release(self) -> None:
+        """A clean stop: mark every lease we hold released, so a standby takes over at once."""
+        for name, root in self.roots().items():
+            with self._lock:
+                st = self._state.get(name)
+                held = st is not None and st.gen > 0 and st.holder is not None
+                doc = replace(st.holder, released=True) if held and st and st.holder else None
+                if st is not None:
+                    st.gen = 0
+            if doc is None:
+                continue
+            try:
+                dfd = _open_dir(root.path, create=False)
+                try:
+                    top, token = _top_claim(dfd)
+                    if top == doc.gen and token == self.me.token:
+                        _write_lease(dfd, doc)
+                finally:
+                    os.close(dfd)
+                self.log.info("lease_released", root=name, gen=doc.gen)
+            except (OSError, LeaseProblem) as exc:
+                self.log.warning("lease_release_failed", root=name, error=str(exc))
+
+    # -- one root ------------------------------------------------------------------------------
+
+    def _tick_root(self, root: RootConfig) -> None:
+        now = time.monotonic()
+        timeout = self.timeout()
+        with self._lock:
+            st = self._state.setdefault(root.name, _RootLease(changed_at=now))
+        dfd = _open_dir(root.path, create=True)
+        ok = True
+        try:
+            seen = _look(dfd)
+            if seen.key != st.key:
+                st.key, st.changed_at = seen.key, now
+            alive = (pid_alive(seen.holder.pid) if seen.holder is not None
+                     and same_machine(self.me, seen.holder) else None)
+            j = judge(self.me, seen, st.changed_at, now, timeout, alive)
+            if j.verdict is Verdict.TAKE:
+                j = self._take(dfd, root, st, seen, j, now)
+            elif j.verdict is Verdict.HOLD:
+                ok = self._renew(dfd, root, st, seen, now)
+            else:
+                self._stand_by(root, st, seen)
+            st.verdict = j.verdict
+        finally:
+            os.close(dfd)
+        if ok and st.problem is not None:
+            st.problem = None
+            self.store.clear_root_error(root.name, "lease:", "root path")
+
+    def _take(self, dfd: int, root: RootConfig, st: _RootLease, seen: Seen, why: Judgement,
+              now: float) -> Judgement:
+        gen = seen.top + 1
+        doc = Holder(gen=gen, token=self.me.token, node=self.node(), pid=os.getpid(),
+                     host=self.me.host, boot=self.me.boot, since=time.time())
+        try:
+            fd = os.open(claim_name(gen), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+        except FileExistsError:  # another daemon claimed it first: look again next tick
+            return Judgement(Verdict.STANDBY, "another daemon took it first")
+        except OSError as exc:
+            raise LeaseProblem(f"lease: cannot create {root.path / CKPTD_DIR / claim_name(gen)}:"
+                               f" {exc.strerror}; ckptd acts on a root only while it holds"
+                               " its lease (make the root writable by the ckptd user)") from exc
+        try:
+            os.write(fd, self.me.token.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _write_lease(dfd, doc)
+        os.fsync(dfd)
+        previous = seen.holder
+        with self._lock:
+            st.gen, st.holder, st.renewed_ok = gen, doc, now
+            st.fresh = gen == 1 and previous is None
+        _drop_claims_below(dfd, gen)
+        self.log.info("lease_acquired", root=root.name, gen=gen, why=why.why,
+                      previous=_who(previous) if previous else None)
+        return Judgement(Verdict.HOLD, why.why)
+
+    def _renew(self, dfd: int, root: RootConfig, st: _RootLease, seen: Seen, now: float) -> bool:
+        doc = st.holder if st.gen == seen.top and st.holder is not None else None
+        if doc is None:  # ours by the claim, but this daemon lost track: write it again
+            doc = Holder(gen=seen.top, token=self.me.token, node=self.node(), pid=os.getpid(),
+                         host=self.me.host, boot=self.me.boot, since=time.time())
+        try:
+            if seen.holder == doc:
+                os.utime(LEASE_FILE, dir_fd=dfd, follow_symlinks=False)
+            else:
+                _write_lease(dfd, doc)
+        except OSError as exc:
+            self._problem(root, f"lease: cannot renew {root.path / CKPTD_DIR / LEASE_FILE}:"
+                                f" {exc.strerror}")
+            return False
+        with self._lock:
+            st.gen, st.holder, st.renewed_ok = seen.top, doc, now
+        return True
+
+    def _stand_by(self, root: RootConfig, st: _RootLease, seen: Seen) -> None:
+        was_ours = st.gen > 0
+        changed = seen.holder is not None and (st.holder is None
+                                               or st.holder.token != seen.holder.token)
+        with self._lock:
+            st.gen = 0
+            st.holder = seen.holder
+        if was_ours:
+            self.log.warning("lease_lost", root=root.name,
+                             holder=_who(seen.holder) if seen.holder else None)
+        elif changed and seen.holder is not None:
+            self.log.info("lease_standby", root=root.name, holder=_who(seen.holder),
+                          message="another daemon acts on this root; this one stands by")
+
+    def _problem(self, root: RootConfig, message: str) -> None:
+        with self._lock:
+            st = self._state.setdefault(root.name, _RootLease(changed_at=time.monotonic()))
+            first = st.problem != message
+            st.problem = message
+        if first:
+            self.log.error("lease_failed", root=root.name, error=message)
+        self.store.set_root_error(root.name, message, time.time())
+
+
+# -- the files -------------------------------------------------------------------------------
+
+
+def _open_dir(root: Path, create: bool) -> int:
+    """`<root>/.ckptd`, opened without following a symlink at either step."""
+    try:
+        rfd = os.open(root, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise LeaseProblem(f"root path {root} does not exist") from None
+    except OSError as exc:
+        raise LeaseProblem(f"lease: cannot open root {root}: {exc.strerror}") from exc
+    try:
+        if create:
+            try:
+                os.mkdir(CKPTD_DIR, 0o755, dir_fd=rfd)
+            except FileExistsError:
+                pass
+        return os.open(CKPTD_DIR, _DIR_FLAGS, dir_fd=rfd)
+    except OSError as exc:
+        link = exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(rfd, CKPTD_DIR)
+        why = "it is a symlink (never followed out of a root)" if link else exc.strerror
+        raise LeaseProblem(f"lease: cannot open {root / CKPTD_DIR}: {why}") from exc
+    finally:
+        os.close(rfd)
+
+
+def _is_link(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _read_small(dfd: int, name: str, limit: int) -> tuple[bytes, os.stat_result] | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     dir_fd=dfd)
+    except (FileNotFoundError, OSError):
+        return None
+    try:
+        st = os.fstat(fd)
+        return os.read(fd, limit + 1), st
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _top_claim(dfd: int) -> tuple[int, str | None]:
+    gens = [g for g in (claim_generation(n) for n in os.listdir(dfd)) if g is not None]
+    if not gens:
+        return 0, None
+    top = max(gens)
+    got = _read_small(dfd, claim_name(top), 128)
+    token = got[0].decode("ascii", "replace").strip() if got else None
+    return top, token if token and valid_token(token) else None
+
+
+def _look(dfd: int) -> Seen:
+    top, token = _top_claim(dfd)
+    holder: Holder | None = None
+    stat_key: tuple[Any, ...] = ()
+    got = _read_small(dfd, LEASE_FILE, MAX_BYTES)
+    if got is not None:
+        data, st = got
+        stat_key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        try:
+            holder = Holder.from_json(json.loads(data)) if len(data) <= MAX_BYTES else None
+        except ValueError:
+            holder = None  # damaged: judged by its claim and by time alone
+    return Seen(top=top, top_token=token, holder=holder, key=(top, token, stat_key))
+
+
+def _write_lease(dfd: int, doc: Holder) -> None:
+    tmp = f".{LEASE_FILE}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644, dir_fd=dfd)
+    try:
+        try:
+            os.write(fd, json.dumps(doc.as_json(), sort_keys=True).encode() + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, LEASE_FILE, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except OSError:
+            pass
+        raise
+
+
+def _drop_claims_below(dfd: int, gen: int) -> None:
+    for name in os.listdir(dfd):
+        g = claim_generation(name)
+        if name.startswith(CLAIM_PREFIX) and g is not None and g < gen:
+            try:
+                os.unlink(name, dir_fd=dfd)
+            except OSError:
+                pass
+
+
+def _who(h: Holder) -> str:
+    return f"{h.node} (pid {h.pid} on {h.host})"

@@ -1,0 +1,197 @@
+"""One daemon acts on a root at a time: the root lease (`<root>/.ckptd/lease.json`).
+
+The rule is a pure function (tabled below); the rest runs real `ckptd run` processes on one
+root: one acts, the other stands by and answers `latest`, takes over when the holder is killed
+or stops, and a lease left by a daemon on another machine is taken once it goes stale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.client import Client, ClientError
+from ckptd.cluster.lease import Holder, Judgement, Me, Seen, Verdict, judge
+from support.ckpts import save_single
+from support.config import write_layout
+from support.fixtures import short_tempdir
+from support.proc import DaemonHandle
+from support.wait import wait_until
+
+ME = Me(token="a" * 32, host="node-a", boot="boot-1")
+OTHER = "b" * 32
+
+
+def holder(token: str = OTHER, gen: int = 3, host: str = "node-b", released: bool = False
+           ) -> Holder:
+    return Holder(gen=gen, token=token, node=host, pid=4242, host=host, boot="boot-9",
+                  since=1.0, released=released)
+
+
+@pytest.mark.parametrize(("seen", "quiet_for", "alive", "verdict", "why"), [
+    (Seen(0, None, None, ()), 0, None, Verdict.TAKE, "no daemon"),
+    (Seen(3, ME.token, holder(ME.token), ()), 999, None, Verdict.HOLD, "ours"),
+    (Seen(3, OTHER, holder(), ()), 5, None, Verdict.STANDBY, "held by another"),
+    (Seen(3, OTHER, holder(), ()), 30, None, Verdict.TAKE, "not renewed for 30s"),
+    (Seen(3, OTHER, holder(released=True), ()), 0, None, Verdict.TAKE, "released"),
+    (Seen(3, OTHER, holder(), ()), 0, False, Verdict.TAKE, "process on this machine is gone"),
+    (Seen(3, OTHER, holder(), ()), 0, True, Verdict.STANDBY, "held by another"),
+    # lease.json still names an older generation: only time decides (the new one is starting)
+    (Seen(4, OTHER, holder(released=True), ()), 0, False, Verdict.STANDBY, "held by another"),
+    # a damaged lease.json: judged by the claim and by time
+    (Seen(3, None, None, ()), 29, None, Verdict.STANDBY, "held by another"),
+    (Seen(3, None, None, ()), 31, None, Verdict.TAKE, "not renewed"),
+])
+def test_the_lease_rule(seen: Seen, quiet_for: float, alive: bool | None, verdict: Verdict,
+                        why: str) -> None:
+    j = judge(ME, seen, changed_at=100.0, now=100.0 + quiet_for, timeout=30.0,
+              process_alive=alive)
+    assert j == Judgement(verdict, j.why) and why in j.why
+
+
+@pytest.mark.parametrize("doc", [
+    None, [], {"format": "ckptd-lease/1"}, {**holder().as_json(), "gen": 0},
+    {**holder().as_json(), "pid": True}, {**holder().as_json(), "token": "x" * 8},
+    {**holder().as_json(), "node": "n" * 300}, {**holder().as_json(), "since": float("nan")},
+    {**holder().as_json(), "format": "other/1"},
+])
+def test_a_damaged_lease_document_is_refused(doc: Any) -> None:
+    with pytest.raises(ValueError):
+        Holder.from_json(doc)
+    assert Holder.from_json(holder().as_json()) == holder()
+
+
+# -- real daemons on one root ---------------------------------------------------------------------
+
+
+def _daemon(base: Path, sock_dir: Path, root: Path, remote: Path, node: str,
+            lease_timeout: str = "4s") -> DaemonHandle:
+    base.mkdir(parents=True, exist_ok=True)
+    layout = write_layout(base, sock_dir / f"{node}.sock",
+                          [{"name": "r", "path": root, "upload": {"url": f"file://{remote}"}}],
+                          node=node, lease_timeout=lease_timeout)
+    return DaemonHandle(layout, base / "daemon.log")
+
+
+def _root_status(d: DaemonHandle) -> dict[str, Any]:
+    doc = Client(d.socket, timeout=5.0, strict=True).status()
+    assert doc is not None
+    (root,) = doc["roots"]
+    return root  # type: ignore[no-any-return]
+
+
+def _uploads(remote: Path) -> list[str]:
+    return sorted(p.name for p in remote.rglob("MANIFEST.json"))
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Any:
+    with short_tempdir() as sock_dir:
+        root, remote = tmp_path / "ckpt", tmp_path / "remote"
+        root.mkdir()
+        made = [_daemon(tmp_path / "a", sock_dir, root, remote, "node-a"),
+                _daemon(tmp_path / "b", sock_dir, root, remote, "node-b")]
+        try:
+            yield root, remote, made
+        finally:
+            for d in made:
+                d.stop()
+
+
+def test_two_daemons_on_one_root_one_acts_the_other_stands_by_and_takes_over(pair: Any) -> None:
+    root, remote, (a, b) = pair
+    a.start()
+    b.start()
+    assert _root_status(a)["holder"]["node"] == "node-a" and _root_status(a)["acting"]
+    st = _root_status(b)
+    assert st["holder"]["node"] == "node-a" and st["holder"]["pid"] == a.proc.pid
+    assert not st["acting"] and not st["holder"]["this_daemon"]
+    assert b.events("lease_standby")
+
+    save_single(root, 10)
+    a.wait_for("r", 10, "valid")
+    assert a.client.wait("r", 10, until="uploaded", timeout=30)
+    # The standby answers latest from what the holder published, and changes nothing itself.
+    wait_until(lambda: (Client(b.socket, timeout=5).latest("r") or {}).get("step") == 10, 15,
+               "the standby to answer latest")
+    with pytest.raises(ClientError) as refused:
+        b.client.pin("r", 10)
+    assert refused.value.status == 409 and "node-a" in str(refused.value)
+    assert Client(b.socket, timeout=5).checkpoint("r", 10) is None  # never scanned by the standby
+
+    a.kill9()
+    # Same machine, holder's process gone: taken at the standby's next look, not after 4s.
+    wait_until(lambda: _root_status(b)["acting"], 10, "the standby to take over")
+    (took,) = b.events("lease_acquired")[-1:]
+    assert "gone" in took["why"] and "node-a" in took["previous"]
+    save_single(root, 20)
+    b.wait_for("r", 20, "valid")
+    assert b.client.wait("r", 20, until="uploaded", timeout=30)
+    rec = b.client.checkpoint("r", 10)
+    assert rec is not None and rec["remote"] == "uploaded" and not rec["adopted"]
+    assert _uploads(remote) == ["MANIFEST.json", "MANIFEST.json"]  # once each, no double upload
+    assert b.client.pin("r", 20)
+
+
+def test_a_clean_stop_hands_the_root_over_at_once(pair: Any) -> None:
+    root, _, (a, b) = pair
+    a.start()
+    b.start()
+    assert not _root_status(b)["acting"]
+    started = time.monotonic()
+    assert a.stop() == 0
+    doc = json.loads((root / ".ckptd" / "lease.json").read_text())
+    assert doc["released"] and doc["node"] == "node-a"
+    wait_until(lambda: _root_status(b)["acting"], 10, "the standby to take over")
+    assert time.monotonic() - started < 4.0  # before the lease could go stale
+    assert "released" in b.events("lease_acquired")[-1]["why"]
+
+
+def test_a_lease_held_on_another_machine_is_taken_once_stale(tmp_path: Path) -> None:
+    root, remote = tmp_path / "ckpt", tmp_path / "remote"
+    (root / ".ckptd").mkdir(parents=True)
+    save_single(root, 5)
+    os.utime(root / "model_step_5.pt", (time.time() - 60, time.time() - 60))
+    other = Holder(gen=7, token="c" * 32, node="far", pid=1, host="far-host", boot="x",
+                   since=time.time() - 3600)
+    (root / ".ckptd" / "lease.claim.7").write_text(other.token)
+    (root / ".ckptd" / "lease.json").write_text(json.dumps(other.as_json()))
+    with short_tempdir() as sock_dir:
+        d = _daemon(tmp_path / "d", sock_dir, root, remote, "near", lease_timeout="3s")
+        try:
+            d.start()
+            st = _root_status(d)
+            assert st["holder"]["node"] == "far" and not st["acting"]
+            assert Client(d.socket, timeout=5).checkpoint("r", 5) is None
+            wait_until(lambda: _root_status(d)["acting"], 15, "a takeover of the stale lease")
+            assert "not renewed" in d.events("lease_acquired")[-1]["why"]
+            rec = d.wait_for("r", 5, "valid")
+            # Another ckptd acted on this root before: its checkpoints are not adopted.
+            assert not rec["adopted"]
+            assert (root / ".ckptd" / "lease.claim.8").read_text() != other.token
+            assert not (root / ".ckptd" / "lease.claim.7").exists()
+            assert json.loads((root / ".ckptd" / "lease.json").read_text())["gen"] == 8
+        finally:
+            d.stop()
+
+
+def test_a_ckptd_dir_that_is_a_symlink_is_never_followed(tmp_path: Path) -> None:
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (root / ".ckptd").symlink_to(outside)
+    with short_tempdir() as sock_dir:
+        d = _daemon(tmp_path / "d", sock_dir, root, tmp_path / "remote", "n1")
+        try:
+            d.start()
+            st = _root_status(d)
+            assert not st["acting"] and "symlink" in (st["last_error"] or "")
+            assert list(outside.iterdir()) == []
+            assert d.events("lease_failed")
+        finally:
+            d.stop()
