@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ckptd.render import render_status
 from support import Harness, wait_until
 from writers import save_torch
 
@@ -217,5 +218,29 @@ def test_a_new_save_of_a_gone_step_with_fewer_files_is_a_new_save(tmp_path: Path
                          and c.id != first.id and c.state.value == "valid" and c, timeout=30,
                          what="the new save of step 5 valid")
         assert rec.local.value == "present"
+    finally:
+        h.daemon.stop(grace=5)
+
+
+def test_names_that_look_like_checkpoints_but_match_no_pattern_are_listed(
+        tmp_path: Path, short_dir: Path) -> None:
+    """`ckpt-200.pt` and `final.pt` are listed as unrecognised (and never touched);
+    `epoch_3.pt` is step 3 by the documented `_N.` rule; a checkpoint dir's own files are not
+    listed."""
+    h = Harness(tmp_path, short_dir)
+    h.daemon.start()
+    try:
+        for name in ("ckpt-200.pt", "final.pt", "epoch_3.pt"):
+            save_torch(h.root / name)
+        (h.root / "checkpoint-5").mkdir()
+        save_torch(h.root / "checkpoint-5" / "pytorch_model.bin")
+        (h.root / "checkpoint-5" / "trainer_state.json").write_text('{"global_step": 5}')
+        assert h.client.wait("r", 3, until="valid", timeout=30)
+        doc = h.client.status()
+        assert doc is not None
+        (root,) = doc["roots"]
+        assert root["unrecognised"] == ["ckpt-200.pt", "final.pt"]
+        assert "unrecognised" in render_status(doc) and "ckpt-200.pt" in render_status(doc)
+        assert (h.root / "ckpt-200.pt").exists() and (h.root / "final.pt").exists()
     finally:
         h.daemon.stop(grace=5)

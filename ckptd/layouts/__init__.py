@@ -112,7 +112,21 @@ def detect_all(snap: Snapshot, opts: RootOptions, now: float, layout: str = "aut
         for cand in batch:
             claimed.update(cand.files)
             found.append((rank, cand))
-    bad = sorted({c.path for _, c in found if not 0 <= c.step < MAX_STEP})
+    bad = {c.path for _, c in found if not 0 <= c.step < MAX_STEP}
     found = [(r, c) for r, c in found if 0 <= c.step < MAX_STEP]
+    bad.update(_look_alikes(snap, claimed, [c.path for _, c in found]))
     found.sort(key=lambda rc: (rc[1].step, common.written_at(snap, rc[1]), rc[0], rc[1].path))
-    return [cand for _, cand in found], bad
+    return [cand for _, cand in found], sorted(bad)
+
+
+# A weights file by its suffix: what a user would call a checkpoint.
+WEIGHTS_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".bin", ".distcp")
+
+
+def _look_alikes(snap: Snapshot, claimed: set[str], dirs: list[str]) -> list[str]:
+    """Weights files no layout took and no checkpoint directory holds: `final.pt`,
+    `ckpt-200.pt` (no step in a known pattern), a stray shard. Listed, never acted on."""
+    inside = tuple(d + "/" for d in dirs)
+    return [rel for rel in snap.files
+            if rel not in claimed and rel.endswith(WEIGHTS_SUFFIXES)
+            and not rel.startswith(inside) and not common.is_temp_path(rel)]
