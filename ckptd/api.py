@@ -588,7 +588,9 @@ def bind_socket(path: Path, group: str = "") -> socket.socket:
     except FileNotFoundError:
         pass
     except OSError as exc:
-        raise ConfigError(f"{where}: {exc.strerror or exc}") from None
+        raise ConfigError(f"{where}: cannot create the socket in {path.parent}:"
+                          f" {exc.strerror or exc} (the directory must exist or be creatable,"
+                          " and be writable by the daemon's user)") from None
     else:
         if not stat.S_ISSOCK(st.st_mode):
             raise ConfigError(f"{where}: something that is not a socket is there; ckptd never"

@@ -44,8 +44,32 @@ _EXAMPLES = """examples:
   ckptd prune llm-7b --dry-run                 what retention would keep and delete, and why
   ckptd verify /data/ckpt/llm-7b/step-1200     offline check of one checkpoint
   ckptd restore llm-7b latest --to /scratch/resume
+  ckptd doctor                                 check the setup; each problem with its fix
 exit codes: 0 ok, 1 no/invalid, 2 usage, 69 daemon unreachable, 75 state dir locked,
 78 bad config or environment (docs/CLI.md)."""
+
+_COMMAND_EXAMPLES = {
+    "run": "  ckptd run --config /etc/ckptd/ckptd.toml\n"
+           "  ckptd run --config ./ckptd.toml --socket /tmp/ckptd-test.sock",
+    "status": "  ckptd status\n  ckptd status --watch 5\n  ckptd status --json | jq .roots",
+    "ls": "  ckptd ls llm-7b\n  ckptd ls llm-7b --json | jq '.checkpoints[] | {step, state}'",
+    "latest": "  ckptd latest llm-7b\n  ckptd latest llm-7b --tier remote --json\n"
+              "exit 1 when the root has no valid checkpoint.",
+    "register": "  ckptd register llm-7b 1200\n"
+                "  ckptd register llm-7b 1200 --path ckpt/1200/model.pt --metric val_loss=1.93",
+    "pin": "  ckptd pin llm-7b 1200",
+    "unpin": "  ckptd unpin llm-7b 1200",
+    "prune": "  ckptd prune llm-7b --dry-run\n  ckptd prune llm-7b --apply"
+             "   (also deletes adopted checkpoints the rules do not keep)",
+    "restore": "  ckptd restore llm-7b latest --to /scratch/resume\n"
+               "  ckptd restore llm-7b 1200 --to ./step-1200 --config ./ckptd.toml",
+    "verify": "  ckptd verify /data/ckpt/llm-7b/step-1200\n"
+              "  ckptd verify model_step_1200.pt --deep --json",
+    "config": "  ckptd config check /etc/ckptd/ckptd.toml",
+    "demo": "  ckptd demo   (or `make demo` from the repository)",
+    "doctor": "  ckptd doctor\n  ckptd doctor --config ./ckptd.toml --no-remote\n"
+              "exit 0 when no problem was found, 1 otherwise.",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def cmd(name: str, help: str) -> argparse.ArgumentParser:  # noqa: A002
-        return sub.add_parser(name, help=help, parents=[common], description=help)
+        example = _COMMAND_EXAMPLES.get(name, "")
+        return sub.add_parser(name, help=help, parents=[common], description=help,
+                              epilog=f"examples:\n{example}" if example else None,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
 
     cmd("run", "run the daemon in the foreground")
     s = cmd("status", "daemon health and per-root summary")
@@ -106,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
                         parents=[common])
     c.add_argument("path", nargs="?")
     cmd("demo", "run a self-contained demo in ./.demo")
+    s = cmd("doctor", "check the setup (dirs, roots, space, remote, the unit's sandbox) and say"
+                      " how to fix each problem")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--unit", metavar="PATH", help="the systemd unit to check (default: the"
+                   " installed ckptd.service, with its drop-ins)")
+    s.add_argument("--no-remote", action="store_true", help="skip the remote probe")
     return p
 
 
@@ -367,6 +400,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo()
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from ckptd import doctor
+
+    path = _config_path(args)
+    cfg = _load_config(args, required=True)
+    checks = doctor.run(cfg, path, Path(args.unit) if args.unit else None,
+                        remote=not args.no_remote)
+    if args.json:
+        _print_json({"config": str(path), **doctor.as_json(checks)})
+    else:
+        print(f"ckptd doctor: config {path}")
+        for line in doctor.render(checks):
+            print(line)
+    return 0 if doctor.as_json(checks)["ok"] else EXIT_NO
+
+
 def _q(s: str) -> str:
     import urllib.parse
 
@@ -378,5 +427,5 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "register": cmd_register, "pin": lambda a: _pin(a, "PUT"),
     "unpin": lambda a: _pin(a, "DELETE"), "prune": cmd_prune, "restore": cmd_restore,
     "verify": cmd_verify, "config": cmd_config,
-    "demo": cmd_demo,
+    "demo": cmd_demo, "doctor": cmd_doctor,
 }

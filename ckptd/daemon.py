@@ -74,6 +74,9 @@ class Daemon:
         self.store = store = self._store_factory(cfg.daemon.state_dir / "state.db")
         store.set_policies({r.name: policy_of(r) for r in cfg.roots})
         recovery.recover(store, cfg)
+        # The socket before the roots: an unusable socket dir stops the start (exit 78)
+        # before this daemon takes any root's lease.
+        sock, self._socket_inherited = recovery.listen_socket(cfg.daemon)
         # Services see only the roots whose lease this daemon holds (the rest stand by).
         self.leases = leases = Leases(store, self.roots, lambda: self.config.daemon.node_id,
                                       lambda: self.config.daemon.lease_timeout, self._retake)
@@ -94,13 +97,11 @@ class Daemon:
         self.ctx = ApiContext(store, self.roots, self.changes, self.scanner, self.workers,
                               self.retention, self.discovery, self.supervisor, self.metrics,
                               leases)
-        sock, inherited = recovery.listen_socket(cfg.daemon)
-        self._socket_inherited = inherited
         self.server = UnixHttpServer(sock, self.ctx)
         self._add_services()
         self.supervisor.start()
         self.log.info("daemon_ready", socket=str(cfg.daemon.socket), roots=sorted(self.roots()),
-                      pid=os.getpid(), socket_activated=inherited)
+                      pid=os.getpid(), socket_activated=self._socket_inherited)
         self.notifier.ready(status=self.summary())
 
     def _retake(self, gained: set[str]) -> None:

@@ -8,9 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ckptd.render import render_status
 from support import Harness, wait_until
 from writers import save_torch
+
+from ckptd.render import render_status
 
 
 def test_restore_on_a_fresh_node_finds_ckptd_toml_in_the_working_dir(tmp_path: Path,

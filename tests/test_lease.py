@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from ckptd.client import Client, ClientError
-from ckptd.cluster.lease import Holder, Judgement, Me, Seen, Verdict, judge
 from support.ckpts import save_single
 from support.config import write_layout
 from support.fixtures import short_tempdir
 from support.proc import DaemonHandle
 from support.wait import wait_until
+
+from ckptd.client import Client, ClientError
+from ckptd.cluster.lease import Holder, Judgement, Me, Seen, Verdict, judge
 
 ME = Me(token="a" * 32, host="node-a", boot="boot-1")
 OTHER = "b" * 32
