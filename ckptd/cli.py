@@ -58,6 +58,9 @@ _COMMAND_EXAMPLES = {
     "register": "  ckptd register llm-7b 1200\n"
                 "  ckptd register llm-7b 1200 --path ckpt/1200/model.pt --metric val_loss=1.93",
     "pin": "  ckptd pin llm-7b 1200",
+    "wait": "  ckptd wait llm-7b 1200\n  ckptd wait llm-7b 1200 --until uploaded --timeout 900"
+            "   (a job script before it exits)\nexit 0 when reached, 1 on timeout or when the"
+            " step became invalid.",
     "unpin": "  ckptd unpin llm-7b 1200",
     "prune": "  ckptd prune llm-7b --dry-run\n  ckptd prune llm-7b --apply"
              "   (also deletes adopted checkpoints the rules do not keep)",
@@ -99,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("root")
     s.add_argument("--tier", choices=["any", "local", "remote"], default="any")
     s.add_argument("--json", action="store_true")
+    s = cmd("wait", "wait until a step is valid (or uploaded); waits for the daemon to come up"
+                    " too")
+    s.add_argument("root")
+    s.add_argument("step", type=_nonneg_int)
+    s.add_argument("--until", choices=["valid", "uploaded"], default="valid")
+    s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="give up after this long (default 600); exit 1")
     s = cmd("register", "tell the daemon a save finished")
     s.add_argument("root")
     s.add_argument("step", type=_nonneg_int)
@@ -301,6 +311,37 @@ def cmd_latest(args: argparse.Namespace) -> int:
     return 0 if doc["step"] is not None else EXIT_NO
 
 
+def cmd_wait(args: argparse.Namespace) -> int:
+    import math
+    import time
+
+    if not (math.isfinite(args.timeout) and 0 <= args.timeout <= 7 * 86400):
+        raise UsageError("ckptd wait: --timeout must be from 0 to 604800 seconds")
+    c = _client(args)
+    deadline = time.monotonic() + args.timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            reached = c.wait(args.root, args.step, until=args.until, timeout=max(0.0, left))
+            break
+        except DaemonUnavailable:  # not up yet (just started): keep trying until the deadline
+            if left <= 0:
+                raise _translate(DaemonUnavailable(0, "unreachable", f"ckptd at {c.socket}"
+                                                   " did not answer")) from None
+            time.sleep(min(0.2, left))
+        except ClientError as exc:
+            if exc.status == 409:  # it became invalid: the answer is no
+                print(f"{args.root} step {args.step}: {exc.message}", file=sys.stderr)
+                return EXIT_NO
+            raise _translate(exc) from exc
+    if not reached:
+        print(f"{args.root} step {args.step}: not {args.until} after {args.timeout:g}s",
+              file=sys.stderr)
+        return EXIT_NO
+    print(f"{args.root} step {args.step} {args.until}")
+    return 0
+
+
 def cmd_register(args: argparse.Namespace) -> int:
     c = _client(args)
     paths = [os.path.abspath(p) for p in args.paths]
@@ -424,7 +465,7 @@ def _q(s: str) -> str:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run, "status": cmd_status, "ls": cmd_ls, "latest": cmd_latest,
-    "register": cmd_register, "pin": lambda a: _pin(a, "PUT"),
+    "register": cmd_register, "wait": cmd_wait, "pin": lambda a: _pin(a, "PUT"),
     "unpin": lambda a: _pin(a, "DELETE"), "prune": cmd_prune, "restore": cmd_restore,
     "verify": cmd_verify, "config": cmd_config,
     "demo": cmd_demo, "doctor": cmd_doctor,

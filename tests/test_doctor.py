@@ -106,3 +106,13 @@ def load_config_text(tmp_path: Path, text: str) -> Any:
     path = tmp_path / "doctor.toml"
     path.write_text(text)
     return load_config(path)
+
+
+def test_every_command_says_what_it_does_with_an_example() -> None:
+    from ckptd.cli import COMMANDS
+
+    for name in COMMANDS:
+        done = subprocess.run([sys.executable, "-m", "ckptd", name, "--help"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "examples:" in done.stdout, (name, done.stdout)
+        assert f"ckptd {name}" in done.stdout.split("examples:")[1], name
