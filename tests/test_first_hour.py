@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support import Harness, wait_until
+from support.config import render_config
 from writers import save_torch
 
 from ckptd.render import render_status
@@ -245,3 +247,25 @@ def test_names_that_look_like_checkpoints_but_match_no_pattern_are_listed(
         assert (h.root / "ckpt-200.pt").exists() and (h.root / "final.pt").exists()
     finally:
         h.daemon.stop(grace=5)
+
+
+@pytest.mark.parametrize("which", ["state_dir", "socket"])
+def test_an_unusable_state_or_socket_dir_is_one_line_and_exit_78(tmp_path: Path,
+                                                                 short_dir: Path,
+                                                                 which: str) -> None:
+    """systemd does not restart on 78: the operator reads one line naming the key and fixes
+    it. No root is touched (no lease taken) before the daemon knows it can start."""
+    blocker = short_dir / "a-file"
+    blocker.write_text("x")
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    keys = {"state_dir": str(tmp_path / "state"), "socket": str(short_dir / "s.sock")}
+    keys[which] = str(blocker / ("state" if which == "state_dir" else "s.sock"))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(render_config(keys, [{"name": "r", "path": str(root)}]))
+    done = subprocess.run([sys.executable, "-m", "ckptd", "run", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 78, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"daemon.{which}" in lines[0] and "Traceback" not in lines[0]
+    assert not (root / ".ckptd").exists()

@@ -288,7 +288,7 @@ class Leases:
             st.problem = message
         if first:
             self.log.error("lease_failed", root=root.name, error=message)
-        self.store.set_root_error(root.name, message, time.time())
+            self.store.set_root_error(root.name, message, time.time())
 
 
 # -- the files -------------------------------------------------------------------------------
