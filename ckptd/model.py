@@ -70,7 +70,8 @@ class FileInfo:
     `path` is relative to the root, '/'-separated. `changed_at` is the wall-clock time (seconds)
     at which the scanner last saw this file's size or mtime differ from the scan before (or first
     saw it), so "settled" never trusts an mtime copied from elsewhere. `open_for_write` is true
-    when the watcher saw the file opened for writing and not yet closed.
+    when the watcher saw the file opened for writing and not yet closed. `seen_at` is when the
+    scanner first saw a file at this path (None: not tracked; read as `changed_at`).
     """
 
     path: str
@@ -78,6 +79,11 @@ class FileInfo:
     mtime: float
     changed_at: float
     open_for_write: bool = False
+    seen_at: float | None = None
+
+    @property
+    def first_seen(self) -> float:
+        return self.changed_at if self.seen_at is None else self.seen_at
 
 
 @dataclass(frozen=True)

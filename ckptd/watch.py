@@ -34,6 +34,7 @@ class _Seen:
     size: int
     mtime_ns: int
     changed_at: float
+    seen_at: float
 
 
 class OpenFiles:
@@ -96,10 +97,12 @@ class RootScanner:
                 changed_at = prev.changed_at
             else:
                 changed_at = now
-            seen[rel] = _Seen(size, mtime_ns, changed_at)
+            seen_at = prev.seen_at if prev else now
+            seen[rel] = _Seen(size, mtime_ns, changed_at, seen_at)
             abspath = os.path.join(self.path, rel)
             files[rel] = FileInfo(rel, size, mtime_ns / 1e9, changed_at,
-                                  self.open_files.is_open(abspath, changed_at, now, expiry))
+                                  self.open_files.is_open(abspath, changed_at, now, expiry),
+                                  seen_at)
         self._seen = seen
         snap = Snapshot(files=files, dirs=frozenset(dirs), contents=self._read_contents(seen),
                         registrations=dict(registrations or {}))
@@ -202,7 +205,7 @@ def file_fingerprint(root: Path, files: tuple[str, ...]) -> str:
             st, _ = stat_member(real_root, os.path.join(root, rel))
         except OSError:
             continue
-        seen[rel] = _Seen(st.st_size, st.st_mtime_ns, 0.0)
+        seen[rel] = _Seen(st.st_size, st.st_mtime_ns, 0.0, 0.0)
     return fingerprint(Candidate("", 0, "", files, False), seen)
 
 

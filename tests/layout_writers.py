@@ -132,15 +132,6 @@ def write_dcp(directory: Path, seed: int = 0, *, stop: str | None = None) -> Pat
     return directory
 
 
-def resave_dcp(directory: Path, seed: int) -> None:
-    """A second save into the same dir that stops before its `.metadata`: the old `.metadata`
-    is still there, older than the new data (pushed back 10 s so clocks cannot blur it)."""
-    meta = directory / ".metadata"
-    old = meta.stat().st_mtime - 10
-    os.utime(meta, (old, old))
-    write_dcp(directory, seed, stop="metadata")
-
-
 # --- Hugging Face Trainer ----------------------------------------------------------------------
 
 def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:

@@ -28,6 +28,7 @@ class F:
     age: float = 100.0
     mtime_age: float | None = None
     open: bool = False
+    seen_age: float | None = None  # seconds since the scanner first saw it; None = `age`
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ def build(files: Mapping[str, F | int], contents: Mapping[str, Any] | None = Non
     for rel, spec in files.items():
         f = spec if isinstance(spec, F) else F(size=spec)
         mtime_age = f.age if f.mtime_age is None else f.mtime_age
-        infos[rel] = FileInfo(rel, f.size, NOW - mtime_age, NOW - f.age, f.open)
+        seen = None if f.seen_age is None else NOW - f.seen_age
+        infos[rel] = FileInfo(rel, f.size, NOW - mtime_age, NOW - f.age, f.open, seen)
     dirs = {"/".join(rel.split("/")[:i]) for rel in files for i in range(1, rel.count("/") + 1)}
     return Snapshot(files=infos, dirs=frozenset(dirs), contents=_encode(contents or {}),
                     registrations=dict(registrations or {}))
@@ -272,7 +274,8 @@ CASES: dict[str, Row] = {
                              {"latest_checkpointed_iteration.txt": "100"}, {}, RootOptions(),
                              [E("megatron", 100, False, "unchanged")]),
     "megatron torch_dist re-save": (
-        {"iter_0000100/.metadata": F(age=200), "iter_0000100/__0_0.distcp": F(age=100),
+        {"iter_0000100/.metadata": F(age=200),
+         "iter_0000100/__0_0.distcp": F(age=100, seen_age=300),
          "iter_0000100/common.pt": 1, "iter_0000100/metadata.json": 1,
          "latest_checkpointed_iteration.txt": 1},
         {"latest_checkpointed_iteration.txt": "100", "iter_0000100/.metadata": b"x"}, {},
@@ -285,9 +288,18 @@ CASES: dict[str, Row] = {
                               RootOptions(), [E("dcp", 3, False, "step-3/.metadata")]),
     "dcp only .metadata.tmp": ({"step-3/__0_0.distcp": 1, "step-3/.metadata.tmp": 1}, {}, {},
                                RootOptions(), [E("dcp", 3, False, "step-3/.metadata")]),
-    "dcp metadata older than data": (
-        {"step_3/.metadata": F(age=200), "step_3/__0_0.distcp": F(age=100)},
+    "dcp data changed after the metadata was seen": (
+        {"step_3/.metadata": F(age=200), "step_3/__0_0.distcp": F(age=100, seen_age=300)},
         {"step_3/.metadata": b"x"}, {}, RootOptions(), [E("dcp", 3, False, "re-save")]),
+    # `cp -r`: new mtimes in copy order (data newer than .metadata), nothing changed after
+    # ckptd saw the files: a copy, not a re-save
+    "dcp copied with cp -r, seen at once": (
+        {"step_3/.metadata": F(age=100, mtime_age=100),
+         "step_3/__0_0.distcp": F(age=100, mtime_age=99)},
+        {"step_3/.metadata": b"x"}, {}, RootOptions(), [E("dcp", 3, True, "", "bad_metadata")]),
+    "dcp copied with cp -r, seen while copying": (
+        {"step_3/.metadata": F(age=200), "step_3/__0_0.distcp": F(age=100, seen_age=150)},
+        {"step_3/.metadata": b"x"}, {}, RootOptions(), [E("dcp", 3, True, "", "bad_metadata")]),
     "dcp dir names": (
         {f"{d}/.metadata": F(age=100, mtime_age=100) for d in (
             "step3", "global_step4", "7", "ckpt/iter_8", "checkpoint_9")},

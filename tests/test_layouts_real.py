@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import pytest
 
 from ckptd import layouts
 from ckptd.model import Candidate, FileInfo, RootOptions, Snapshot
+from ckptd.watch import RootScanner
 
 SETTLE = 5.0
 
@@ -140,14 +143,53 @@ def test_deepspeed_bf16_two_saves(tmp_path: Path) -> None:
     assert [(c.step, c.complete) for c in got] == [(100, True), (200, False)]
 
 
+class Scans:
+    """One RootScanner over a root, as the daemon keeps it: it remembers what it saw."""
+
+    def __init__(self, root: Path) -> None:
+        self.scanner = RootScanner("r", root, "auto", RootOptions(settle=SETTLE))
+        self.now = time.time()
+
+    def detect(self) -> list[Candidate]:
+        self.now += SETTLE + 1
+        return [c for c, _ in self.scanner.scan(self.now)[1]]
+
+
 def test_dcp_resave_in_progress(tmp_path: Path) -> None:
+    """Shards rewritten under a `.metadata` ckptd already saw: a re-save, until the new
+    `.metadata` lands."""
     d = w.write_dcp(tmp_path / "step-3")
-    [cand] = detect(tmp_path)
+    scans = Scans(tmp_path)
+    [cand] = scans.detect()
     assert cand.complete and cand.min_sizes
     assert all((tmp_path / f).stat().st_size >= n for f, n in cand.min_sizes.items())
-    w.resave_dcp(d, seed=1)
-    [again] = detect(tmp_path)
+    w.write_dcp(d, 1, stop="metadata")  # new shards, the old .metadata still there
+    [again] = scans.detect()
     assert not again.complete and "re-save" in again.waiting_for
+    w.write_dcp(d, 1)  # the whole save again, its .metadata last
+    [done] = scans.detect()
+    assert done.complete
+
+
+@pytest.mark.parametrize("seen_while_copying", [False, True])
+def test_dcp_copied_with_cp_r_completes(tmp_path: Path, seen_while_copying: bool) -> None:
+    """`cp -r` gives each file a new mtime in copy order (`.metadata` first, so older than
+    the shards): a copy, not a re-save; complete once every referenced byte is there."""
+    src = w.write_dcp(tmp_path / "src" / "step-3")
+    dst = tmp_path / "root" / "step-3"
+    dst.mkdir(parents=True)
+    scans = Scans(tmp_path / "root")
+    names = sorted(p.name for p in src.iterdir())
+    assert names[0] == ".metadata"
+    for i, name in enumerate(names):
+        time.sleep(0.01)
+        shutil.copyfile(src / name, dst / name)  # new mtime, as cp -r without -p
+        if seen_while_copying and i == 0:
+            [early] = scans.detect()
+            assert not early.complete  # shards not there yet
+    assert (dst / ".metadata").stat().st_mtime < (dst / names[-1]).stat().st_mtime
+    [cand] = scans.detect()
+    assert cand.complete, cand.waiting_for
 
 
 def test_dcp_torchtitan_step_dir_without_metadata(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The `dcp` layout (torch.distributed.checkpoint, torchtitan, NeMo 2): `.metadata` + `*.distcp`.
 DCP renames `.metadata` in last; complete when it parses, every file it references has the bytes
-it references, and it is not older than a data file beside it (older: a re-save under way)."""
+it references, and no data file that was there changed after ckptd last saw it change (a re-save
+under way)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import xxhash
 from ckptd.errors import ValidationFailed
 from ckptd.formats.dcpmeta import DcpMetadata, parse_dcp_metadata
 from ckptd.layouts import common
-from ckptd.model import Candidate, RootOptions, Snapshot
+from ckptd.model import Candidate, FileInfo, RootOptions, Snapshot
 
 NAME = "dcp"
 METADATA = ".metadata"
@@ -98,9 +99,9 @@ def check_dir(snap: Snapshot, tree: common.Tree, dcp_dir: str) -> DirVerdict:
     if meta is None:
         verdict.problems.append(f"{meta_rel} (written last)")
         return verdict
-    newer = [f for f in _data_files(tree, dcp_dir) if snap.files[f].mtime > meta.mtime]
+    newer = [f for f in _data_files(tree, dcp_dir) if _changed_since(snap.files[f], meta)]
     if newer:
-        verdict.problems.append(f"re-save in progress: {newer[0]} is newer than {meta_rel}")
+        verdict.problems.append(f"re-save in progress: {newer[0]} changed after {meta_rel}")
         return verdict
     data = snap.contents.get(meta_rel)
     if data is None:
@@ -108,6 +109,15 @@ def check_dir(snap: Snapshot, tree: common.Tree, dcp_dir: str) -> DirVerdict:
         return verdict
     _check_references(snap, dcp_dir, meta_rel, data, verdict)
     return verdict
+
+
+def _changed_since(data: FileInfo, meta: FileInfo) -> bool:
+    """A data file that was there when ckptd last saw `.metadata` change, and changed after:
+    a re-save writing over the shards while the old `.metadata` still stands. Judged by what
+    ckptd observed, never by mtimes: a `cp -r` gives every file a new mtime in copy order, and
+    a file that first appeared after the metadata (a copy still going) is no re-save; its
+    bytes are checked against what `.metadata` references."""
+    return data.first_seen <= meta.changed_at < data.changed_at
 
 
 def _data_files(tree: common.Tree, dcp_dir: str) -> list[str]:
