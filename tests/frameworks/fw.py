@@ -1,0 +1,111 @@
+"""Helpers for the real-framework suite: run a framework's own training script (one process
+per rank, gloo on loopback), kill it mid-save, and check what ckptd made of the result: valid
+and uploaded, restored byte for byte, resumed from by the framework's own loader."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment a framework script runs in: no ckptd socket or config of the caller's,
+    one thread, CPU only, nothing from the network."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_DISABLED="true",
+               JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", **extra)
+    return env
+
+
+def start_ranks(script: str, args: list[str], world: int = 1, cwd: Path | None = None,
+                **env: str) -> list[subprocess.Popen[bytes]]:
+    """`scripts/<script>` once per rank with torchrun's variables (RANK, WORLD_SIZE, ...)."""
+    base = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                     WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), **env)
+    return [subprocess.Popen([sys.executable, str(SCRIPTS / script), *args],
+                             env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=cwd,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for r in range(world)]
+
+
+def finish(procs: list[subprocess.Popen[bytes]], timeout: float = 300.0) -> list[str]:
+    """Wait for every rank; their outputs. A rank that failed fails the test with its output."""
+    outs = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+        outs.append(out.decode(errors="replace"))
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * len(procs), f"ranks exited {codes}:\n" + "\n---\n".join(outs)
+    return outs
+
+
+def run_ranks(script: str, args: list[str], world: int = 1, timeout: float = 300.0,
+              **env: str) -> list[str]:
+    return finish(start_ranks(script, args, world, **env), timeout)
+
+
+def kill_when(procs: list[subprocess.Popen[bytes]], cond: Callable[[], bool],
+              timeout: float = 120.0) -> None:
+    """SIGKILL every rank the moment `cond()` holds (a save begun, its commit not yet made)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError("the condition to kill on never came")
+            if all(p.poll() is not None for p in procs):
+                outs = [p.communicate()[0].decode(errors="replace") for p in procs]
+                raise AssertionError("the ranks ended before the kill:\n" + "\n".join(outs))
+            time.sleep(0.002)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in procs:
+            p.communicate()
+
+
+def restore(config: Path, root: str, step: int | str, to: Path, *extra: str) -> str:
+    """`ckptd restore ROOT STEP --to DIR` (no daemon needed); its output."""
+    done = subprocess.run([sys.executable, "-m", "ckptd", "restore", root, str(step), "--to",
+                           str(to), "--config", str(config), *extra], capture_output=True,
+                          text=True, timeout=300, env=clean_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def same_files(a: Path, b: Path, files: list[str]) -> None:
+    """Every file in `files` (relative) is byte-identical under `a` and `b`."""
+    assert files
+    for rel in files:
+        assert (b / rel).is_file(), f"{rel} missing from {b}"
+        assert filecmp.cmp(a / rel, b / rel, shallow=False), f"{rel} differs"
+
+
+def files_of(daemon: Any, root: str, step: int) -> list[str]:
+    """The files (relative to the root) of one checkpoint, as the daemon recorded them."""
+    rec = daemon.store.checkpoint(root, step)
+    assert rec is not None, f"no step {step} in {root}"
+    return [f.path for f in daemon.store.files(rec.id)]
