@@ -205,6 +205,16 @@ def test_hf_metrics(tmp_path: Path) -> None:
     assert cand.metrics == {"best_metric": 0.42, "eval_loss": 0.42, "eval_runtime": 1.5}
 
 
+def test_orbax_metrics_saved_as_their_own_item(tmp_path: Path) -> None:
+    """CheckpointManager(..., metrics=...) (0.12) writes `<step>/metrics/metrics` as JSON and
+    leaves `_CHECKPOINT_METADATA`'s metrics empty."""
+    w.write_orbax(tmp_path, 300)
+    (tmp_path / "300" / "metrics").mkdir()
+    (tmp_path / "300" / "metrics" / "metrics").write_text('{"loss": 0.3, "acc": true}')
+    [cand] = detect(tmp_path)
+    assert cand.complete and cand.metrics == {"loss": 0.3}
+
+
 def test_orbax_old_tmp_name_and_metrics(tmp_path: Path) -> None:
     w.write_orbax(tmp_path, 100, tmp_ts=1700000000, stop="rename")
     [pending] = detect(tmp_path)

@@ -13,6 +13,9 @@ from ckptd.model import Candidate, RootOptions, Snapshot
 NAME = "orbax"
 COMMIT_FILE = "commit_success.txt"
 STEP_METADATA = "_CHECKPOINT_METADATA"
+# CheckpointManager(..., metrics=...) saves them as an item of their own: `<step>/metrics/metrics`
+# (JSON, by its JsonCheckpointHandler); `_CHECKPOINT_METADATA`'s own `metrics` stays empty.
+METRICS_ITEM = "metrics/metrics"
 _FINAL = re.compile(r"^(\d+)$", re.ASCII)
 _TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp", re.ASCII)
 # Files Orbax writes in its item dirs (`<N>/default/_METADATA`, ...).
@@ -33,8 +36,13 @@ class OrbaxLayout:
     name = NAME
 
     def wants_content(self, rel: str) -> bool:
-        return (common.name_of(rel) == STEP_METADATA
-                and _final_step(common.name_of(common.parent_of(rel))) is not None)
+        if rel.endswith("/" + METRICS_ITEM):
+            step_dir = rel[: -len(METRICS_ITEM) - 1]
+        elif common.name_of(rel) == STEP_METADATA:
+            step_dir = common.parent_of(rel)
+        else:
+            return False
+        return _final_step(common.name_of(step_dir)) is not None
 
     def candidates(
         self, snap: Snapshot, opts: RootOptions, now: float, claimed: frozenset[str]
@@ -88,14 +96,19 @@ def _final(snap: Snapshot, directory: str, step: int, under: list[str],
             problems.append(f"{common.join(directory, COMMIT_FILE)} (in-place save, not committed)")
         elif commit_mode:
             problems.append(f"{common.join(directory, COMMIT_FILE)} (as its sibling steps have)")
-    metrics = common.numeric_metrics(meta.get("metrics"))
+    metrics = {**common.numeric_metrics(meta.get("metrics")),
+               **common.numeric_metrics(_json(snap, common.join(directory, METRICS_ITEM)))}
     return common.make(NAME, step, directory, files, problems, metrics=metrics)
 
 
 def _step_metadata(snap: Snapshot, directory: str) -> dict[str, Any]:
     """`_CHECKPOINT_METADATA` as a dict; {} when absent or unreadable (older Orbax had none)."""
+    return _json(snap, common.join(directory, STEP_METADATA))
+
+
+def _json(snap: Snapshot, rel: str) -> dict[str, Any]:
     try:
-        obj = common.load_json(snap.contents.get(common.join(directory, STEP_METADATA)))
+        obj = common.load_json(snap.contents.get(rel))
     except ValueError:
         return {}
     return obj if isinstance(obj, dict) else {}
