@@ -72,6 +72,7 @@ class FileInfo:
     saw it), so "settled" never trusts an mtime copied from elsewhere. `open_for_write` is true
     when the watcher saw the file opened for writing and not yet closed. `seen_at` is when the
     scanner first saw a file at this path (None: not tracked; read as `changed_at`).
+    `symlink`: the path is a link to a file inside the root (Lightning's `last.ckpt`).
     """
 
     path: str
@@ -80,6 +81,7 @@ class FileInfo:
     changed_at: float
     open_for_write: bool = False
     seen_at: float | None = None
+    symlink: bool = False  # a link (inside the root) to a regular file
 
     @property
     def first_seen(self) -> float:

@@ -91,7 +91,7 @@ class RootScanner:
         seen: dict[str, _Seen] = {}
         self.unreadable = set()
         expiry = max(OPEN_MARK_MIN_S, 6 * self.opts.settle)
-        for rel, size, mtime_ns in self._walk(dirs):
+        for rel, size, mtime_ns, link in self._walk(dirs):
             prev = self._seen.get(rel)
             if prev and prev.size == size and prev.mtime_ns == mtime_ns:
                 changed_at = prev.changed_at
@@ -102,14 +102,14 @@ class RootScanner:
             abspath = os.path.join(self.path, rel)
             files[rel] = FileInfo(rel, size, mtime_ns / 1e9, changed_at,
                                   self.open_files.is_open(abspath, changed_at, now, expiry),
-                                  seen_at)
+                                  seen_at, link)
         self._seen = seen
         snap = Snapshot(files=files, dirs=frozenset(dirs), contents=self._read_contents(seen),
                         registrations=dict(registrations or {}))
         cands, self.unrecognised = layouts.detect_all(snap, self.opts, now, self.layout)
         return snap, [(c, fingerprint(c, seen)) for c in cands]
 
-    def _walk(self, dirs: set[str]) -> Iterator[tuple[str, int, int]]:
+    def _walk(self, dirs: set[str]) -> Iterator[tuple[str, int, int, bool]]:
         stack = [""]
         while stack:
             rel_dir = stack.pop()
@@ -135,13 +135,13 @@ class RootScanner:
                 if escapes:
                     # Reported as a file so its checkpoint completes and validation refuses it
                     # (unsafe_path); never followed, never descended.
-                    yield rel, st.st_size, st.st_mtime_ns
+                    yield rel, st.st_size, st.st_mtime_ns, True
                 elif stat.S_ISDIR(st.st_mode):
                     if not entry.is_symlink():  # a symlinked dir is never descended
                         dirs.add(rel)
                         stack.append(rel)
                 elif stat.S_ISREG(st.st_mode):
-                    yield rel, st.st_size, st.st_mtime_ns
+                    yield rel, st.st_size, st.st_mtime_ns, entry.is_symlink()
 
     def _read_contents(self, seen: dict[str, _Seen]) -> dict[str, bytes]:
         out: dict[str, bytes] = {}

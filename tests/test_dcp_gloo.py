@@ -2,8 +2,8 @@
 across the ranks plus replicated state) into a root that a daemon in the test process watches:
 a whole save is valid and latest; a save missing a rank's data file, or whose rank 1 died before
 the commit, is never latest; `ckptd verify` tells a whole save from one with a flipped byte, and
-`ckptd restore` gives the whole save back byte for byte (but, a known bug, not one ckptd itself
-takes as whole).
+`ckptd restore` gives the whole save back byte for byte, and ckptd takes the restored copy as
+whole.
 
 Run as a script, this file is one rank of such a save (see `_rank_main`)."""
 

@@ -125,8 +125,9 @@ WEIGHTS_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".bin", ".distcp")
 
 def _look_alikes(snap: Snapshot, claimed: set[str], dirs: list[str]) -> list[str]:
     """Weights files no layout took and no checkpoint directory holds: `final.pt`,
-    `ckpt-200.pt` (no step in a known pattern), a stray shard. Listed, never acted on."""
+    `ckpt-200.pt` (no step in a known pattern), a stray shard. Listed, never acted on. A
+    symlink (Lightning's `last.ckpt`) names another file: not a checkpoint of its own."""
     inside = tuple(d + "/" for d in dirs)
-    return [rel for rel in snap.files
-            if rel not in claimed and rel.endswith(WEIGHTS_SUFFIXES)
+    return [rel for rel, info in snap.files.items()
+            if rel not in claimed and rel.endswith(WEIGHTS_SUFFIXES) and not info.symlink
             and not rel.startswith(inside) and not common.is_temp_path(rel)]
