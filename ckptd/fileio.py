@@ -182,11 +182,15 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def fsync_file(path: str | os.PathLike[str]) -> None:
-    """Flush a file's data and metadata to disk (it may have been written by another process)."""
+def fsync_file(path: str | os.PathLike[str], drop: bool = False) -> None:
+    """Flush a file's data and metadata to disk (it may have been written by another process).
+    With `drop`, then forget its cached pages: the ones the writer's own writes brought in were
+    dirty during the read pass (which drops only clean pages) and are clean only now."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
+        if drop:
+            _advise(fd, 0, 0, "POSIX_FADV_DONTNEED")
     finally:
         os.close(fd)
 

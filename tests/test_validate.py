@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -317,3 +319,21 @@ def test_hf_training_args_object_is_opaque_but_a_weights_file_is_not(tmp_path: P
     finally:
         for n in added:
             sys.modules.pop(n, None)
+
+
+@pytest.mark.skipif(shutil.which("fincore") is None, reason="needs util-linux fincore")
+def test_a_just_written_checkpoint_leaves_the_page_cache_once_valid(tmp_path: Path) -> None:
+    """The trainer's own writes leave the file's pages dirty in the cache; the read pass cannot
+    drop dirty pages, so they go once validation has fsynced the file."""
+    root = tmp_path
+    path = root / "step_1.pt"
+    torch.save({"w": torch.randn(16 << 20)}, path)  # through the page cache, no fsync
+    assert _resident(path) > (64 << 20) // 2
+    assert validate(root, _cand("step_1.pt")).valid
+    assert _resident(path) < (64 << 20) // 10, _resident(path)
+
+
+def _resident(path: Path) -> int:
+    out = subprocess.run(["fincore", "-b", "-n", "-o", "RES", str(path)], check=True,
+                         capture_output=True, text=True).stdout
+    return int(out.split()[0])

@@ -288,7 +288,7 @@ class _Run:
         # created moments ago is not durable until its parent's entry for it is.
         dirs: dict[Path, None] = {}
         for m in self.members:
-            fileio.fsync_file(m.path)
+            fileio.fsync_file(m.path, drop=True)  # durable and hashed: out of the page cache
             parts = m.rel.split("/")[:-1]
             for i in range(len(parts), -1, -1):
                 dirs[self.root.joinpath(*parts[:i])] = None
