@@ -1,6 +1,6 @@
 """The `megatron` layout: `iter_<N:07d>/`, committed by `latest_checkpointed_iteration.txt`.
 Rank 0 writes that tracker after every rank finished; complete when it names N or later and the
-dir settled (plus the DCP rule for torch_dist saves)."""
+dir settled (plus, for torch_dist saves, megatron-core's `metadata.json` and the DCP rule)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 _DIR = re.compile(r"^iter_(\d{7,})$", re.ASCII)
 # Files that only Megatron puts in an iter dir: legacy per-rank dirs, torch_dist side files.
 _TELLS = re.compile(r"^mp_rank_\d+(?:_\d+)*$", re.ASCII)
-_TOP_TELLS = ("metadata.json", "common.pt")
+COMMON = "common.pt"  # megatron-core dist_checkpointing: rank 0 writes it first ...
+CONFIG = "metadata.json"  # ... and this last, once every rank's sharded save is done
+_TOP_TELLS = (CONFIG, COMMON)
 
 
 def step_of_dir(name: str) -> int | None:
@@ -58,11 +60,21 @@ def _is_megatron(snap: Snapshot, directory: str, files: list[str]) -> bool:
 def _candidate(snap: Snapshot, tree: common.Tree, opts: RootOptions, now: float,
                directory: str, step: int, under: list[str], files: list[str]) -> Candidate:
     problems = [common.unfinished_problem(snap, directory, under),
-                _tracker_problem(snap, directory, step)]
+                _tracker_problem(snap, directory, step),
+                _dist_problem(directory, files)]
     verdicts = [dcp.check_dir(snap, tree, d) for d in dcp.dcp_dirs(files)]  # torch_dist format
     problems += [p for v in verdicts for p in v.problems]
     problems.append(common.settle_problem(snap, under, opts, now))
     return common.make(NAME, step, directory, files, problems, **dcp.verdict_extras(verdicts))
+
+
+def _dist_problem(directory: str, files: list[str]) -> str:
+    """A megatron-core dist checkpoint (`common.pt`, written first) is whole only with its
+    `metadata.json`, written after the sharded save: without it a save killed early (nothing
+    but `common.pt`) would pass once the tracker names a later iteration."""
+    if common.join(directory, COMMON) in files and common.join(directory, CONFIG) not in files:
+        return f"{common.join(directory, CONFIG)} (written last by megatron-core)"
+    return ""
 
 
 def _tracker_problem(snap: Snapshot, directory: str, step: int) -> str:
