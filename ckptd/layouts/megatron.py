@@ -5,6 +5,7 @@ dir settled (plus, for torch_dist saves, megatron-core's `metadata.json` and the
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from ckptd.layouts import common, dcp
 from ckptd.model import Candidate, RootOptions, Snapshot
@@ -82,6 +83,19 @@ def _tracker_problem(snap: Snapshot, directory: str, step: int) -> str:
     return common.pointer_problem(
         snap, directory, TRACKER, str(step),
         lambda text: text.isascii() and text.isdigit() and int(text) >= step)
+
+
+def restored_tracker(step: int, paths: Iterable[str]) -> tuple[str, bytes] | None:
+    """The tracker a restore writes beside the restored `iter_N` dir (its path relative to the
+    restore's target, and its bytes as Megatron-LM writes them: the number, no newline). The
+    tracker belongs to no checkpoint, and the one on disk may name a later iteration: Megatron
+    resumes from what it names, so a restored iteration needs its own."""
+    for rel in paths:
+        parts = rel.split("/")
+        for i, part in enumerate(parts[:-1]):
+            if step_of_dir(part) == step:
+                return common.join("/".join(parts[:i]), TRACKER), str(step).encode()
+    return None
 
 
 LAYOUT = MegatronLayout()
