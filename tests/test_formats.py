@@ -339,6 +339,87 @@ def test_dcp_metadata_build_on_a_stand_in_leaves_later_parses_alone(tmp_path: Pa
     assert dcpmeta.parse_dcp_metadata((d / ".metadata").read_bytes()).entries > 10
 
 
+# megatron-core 0.16.1 (torch_dist) keeps every rank's save plan in `.metadata`: one written by
+# it (tests/frameworks/scripts/megatron_train.py: TP=2 on two ranks, iteration 10).
+MEGATRON_METADATA = Path(__file__).parent / "golden" / "megatron" / "iter_0000010.metadata"
+PLAN_GLOBALS = {f"torch.distributed.checkpoint.planner.{n}"
+                for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
+
+
+def test_dcp_metadata_written_by_megatron_core() -> None:
+    data = MEGATRON_METADATA.read_bytes()
+    found = picklescan.scan_pickle(data, ".metadata", dcpmeta._SCAN_ALLOWED)
+    assert {g for g in found if ".planner." in g} == PLAN_GLOBALS
+    meta = dcpmeta.parse_dcp_metadata(data)
+    assert meta.references == {"__0_0.distcp": 168147, "__0_1.distcp": 177763,
+                               "__1_0.distcp": 157512, "__1_1.distcp": 143007}
+    assert meta.version == "1.0.0" and meta.entries == 27 and not meta.transformed
+
+
+def _with_plans(tmp_path: Path, *items: object) -> bytes:
+    """A real DCP save's metadata carrying save plans as megatron-core adds them
+    (`Metadata.all_local_plans`), with `items` as the plan items."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    md = FileSystemReader(str(writers.save_dcp(tmp_path / "ckpt"))).read_metadata()
+    md.all_local_plans = [SavePlan(items=list(items), planner_data={})]  # type: ignore[attr-defined]
+    return pickle.dumps(md, protocol=4)
+
+
+def test_dcp_metadata_with_save_plans_parses_as_without(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    shard = WriteItem(MetadataIndex("w", torch.Size([0, 0])), WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(
+                          ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 4])),
+                          TensorProperties(dtype=torch.bfloat16), torch.Size([8, 4])))
+    blob = WriteItem(MetadataIndex("rng_state/shard_0_2"), WriteItemType.BYTE_IO)
+    data = _with_plans(tmp_path / "a", shard, blob)
+    without = dcpmeta.parse_dcp_metadata((tmp_path / "a" / "ckpt" / ".metadata").read_bytes())
+    assert dcpmeta.parse_dcp_metadata(data) == without
+
+
+class _Calls:
+    """Pickles as a call of `fn(*args)`: what a hostile `.metadata` puts among the plan items."""
+
+    def __init__(self, fn: object, *args: object) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (self.fn, self.args)
+
+
+def _near_misses() -> dict[str, tuple[object, ...]]:
+    """Globals that look like the allowed plan classes, or sit beside them, and are not data."""
+    from torch.distributed.checkpoint import filesystem, planner, planner_helpers
+
+    return {
+        "os.system": (__import__("os").system, "touch {marker}"),
+        "builtins.exec": (exec, "open({marker!r}, 'w')"),
+        "a DCP function beside the plan classes": (planner_helpers._create_write_items, "w", 1),
+        "a method of an allowed class": (planner.WriteItem.tensor_storage_size, None),
+        "a DCP dataclass no save writes": (planner.LoadPlan, []),
+        "a DCP class that does I/O": (filesystem.FileSystemWriter, "{marker}"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_near_misses()))
+def test_dcp_metadata_with_plans_naming_other_globals_is_unsafe(tmp_path: Path,
+                                                                name: str) -> None:
+    marker = tmp_path / "pwned"
+    fn, *args = _near_misses()[name]
+    args = [a.format(marker=str(marker)) if isinstance(a, str) else a for a in args]
+    data = _with_plans(tmp_path, _Calls(fn, *args))
+    assert _reason(dcpmeta.parse_dcp_metadata, data) == "unsafe_pickle"
+    assert not marker.exists()
+
+
 def test_dcp_metadata_path_escape_is_unsafe_path() -> None:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex

@@ -93,6 +93,11 @@ ORBAX_META = {"item_handlers": {"default": "PyTreeCheckpointHandler"}, "metrics"
 ORBAX_100 = {"100/_CHECKPOINT_METADATA": 10, "100/default/_METADATA": 10,
              "100/default/manifest.ocdbt": 10, "100/default/d/0123abcd": 10}
 RECENT = F(age=1.0)
+# megatron-core's torch_dist save before its last file, metadata.json; the tracker names it
+MEG_DIST = {"iter_0000100/common.pt": 1, "iter_0000100/.metadata": 1,
+            "iter_0000100/__0_0.distcp": 10_000, "latest_checkpointed_iteration.txt": 1}
+MEG_DIST_CONTENT = {"latest_checkpointed_iteration.txt": "100",
+                    "iter_0000100/.metadata": DCP_META}
 W2 = RootOptions(settle=SETTLE, world_size=2)
 
 Regs = dict[int, tuple[str, ...]]
@@ -280,6 +285,17 @@ CASES: dict[str, Row] = {
          "latest_checkpointed_iteration.txt": 1},
         {"latest_checkpointed_iteration.txt": "100", "iter_0000100/.metadata": b"x"}, {},
         RootOptions(), [E("megatron", 100, False, "re-save in progress")]),
+    "megatron torch_dist complete": (
+        {**MEG_DIST, "iter_0000100/metadata.json": 1}, MEG_DIST_CONTENT, {}, RootOptions(),
+        [E("megatron", 100, True, path="iter_0000100")]),
+    "megatron torch_dist without metadata.json": (
+        MEG_DIST, MEG_DIST_CONTENT, {}, RootOptions(),
+        [E("megatron", 100, False, "iter_0000100/metadata.json")]),
+    # killed after common.pt: nothing else was written, and the tracker moved on
+    "megatron torch_dist only common.pt, tracker newer": (
+        {"iter_0000100/common.pt": 1, "latest_checkpointed_iteration.txt": 1},
+        {"latest_checkpointed_iteration.txt": "200"}, {}, RootOptions(),
+        [E("megatron", 100, False, "metadata.json")]),
     "iter dir without megatron signs is dcp": (
         {"iter_0000100/.metadata": 1, "iter_0000100/__0_0.distcp": 1}, {}, {}, RootOptions(),
         [E("dcp", 100, None)]),

@@ -105,6 +105,18 @@ def test_ranked_first_save_in_auto(tmp_path: Path) -> None:
     assert got == [("model_7.pt", "ranked", True), ("model_8.pt", "ranked", False)]
 
 
+@pytest.mark.parametrize("stop", ["dcp", "metadata_json"])
+def test_megatron_torch_dist_cut_short_stays_pending_after_later_saves(tmp_path: Path,
+                                                                      stop: str) -> None:
+    """A save killed before megatron-core's last file, then a later save tracked: the
+    tracker names a later iteration, and the cut-short one is still not whole."""
+    w.write_megatron(tmp_path, 100, torch_dist=True, stop=stop)
+    w.write_megatron(tmp_path, 200, torch_dist=True)
+    got = {c.step: c for c in detect(tmp_path)}
+    assert got[200].complete
+    assert not got[100].complete and "iter_0000100/metadata.json" in got[100].waiting_for
+
+
 def test_single_torn_write_waits_for_settle(tmp_path: Path) -> None:
     w.write_single(tmp_path, 9, stop="finish")
     [cand] = detect(tmp_path, after=1.0)

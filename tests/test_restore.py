@@ -273,6 +273,46 @@ def test_nothing_to_restore_says_where_it_looked(tmp_path: Path) -> None:
         restore(config(tmp_path, root, None), "x", "latest", tmp_path / "out")
 
 
+def test_megatron_restore_writes_a_tracker_naming_the_restored_iteration(tmp_path: Path) -> None:
+    """Megatron resumes from what `latest_checkpointed_iteration.txt` names, and the tracker
+    belongs to no checkpoint: restoring iteration 100 while the root's tracker names 200 must
+    still give a dir that resumes from 100, from the local copy or the remote alike."""
+    root, remote = tmp_path / "root", tmp_path / "remote"
+    for iteration in (100, 200):
+        w.write_megatron(root, iteration)
+    tracker = "latest_checkpointed_iteration.txt"
+    assert (root / tracker).read_text() == "200"
+    manifests = {c.step: stage(root, c, "zstd") for c in detect(root)}
+    assert all(tracker not in {f.path for f in m.files} for m in manifests.values())
+    upload(LocalBackend(remote), root, manifests[100])
+    cfg = config(tmp_path, root, remote)
+
+    out = tmp_path / "local"
+    out.mkdir()
+    (out / tracker).write_text("200")  # a later iteration named there already
+    step, paths = restore(cfg, "r", 100, out)
+    assert step == 100 and paths[-1] == out / tracker  # moved into place last
+    assert (out / tracker).read_bytes() == b"100"  # Megatron-LM's own form: no newline
+    assert_same(root, out, manifests[100])
+    assert [(c.layout, c.step, c.complete) for c in detect(out)] == [("megatron", 100, True)]
+
+    os.rename(objects_dir(root, 100), tmp_path / "elsewhere")  # only remote now
+    step, paths = restore(cfg, "r", 100, tmp_path / "remote-out")
+    assert (tmp_path / "remote-out" / tracker).read_bytes() == b"100"
+    assert sorted(p.relative_to(tmp_path / "remote-out").as_posix() for p in paths) == sorted(
+        [*(f.path for f in manifests[100].files), tracker])
+
+
+def test_only_megatron_restores_a_pointer() -> None:
+    from ckptd import layouts
+
+    files = ["run/iter_0000100/mp_rank_00/model_optim_rng.pt", "run/iter_0000100/common.pt"]
+    assert layouts.pointer_files("megatron", 100, files) == {
+        "run/latest_checkpointed_iteration.txt": b"100"}
+    assert layouts.pointer_files("megatron", 7, ["iter_0000100/common.pt"]) == {}
+    assert layouts.pointer_files("dcp", 100, ["iter_0000100/.metadata"]) == {}
+
+
 def test_restore_reports_cumulative_progress(copies: tuple[Path, Path], tmp_path: Path) -> None:
     root, remote = copies
     seen: list[tuple[int, int]] = []

@@ -20,6 +20,16 @@ from ckptd.model import Reason
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _OLD_SHARD = "torch.distributed._shard.sharded_tensor.metadata"  # torch <= 2.1 pickled these
+_PLANNER = "torch.distributed.checkpoint.planner"
+# megatron-core's torch_dist saves (0.16.1 on torch 2.13) also keep every rank's save plan in
+# the metadata (`Metadata.all_local_plans`, to reuse the plan on the next save): frozen
+# dataclasses of plain data and one Enum, nothing else (docs/SECURITY.md).
+_PLAN_CLASSES = {
+    (_PLANNER, "SavePlan"),
+    (_PLANNER, "WriteItem"),
+    (_PLANNER, "WriteItemType"),
+    (_PLANNER, "TensorWriteData"),
+}
 _RECORD_CLASSES = {
     (_DCP, "Metadata"),
     (_DCP, "TensorStorageMetadata"),
@@ -30,7 +40,7 @@ _RECORD_CLASSES = {
     (_DCP, "StorageMeta"),
     (_OLD_SHARD, "TensorProperties"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-}
+} | _PLAN_CLASSES
 _TORCH_DTYPES = (
     "bfloat16 bool complex128 complex32 complex64 float16 float32 float64 float8_e4m3fn"
     " float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2 int8 int16"

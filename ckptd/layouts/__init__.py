@@ -4,6 +4,8 @@ Pure: functions of a `Snapshot`, `RootOptions` and `now`; no I/O, no clock."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ckptd.layouts import (
     common,
     dcp,
@@ -20,7 +22,7 @@ from ckptd.layouts import (
 from ckptd.layouts.base import Layout
 from ckptd.model import MAX_STEP, Candidate, RootOptions, Snapshot
 
-__all__ = ["NAMES", "Layout", "detect", "get", "wants_content"]
+__all__ = ["NAMES", "Layout", "detect", "get", "pointer_files", "wants_content"]
 
 # docs/LAYOUTS.md's table order; also the accepted values of a root's `layout` (besides "auto").
 NAMES: tuple[str, ...] = (
@@ -63,6 +65,16 @@ AUTO_ORDER: tuple[Layout, ...] = (
     single.LAYOUT,
     native.NativeLayout(with_meta=False, without_meta=True),
 )
+
+
+def pointer_files(layout: str, step: int, paths: Iterable[str]) -> dict[str, bytes]:
+    """Files a restore of `step` writes besides the checkpoint's own `paths`: the framework's
+    pointer naming it, where the layout's framework resumes from one that is no member of the
+    checkpoint (Megatron's tracker). Relative to the restore's target, like `paths`."""
+    if layout == megatron.NAME:
+        found = megatron.restored_tracker(step, paths)
+        return dict([found]) if found is not None else {}
+    return {}
 
 
 def get(name: str) -> Layout:

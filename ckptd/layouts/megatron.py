@@ -1,10 +1,11 @@
 """The `megatron` layout: `iter_<N:07d>/`, committed by `latest_checkpointed_iteration.txt`.
 Rank 0 writes that tracker after every rank finished; complete when it names N or later and the
-dir settled (plus the DCP rule for torch_dist saves)."""
+dir settled (plus, for torch_dist saves, megatron-core's `metadata.json` and the DCP rule)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from ckptd.layouts import common, dcp
 from ckptd.model import Candidate, RootOptions, Snapshot
@@ -14,7 +15,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 _DIR = re.compile(r"^iter_(\d{7,})$", re.ASCII)
 # Files that only Megatron puts in an iter dir: legacy per-rank dirs, torch_dist side files.
 _TELLS = re.compile(r"^mp_rank_\d+(?:_\d+)*$", re.ASCII)
-_TOP_TELLS = ("metadata.json", "common.pt")
+COMMON = "common.pt"  # megatron-core dist_checkpointing: rank 0 writes it first ...
+CONFIG = "metadata.json"  # ... and this last, once every rank's sharded save is done
+_TOP_TELLS = (CONFIG, COMMON)
 
 
 def step_of_dir(name: str) -> int | None:
@@ -58,11 +61,21 @@ def _is_megatron(snap: Snapshot, directory: str, files: list[str]) -> bool:
 def _candidate(snap: Snapshot, tree: common.Tree, opts: RootOptions, now: float,
                directory: str, step: int, under: list[str], files: list[str]) -> Candidate:
     problems = [common.unfinished_problem(snap, directory, under),
-                _tracker_problem(snap, directory, step)]
+                _tracker_problem(snap, directory, step),
+                _dist_problem(directory, files)]
     verdicts = [dcp.check_dir(snap, tree, d) for d in dcp.dcp_dirs(files)]  # torch_dist format
     problems += [p for v in verdicts for p in v.problems]
     problems.append(common.settle_problem(snap, under, opts, now))
     return common.make(NAME, step, directory, files, problems, **dcp.verdict_extras(verdicts))
+
+
+def _dist_problem(directory: str, files: list[str]) -> str:
+    """A megatron-core dist checkpoint (`common.pt`, written first) is whole only with its
+    `metadata.json`, written after the sharded save: without it a save killed early (nothing
+    but `common.pt`) would pass once the tracker names a later iteration."""
+    if common.join(directory, COMMON) in files and common.join(directory, CONFIG) not in files:
+        return f"{common.join(directory, CONFIG)} (written last by megatron-core)"
+    return ""
 
 
 def _tracker_problem(snap: Snapshot, directory: str, step: int) -> str:
@@ -70,6 +83,19 @@ def _tracker_problem(snap: Snapshot, directory: str, step: int) -> str:
     return common.pointer_problem(
         snap, directory, TRACKER, str(step),
         lambda text: text.isascii() and text.isdigit() and int(text) >= step)
+
+
+def restored_tracker(step: int, paths: Iterable[str]) -> tuple[str, bytes] | None:
+    """The tracker a restore writes beside the restored `iter_N` dir (its path relative to the
+    restore's target, and its bytes as Megatron-LM writes them: the number, no newline). The
+    tracker belongs to no checkpoint, and the one on disk may name a later iteration: Megatron
+    resumes from what it names, so a restored iteration needs its own."""
+    for rel in paths:
+        parts = rel.split("/")
+        for i, part in enumerate(parts[:-1]):
+            if step_of_dir(part) == step:
+                return common.join("/".join(parts[:i]), TRACKER), str(step).encode()
+    return None
 
 
 LAYOUT = MegatronLayout()

@@ -4,6 +4,7 @@ and uploaded, restored byte for byte, resumed from by the framework's own loader
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import os
 import signal
@@ -109,3 +110,60 @@ def files_of(daemon: Any, root: str, step: int) -> list[str]:
     rec = daemon.store.checkpoint(root, step)
     assert rec is not None, f"no step {step} in {root}"
     return [f.path for f in daemon.store.files(rec.id)]
+
+
+def descendants(pids: list[int]) -> list[int]:
+    """Every live process below `pids` (their children, and theirs), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # gone since the listing
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces and ")"
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    todo = list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree_when(procs: list[subprocess.Popen[bytes]], cond: Callable[[], bool],
+                   timeout: float = 120.0) -> None:
+    """As `kill_when`, but what a lost node or a cancelled job does: each rank dies with every
+    process below it (writer processes it forked, helpers it spawned). The tree is stopped
+    first, so nothing forks or is orphaned between finding it and killing it."""
+    ranks = [p.pid for p in procs]
+
+    def stop_all() -> None:
+        tree: set[int] = set()
+        while True:
+            found = set(ranks) | set(descendants(ranks))
+            for pid in found - tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            if found <= tree:
+                break
+            tree |= found
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    deadline = time.monotonic() + timeout
+    try:
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError("the condition to kill on never came")
+            if all(p.poll() is not None for p in procs):
+                outs = [p.communicate()[0].decode(errors="replace") for p in procs]
+                raise AssertionError("the ranks ended before the kill:\n" + "\n".join(outs))
+            time.sleep(0.002)
+    finally:
+        stop_all()
+        for p in procs:
+            p.communicate()
