@@ -86,6 +86,10 @@ class FileInfo:
         return self.changed_at if self.seen_at is None else self.seen_at
 
 
+# A value a completion rule may read out of a checkpoint's pickle: numbers, short strings.
+PlainValue = int | float | str | bool | None
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """Everything a completion rule may look at: names, sizes, times, and small file contents.

@@ -317,3 +317,27 @@ def test_hf_training_args_object_is_opaque_but_a_weights_file_is_not(tmp_path: P
     finally:
         for n in added:
             sys.modules.pop(n, None)
+
+
+def test_every_untrusted_global_is_named_in_one_message(root: Path) -> None:
+    """A file that needs several globals trusted names them all at once: one round of
+    `trusted_globals` edits, not one per re-validation."""
+    import argparse
+
+    marker = root.parent / "pwned"
+    state = writers.hostile_state(writers.RunsShell(f"touch {marker}"))
+    state["extra"].update(args=argparse.Namespace(lr=0.1), hook=writers.RunsExec("1"),
+                          again=writers.RunsShell("true"))
+    writers.save_torch(root / "step_1.pt", state)
+    res = validate(root, _cand("step_1.pt"))
+    _invalid(res, "unsafe_pickle")
+    names = [n for n in ("argparse.Namespace", "builtins.exec", "posix.system")
+             if n in res.message]
+    assert len(names) == 3 and res.message.count("posix.system") == 1, res.message
+    assert "which are not on the allow-list" in res.message
+    assert not marker.exists()
+    # Trusting the plain-data one leaves the two that run code, still in one message.
+    res = validate(root, _cand("step_1.pt"), trusted=frozenset({"argparse.Namespace"}))
+    _invalid(res, "unsafe_pickle")
+    assert "argparse" not in res.message and "exec" in res.message and "system" in res.message
+
