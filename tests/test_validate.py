@@ -12,7 +12,7 @@ import torch
 import writers
 import xxhash
 
-from ckptd.model import Candidate, ValidationResult
+from ckptd.model import Candidate, RankFiles, ValidationResult
 from ckptd.stages.validate import validate, validate_file
 
 
@@ -341,3 +341,39 @@ def test_every_untrusted_global_is_named_in_one_message(root: Path) -> None:
     _invalid(res, "unsafe_pickle")
     assert "argparse" not in res.message and "exec" in res.message and "system" in res.message
 
+
+def _ds_like(root: Path, dp: object, ranks: list[int], prefix: str = "") -> Candidate:
+    """A DeepSpeed-shaped tag dir: model states recording `dp_world_size`, optimizer files for
+    `ranks`; the candidate asks for one optimizer file per recorded rank."""
+    d = root / "global_step5"
+    d.mkdir()
+    torch.save({"module": {"w": torch.ones(2)}, "dp_world_size": dp, "mp_world_size": 1},
+               d / "mp_rank_00_model_states.pt")
+    for r in ranks:
+        torch.save({"optimizer_state_dict": {"step": r}},
+                   d / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    files = sorted(str(p.relative_to(root)) for p in d.iterdir())
+    need = RankFiles("global_step5/mp_rank_00_model_states.pt", "dp_world_size",
+                     f"global_step5/{prefix}zero_pp_rank_", "_mp_rank_00_optim_states.pt")
+    return Candidate("deepspeed", 5, "global_step5", tuple(files), complete=True,
+                     rank_files=(need,))
+
+
+def test_rank_files_recorded_in_a_member_are_all_required(root: Path) -> None:
+    """The layout may call a tag complete without knowing the data-parallel size (it reads no
+    large file); validation reads it from the model states and names every missing shard."""
+    res = validate(root, _ds_like(root, 4, [0, 2]))
+    _invalid(res, "missing_file")
+    assert "dp_world_size = 4" in res.message
+    assert ("global_step5/zero_pp_rank_1_mp_rank_00_optim_states.pt, "
+            "global_step5/zero_pp_rank_3_mp_rank_00_optim_states.pt") in res.message
+
+
+@pytest.mark.parametrize(("dp", "ranks", "reason"), [
+    (2, [0, 1], ""), (1, [0], ""), (None, [0], ""),  # None: not recorded, not checked
+    (0, [0], "bad_metadata"), ("2", [0], "bad_metadata"), (1 << 40, [0], "bad_metadata"),
+    (True, [0], "bad_metadata"),
+])
+def test_rank_counts(root: Path, dp: object, ranks: list[int], reason: str) -> None:
+    res = validate(root, _ds_like(root, dp, ranks, prefix="bf16_"))
+    assert (res.valid, res.reason) == (not reason, reason), res

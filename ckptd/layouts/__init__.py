@@ -17,10 +17,10 @@ from ckptd.layouts import (
     single,
     split,
 )
-from ckptd.layouts.base import Layout
+from ckptd.layouts.base import Layout, ReadsTorchFields
 from ckptd.model import MAX_STEP, Candidate, RootOptions, Snapshot
 
-__all__ = ["NAMES", "Layout", "detect", "get", "wants_content"]
+__all__ = ["NAMES", "Layout", "detect", "get", "wants_content", "wants_torch_fields"]
 
 # docs/LAYOUTS.md's table order; also the accepted values of a root's `layout` (besides "auto").
 NAMES: tuple[str, ...] = (
@@ -88,6 +88,12 @@ def _plan(layout: str) -> tuple[Layout, ...]:
 def wants_content(rel: str, layout: str = "auto") -> bool:
     """True when some layout run for this root needs the bytes of `rel` in the snapshot."""
     return any(lay.wants_content(rel) for lay in _plan(layout))
+
+
+def wants_torch_fields(rel: str, layout: str = "auto") -> bool:
+    """True when some layout run for this root needs the plain values of `rel`'s pickle."""
+    return any(isinstance(lay, ReadsTorchFields) and lay.wants_torch_fields(rel)
+               for lay in _plan(layout))
 
 
 def detect(snap: Snapshot, opts: RootOptions, now: float, layout: str = "auto") -> list[Candidate]:

@@ -6,7 +6,7 @@ pure: no filesystem access, no clock (`now` is passed in), no store. Imports onl
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ckptd.model import Candidate, RootOptions, Snapshot
 
@@ -29,3 +29,14 @@ class Layout(Protocol):
         be used. `now` is wall-clock seconds, compared with `FileInfo.changed_at`/`mtime`.
         """
         ...
+
+
+@runtime_checkable
+class ReadsTorchFields(Protocol):
+    """A layout whose rule needs a count recorded inside a (large) torch file: the scanner
+    reads the plain top-level values of the file's pickle from its first bytes into
+    `snap.torch_fields` (never the whole file)."""
+
+    def wants_torch_fields(self, rel: str) -> bool:
+        ...
+
