@@ -558,3 +558,8 @@ def test_deepspeed_wants_torch_fields(rel: str, wanted: bool) -> None:
     assert layouts.wants_torch_fields(rel) is wanted
     assert layouts.wants_torch_fields(rel, "single") is False
 
+
+def test_deepspeed_trusted_globals() -> None:
+    assert "deepspeed.runtime.zero.config.ZeroStageEnum" in layouts.trusted_globals("deepspeed")
+    assert layouts.trusted_globals("hf") == layouts.trusted_globals("nope") == frozenset()
+

@@ -377,3 +377,56 @@ def test_rank_files_recorded_in_a_member_are_all_required(root: Path) -> None:
 def test_rank_counts(root: Path, dp: object, ranks: list[int], reason: str) -> None:
     res = validate(root, _ds_like(root, dp, ranks, prefix="bf16_"))
     assert (res.valid, res.reason) == (not reason, reason), res
+
+
+def test_deepspeed_checkpoints_trust_deepspeeds_plain_data_classes(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An optimizer file pickling DeepSpeed's loss scaler, stage enum and fragment address
+    (stand-ins registered under DeepSpeed's names, only so that pickle writes those names) is
+    valid in a `deepspeed` checkpoint with no configuration, and nowhere else; any other
+    foreign global in it is still refused."""
+    import argparse
+    import enum
+    import sys
+    import types
+
+    def register(module: str, obj: type) -> type:
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):  # pickle imports the module, parents first
+            name = ".".join(parts[:i])
+            if name not in sys.modules:
+                monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        obj.__module__, obj.__qualname__ = module, obj.__name__
+        monkeypatch.setattr(sys.modules[module], obj.__name__, obj, raising=False)
+        return obj
+
+    class LossScaler:
+        def __init__(self) -> None:
+            self.cur_scale, self.dynamic = 1.0, False
+
+    class ZeroStageEnum(int, enum.Enum):
+        gradients = 2
+
+    class fragment_address:  # noqa: N801 - DeepSpeed's name
+        def __init__(self) -> None:
+            self.numel, self.start = 338, 0
+
+    scaler = register("deepspeed.runtime.fp16.loss_scaler", LossScaler)
+    stage = register("deepspeed.runtime.zero.config", ZeroStageEnum)
+    frag = register("deepspeed.utils.tensor_fragment", fragment_address)
+    d = root / "global_step3"
+    d.mkdir()
+    optim = d / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"loss_scaler": scaler(), "zero_stage": stage(2),
+                                         "param_slice_mappings": [{"0.weight": frag()}]}},
+               optim)
+    rel = "global_step3/" + optim.name
+    ds = Candidate("deepspeed", 3, "global_step3", (rel,), complete=True)
+    assert validate(root, ds).valid
+    res = validate(root, _cand(rel))  # another layout: not trusted
+    _invalid(res, "unsafe_pickle")
+    assert all(n in res.message for n in ("LossScaler", "ZeroStageEnum", "fragment_address"))
+    torch.save({"loss_scaler": scaler(), "args": argparse.Namespace(lr=1)}, optim)
+    res = validate(root, ds)
+    _invalid(res, "unsafe_pickle")
+    assert "argparse.Namespace, which is not" in res.message

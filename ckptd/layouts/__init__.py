@@ -17,10 +17,13 @@ from ckptd.layouts import (
     single,
     split,
 )
-from ckptd.layouts.base import Layout, ReadsTorchFields
+from ckptd.layouts.base import Layout, ReadsTorchFields, TrustsGlobals
 from ckptd.model import MAX_STEP, Candidate, RootOptions, Snapshot
 
-__all__ = ["NAMES", "Layout", "detect", "get", "wants_content", "wants_torch_fields"]
+__all__ = [
+    "NAMES", "Layout", "detect", "get", "trusted_globals", "wants_content",
+    "wants_torch_fields",
+]
 
 # docs/LAYOUTS.md's table order; also the accepted values of a root's `layout` (besides "auto").
 NAMES: tuple[str, ...] = (
@@ -94,6 +97,13 @@ def wants_torch_fields(rel: str, layout: str = "auto") -> bool:
     """True when some layout run for this root needs the plain values of `rel`'s pickle."""
     return any(isinstance(lay, ReadsTorchFields) and lay.wants_torch_fields(rel)
                for lay in _plan(layout))
+
+
+def trusted_globals(name: str) -> frozenset[str]:
+    """The globals the layout called `name` trusts in its checkpoints' pickles (a framework's
+    plain-data classes); empty for an unknown name."""
+    lay = _BY_NAME.get(name)
+    return lay.trusted_globals if isinstance(lay, TrustsGlobals) else frozenset()
 
 
 def detect(snap: Snapshot, opts: RootOptions, now: float, layout: str = "auto") -> list[Candidate]:

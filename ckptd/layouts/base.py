@@ -40,3 +40,11 @@ class ReadsTorchFields(Protocol):
     def wants_torch_fields(self, rel: str) -> bool:
         ...
 
+
+@runtime_checkable
+class TrustsGlobals(Protocol):
+    """A layout whose framework pickles known plain-data objects into its checkpoints: their
+    globals are allowed in the pickle check of this layout's checkpoints (never executed)."""
+
+    trusted_globals: frozenset[str]
+

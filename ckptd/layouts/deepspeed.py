@@ -25,6 +25,24 @@ _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.
 DP_KEY = "dp_world_size"
 MAX_RANKS = 1 << 20  # a recorded size beyond this is not a real job's: not trusted
 
+# What DeepSpeed 0.19.8's ZeRO optimizer states pickle besides tensors, found by scanning files
+# the library wrote (ZeRO-2, fp32/bf16/fp16, tests/frameworks/test_deepspeed.py). Each is
+# rebuilt from plain data only: NEWOBJ (`cls.__new__`, object's own) then BUILD with a dict of
+# numbers (no `__setstate__`, `__new__` or `__reduce__` of their own), or, for the enum, a
+# lookup by value. None imports anything or runs code when loaded. ckptd never loads them; it
+# only lets its pickle check accept these names in DeepSpeed checkpoints.
+TRUSTED_GLOBALS = frozenset({
+    # The static loss scaler (fp32/bf16): {"cur_scale": 1.0, "dynamic": False}.
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    # The fp16 loss scaler: its scale, window and hysteresis counters, and `dtype` (a torch
+    # dtype, itself on torch's weights-only list).
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    # `zero_stage`: an int Enum, rebuilt as ZeroStageEnum(2).
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    # `param_slice_mappings`: a dataclass of two ints, {"numel": ..., "start": ...}.
+    "deepspeed.utils.tensor_fragment.fragment_address",
+})
+
 Cell = tuple[int, int]  # (data-parallel rank, model-parallel rank)
 _Namer = Callable[[int, int], str]  # a cell's file name
 
@@ -40,6 +58,7 @@ def step_of_tag(tag: str) -> int | None:
 
 class DeepSpeedLayout:
     name = NAME
+    trusted_globals = TRUSTED_GLOBALS
 
     def wants_content(self, rel: str) -> bool:
         return common.name_of(rel) == LATEST and not common.is_temp_path(rel)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptd import fileio
+from ckptd import fileio, layouts
 from ckptd.errors import UnsafePath, ValidationFailed
 from ckptd.fileio import HASH_ALG, HashSink, Sink
 from ckptd.formats import dcpmeta, picklescan, safetensors, zipcheck
@@ -71,7 +71,8 @@ def validate(
     carries a machine-readable reason. `extra_sinks(rel)` adds sinks (a compressor, progress) to
     each file's single read pass. `deep` also loads torch files and safetensors and rejects
     NaN/Inf in floating tensors. Valid means every file was also fsynced. `trusted` adds the
-    root's trusted globals to the weights-only allow-list of pickle checks."""
+    root's trusted globals to the weights-only allow-list of pickle checks (to which the
+    candidate's layout adds its framework's own, `layouts.trusted_globals`)."""
     if cand.invalid_reason:
         return ValidationResult(False, cand.invalid_reason, cand.invalid_message)
     run = _Run(Path(root_dir), cand, deep, extra_sinks, trusted)
@@ -110,8 +111,8 @@ class _Run:
         trusted: frozenset[str] = frozenset(),
     ) -> None:
         self.root, self.cand, self.deep = root, cand, deep
-        self.trusted = trusted
-        self.allowed = picklescan.SAFE_GLOBALS | trusted
+        self.trusted = trusted | layouts.trusted_globals(cand.layout)
+        self.allowed = picklescan.SAFE_GLOBALS | self.trusted
         # Plain top-level values of each torch member's pickle (for `cand.rank_files`).
         self.fields: dict[str, dict[str, PlainValue]] = {}
         self.extra_sinks = extra_sinks or (lambda rel: [])
