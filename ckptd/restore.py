@@ -20,7 +20,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal, TextIO, cast
 
-from ckptd import fileio, remote
+from ckptd import fileio, layouts, remote
 from ckptd.backends import Backend, backend_for_upload
 from ckptd.config import Config, RootConfig
 from ckptd.errors import CorruptData, NotFound, ObjectNotFound
@@ -90,6 +90,27 @@ def restore_from_dir(
             raise CorruptData(f"{f.path}: stored object {src} is missing")
         restored.append(_restore_file(src, f, to, progress))
     return _one_mtime(restored)
+
+
+def with_pointers(manifest: Manifest, fill: Callable[[Path], list[Path]]
+                  ) -> Callable[[Path], list[Path]]:
+    """`fill`, then the pointer files the checkpoint's framework loads it through and that
+    are not its members (DeepSpeed's `latest`, naming the restored tag even where the run
+    had moved on): without them the loader would not find the restored step."""
+
+    def run(staging: Path) -> list[Path]:
+        done = fill(staging)
+        members = {f.path for f in manifest.files}
+        paths = tuple(f.path for f in manifest.files)
+        for rel, data in layouts.pointer_files(manifest.layout, paths).items():
+            if rel not in members:
+                dest = fileio.safe_join(staging, rel)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                fileio.atomic_write_bytes(dest, data)
+                done.append(dest)  # last: moved into place after the files it points to
+        return done
+
+    return run
 
 
 def _one_mtime(paths: list[Path]) -> list[Path]:
@@ -318,13 +339,14 @@ def restore(
         if manifest is None:  # removed between resolving and reading
             raise NotFound(f"the local copy of step {n} of {root_name!r} disappeared")
         cb = _cumulative(progress, manifest.size)
-        return n, all_or_nothing(Path(to), lambda staging: restore_from_dir(
-            objects_dir(root.path, n), manifest, staging, cb))
+        return n, all_or_nothing(Path(to), with_pointers(manifest, lambda staging:
+                                 restore_from_dir(objects_dir(root.path, n), manifest,
+                                                  staging, cb)))
     assert backend is not None
     remote = read_remote_manifest(backend, root.name, n)
     cb = _cumulative(progress, remote.size)
-    return n, all_or_nothing(Path(to), lambda staging: _restore_remote(
-        backend, remote, staging, root.upload.concurrency, cb))
+    return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging: _restore_remote(
+        backend, remote, staging, root.upload.concurrency, cb)))
 
 
 def all_or_nothing(to: Path, fill: Callable[[Path], list[Path]]) -> list[Path]:
@@ -399,8 +421,9 @@ def restore_checkpoint(root_name: str, step: int, to: Path, root_dir: Path | Non
     if root_dir is not None:
         manifest = read_local_manifest(Path(root_dir), step)
         if manifest is not None:
-            return all_or_nothing(Path(to), lambda staging: restore_from_dir(
-                objects_dir(Path(root_dir), step), manifest, staging))
+            return all_or_nothing(Path(to), with_pointers(manifest, lambda staging:
+                                  restore_from_dir(objects_dir(Path(root_dir), step),
+                                                   manifest, staging)))
     from ckptd.config import find_config, load_config
     from ckptd.errors import ConfigError
 

@@ -563,3 +563,10 @@ def test_deepspeed_trusted_globals() -> None:
     assert "deepspeed.runtime.zero.config.ZeroStageEnum" in layouts.trusted_globals("deepspeed")
     assert layouts.trusted_globals("hf") == layouts.trusted_globals("nope") == frozenset()
 
+
+def test_deepspeed_pointer_files() -> None:
+    files = (DS_MODEL, DS + "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert layouts.pointer_files("deepspeed", files) == {"latest": b"global_step100"}
+    assert layouts.pointer_files("deepspeed", tuple("run/" + f for f in files)) == {
+        "run/latest": b"global_step100"}
+    assert layouts.pointer_files("dcp", files) == {}

@@ -17,11 +17,11 @@ from ckptd.layouts import (
     single,
     split,
 )
-from ckptd.layouts.base import Layout, ReadsTorchFields, TrustsGlobals
+from ckptd.layouts.base import Layout, ReadsTorchFields, TrustsGlobals, WritesPointers
 from ckptd.model import MAX_STEP, Candidate, RootOptions, Snapshot
 
 __all__ = [
-    "NAMES", "Layout", "detect", "get", "trusted_globals", "wants_content",
+    "NAMES", "Layout", "detect", "get", "pointer_files", "trusted_globals", "wants_content",
     "wants_torch_fields",
 ]
 
@@ -104,6 +104,13 @@ def trusted_globals(name: str) -> frozenset[str]:
     plain-data classes); empty for an unknown name."""
     lay = _BY_NAME.get(name)
     return lay.trusted_globals if isinstance(lay, TrustsGlobals) else frozenset()
+
+
+def pointer_files(name: str, files: tuple[str, ...]) -> dict[str, bytes]:
+    """Files (relative path -> bytes) beside a checkpoint of layout `name` with these member
+    files that its framework's loader needs and that are not members (DeepSpeed's `latest`)."""
+    lay = _BY_NAME.get(name)
+    return lay.pointer_files(files) if isinstance(lay, WritesPointers) else {}
 
 
 def detect(snap: Snapshot, opts: RootOptions, now: float, layout: str = "auto") -> list[Candidate]:

@@ -48,3 +48,11 @@ class TrustsGlobals(Protocol):
 
     trusted_globals: frozenset[str]
 
+
+@runtime_checkable
+class WritesPointers(Protocol):
+    """A layout whose framework finds a checkpoint through a pointer file beside it that is not
+    one of its members (DeepSpeed's `latest`): what a restore writes so the loader finds it."""
+
+    def pointer_files(self, files: tuple[str, ...]) -> dict[str, bytes]:
+        ...

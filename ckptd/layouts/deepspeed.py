@@ -69,6 +69,15 @@ class DeepSpeedLayout:
         return (m is not None and m.group(1) in (None, "0") and not common.is_temp_path(rel)
                 and step_of_dir(common.name_of(common.parent_of(rel))) is not None)
 
+    def pointer_files(self, files: tuple[str, ...]) -> dict[str, bytes]:
+        """`latest` naming the checkpoint's tag, beside its tag directory, as rank 0 writes it."""
+        for rel in files:
+            directory = common.parent_of(rel)
+            if _MODEL.match(common.name_of(rel)) and step_of_dir(common.name_of(directory)):
+                tag = common.name_of(directory)
+                return {common.join(common.parent_of(directory), LATEST): tag.encode()}
+        return {}
+
     def candidates(
         self, snap: Snapshot, opts: RootOptions, now: float, claimed: frozenset[str]
     ) -> list[Candidate]:
