@@ -5,6 +5,7 @@ and uploaded, restored byte for byte, resumed from by the framework's own loader
 from __future__ import annotations
 
 import filecmp
+import json
 import os
 import signal
 import socket
@@ -109,3 +110,25 @@ def files_of(daemon: Any, root: str, step: int) -> list[str]:
     rec = daemon.store.checkpoint(root, step)
     assert rec is not None, f"no step {step} in {root}"
     return [f.path for f in daemon.store.files(rec.id)]
+
+
+def verify(path: Path) -> tuple[int, dict[str, Any]]:
+    """`ckptd verify PATH --json` (no daemon, default config): exit code and document."""
+    done = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(path), "--json"],
+                          capture_output=True, text=True, timeout=120, env=clean_env())
+    assert done.stdout, done.stderr
+    return done.returncode, json.loads(done.stdout)
+
+
+def observe_until_done(procs: list[subprocess.Popen[bytes]], probe: Callable[[], Any],
+                       interval: float = 0.05, timeout: float = 300.0) -> list[Any]:
+    """`probe()`'s answers, taken every `interval` while any rank still runs (and once more
+    after): what a daemon made of a save while it was being written."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        assert time.monotonic() < deadline, "the ranks did not finish"
+        seen.append(probe())
+        time.sleep(interval)
+    seen.append(probe())
+    return seen
