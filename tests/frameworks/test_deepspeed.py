@@ -5,7 +5,8 @@ A whole save is valid with the default config (DeepSpeed's optimizer states pick
 its own plain-data classes), uploaded, restored byte for byte with a `latest` naming the
 restored tag, and a fresh engine's `load_checkpoint(DIR)` resumes from it at the saved step.
 A save missing one rank's optimizer shard, a save killed half-way, and a rank whose shard lands
-after `latest` are never called valid (the last one: not even complete until it lands)."""
+after `latest` are never called valid (the last one: not even complete until it lands). bf16 and
+fp16 saves verify with the default config too."""
 
 from __future__ import annotations
 
@@ -167,3 +168,20 @@ def test_straggler_shard_after_latest_is_waited_for(inproc_daemon: Any, tmp_path
     assert "pending" in early, seen  # the daemon did see the step while the shard was missing
     assert d.wait_for(ROOT, 3, timeout=60)["state"] == "valid"
     assert d.client.latest(ROOT)["step"] == 3  # type: ignore[index]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_other_precisions_verify_with_the_default_config(precision: str, tmp_path: Path) -> None:
+    """bf16 names its shards `bf16_zero_pp_rank_*` and fp16 pickles DynamicLossScaler: both
+    are whole and valid with no configuration; without rank 1's shard, neither is."""
+    save(tmp_path, "2", "--precision", precision)
+    tag = tmp_path / "global_step2"
+    prefix = "bf16_" if precision == "bf16" else ""
+    shard = tag / f"{prefix}zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert shard.is_file()
+    code, doc = fw.verify(tag)
+    assert code == 0 and (doc["valid"], doc["layout"]) == (True, "deepspeed"), doc
+    assert len(doc["files"]) == len(TAG_FILES)
+    shard.unlink()
+    code, doc = fw.verify(tag)
+    assert code == 1 and doc["reason"] == "missing_file" and shard.name in doc["message"], doc
