@@ -93,12 +93,15 @@ class RootScanner:
         seen: dict[str, _Seen] = {}
         self.unreadable = set()
         expiry = max(OPEN_MARK_MIN_S, 6 * self.opts.settle)
+        changing: set[str] = set()  # changed since an earlier scan saw them: being written
         for rel, size, mtime_ns in self._walk(dirs):
             prev = self._seen.get(rel)
             if prev and prev.size == size and prev.mtime_ns == mtime_ns:
                 changed_at = prev.changed_at
             else:
                 changed_at = now
+                if prev:
+                    changing.add(rel)
             seen_at = prev.seen_at if prev else now
             seen[rel] = _Seen(size, mtime_ns, changed_at, seen_at)
             abspath = os.path.join(self.path, rel)
@@ -108,7 +111,7 @@ class RootScanner:
         self._seen = seen
         snap = Snapshot(files=files, dirs=frozenset(dirs), contents=self._read_contents(seen),
                         registrations=dict(registrations or {}),
-                        torch_fields=self._read_torch_fields(seen))
+                        torch_fields=self._read_torch_fields(seen, changing))
         cands, self.unrecognised = layouts.detect_all(snap, self.opts, now, self.layout)
         return snap, [(c, fingerprint(c, seen)) for c in cands]
 
@@ -166,14 +169,15 @@ class RootScanner:
         return out
 
 
-    def _read_torch_fields(self, seen: dict[str, _Seen]) -> dict[str, dict[str, PlainValue]]:
-        """The plain values of the pickles layouts asked for, from each file's first bytes;
-        read again only when the file's size or mtime changed (a file being written is read
-        again at each change, its head only)."""
+    def _read_torch_fields(self, seen: dict[str, _Seen], changing: set[str]
+                           ) -> dict[str, dict[str, PlainValue]]:
+        """The plain values of the pickles layouts asked for, from each file's first bytes:
+        once per size and mtime, and not while the file changes from scan to scan (a large
+        file being written would be read and parsed at every scan it wakes)."""
         out: dict[str, dict[str, PlainValue]] = {}
         cache: dict[str, tuple[int, int, dict[str, PlainValue] | None]] = {}
         for rel, s in seen.items():
-            if not layouts.wants_torch_fields(rel, self.layout):
+            if rel in changing or not layouts.wants_torch_fields(rel, self.layout):
                 continue
             hit = self._fields.get(rel)
             if hit and hit[0] == s.size and hit[1] == s.mtime_ns:

@@ -248,3 +248,15 @@ def test_deepspeed_ranks_recorded_in_the_model_states(tmp_path: Path) -> None:
     [cand] = scans.detect()
     assert cand.complete, cand.waiting_for
     assert validate(tmp_path, cand).valid
+
+
+def test_torch_fields_are_read_once_and_not_while_a_file_changes(tmp_path: Path) -> None:
+    """A large model states file being written changes at every scan: its head is read once
+    it stops changing (or at first sight), not at every scan it wakes."""
+    model = "global_step100/mp_rank_00_model_states.pt"
+    w.write_deepspeed(tmp_path, 100, world_size=2)
+    scanner, now = RootScanner("r", tmp_path, "auto", RootOptions(settle=SETTLE)), time.time()
+    assert scanner.scan(now)[0].torch_fields[model]["dp_world_size"] == 2
+    w.write_deepspeed(tmp_path, 100, world_size=3)  # rewritten since the last scan
+    assert model not in scanner.scan(now + 1)[0].torch_fields
+    assert scanner.scan(now + 2)[0].torch_fields[model]["dp_world_size"] == 3
