@@ -88,6 +88,10 @@ class FileInfo:
         return self.changed_at if self.seen_at is None else self.seen_at
 
 
+# A value a completion rule may read out of a checkpoint's pickle: numbers, short strings.
+PlainValue = int | float | str | bool | None
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """Everything a completion rule may look at: names, sizes, times, and small file contents.
@@ -95,14 +99,18 @@ class Snapshot:
     `files` maps relative path -> FileInfo (regular files only; symlinks that leave the root and
     ckptd's own files are already dropped). `dirs` is the set of relative directory paths.
     `contents` holds the bytes of small files that some layout asked for (`Layout.wants_content`),
-    read by the scanner at snapshot time. `registrations` maps step -> registered relative paths
-    (the `registered` layout; an empty tuple means "registered without paths").
+    read by the scanner at snapshot time. `torch_fields` holds, for torch files some layout asked
+    for (`ReadsTorchFields`), the plain top-level values of their pickle as read from the file's
+    first bytes (DeepSpeed's `dp_world_size`); a file whose pickle could not be read there is
+    absent. `registrations` maps step -> registered relative paths (the `registered` layout; an
+    empty tuple means "registered without paths").
     """
 
     files: dict[str, FileInfo]
     dirs: frozenset[str] = frozenset()
     contents: dict[str, bytes] = field(default_factory=dict)
     registrations: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    torch_fields: dict[str, dict[str, PlainValue]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,26 @@ class Candidate:
     # Members a framework pickles its own config objects into and that resume never loads
     # (HF `training_args.bin`): integrity-checked and hashed, but their pickle is not judged.
     opaque: tuple[str, ...] = ()
+    # Per-rank files whose count is recorded inside a member; validation reads it and
+    # requires every one (a layout may not see the count: it reads no large file).
+    rank_files: tuple[RankFiles, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """One file per rank `0..n-1`, `n` recorded inside another member: validation reads the
+    integer `key` at the top level of `source`'s torch pickle and requires the member
+    `f"{prefix}{rank}{suffix}"` for every rank below it (DeepSpeed: `dp_world_size` in
+    `mp_rank_00_model_states.pt`, one `zero_pp_rank_<r>_mp_rank_00_optim_states.pt` per rank).
+    A source that records no such key is not checked."""
+
+    source: str
+    key: str
+    prefix: str
+    suffix: str
+
+    def member(self, rank: int) -> str:
+        return f"{self.prefix}{rank}{self.suffix}"
 
 
 @dataclass(frozen=True)

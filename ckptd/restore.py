@@ -92,6 +92,30 @@ def restore_from_dir(
     return _one_mtime(restored)
 
 
+def with_pointers(manifest: Manifest, fill: Callable[[Path], list[Path]]
+                  ) -> Callable[[Path], list[Path]]:
+    """`fill`, then the pointer files the checkpoint's framework loads it through and that
+    are not its members (DeepSpeed's `latest`, naming the restored tag even where the run
+    had moved on): without them the loader would not find the restored step."""
+
+    def run(staging: Path) -> list[Path]:
+        done = fill(staging)
+        members = {f.path for f in manifest.files}
+        paths = tuple(f.path for f in manifest.files)
+        for rel, data in layouts.pointer_files(manifest.layout, paths).items():
+            if rel not in members:
+                dest = fileio.safe_join(staging, rel)
+                try:
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    fileio.atomic_write_bytes(dest, data)
+                except OSError as exc:
+                    raise write_error(exc, str(dest)) from exc
+                done.append(dest)  # last: moved into place after the files it points to
+        return done
+
+    return run
+
+
 def _one_mtime(paths: list[Path]) -> list[Path]:
     """Give every restored file the same mtime. Files come back in manifest order, so without
     this a commit file restored first (DCP's `.metadata`) would look older than its data: to
@@ -318,35 +342,14 @@ def restore(
         if manifest is None:  # removed between resolving and reading
             raise NotFound(f"the local copy of step {n} of {root_name!r} disappeared")
         cb = _cumulative(progress, manifest.size)
-        return n, all_or_nothing(Path(to), with_pointers(manifest, lambda staging: (
-            restore_from_dir(objects_dir(root.path, n), manifest, staging, cb))))
+        return n, all_or_nothing(Path(to), with_pointers(manifest, lambda staging:
+                                 restore_from_dir(objects_dir(root.path, n), manifest,
+                                                  staging, cb)))
     assert backend is not None
     remote = read_remote_manifest(backend, root.name, n)
     cb = _cumulative(progress, remote.size)
     return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging: _restore_remote(
         backend, remote, staging, root.upload.concurrency, cb)))
-
-
-def with_pointers(manifest: Manifest, fill: Callable[[Path], list[Path]]
-                  ) -> Callable[[Path], list[Path]]:
-    """`fill`, then the pointer file the framework resumes from, naming this step (Megatron's
-    `latest_checkpointed_iteration.txt`), written after the checkpoint's files so that
-    `all_or_nothing` moves it into place last, replacing one that names another step."""
-    def run(staging: Path) -> list[Path]:
-        done = fill(staging)
-        pointers = layouts.pointer_files(manifest.layout, manifest.step,
-                                         [f.path for f in manifest.files])
-        for rel, data in sorted(pointers.items()):
-            dest = fileio.safe_join(staging, rel)
-            try:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                fileio.atomic_write_bytes(dest, data)
-            except OSError as exc:
-                raise write_error(exc, str(dest)) from exc
-            done.append(dest)
-        return done
-
-    return run
 
 
 def all_or_nothing(to: Path, fill: Callable[[Path], list[Path]]) -> list[Path]:
@@ -421,8 +424,9 @@ def restore_checkpoint(root_name: str, step: int, to: Path, root_dir: Path | Non
     if root_dir is not None:
         manifest = read_local_manifest(Path(root_dir), step)
         if manifest is not None:
-            return all_or_nothing(Path(to), with_pointers(manifest, lambda staging: (
-                restore_from_dir(objects_dir(Path(root_dir), step), manifest, staging))))
+            return all_or_nothing(Path(to), with_pointers(manifest, lambda staging:
+                                  restore_from_dir(objects_dir(Path(root_dir), step),
+                                                   manifest, staging)))
     from ckptd.config import find_config, load_config
     from ckptd.errors import ConfigError
 

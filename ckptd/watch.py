@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import layouts
-from ckptd.model import CKPTD_DIR, Candidate, FileInfo, RootOptions, Snapshot
+from ckptd.formats import torchhead
+from ckptd.model import CKPTD_DIR, Candidate, FileInfo, PlainValue, RootOptions, Snapshot
 
 # ckptd's own transient names (temp files, a restore's staging directory): never checkpoint data.
 OWN_TEMP_PREFIX = ".ckptd-"
@@ -76,6 +77,7 @@ class RootScanner:
         self.open_files = open_files or OpenFiles()
         self._seen: dict[str, _Seen] = {}
         self._contents: dict[str, tuple[int, int, bytes]] = {}
+        self._fields: dict[str, tuple[int, int, dict[str, PlainValue] | None]] = {}
         self._real_root = os.path.realpath(path)
         self._top = top  # which top-level entries (name, is_dir) to walk; None = all
         # Directories (root-relative; "" = the root) the last scan could not read.
@@ -91,12 +93,15 @@ class RootScanner:
         seen: dict[str, _Seen] = {}
         self.unreadable = set()
         expiry = max(OPEN_MARK_MIN_S, 6 * self.opts.settle)
+        changing: set[str] = set()  # changed since an earlier scan saw them: being written
         for rel, size, mtime_ns, link in self._walk(dirs):
             prev = self._seen.get(rel)
             if prev and prev.size == size and prev.mtime_ns == mtime_ns:
                 changed_at = prev.changed_at
             else:
                 changed_at = now
+                if prev:
+                    changing.add(rel)
             seen_at = prev.seen_at if prev else now
             seen[rel] = _Seen(size, mtime_ns, changed_at, seen_at)
             abspath = os.path.join(self.path, rel)
@@ -105,7 +110,8 @@ class RootScanner:
                                   seen_at, link)
         self._seen = seen
         snap = Snapshot(files=files, dirs=frozenset(dirs), contents=self._read_contents(seen),
-                        registrations=dict(registrations or {}))
+                        registrations=dict(registrations or {}),
+                        torch_fields=self._read_torch_fields(seen, changing))
         cands, self.unrecognised = layouts.detect_all(snap, self.opts, now, self.layout)
         return snap, [(c, fingerprint(c, seen)) for c in cands]
 
@@ -160,6 +166,30 @@ class RootScanner:
             cache[rel] = (s.size, s.mtime_ns, data)
             out[rel] = data
         self._contents = cache
+        return out
+
+
+    def _read_torch_fields(self, seen: dict[str, _Seen], changing: set[str]
+                           ) -> dict[str, dict[str, PlainValue]]:
+        """The plain values of the pickles layouts asked for, from each file's first bytes:
+        once per size and mtime, and not while the file changes from scan to scan (a large
+        file being written would be read and parsed at every scan it wakes)."""
+        out: dict[str, dict[str, PlainValue]] = {}
+        cache: dict[str, tuple[int, int, dict[str, PlainValue] | None]] = {}
+        for rel, s in seen.items():
+            if rel in changing or not layouts.wants_torch_fields(rel, self.layout):
+                continue
+            hit = self._fields.get(rel)
+            if hit and hit[0] == s.size and hit[1] == s.mtime_ns:
+                fields = hit[2]
+            else:
+                real = os.path.realpath(os.path.join(self.path, rel))
+                inside = real.startswith(self._real_root + os.sep)
+                fields = torchhead.read_leading_fields(real) if inside else None
+            cache[rel] = (s.size, s.mtime_ns, fields)
+            if fields is not None:
+                out[rel] = fields
+        self._fields = cache
         return out
 
 

@@ -15,7 +15,7 @@ import writers
 
 from ckptd.errors import ValidationFailed
 from ckptd.fileio import read_pass
-from ckptd.formats import dcpmeta, picklescan, safetensors, zipcheck
+from ckptd.formats import dcpmeta, picklescan, safetensors, torchhead, zipcheck
 
 
 def _zip_check(path: Path, chunk: int = 1 << 20) -> zipcheck.ZipCrcSink:
@@ -220,6 +220,50 @@ def test_big_data_pkl_is_scanned_from_the_file(tmp_path: Path) -> None:
 
 def test_extension_registry_is_unsafe() -> None:
     assert _reason(picklescan.scan_pickle, b"\x80\x02\x82\x01)R.") == "unsafe_pickle"
+
+
+def test_several_untrusted_globals_are_named_in_one_message() -> None:
+    # GLOBAL a.One, GLOBAL b.Two (twice), STACK_GLOBAL os.system: every one, once, in order.
+    data = (b"\x80\x04ca\nOne\n)\x81cb\nTwo\n)\x81cb\nTwo\n)\x81"
+            b"\x8c\x02os\x8c\x06system\x93\x8c\x02id\x85R\x87.")
+    with pytest.raises(ValidationFailed) as err:
+        picklescan.scan_pickle(data, "x.pt")
+    assert err.value.reason == "unsafe_pickle"
+    assert err.value.message == ("x.pt references a.One, b.Two, os.system, which are not on"
+                                 " the allow-list")
+    # An unsafe construct after them is reported too, with the names met so far.
+    with pytest.raises(ValidationFailed) as err:
+        picklescan.scan_pickle(b"\x80\x02ca\nOne\n)\x81ccollections\nOrderedDict\n}b.")
+    assert "a.One, which is not" in err.value.message and "BUILD" in err.value.message
+    # Structure only: no allow-list, the globals returned.
+    assert picklescan.scan_pickle(data, allowed=None) >= {"a.One", "b.Two", "os.system"}
+
+
+def test_a_memo_index_far_beyond_the_memo_is_a_bomb() -> None:
+    # Python's own unpickler would size its memo by this index (1.5 GiB for 10^8).
+    data = b"\x80\x02K\x01r" + (10**8).to_bytes(4, "little") + b"."
+    assert _reason(picklescan.scan_pickle, data) == "bad_header"
+
+
+def test_plain_top_level_fields_of_a_torch_pickle(tmp_path: Path) -> None:
+    p = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(3)}, "dp_world_size": 4, "ds_version": "0.19.8",
+                "optimizer": None, "lr": 0.5, "flag": True, "long": "x" * 5000,
+                "shapes": [torch.Size([3])]}, p)
+    want = {"dp_world_size": 4, "ds_version": "0.19.8", "optimizer": None, "lr": 0.5,
+            "flag": True}
+    read = picklescan.read_torch_pickle(_data_pkl(p), "m")
+    assert read.fields == want and [kind for _, kind, _ in read.refs] == ["Float"]
+    # From the file's first bytes only: data.pkl is its first member, stored.
+    assert torchhead.read_leading_fields(p) == want
+    size = len(_data_pkl(p))
+    assert torchhead.read_leading_fields(p, limit=size) is None  # the pickle cut short
+    assert torchhead.leading_fields(b"") is None
+    assert torchhead.leading_fields(b"PK\x03\x04" + b"\0" * 40) is None
+    legacy = tmp_path / "old.pt"
+    torch.save({"dp_world_size": 4}, legacy, _use_new_zipfile_serialization=False)
+    assert torchhead.read_leading_fields(legacy) is None
+    assert torchhead.read_leading_fields(tmp_path / "absent.pt") is None
 
 
 @pytest.mark.parametrize("data", [b"", b"\x80\x02}q\x00(", b"\xff\xfe garbage", b"\x80\x02h\x09."])

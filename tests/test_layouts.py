@@ -13,7 +13,7 @@ import pytest
 
 from ckptd import layouts
 from ckptd.layouts import common
-from ckptd.model import Candidate, FileInfo, RootOptions, Snapshot
+from ckptd.model import Candidate, FileInfo, RankFiles, RootOptions, Snapshot
 
 NOW = 10_000.0
 SETTLE = 5.0
@@ -507,3 +507,84 @@ def test_temp_names(name: str, temp: bool) -> None:
 ])
 def test_dir_step(name: str, step: int | None) -> None:
     assert common.dir_step(name) == step
+
+
+# --- deepspeed: the data-parallel size the model states record -------------------------------
+
+DS_MODEL = DS + "mp_rank_00_model_states.pt"
+
+
+def _ds(files: Mapping[str, F | int], dp: int | None, opts: RootOptions | None = None
+        ) -> Candidate:
+    snap = build(files, {"latest": "global_step100"})
+    if dp is not None:
+        snap = Snapshot(snap.files, snap.dirs, snap.contents,
+                        torch_fields={DS_MODEL: {"dp_world_size": dp, "ds_version": "0.19.8"}})
+    [cand] = layouts.detect(snap, opts or RootOptions(), NOW)
+    return cand
+
+
+def test_deepspeed_waits_for_the_ranks_the_model_states_record() -> None:
+    """Without `world_size`, a rank whose optimizer file has not appeared is waited for when
+    the model states say how many ranks there are; the message names its file."""
+    no_rank1 = {k: v for k, v in DS_RANKS2.items() if "rank_1" not in k}
+    assert _ds(no_rank1, None).complete  # inferred: only settling guards the gap
+    cand = _ds(no_rank1, 2)
+    assert not cand.complete
+    assert "dp 1/mp 0 (zero_pp_rank_1_mp_rank_00_optim_states.pt)" in cand.waiting_for
+    assert _ds(DS_RANKS2, 2).complete
+    # The recorded size wins over a root's (wrong) world_size, both ways.
+    assert not _ds(no_rank1, 2, RootOptions(settle=SETTLE, world_size=1)).complete
+    assert _ds(DS_RANKS2, 2, RootOptions(settle=SETTLE, world_size=4)).complete
+    # A value that is no rank count is not used.
+    for bad in (0, -1, True, "2", 1 << 40):
+        snap = build(no_rank1, {"latest": "global_step100"})
+        snap = Snapshot(snap.files, snap.dirs, snap.contents,
+                        torch_fields={DS_MODEL: {"dp_world_size": bad}})
+        assert layouts.detect(snap, RootOptions(), NOW)[0].complete, bad
+
+
+def test_deepspeed_candidates_carry_the_rank_files_validation_checks() -> None:
+    cand = _ds(DS_RANKS2, None)
+    assert cand.rank_files == (RankFiles(DS_MODEL, "dp_world_size",
+                                         DS + "zero_pp_rank_", "_mp_rank_00_optim_states.pt"),)
+    assert cand.rank_files[0].member(1) == DS + "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    bf16 = {k.replace("zero_pp", "bf16_zero_pp"): v for k, v in DS_RANKS2.items()}
+    assert _ds(bf16, None).rank_files[0].prefix == DS + "bf16_zero_pp_rank_"
+    zero3 = {DS + f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt": 1
+             for r in (0, 1) for kind in ("model", "optim")} | {"latest": 1}
+    z3 = _ds(zero3, None)
+    assert {(r.source, r.suffix) for r in z3.rank_files} == {
+        (DS + "zero_pp_rank_0_mp_rank_00_model_states.pt", "_mp_rank_00_model_states.pt"),
+        (DS + "zero_pp_rank_0_mp_rank_00_model_states.pt", "_mp_rank_00_optim_states.pt")}
+    zero0 = {DS_MODEL: 1, "latest": 1}
+    assert _ds(zero0, 2).complete and _ds(zero0, 2).rank_files == ()
+
+
+@pytest.mark.parametrize(("rel", "wanted"), [
+    ("global_step100/mp_rank_00_model_states.pt", True),
+    ("run/global_step100/mp_rank_01_model_states.pt", True),
+    ("global_step100/zero_pp_rank_0_mp_rank_00_model_states.pt", True),
+    ("global_step100/zero_pp_rank_1_mp_rank_00_model_states.pt", False),
+    ("global_step100/zero_pp_rank_0_mp_rank_00_optim_states.pt", False),
+    ("global_step100.tmp/mp_rank_00_model_states.pt", False),
+    ("other/mp_rank_00_model_states.pt", False),
+])
+def test_deepspeed_wants_torch_fields(rel: str, wanted: bool) -> None:
+    assert layouts.wants_torch_fields(rel) is wanted
+    assert layouts.wants_torch_fields(rel, "single") is False
+
+
+def test_deepspeed_trusted_globals() -> None:
+    assert "deepspeed.runtime.zero.config.ZeroStageEnum" in layouts.trusted_globals("deepspeed")
+    assert layouts.trusted_globals("hf") == layouts.trusted_globals("nope") == frozenset()
+
+
+def test_deepspeed_pointer_files() -> None:
+    files = (DS_MODEL, DS + "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert layouts.pointer_files("deepspeed", files) == {"latest": b"global_step100"}
+    assert layouts.pointer_files("deepspeed", tuple("run/" + f for f in files)) == {
+        "run/latest": b"global_step100"}
+    assert layouts.pointer_files("dcp", files) == {}
+    step0 = ("global_step0/mp_rank_00_model_states.pt",)
+    assert layouts.pointer_files("deepspeed", step0) == {"latest": b"global_step0"}

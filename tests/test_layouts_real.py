@@ -244,3 +244,41 @@ def test_orbax_commit_file(stop: str, tmp_path: Path) -> None:
     got = [(c.step, c.complete) for c in detect(tmp_path)]
     assert got[0] == (100, True)
     assert (200, True) not in got
+
+
+def test_deepspeed_ranks_recorded_in_the_model_states(tmp_path: Path) -> None:
+    """The real scanner reads `dp_world_size` from the model states' first bytes: ranks whose
+    optimizer files have not appeared are waited for without `world_size`; validation checks
+    the same count if a tag is ever handed to it without them."""
+    from dataclasses import replace
+
+    from ckptd.stages.validate import validate
+
+    w.write_deepspeed(tmp_path, 100, world_size=3, stop="optim1")  # rank 0 and `latest` only
+    scans = Scans(tmp_path)
+    scans.detect()
+    [cand] = scans.detect()  # settled
+    assert not cand.complete
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in cand.waiting_for
+    assert "zero_pp_rank_2_mp_rank_00_optim_states.pt" in cand.waiting_for
+    res = validate(tmp_path, replace(cand, complete=True))
+    assert (res.valid, res.reason) == (False, "missing_file")
+    assert "ranks' files are missing: global_step100/zero_pp_rank_1_mp_rank_00_optim_states.pt,"\
+           " global_step100/zero_pp_rank_2_mp_rank_00_optim_states.pt" in res.message
+    w.write_deepspeed(tmp_path, 100, world_size=3)  # the stragglers land (all rewritten)
+    scans.detect()
+    [cand] = scans.detect()
+    assert cand.complete, cand.waiting_for
+    assert validate(tmp_path, cand).valid
+
+
+def test_torch_fields_are_read_once_and_not_while_a_file_changes(tmp_path: Path) -> None:
+    """A large model states file being written changes at every scan: its head is read once
+    it stops changing (or at first sight), not at every scan it wakes."""
+    model = "global_step100/mp_rank_00_model_states.pt"
+    w.write_deepspeed(tmp_path, 100, world_size=2)
+    scanner, now = RootScanner("r", tmp_path, "auto", RootOptions(settle=SETTLE)), time.time()
+    assert scanner.scan(now)[0].torch_fields[model]["dp_world_size"] == 2
+    w.write_deepspeed(tmp_path, 100, world_size=3)  # rewritten since the last scan
+    assert model not in scanner.scan(now + 1)[0].torch_fields
+    assert scanner.scan(now + 2)[0].torch_fields[model]["dp_world_size"] == 3

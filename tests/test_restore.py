@@ -306,11 +306,13 @@ def test_megatron_restore_writes_a_tracker_naming_the_restored_iteration(tmp_pat
 def test_only_megatron_restores_a_pointer() -> None:
     from ckptd import layouts
 
-    files = ["run/iter_0000100/mp_rank_00/model_optim_rng.pt", "run/iter_0000100/common.pt"]
-    assert layouts.pointer_files("megatron", 100, files) == {
+    files = ("run/iter_0000100/mp_rank_00/model_optim_rng.pt", "run/iter_0000100/common.pt")
+    assert layouts.pointer_files("megatron", files) == {
         "run/latest_checkpointed_iteration.txt": b"100"}
-    assert layouts.pointer_files("megatron", 7, ["iter_0000100/common.pt"]) == {}
-    assert layouts.pointer_files("dcp", 100, ["iter_0000100/.metadata"]) == {}
+    assert layouts.pointer_files("megatron", ("iter_0000000/common.pt",)) == {
+        "latest_checkpointed_iteration.txt": b"0"}
+    assert layouts.pointer_files("megatron", ("notes/readme.txt",)) == {}
+    assert layouts.pointer_files("dcp", ("iter_0000100/.metadata",)) == {}
 
 
 def test_restore_reports_cumulative_progress(copies: tuple[Path, Path], tmp_path: Path) -> None:
@@ -320,6 +322,28 @@ def test_restore_reports_cumulative_progress(copies: tuple[Path, Path], tmp_path
             progress=lambda done, total: seen.append((done, total)))
     total = (root / "model_step_9.pt").stat().st_size
     assert seen[0] == (0, total) and seen[-1] == (total, total)
+
+
+def test_deepspeed_restore_writes_latest_naming_the_restored_tag(tmp_path: Path) -> None:
+    """DeepSpeed loads the tag its `latest` names; `latest` is shared by every step, so it is
+    no member of any: restore writes it, naming the step restored even when the run's own
+    `latest` had moved on, so `engine.load_checkpoint(DIR)` resumes there."""
+    root = tmp_path / "root"
+    w.write_deepspeed(root, 100, world_size=2)
+    w.write_deepspeed(root, 200, world_size=2)  # `latest` now names global_step200
+    [cand] = [c for c in detect(root) if c.step == 100]
+    assert "latest" not in cand.files
+    manifest = stage(root, cand, "zstd")
+    out = tmp_path / "out"
+    step, paths = restore(config(tmp_path, root, None), "r", 100, out)
+    assert step == 100 and paths[-1] == out / "latest"
+    assert (out / "latest").read_bytes() == b"global_step100"
+    assert_same(root, out, manifest)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == \
+        sorted([*cand.files, "latest"])
+    (out / "latest").write_text("global_step200")  # a restore replaces a stale one
+    restore(config(tmp_path, root, None), "r", 100, out)
+    assert (out / "latest").read_text() == "global_step100"
 
 
 # --- progress bar --------------------------------------------------------------------------

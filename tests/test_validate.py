@@ -14,7 +14,7 @@ import torch
 import writers
 import xxhash
 
-from ckptd.model import Candidate, ValidationResult
+from ckptd.model import Candidate, RankFiles, ValidationResult
 from ckptd.stages.validate import validate, validate_file
 
 
@@ -321,6 +321,117 @@ def test_hf_training_args_object_is_opaque_but_a_weights_file_is_not(tmp_path: P
             sys.modules.pop(n, None)
 
 
+def test_every_untrusted_global_is_named_in_one_message(root: Path) -> None:
+    """A file that needs several globals trusted names them all at once: one round of
+    `trusted_globals` edits, not one per re-validation."""
+    import argparse
+
+    marker = root.parent / "pwned"
+    state = writers.hostile_state(writers.RunsShell(f"touch {marker}"))
+    state["extra"].update(args=argparse.Namespace(lr=0.1), hook=writers.RunsExec("1"),
+                          again=writers.RunsShell("true"))
+    writers.save_torch(root / "step_1.pt", state)
+    res = validate(root, _cand("step_1.pt"))
+    _invalid(res, "unsafe_pickle")
+    names = [n for n in ("argparse.Namespace", "builtins.exec", "posix.system")
+             if n in res.message]
+    assert len(names) == 3 and res.message.count("posix.system") == 1, res.message
+    assert "which are not on the allow-list" in res.message
+    assert not marker.exists()
+    # Trusting the plain-data one leaves the two that run code, still in one message.
+    res = validate(root, _cand("step_1.pt"), trusted=frozenset({"argparse.Namespace"}))
+    _invalid(res, "unsafe_pickle")
+    assert "argparse" not in res.message and "exec" in res.message and "system" in res.message
+
+
+def _ds_like(root: Path, dp: object, ranks: list[int], prefix: str = "") -> Candidate:
+    """A DeepSpeed-shaped tag dir: model states recording `dp_world_size`, optimizer files for
+    `ranks`; the candidate asks for one optimizer file per recorded rank."""
+    d = root / "global_step5"
+    d.mkdir()
+    torch.save({"module": {"w": torch.ones(2)}, "dp_world_size": dp, "mp_world_size": 1},
+               d / "mp_rank_00_model_states.pt")
+    for r in ranks:
+        torch.save({"optimizer_state_dict": {"step": r}},
+                   d / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    files = sorted(str(p.relative_to(root)) for p in d.iterdir())
+    need = RankFiles("global_step5/mp_rank_00_model_states.pt", "dp_world_size",
+                     f"global_step5/{prefix}zero_pp_rank_", "_mp_rank_00_optim_states.pt")
+    return Candidate("deepspeed", 5, "global_step5", tuple(files), complete=True,
+                     rank_files=(need,))
+
+
+def test_rank_files_recorded_in_a_member_are_all_required(root: Path) -> None:
+    """The layout may call a tag complete without knowing the data-parallel size (it reads no
+    large file); validation reads it from the model states and names every missing shard."""
+    res = validate(root, _ds_like(root, 4, [0, 2]))
+    _invalid(res, "missing_file")
+    assert "dp_world_size = 4" in res.message
+    assert ("global_step5/zero_pp_rank_1_mp_rank_00_optim_states.pt, "
+            "global_step5/zero_pp_rank_3_mp_rank_00_optim_states.pt") in res.message
+
+
+@pytest.mark.parametrize(("dp", "ranks", "reason"), [
+    (2, [0, 1], ""), (1, [0], ""), (None, [0], ""),  # None: not recorded, not checked
+    (0, [0], "bad_metadata"), ("2", [0], "bad_metadata"), (1 << 40, [0], "bad_metadata"),
+    (True, [0], "bad_metadata"),
+])
+def test_rank_counts(root: Path, dp: object, ranks: list[int], reason: str) -> None:
+    res = validate(root, _ds_like(root, dp, ranks, prefix="bf16_"))
+    assert (res.valid, res.reason) == (not reason, reason), res
+
+
+def test_deepspeed_checkpoints_trust_deepspeeds_plain_data_classes(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An optimizer file pickling DeepSpeed's loss scaler, stage enum and fragment address
+    (stand-ins registered under DeepSpeed's names, only so that pickle writes those names) is
+    valid in a `deepspeed` checkpoint with no configuration, and nowhere else; any other
+    foreign global in it is still refused."""
+    import argparse
+    import enum
+    import sys
+    import types
+
+    def register(module: str, obj: type) -> type:
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):  # pickle imports the module, parents first
+            name = ".".join(parts[:i])
+            if name not in sys.modules:
+                monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        obj.__module__, obj.__qualname__ = module, obj.__name__
+        monkeypatch.setattr(sys.modules[module], obj.__name__, obj, raising=False)
+        return obj
+
+    class LossScaler:
+        def __init__(self) -> None:
+            self.cur_scale, self.dynamic = 1.0, False
+
+    class ZeroStageEnum(int, enum.Enum):
+        gradients = 2
+
+    class fragment_address:  # noqa: N801 - DeepSpeed's name
+        def __init__(self) -> None:
+            self.numel, self.start = 338, 0
+
+    scaler = register("deepspeed.runtime.fp16.loss_scaler", LossScaler)
+    stage = register("deepspeed.runtime.zero.config", ZeroStageEnum)
+    frag = register("deepspeed.utils.tensor_fragment", fragment_address)
+    d = root / "global_step3"
+    d.mkdir()
+    optim = d / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"loss_scaler": scaler(), "zero_stage": stage(2),
+                                         "param_slice_mappings": [{"0.weight": frag()}]}},
+               optim)
+    rel = "global_step3/" + optim.name
+    ds = Candidate("deepspeed", 3, "global_step3", (rel,), complete=True)
+    assert validate(root, ds).valid
+    res = validate(root, _cand(rel))  # another layout: not trusted
+    _invalid(res, "unsafe_pickle")
+    assert all(n in res.message for n in ("LossScaler", "ZeroStageEnum", "fragment_address"))
+    torch.save({"loss_scaler": scaler(), "args": argparse.Namespace(lr=1)}, optim)
+    res = validate(root, ds)
+    _invalid(res, "unsafe_pickle")
+    assert "argparse.Namespace, which is not" in res.message
 @pytest.mark.skipif(shutil.which("fincore") is None, reason="needs util-linux fincore")
 def test_a_just_written_checkpoint_leaves_the_page_cache_once_valid(tmp_path: Path) -> None:
     """The trainer's own writes leave the file's pages dirty in the cache; the read pass cannot

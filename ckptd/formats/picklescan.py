@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from ckptd.errors import ValidationFailed
-from ckptd.model import Reason
+from ckptd.model import PlainValue, Reason
 
 
 def _names(module: str, names: Iterable[str], suffix: str = "") -> set[str]:
@@ -140,11 +140,12 @@ class _Machine:
     """A stack machine over opcodes that keeps only what safety depends on: which values are
     globals (and which), which are strings (STACK_GLOBAL's operands), and the memo."""
 
-    def __init__(self, allowed: frozenset[str]) -> None:
+    def __init__(self, allowed: frozenset[str] | None) -> None:
         self.allowed = allowed
         self.stack: list[object] = []
         self.memo: dict[int, object] = {}
         self.globals: set[str] = set()
+        self.untrusted: list[str] = []
 
     def step(self, op: pickletools.OpcodeInfo, arg: object) -> None:
         if len(self.stack) > MAX_STACK:
@@ -185,14 +186,28 @@ class _Machine:
         raise ValueError("no MARK on the stack")
 
     def _check(self, full: str) -> _Global:
+        # An untrusted global is noted and the walk goes on, so that one message can name every
+        # global a file needs trusted, not only the first.
         self.globals.add(full)
-        if full not in self.allowed:
-            raise _Unsafe(f"references {full}, which is not on the allow-list")
+        if self.allowed is not None and full not in self.allowed and full not in self.untrusted:
+            self.untrusted.append(full)
         return _Global(full)
+
+    def verdict(self, unsafe: str = "") -> str:
+        """Why the pickle is unsafe ("" when it is not): every untrusted global it names, in
+        the order met, then the first unsafe construct (`unsafe`), if any."""
+        parts = []
+        if self.untrusted:
+            names = ", ".join(self.untrusted)
+            which = "which is" if len(self.untrusted) == 1 else "which are"
+            parts.append(f"references {names}, {which} not on the allow-list")
+        if unsafe:
+            parts.append(unsafe)
+        return "; ".join(parts)
 
     def _callee(self, value: object, how: str) -> None:
         if not isinstance(value, _Global):
-            raise _Unsafe(f"{how} on a value that is not an allowed global")
+            raise _Unsafe(f"{how} on a value that is not a global")
 
     def _call(self, name: str, arity: int) -> None:
         items = self._pop(arity)
@@ -242,6 +257,10 @@ class _Machine:
     def _put(self, index: object) -> None:
         if not self.stack or not isinstance(index, int):
             raise ValueError("memo store with an empty stack")
+        if not 0 <= index < MAX_MEMO:
+            # Python's own unpickler sizes its memo by the largest index: 11 bytes naming
+            # index 10^8 cost it 1.5 GiB. A real pickle numbers its memo from 0.
+            raise ValueError(f"memo index {index} (a memory bomb, not a checkpoint)")
         if len(self.memo) >= MAX_MEMO and index not in self.memo:
             raise ValueError(f"memo over {MAX_MEMO} entries (a memory bomb, not a checkpoint)")
         self.memo[index] = self.stack[-1]
@@ -259,13 +278,16 @@ class _Machine:
 
 
 def scan_pickle(
-    source: bytes | BinaryIO, what: str = "pickle", allowed: frozenset[str] = SAFE_GLOBALS
+    source: bytes | BinaryIO, what: str = "pickle",
+    allowed: frozenset[str] | None = SAFE_GLOBALS,
 ) -> frozenset[str]:
-    """Check one pickle (up to its STOP); return the globals it references.
+    """Check one pickle (up to its STOP); return the globals it references. `allowed=None`
+    checks only its structure (for reading it with inert stand-ins, where no global runs).
 
-    Raises ValidationFailed: `unsafe_pickle` when it references a global outside `allowed`, calls
-    anything but an allowed global, or uses the extension registry; `bad_header` when its
-    opcodes do not parse. A file object is left just after the pickle's STOP.
+    Raises ValidationFailed: `unsafe_pickle` when it references globals outside `allowed` (the
+    message names every one), calls anything but a global, sets state on a global, or uses the
+    extension registry; `bad_header` when its opcodes do not parse. A file object is left just
+    after the pickle's STOP.
     """
     machine = _Machine(allowed)
     if not isinstance(source, bytes | bytearray | memoryview):
@@ -274,12 +296,15 @@ def scan_pickle(
         for op, arg, _pos in pickletools.genops(source):
             machine.step(op, arg)
     except _Unsafe as exc:
-        raise ValidationFailed(Reason.UNSAFE_PICKLE, f"{what} {exc}", what) from None
+        raise ValidationFailed(Reason.UNSAFE_PICKLE, f"{what} {machine.verdict(str(exc))}",
+                               what) from None
     except (ValueError, IndexError, KeyError, EOFError, UnicodeDecodeError, OverflowError,
             MemoryError) as exc:
         raise ValidationFailed(
             Reason.BAD_HEADER, f"{what} is not a valid pickle: {exc}", what
         ) from None
+    if machine.untrusted:
+        raise ValidationFailed(Reason.UNSAFE_PICKLE, f"{what} {machine.verdict()}", what)
     return frozenset(machine.globals)
 
 
@@ -393,7 +418,8 @@ class _Inert(dict):  # type: ignore[type-arg]
 
 class _StorageRefs(pickle.Unpickler):
     """Reads a scanned-safe torch pickle only for its persistent ids ('storage', type, key,
-    location, numel); every global is an inert stand-in, nothing of the file runs."""
+    location, numel) and its plain top-level values; every global is an inert stand-in,
+    nothing of the file runs."""
 
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
@@ -410,13 +436,40 @@ class _StorageRefs(pickle.Unpickler):
         return _Inert()
 
 
-def storage_refs(data: bytes, what: str) -> list[tuple[str, str, int]]:
-    """(key, element type, numel) of every storage a torch zip's data.pkl references. Call only
-    on a pickle `scan_pickle` passed. ValidationFailed(bad_header) when it does not load."""
+MAX_FIELD_CHARS = 1024  # a longer string is not a count or a name a completion rule needs
+
+
+@dataclass(frozen=True)
+class TorchPickle:
+    """What a torch archive's data.pkl says without anything of it running: the storages it
+    references (key, element type, numel) and its top-level dict's plain values (numbers,
+    short strings, booleans, None), e.g. DeepSpeed's `dp_world_size`."""
+
+    refs: tuple[tuple[str, str, int], ...]
+    fields: dict[str, PlainValue]
+
+
+def read_torch_pickle(data: bytes, what: str) -> TorchPickle:
+    """Read a torch data.pkl with every global an inert stand-in. Call only on a pickle
+    `scan_pickle` passed. ValidationFailed(bad_header) when it does not load."""
     reader = _StorageRefs(data)
     try:
-        reader.load()
+        top = reader.load()
     except Exception as exc:  # untrusted bytes: a pickle that does not load is not a checkpoint
         raise ValidationFailed(Reason.BAD_HEADER, f"{what}: its pickle does not load:"
                                f" {type(exc).__name__}: {exc}", what) from None
-    return reader.refs
+    return TorchPickle(tuple(reader.refs), plain_fields(top))
+
+
+def plain_fields(top: object) -> dict[str, PlainValue]:
+    if not isinstance(top, dict):
+        return {}
+    return {k: v for k, v in top.items() if isinstance(k, str) and (
+        v is None or type(v) in (int, float, bool)
+        or (type(v) is str and len(v) <= MAX_FIELD_CHARS))}
+
+
+def storage_refs(data: bytes, what: str) -> list[tuple[str, str, int]]:
+    """(key, element type, numel) of every storage a torch zip's data.pkl references. Call only
+    on a pickle `scan_pickle` passed. ValidationFailed(bad_header) when it does not load."""
+    return list(read_torch_pickle(data, what).refs)

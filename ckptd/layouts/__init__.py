@@ -4,7 +4,6 @@ Pure: functions of a `Snapshot`, `RootOptions` and `now`; no I/O, no clock."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 
 from ckptd.layouts import (
     common,
@@ -19,10 +18,13 @@ from ckptd.layouts import (
     single,
     split,
 )
-from ckptd.layouts.base import Layout
+from ckptd.layouts.base import Layout, ReadsTorchFields, TrustsGlobals, WritesPointers
 from ckptd.model import MAX_STEP, Candidate, RootOptions, Snapshot
 
-__all__ = ["NAMES", "Layout", "detect", "get", "pointer_files", "wants_content"]
+__all__ = [
+    "NAMES", "Layout", "detect", "get", "pointer_files", "trusted_globals", "wants_content",
+    "wants_torch_fields",
+]
 
 # docs/LAYOUTS.md's table order; also the accepted values of a root's `layout` (besides "auto").
 NAMES: tuple[str, ...] = (
@@ -67,16 +69,6 @@ AUTO_ORDER: tuple[Layout, ...] = (
 )
 
 
-def pointer_files(layout: str, step: int, paths: Iterable[str]) -> dict[str, bytes]:
-    """Files a restore of `step` writes besides the checkpoint's own `paths`: the framework's
-    pointer naming it, where the layout's framework resumes from one that is no member of the
-    checkpoint (Megatron's tracker). Relative to the restore's target, like `paths`."""
-    if layout == megatron.NAME:
-        found = megatron.restored_tracker(step, paths)
-        return dict([found]) if found is not None else {}
-    return {}
-
-
 def get(name: str) -> Layout:
     """The layout called `name`; ValueError for an unknown name."""
     try:
@@ -100,6 +92,26 @@ def _plan(layout: str) -> tuple[Layout, ...]:
 def wants_content(rel: str, layout: str = "auto") -> bool:
     """True when some layout run for this root needs the bytes of `rel` in the snapshot."""
     return any(lay.wants_content(rel) for lay in _plan(layout))
+
+
+def wants_torch_fields(rel: str, layout: str = "auto") -> bool:
+    """True when some layout run for this root needs the plain values of `rel`'s pickle."""
+    return any(isinstance(lay, ReadsTorchFields) and lay.wants_torch_fields(rel)
+               for lay in _plan(layout))
+
+
+def trusted_globals(name: str) -> frozenset[str]:
+    """The globals the layout called `name` trusts in its checkpoints' pickles (a framework's
+    plain-data classes); empty for an unknown name."""
+    lay = _BY_NAME.get(name)
+    return lay.trusted_globals if isinstance(lay, TrustsGlobals) else frozenset()
+
+
+def pointer_files(name: str, files: tuple[str, ...]) -> dict[str, bytes]:
+    """Files (relative path -> bytes) beside a checkpoint of layout `name` with these member
+    files that its framework's loader needs and that are not members (DeepSpeed's `latest`)."""
+    lay = _BY_NAME.get(name)
+    return lay.pointer_files(files) if isinstance(lay, WritesPointers) else {}
 
 
 def detect(snap: Snapshot, opts: RootOptions, now: float, layout: str = "auto") -> list[Candidate]:

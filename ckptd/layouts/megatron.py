@@ -28,6 +28,10 @@ def step_of_dir(name: str) -> int | None:
 class MegatronLayout:
     name = NAME
 
+    def pointer_files(self, files: tuple[str, ...]) -> dict[str, bytes]:
+        """Megatron-LM's tracker naming the checkpoint's iteration (`restored_tracker`)."""
+        return restored_tracker(files)
+
     def wants_content(self, rel: str) -> bool:
         name = common.name_of(rel)
         return (name == TRACKER or dcp.LAYOUT.wants_content(rel)) and not common.is_temp_path(rel)
@@ -85,7 +89,7 @@ def _tracker_problem(snap: Snapshot, directory: str, step: int) -> str:
         lambda text: text.isascii() and text.isdigit() and int(text) >= step)
 
 
-def restored_tracker(step: int, paths: Iterable[str]) -> tuple[str, bytes] | None:
+def restored_tracker(paths: Iterable[str]) -> dict[str, bytes]:
     """The tracker a restore writes beside the restored `iter_N` dir (its path relative to the
     restore's target, and its bytes as Megatron-LM writes them: the number, no newline). The
     tracker belongs to no checkpoint, and the one on disk may name a later iteration: Megatron
@@ -93,9 +97,10 @@ def restored_tracker(step: int, paths: Iterable[str]) -> tuple[str, bytes] | Non
     for rel in paths:
         parts = rel.split("/")
         for i, part in enumerate(parts[:-1]):
-            if step_of_dir(part) == step:
-                return common.join("/".join(parts[:i]), TRACKER), str(step).encode()
-    return None
+            step = step_of_dir(part)
+            if step is not None:
+                return {common.join("/".join(parts[:i]), TRACKER): str(step).encode()}
+    return {}
 
 
 LAYOUT = MegatronLayout()

@@ -34,7 +34,7 @@ def candidate_of(job: Job) -> Candidate:
         layout=rec.layout, step=rec.step, path=rec.path, files=job.files, complete=True,
         expected_sizes=job.expected_sizes, min_sizes=job.min_sizes, metrics=dict(rec.metrics),
         invalid_reason=job.invalid_reason, invalid_message=job.invalid_message,
-        opaque=job.opaque,
+        opaque=job.opaque, rank_files=job.rank_files,
     )
 
 

@@ -16,11 +16,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptd import fileio
+from ckptd import fileio, layouts
 from ckptd.errors import UnsafePath, ValidationFailed
 from ckptd.fileio import HASH_ALG, HashSink, Sink
 from ckptd.formats import dcpmeta, picklescan, safetensors, zipcheck
-from ckptd.model import CKPTD_DIR, Candidate, FileRecord, Reason, ValidationResult
+from ckptd.model import (
+    CKPTD_DIR,
+    Candidate,
+    FileRecord,
+    PlainValue,
+    RankFiles,
+    Reason,
+    ValidationResult,
+)
 
 SinkFactory = Callable[[str], list[Sink]]
 
@@ -33,6 +41,7 @@ _PICKLE_OPENERS = frozenset({b"\x80", b"(", b"c", b"]", b"}", b")", b"I", b"L", 
 # Files that cannot be empty whatever the layout says.
 _PAYLOAD_EXTS = _MAYBE_TORCH_EXTS | {".safetensors", ".json", ".distcp"}
 _JSON_LIMIT = 64 << 20  # JSON files larger than this are hashed but not parsed
+_MAX_RANKS = 1 << 20  # a recorded rank count beyond this is not a real job's
 _SCAN_BLOCK = 1 << 24  # elements checked for NaN/Inf at a time (bounded scratch memory)
 # torch.serialization.safe_globals edits process-wide state: one deep load at a time.
 _DEEP_LOCK = threading.Lock()
@@ -62,7 +71,8 @@ def validate(
     carries a machine-readable reason. `extra_sinks(rel)` adds sinks (a compressor, progress) to
     each file's single read pass. `deep` also loads torch files and safetensors and rejects
     NaN/Inf in floating tensors. Valid means every file was also fsynced. `trusted` adds the
-    root's trusted globals to the weights-only allow-list of pickle checks."""
+    root's trusted globals to the weights-only allow-list of pickle checks (to which the
+    candidate's layout adds its framework's own, `layouts.trusted_globals`)."""
     if cand.invalid_reason:
         return ValidationResult(False, cand.invalid_reason, cand.invalid_message)
     run = _Run(Path(root_dir), cand, deep, extra_sinks, trusted)
@@ -101,8 +111,10 @@ class _Run:
         trusted: frozenset[str] = frozenset(),
     ) -> None:
         self.root, self.cand, self.deep = root, cand, deep
-        self.trusted = trusted
-        self.allowed = picklescan.SAFE_GLOBALS | trusted
+        self.trusted = trusted | layouts.trusted_globals(cand.layout)
+        self.allowed = picklescan.SAFE_GLOBALS | self.trusted
+        # Plain top-level values of each torch member's pickle (for `cand.rank_files`).
+        self.fields: dict[str, dict[str, PlainValue]] = {}
         self.extra_sinks = extra_sinks or (lambda rel: [])
         self.members: list[_Member] = []
         self.dcp_ranges: dict[str, tuple[tuple[int, int], ...]] = {}
@@ -141,6 +153,8 @@ class _Run:
         for m in sorted(self.members, key=_pass_order):
             self._read(m)
         self._check_dcp_items()
+        for need in self.cand.rank_files:
+            self._check_rank_files(need)
         if self.deep:
             for m in self.members:
                 # A file using trusted framework globals cannot be loaded weights-only.
@@ -223,8 +237,9 @@ class _Run:
                 self._note(m, picklescan.scan_pickle(data, f"{m.rel}:{entry.name}",
                                                      self.allowed))
                 if entry.name.endswith("/data.pkl"):
-                    refs[entry.name[: -len("data.pkl")]] = picklescan.storage_refs(
-                        data, f"{m.rel}:{entry.name}")
+                    read = picklescan.read_torch_pickle(data, f"{m.rel}:{entry.name}")
+                    refs[entry.name[: -len("data.pkl")]] = list(read.refs)
+                    self.fields.setdefault(m.rel, read.fields)  # the outermost archive's
 
         sink = zipcheck.ZipCrcSink.for_file(m.path, on_capture=scan)
         m.archives = sink.archives
@@ -257,6 +272,23 @@ class _Run:
                 )
             if name not in meta.transformed:
                 self.dcp_ranges[rel] = meta.ranges[name]
+
+    def _check_rank_files(self, need: RankFiles) -> None:
+        """Every rank's file, as many as `need.source` records: a layout that cannot read the
+        count (it reads no large file) may have called the checkpoint complete without one."""
+        count = self.fields.get(need.source, {}).get(need.key)
+        if count is None:
+            return  # not recorded there (an older writer): the layout's rule stands
+        if type(count) is not int or not 0 < count <= _MAX_RANKS:
+            raise ValidationFailed(Reason.BAD_METADATA, f"{need.source} records {need.key} ="
+                                   f" {count!r}, not a rank count", need.source)
+        have = {m.rel for m in self.members}
+        gone = [need.member(r) for r in range(count) if need.member(r) not in have]
+        if gone:
+            shown = ", ".join(gone[:8]) + (f" and {len(gone) - 8} more" if len(gone) > 8 else "")
+            raise ValidationFailed(Reason.MISSING_FILE, f"{need.source} records {need.key} ="
+                                   f" {count}, but {len(gone)} of those ranks' files are"
+                                   f" missing: {shown}", gone[0])
 
     def _size_of(self, rel: str) -> int:
         for m in self.members:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.lifecycle.table import Effect, Event, Stage, Status
-from ckptd.model import Candidate, CheckpointRecord, Local, Remote, State
+from ckptd.model import Candidate, CheckpointRecord, Local, RankFiles, Remote, State
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class Job:
     invalid_message: str
     opaque: tuple[str, ...] = ()
     owner: str = ""  # the lease token of this claim: every outcome is recorded under it
+    rank_files: tuple[RankFiles, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,13 +91,15 @@ def job_of(r: sqlite3.Row, stage: Stage, owner: str) -> Job:
         invalid_message=expected.get("invalid_message", ""),
         opaque=tuple(expected.get("opaque", ())),
         owner=owner,
+        rank_files=tuple(RankFiles(*r) for r in expected.get("ranks", ())),
     )
 
 
 def expected_json(c: Candidate) -> str:
     return json.dumps({"sizes": c.expected_sizes, "min": c.min_sizes,
                        "invalid_reason": c.invalid_reason,
-                       "invalid_message": c.invalid_message, "opaque": list(c.opaque)})
+                       "invalid_message": c.invalid_message, "opaque": list(c.opaque),
+                       "ranks": [[r.source, r.key, r.prefix, r.suffix] for r in c.rank_files]})
 
 
 def metrics_json(*sources: dict[str, Any]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import filecmp
+import json
 import os
 import signal
 import socket
@@ -167,3 +168,23 @@ def kill_tree_when(procs: list[subprocess.Popen[bytes]], cond: Callable[[], bool
         stop_all()
         for p in procs:
             p.communicate()
+def verify(path: Path) -> tuple[int, dict[str, Any]]:
+    """`ckptd verify PATH --json` (no daemon, default config): exit code and document."""
+    done = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(path), "--json"],
+                          capture_output=True, text=True, timeout=120, env=clean_env())
+    assert done.stdout, done.stderr
+    return done.returncode, json.loads(done.stdout)
+
+
+def observe_until_done(procs: list[subprocess.Popen[bytes]], probe: Callable[[], Any],
+                       interval: float = 0.05, timeout: float = 300.0) -> list[Any]:
+    """`probe()`'s answers, taken every `interval` while any rank still runs (and once more
+    after): what a daemon made of a save while it was being written."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        assert time.monotonic() < deadline, "the ranks did not finish"
+        seen.append(probe())
+        time.sleep(interval)
+    seen.append(probe())
+    return seen
