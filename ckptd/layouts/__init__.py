@@ -4,7 +4,6 @@ Pure: functions of a `Snapshot`, `RootOptions` and `now`; no I/O, no clock."""
 
 from __future__ import annotations
 
-
 from ckptd.layouts import (
     common,
     dcp,
