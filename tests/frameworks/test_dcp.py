@@ -6,6 +6,8 @@ tensors; a save killed before its `.metadata` is never valid."""
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +51,21 @@ def test_a_dcp_save_killed_before_its_metadata_is_never_valid(inproc_daemon: Any
     assert (c.latest("dcp") or {}).get("step") == 1
     rec = c.checkpoint("dcp", 2)
     assert rec is None or rec["state"] == "pending"
+
+
+def test_a_dcp_save_copied_in_with_cp_r_becomes_valid(inproc_daemon: Any,
+                                                      tmp_path: Path) -> None:
+    """`cp -r` of a finished save into a watched root gives every file a new mtime in copy
+    order (`.metadata` copied first, so older than its shards): a copy, not a re-save."""
+    d = inproc_daemon(roots=[{"name": "dcp", "path": tmp_path / "run"}])
+    src = tmp_path / "elsewhere" / "step-4"
+    run_ranks("dcp_train.py", ["sync", str(src), "4", "--big"], world=2)
+    dst = d.roots["dcp"] / "step-4"
+    dst.mkdir()
+    for name in sorted(p.name for p in src.iterdir()):  # as `cp -r` meets them: .metadata first
+        subprocess.run(["cp", str(src / name), str(dst / name)], check=True)
+        time.sleep(0.01)
+    assert (dst / ".metadata").stat().st_mtime_ns < max(
+        p.stat().st_mtime_ns for p in dst.glob("__*.distcp"))
+    rec = d.wait_for("dcp", 4, "valid", timeout=60)
+    assert rec["layout"] == "dcp"
