@@ -82,6 +82,7 @@ class FileInfo:
     open_for_write: bool = False
     seen_at: float | None = None
     symlink: bool = False  # a link (inside the root) to a regular file
+    first_mtime: float | None = None  # its mtime when the scanner first saw it (None: unknown)
 
     @property
     def first_seen(self) -> float:

@@ -36,6 +36,7 @@ class _Seen:
     mtime_ns: int
     changed_at: float
     seen_at: float
+    first_mtime_ns: int
 
 
 class OpenFiles:
@@ -103,11 +104,12 @@ class RootScanner:
                 if prev:
                     changing.add(rel)
             seen_at = prev.seen_at if prev else now
-            seen[rel] = _Seen(size, mtime_ns, changed_at, seen_at)
+            first_mtime_ns = prev.first_mtime_ns if prev else mtime_ns
+            seen[rel] = _Seen(size, mtime_ns, changed_at, seen_at, first_mtime_ns)
             abspath = os.path.join(self.path, rel)
             files[rel] = FileInfo(rel, size, mtime_ns / 1e9, changed_at,
                                   self.open_files.is_open(abspath, changed_at, now, expiry),
-                                  seen_at, link)
+                                  seen_at, link, first_mtime_ns / 1e9)
         self._seen = seen
         snap = Snapshot(files=files, dirs=frozenset(dirs), contents=self._read_contents(seen),
                         registrations=dict(registrations or {}),
@@ -235,7 +237,7 @@ def file_fingerprint(root: Path, files: tuple[str, ...]) -> str:
             st, _ = stat_member(real_root, os.path.join(root, rel))
         except OSError:
             continue
-        seen[rel] = _Seen(st.st_size, st.st_mtime_ns, 0.0, 0.0)
+        seen[rel] = _Seen(st.st_size, st.st_mtime_ns, 0.0, 0.0, st.st_mtime_ns)
     return fingerprint(Candidate("", 0, "", files, False), seen)
 
 

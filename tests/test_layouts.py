@@ -29,6 +29,7 @@ class F:
     mtime_age: float | None = None
     open: bool = False
     seen_age: float | None = None  # seconds since the scanner first saw it; None = `age`
+    first_mtime_age: float | None = None  # its mtime's age when first seen; None = unknown
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,9 @@ def build(files: Mapping[str, F | int], contents: Mapping[str, Any] | None = Non
         f = spec if isinstance(spec, F) else F(size=spec)
         mtime_age = f.age if f.mtime_age is None else f.mtime_age
         seen = None if f.seen_age is None else NOW - f.seen_age
-        infos[rel] = FileInfo(rel, f.size, NOW - mtime_age, NOW - f.age, f.open, seen)
+        first = None if f.first_mtime_age is None else NOW - f.first_mtime_age
+        infos[rel] = FileInfo(rel, f.size, NOW - mtime_age, NOW - f.age, f.open, seen,
+                              first_mtime=first)
     dirs = {"/".join(rel.split("/")[:i]) for rel in files for i in range(1, rel.count("/") + 1)}
     return Snapshot(files=infos, dirs=frozenset(dirs), contents=_encode(contents or {}),
                     registrations=dict(registrations or {}))
@@ -313,6 +316,14 @@ CASES: dict[str, Row] = {
         {"step_3/.metadata": F(age=100, mtime_age=100),
          "step_3/__0_0.distcp": F(age=100, mtime_age=99)},
         {"step_3/.metadata": b"x"}, {}, RootOptions(), [E("dcp", 3, True, "", "bad_metadata")]),
+    "dcp copied with cp -r, a shard first seen half copied": (
+        {"step_3/.metadata": F(age=200, mtime_age=200),
+         "step_3/__0_0.distcp": F(age=100, seen_age=200, first_mtime_age=199)},
+        {"step_3/.metadata": b"x"}, {}, RootOptions(), [E("dcp", 3, True, "", "bad_metadata")]),
+    "dcp re-save of a shard first seen older than the metadata": (
+        {"step_3/.metadata": F(age=200, mtime_age=200),
+         "step_3/__0_0.distcp": F(age=100, seen_age=200, first_mtime_age=250)},
+        {"step_3/.metadata": b"x"}, {}, RootOptions(), [E("dcp", 3, False, "re-save")]),
     "dcp copied with cp -r, seen while copying": (
         {"step_3/.metadata": F(age=200), "step_3/__0_0.distcp": F(age=100, seen_age=150)},
         {"step_3/.metadata": b"x"}, {}, RootOptions(), [E("dcp", 3, True, "", "bad_metadata")]),

@@ -183,8 +183,9 @@ def test_dcp_resave_in_progress(tmp_path: Path) -> None:
     assert done.complete
 
 
-@pytest.mark.parametrize("seen_while_copying", [False, True])
-def test_dcp_copied_with_cp_r_completes(tmp_path: Path, seen_while_copying: bool) -> None:
+@pytest.mark.parametrize("seen_while_copying", [False, True, "half"])
+def test_dcp_copied_with_cp_r_completes(tmp_path: Path, seen_while_copying: bool | str
+                                        ) -> None:
     """`cp -r` gives each file a new mtime in copy order (`.metadata` first, so older than
     the shards): a copy, not a re-save; complete once every referenced byte is there."""
     src = w.write_dcp(tmp_path / "src" / "step-3")
@@ -195,8 +196,14 @@ def test_dcp_copied_with_cp_r_completes(tmp_path: Path, seen_while_copying: bool
     assert names[0] == ".metadata"
     for i, name in enumerate(names):
         time.sleep(0.01)
+        if seen_while_copying == "half" and i == 1:  # a scan lands mid-file
+            data = (src / name).read_bytes()
+            (dst / name).write_bytes(data[: len(data) // 2])
+            [early] = scans.detect()
+            assert not early.complete and "to reach" in early.waiting_for
+            time.sleep(0.01)
         shutil.copyfile(src / name, dst / name)  # new mtime, as cp -r without -p
-        if seen_while_copying and i == 0:
+        if seen_while_copying is True and i == 0:
             [early] = scans.detect()
             assert not early.complete  # shards not there yet
     assert (dst / ".metadata").stat().st_mtime < (dst / names[-1]).stat().st_mtime

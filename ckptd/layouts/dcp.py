@@ -112,12 +112,15 @@ def check_dir(snap: Snapshot, tree: common.Tree, dcp_dir: str) -> DirVerdict:
 
 
 def _changed_since(data: FileInfo, meta: FileInfo) -> bool:
-    """A data file that was there when ckptd last saw `.metadata` change, and changed after:
-    a re-save writing over the shards while the old `.metadata` still stands. Judged by what
-    ckptd observed, never by mtimes: a `cp -r` gives every file a new mtime in copy order, and
-    a file that first appeared after the metadata (a copy still going) is no re-save; its
-    bytes are checked against what `.metadata` references."""
-    return data.first_seen <= meta.changed_at < data.changed_at
+    """A shard of the committed save that changed after ckptd last saw `.metadata` change: a
+    re-save writing over the shards while the old `.metadata` still stands. A shard of the
+    committed save was there when ckptd saw the metadata, and was then no newer than it. Judged
+    by what ckptd observed, not by the mtimes alone: a `cp -r` gives every file a new mtime in
+    copy order, and a shard that first appeared after the metadata, or was first seen newer
+    than it (a copy still going), is no re-save; its bytes are held to what `.metadata`
+    references."""
+    committed = data.first_mtime is None or data.first_mtime <= meta.mtime
+    return committed and data.first_seen <= meta.changed_at < data.changed_at
 
 
 def _data_files(tree: common.Tree, dcp_dir: str) -> list[str]:
