@@ -58,6 +58,9 @@ def test_the_lease_rule(seen: Seen, quiet_for: float, alive: bool | None, verdic
     None, [], {"format": "ckptd-lease/1"}, {**holder().as_json(), "gen": 0},
     {**holder().as_json(), "pid": True}, {**holder().as_json(), "token": "x" * 8},
     {**holder().as_json(), "node": "n" * 300}, {**holder().as_json(), "since": float("nan")},
+    # `since` is shown as a date in `status`: what no date can be is refused here
+    {**holder().as_json(), "since": float("inf")}, {**holder().as_json(), "since": 1e300},
+    {**holder().as_json(), "since": -1.0}, {**holder().as_json(), "since": 10**400},
     {**holder().as_json(), "format": "other/1"},
 ])
 def test_a_damaged_lease_document_is_refused(doc: Any) -> None:
