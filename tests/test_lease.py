@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ from support.wait import wait_until
 
 from ckptd.client import Client, ClientError
 from ckptd.cluster.lease import Holder, Judgement, Me, Seen, Verdict, judge
+from ckptd.config import RootConfig
+from ckptd.service.lease import Leases
+from ckptd.store import Store
 
 ME = Me(token="a" * 32, host="node-a", boot="boot-1")
 OTHER = "b" * 32
@@ -39,6 +43,8 @@ def holder(token: str = OTHER, gen: int = 3, host: str = "node-b", released: boo
     (Seen(3, OTHER, holder(), ()), 5, None, Verdict.STANDBY, "held by another"),
     (Seen(3, OTHER, holder(), ()), 30, None, Verdict.TAKE, "not renewed for 30s"),
     (Seen(3, OTHER, holder(released=True), ()), 0, None, Verdict.TAKE, "released"),
+    # released by this very daemon: taken afresh (create-only), never resumed
+    (Seen(3, ME.token, holder(ME.token, released=True), ()), 0, None, Verdict.TAKE, "released"),
     (Seen(3, OTHER, holder(), ()), 0, False, Verdict.TAKE, "process on this machine is gone"),
     (Seen(3, OTHER, holder(), ()), 0, True, Verdict.STANDBY, "held by another"),
     # lease.json still names an older generation: only time decides (the new one is starting)
@@ -198,3 +204,62 @@ def test_a_ckptd_dir_that_is_a_symlink_is_never_followed(tmp_path: Path) -> None
             assert d.events("lease_failed")
         finally:
             d.stop()
+
+
+# -- the lease service in this process, on real files and a real Store ---------------------------
+
+
+class _Roots:
+    """A daemon's configured roots, changed by a reload."""
+
+    def __init__(self, *roots: RootConfig) -> None:
+        self.now = {r.name: r for r in roots}
+
+    def __call__(self) -> dict[str, RootConfig]:
+        return dict(self.now)
+
+
+def _leases(state: Path, roots: _Roots, node: str, timeout: float = 30.0) -> Leases:
+    return Leases(Store(state / node / "state.db"), roots, lambda: node, lambda: timeout)
+
+
+def _acting(*leases: Leases) -> list[str]:
+    return [lz.node() for lz in leases if lz.holds("r")]
+
+
+def test_two_daemons_starting_at_the_same_instant_one_acts(tmp_path: Path) -> None:
+    """Their looks at a free root, at one its holder released, and at a stale one run at once
+    in two threads (many times): exactly one acts every time, and it stays the one."""
+    stores = {n: Store(tmp_path / n / "state.db") for n in ("a", "b")}
+    for i in range(25):
+        root = tmp_path / f"ckpt{i}"
+        root.mkdir()
+        roots = _Roots(RootConfig(name="r", path=root))
+        pair = [Leases(stores[n], roots, lambda n=n: n, lambda: 0.8) for n in ("a", "b")]
+        for round_ in range(3 if i < 5 else 2):  # a stale lease only takes waiting out
+            gate = threading.Barrier(2)
+
+            def tick(lz: Leases, gate: threading.Barrier = gate) -> None:
+                gate.wait()
+                lz.tick()
+
+            threads = [threading.Thread(target=tick, args=(lz,)) for lz in pair]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            (one,) = _acting(*pair)
+            for lz in pair * 3:  # interleaved looks change nothing
+                lz.tick()
+                assert _acting(*pair) == [one]
+            if round_ == 0:  # next: a lease released by its holder, taken by both at once
+                next(lz for lz in pair if lz.node() == one).release()
+            elif round_ == 1 and i < 5:  # next: a third daemon's lease, never renewed
+                held = json.loads((root / ".ckptd" / "lease.json").read_text())
+                (root / ".ckptd" / f"lease.claim.{held['gen'] + 1}").write_text("d" * 32)
+                for lz in pair:
+                    lz.tick()
+                assert _acting(*pair) == []
+                time.sleep(0.85)
+    for store in stores.values():
+        store.close()

@@ -127,12 +127,14 @@ def judge(me: Me, seen: Seen, changed_at: float, now: float, timeout: float,
     """
     if seen.top == 0:
         return Judgement(Verdict.TAKE, "no daemon has held the root")
-    if seen.top_token == me.token:
-        return Judgement(Verdict.HOLD, "ours")
     h = seen.holder
     current = h is not None and h.gen == seen.top and h.token == seen.top_token
     if current and h is not None and h.released:
+        # Ours too: a released lease is never resumed, or this daemon and one taking it now
+        # would both act; a new generation, claimed create-only, decides between them.
         return Judgement(Verdict.TAKE, "released by its holder")
+    if seen.top_token == me.token:
+        return Judgement(Verdict.HOLD, "ours")
     if current and process_alive is False:
         return Judgement(Verdict.TAKE, "its holder's process on this machine is gone")
     if now - changed_at >= timeout:
