@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -223,6 +224,85 @@ def _leases(state: Path, roots: _Roots, node: str, timeout: float = 30.0) -> Lea
     return Leases(Store(state / node / "state.db"), roots, lambda: node, lambda: timeout)
 
 
+def _damage(own: Path, how: str) -> None:
+    if how == ".ckptd is a file":
+        own.write_text("x")
+        return
+    if how == ".ckptd is a dangling symlink":
+        own.symlink_to(own.parent / "nowhere")
+        return
+    own.mkdir()
+    lease, claim = own / "lease.json", own / "lease.claim.3"
+    {"lease.json is a directory": lambda: lease.mkdir(),
+     "lease.json is a FIFO": lambda: os.mkfifo(lease),
+     "lease.json is huge": lambda: lease.write_bytes(b"{" * (4 << 20)),
+     "lease.json nests deeply": lambda: lease.write_bytes(b"[" * 60_000),
+     "lease.json is binary junk": lambda: lease.write_bytes(bytes(range(256)) * 64),
+     "lease.json has wrong types": lambda: lease.write_text(json.dumps(
+         {**holder().as_json(), "gen": "3", "pid": 1e400, "since": 10**400})),
+     "a claim is a directory": lambda: claim.mkdir(),
+     "a claim is a FIFO": lambda: os.mkfifo(claim),
+     "a claim is a symlink": lambda: claim.symlink_to("/etc/passwd"),
+     "a claim has an odd name": lambda: (own / "lease.claim.-1").write_text("a" * 32),
+     "a claim holds junk": lambda: claim.write_bytes(b"\xff" * 100_000),
+     }[how]()
+
+
+@pytest.mark.parametrize("how", [
+    ".ckptd is a file", ".ckptd is a dangling symlink", "lease.json is a directory",
+    "lease.json is a FIFO", "lease.json is huge", "lease.json nests deeply",
+    "lease.json is binary junk", "lease.json has wrong types", "a claim is a directory",
+    "a claim is a FIFO", "a claim is a symlink", "a claim has an odd name", "a claim holds junk",
+])
+def test_damaged_lease_files_never_stop_the_lease_service(tmp_path: Path, how: str) -> None:
+    """Whatever lies in `.ckptd`: the service's look returns at once, the root is acted on
+    (once the lease is stale, where a claim cannot be read) or its problem is said, and nothing
+    but an outdated claim is removed."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    own = root / ".ckptd"
+    _damage(own, how)
+    if own.is_dir() and not own.is_symlink():
+        (own / "keep.me").write_text("not ckptd's")
+    leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1", timeout=0.3)
+    started = time.monotonic()
+    leases.tick()
+    time.sleep(0.35)
+    leases.tick()
+    assert time.monotonic() - started < 5
+    problem = leases.problem("r")
+    assert leases.holds("r") or problem, how
+    if problem:
+        assert problem == leases.store.root_info("r")["last_error"] and "Traceback" not in problem
+    leases.holder_json("r")  # shown by status: never raises
+    assert (own / "keep.me").exists() or not own.is_dir()
+    assert Path("/etc/passwd").is_file()
+
+
+def test_a_lease_json_that_is_a_directory_is_said_and_not_acted_on(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    (root / ".ckptd" / "lease.json").mkdir(parents=True)
+    leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1")
+    leases.tick()
+    assert not leases.holds("r")
+    assert "lease.json" in (leases.problem("r") or "")
+    assert (root / ".ckptd" / "lease.json").is_dir()
+
+
+def test_the_last_generation_is_said_not_wrapped(tmp_path: Path) -> None:
+    """A claim of the highest generation there can be (put there by hand): a taker would need
+    one beyond it; it says so instead of claiming one no other daemon could see."""
+    root = tmp_path / "ckpt"
+    (root / ".ckptd").mkdir(parents=True)
+    (root / ".ckptd" / f"lease.claim.{2**62 - 1}").write_text(OTHER)
+    leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1", timeout=0.3)
+    leases.tick()
+    time.sleep(0.35)
+    leases.tick()
+    assert not leases.holds("r") and "remove the lease.claim.*" in (leases.problem("r") or "")
+    assert sorted(p.name for p in (root / ".ckptd").iterdir()) == [f"lease.claim.{2**62 - 1}"]
+
+
 def _acting(*leases: Leases) -> list[str]:
     return [lz.node() for lz in leases if lz.holds("r")]
 
@@ -263,3 +343,43 @@ def test_two_daemons_starting_at_the_same_instant_one_acts(tmp_path: Path) -> No
                 time.sleep(0.85)
     for store in stores.values():
         store.close()
+
+
+def test_a_root_that_disappears_and_reappears_is_taken_again(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1", timeout=0.4)
+    leases.tick()
+    assert leases.holds("r")
+    shutil.rmtree(root)
+    leases.tick()
+    assert "does not exist" in leases.store.root_info("r")["last_error"]
+    time.sleep(0.2)  # half the timeout without a renewal: it stops acting
+    assert not leases.holds("r")
+    root.mkdir()
+    leases.tick()
+    assert leases.holds("r") and leases.problem("r") is None
+    assert leases.store.root_info("r")["last_error"] == ""
+
+
+def test_a_holder_whose_renewal_fails_stops_acting_within_half_the_timeout(
+        tmp_path: Path) -> None:
+    """`.ckptd` replaced by a file while the daemon holds the root: it cannot renew; within
+    lease_timeout/2 of its last renewal it no longer acts, though it keeps looking."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    timeout = 0.6
+    leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1", timeout=timeout)
+    leases.tick()
+    renewed = time.monotonic()
+    assert leases.holds("r")
+    shutil.rmtree(root / ".ckptd")
+    (root / ".ckptd").write_text("not a directory")
+    while leases.holds("r"):
+        leases.tick()
+        time.sleep(0.02)
+    assert time.monotonic() - renewed <= timeout / 2 + 0.05
+    assert "not a directory" in (leases.problem("r") or "").lower()
+    (root / ".ckptd").unlink()
+    leases.tick()
+    assert leases.holds("r") and leases.store.root_info("r")["last_error"] == ""

@@ -27,6 +27,7 @@ from ckptd.cluster.lease import (
     CLAIM_PREFIX,
     LEASE_FILE,
     MAX_BYTES,
+    MAX_GENERATION,
     Holder,
     Judgement,
     Me,
@@ -163,6 +164,8 @@ class Leases:
                 self._tick_root(root)
             except LeaseProblem as exc:
                 self._problem(root, str(exc))
+            except OSError as exc:  # the lease files changed under us in a way not foreseen
+                self._problem(root, f"lease: {root.path / CKPTD_DIR}: {exc.strerror or exc}")
         after = set(self.acting())
         if after != before:
             self.on_change(after - before)
@@ -222,6 +225,10 @@ class Leases:
     def _take(self, dfd: int, root: RootConfig, st: _RootLease, seen: Seen, why: Judgement,
               now: float) -> Judgement:
         gen = seen.top + 1
+        if gen >= MAX_GENERATION:
+            raise LeaseProblem(f"lease: {root.path / CKPTD_DIR} has a claim of generation"
+                               f" {seen.top}, the last there can be; remove the"
+                               f" {CLAIM_PREFIX}* files there while no ckptd runs on the root")
         doc = Holder(gen=gen, token=self.me.token, node=self.node(), pid=os.getpid(),
                      host=self.me.host, boot=self.me.boot, since=time.time())
         try:
@@ -238,8 +245,14 @@ class Leases:
             os.fsync(fd)
         finally:
             os.close(fd)
-        _write_lease(dfd, doc)
-        os.fsync(dfd)
+        if _top_claim(dfd)[0] != gen:  # we looked long ago: someone has since claimed higher
+            return Judgement(Verdict.STANDBY, "another daemon took it first")
+        try:
+            _write_lease(dfd, doc)
+            os.fsync(dfd)
+        except OSError as exc:
+            raise LeaseProblem(f"lease: cannot write {root.path / CKPTD_DIR / LEASE_FILE}:"
+                               f" {exc.strerror}") from exc
         previous = seen.holder
         with self._lock:
             st.gen, st.holder, st.renewed_ok = gen, doc, now
@@ -359,7 +372,7 @@ def _look(dfd: int) -> Seen:
         stat_key = (st.st_ino, st.st_mtime_ns, st.st_size)
         try:
             holder = Holder.from_json(json.loads(data)) if len(data) <= MAX_BYTES else None
-        except ValueError:
+        except (ValueError, RecursionError):
             holder = None  # damaged: judged by its claim and by time alone
     return Seen(top=top, top_token=token, holder=holder, key=(top, token, stat_key))
 
