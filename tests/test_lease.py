@@ -383,3 +383,32 @@ def test_a_holder_whose_renewal_fails_stops_acting_within_half_the_timeout(
     (root / ".ckptd").unlink()
     leases.tick()
     assert leases.holds("r") and leases.store.root_info("r")["last_error"] == ""
+
+
+def test_a_root_removed_or_moved_by_a_reload_is_released_at_once(tmp_path: Path) -> None:
+    """A reload that drops a root, or points its name at another path: the lease held on the
+    old path is released (another daemon takes it at once), and the new path is acted on only
+    once its own lease is held."""
+    old, new, other = tmp_path / "old", tmp_path / "new", tmp_path / "other"
+    for d in (old, new, other):
+        d.mkdir()
+    roots = _Roots(RootConfig(name="r", path=old), RootConfig(name="o", path=other))
+    a = _leases(tmp_path, roots, "a")
+    a.tick()
+    assert a.holds("r") and a.holds("o")
+    b = _leases(tmp_path, _Roots(RootConfig(name="r", path=old)), "b")
+    b.tick()
+    assert not b.holds("r")
+
+    roots.now["r"] = RootConfig(name="r", path=new)  # the reload
+    assert not a.holds("r") and "r" not in a.acting()  # before its next look
+    a.tick()
+    assert json.loads((old / ".ckptd" / "lease.json").read_text())["released"]
+    assert a.holds("r") and json.loads((new / ".ckptd" / "lease.json").read_text())["node"] == "a"
+    b.tick()
+    assert b.holds("r")  # at once, not after the 30s timeout
+
+    del roots.now["o"]
+    a.tick()
+    assert json.loads((other / ".ckptd" / "lease.json").read_text())["released"]
+    assert not a.holds("o")

@@ -66,6 +66,7 @@ def pid_alive(pid: int) -> bool:
 
 @dataclass
 class _RootLease:
+    path: Path  # the root's path when this lease was looked at: a reload may change it
     key: tuple[Any, ...] | None = None
     changed_at: float = 0.0  # monotonic: when `key` last changed
     gen: int = 0  # the generation we hold; 0 = none
@@ -103,16 +104,20 @@ class Leases:
         return min(5.0, max(0.25, self.timeout() / 6))
 
     def holds(self, name: str) -> bool:
-        """Act on `name` only while this is True: our lease, renewed within half the timeout
-        (well before any standby may judge it stale)."""
+        """Act on `name` only while this is True: our lease on the root's configured path,
+        renewed within half the timeout (well before any standby may judge it stale)."""
+        root = self.roots().get(name)
+        return root is not None and self._holds(root)
+
+    def _holds(self, root: RootConfig) -> bool:
         with self._lock:
-            st = self._state.get(name)
-            return (st is not None and st.gen > 0
+            st = self._state.get(root.name)
+            return (st is not None and st.gen > 0 and st.path == root.path
                     and time.monotonic() - st.renewed_ok < self.timeout() / 2)
 
     def acting(self) -> dict[str, RootConfig]:
         """The configured roots this daemon acts on now."""
-        return {n: r for n, r in self.roots().items() if self.holds(n)}
+        return {n: r for n, r in self.roots().items() if self._holds(r)}
 
     def fresh(self, name: str) -> bool:
         """This daemon took the root as the first ckptd ever to hold it: what its first scan
@@ -155,10 +160,7 @@ class Leases:
         roots newly held when the set of roots this daemon acts on changed."""
         roots = self.roots()
         before = set(self.acting())
-        with self._lock:
-            for name in list(self._state):
-                if name not in roots:
-                    del self._state[name]
+        self._let_go(roots)
         for root in roots.values():
             try:
                 self._tick_root(root)
@@ -172,26 +174,39 @@ class Leases:
 
     def release(self) -> None:
         """A clean stop: mark every lease we hold released, so a standby takes over at once."""
-        for name, root in self.roots().items():
-            with self._lock:
-                st = self._state.get(name)
-                held = st is not None and st.gen > 0 and st.holder is not None
-                doc = replace(st.holder, released=True) if held and st and st.holder else None
-                if st is not None:
-                    st.gen = 0
-            if doc is None:
-                continue
+        with self._lock:
+            held = list(self._state.items())
+        for name, st in held:
+            self._release(name, st)
+
+    def _let_go(self, roots: Mapping[str, RootConfig]) -> None:
+        """Roots a reload removed, or moved to another path: release what we held there, so
+        another daemon takes it at once instead of after `lease_timeout`."""
+        with self._lock:
+            gone = [(n, st) for n, st in self._state.items()
+                    if n not in roots or roots[n].path != st.path]
+            for name, _ in gone:
+                del self._state[name]
+        for name, st in gone:
+            self._release(name, st)
+
+    def _release(self, name: str, st: _RootLease) -> None:
+        with self._lock:
+            doc = replace(st.holder, released=True) if st.gen > 0 and st.holder else None
+            st.gen = 0
+        if doc is None:
+            return
+        try:
+            dfd = _open_dir(st.path, create=False)
             try:
-                dfd = _open_dir(root.path, create=False)
-                try:
-                    top, token = _top_claim(dfd)
-                    if top == doc.gen and token == self.me.token:
-                        _write_lease(dfd, doc)
-                finally:
-                    os.close(dfd)
-                self.log.info("lease_released", root=name, gen=doc.gen)
-            except (OSError, LeaseProblem) as exc:
-                self.log.warning("lease_release_failed", root=name, error=str(exc))
+                top, token = _top_claim(dfd)
+                if top == doc.gen and token == self.me.token:
+                    _write_lease(dfd, doc)
+            finally:
+                os.close(dfd)
+            self.log.info("lease_released", root=name, gen=doc.gen)
+        except (OSError, LeaseProblem) as exc:
+            self.log.warning("lease_release_failed", root=name, error=str(exc))
 
     # -- one root ------------------------------------------------------------------------------
 
@@ -199,7 +214,7 @@ class Leases:
         now = time.monotonic()
         timeout = self.timeout()
         with self._lock:
-            st = self._state.setdefault(root.name, _RootLease(changed_at=now))
+            st = self._state.setdefault(root.name, _RootLease(root.path, changed_at=now))
         dfd = _open_dir(root.path, create=True)
         ok = True
         try:
@@ -296,7 +311,8 @@ class Leases:
 
     def _problem(self, root: RootConfig, message: str) -> None:
         with self._lock:
-            st = self._state.setdefault(root.name, _RootLease(changed_at=time.monotonic()))
+            st = self._state.setdefault(root.name,
+                                        _RootLease(root.path, changed_at=time.monotonic()))
             first = st.problem != message
             st.problem = message
         if first:
