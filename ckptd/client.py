@@ -178,12 +178,14 @@ class Client:
 
     def wait(self, root: str, step: int, until: str = "valid", timeout: float = 600.0) -> bool:
         """Block until `step` reaches `until` (valid | uploaded). False on timeout or failure."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout if timeout >= 0 else 0.0)  # NaN: ask once
+        asked = False
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 and asked:  # asked at least once: timeout=0 is "is it there now?"
                 return False
-            chunk = min(left, 60.0)
+            asked = True
+            chunk = min(max(left, 0.0), 60.0)
             path = (f"/v1/roots/{_q(root)}/checkpoints/{int(step)}/wait"
                     f"?until={_q(until)}&timeout={chunk:.3f}")
             try:
@@ -192,8 +194,9 @@ class Client:
                 return bool(self._soft_fail("wait", exc))
             if status == 200:
                 return True
-            if status not in (404, 408):  # 404: not seen yet; keep waiting
-                code = data.get("error", "") if isinstance(data, dict) else ""
+            code = data.get("error", "") if isinstance(data, dict) else ""
+            # 404 no_root: no such root, now or later; any other 404: not seen yet
+            if status not in (404, 408) or code == "no_root":
                 msg = data.get("message", "") if isinstance(data, dict) else str(data)
                 return bool(self._soft_fail("wait", ClientError(status, code, msg)))
             if status == 404:

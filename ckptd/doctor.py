@@ -23,11 +23,13 @@ from ckptd.client import Client
 from ckptd.cluster.lease import LEASE_FILE, Holder
 from ckptd.config import Config, RootConfig
 from ckptd.errors import CkptdError, ObjectExists
+from ckptd.fileio import open_beneath
 from ckptd.model import CKPTD_DIR
 from ckptd.units import format_size
 from ckptd.watch import RootScanner
 
 OK, WARN, PROBLEM, SKIP = "ok", "warning", "problem", "skipped"
+REMOTE_TIMEOUT_S = 10.0  # each probe request: a remote that accepts but never answers is said
 UNIT_PATHS = tuple(Path(d) / "ckptd.service" for d in (
     "/etc/systemd/system", "/usr/lib/systemd/system", "/lib/systemd/system"))
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -47,6 +49,10 @@ def run(config: Config, config_path: Path | None, unit: Path | None = None,
     out = [Check("config", OK, f"{config_path or 'the embedded default'} parses")]
     out += state_dir(config)
     out += socket_checks(config)
+    if not config.roots:
+        out.append(Check("roots", WARN, "the config has no [[roots]]: the daemon watches nothing",
+                         "add a [[roots]] table with the name and path of a checkpoint"
+                         " directory (see config.example.toml)"))
     for root in config.roots:
         out += root_checks(root, config.daemon.lease_timeout)
         if remote and root.upload.enabled:
@@ -147,17 +153,25 @@ def _root_writable(root: RootConfig) -> Check:
 
 def _lease_holder(root: RootConfig, lease_timeout: float) -> list[Check]:
     path = root.path / CKPTD_DIR / LEASE_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-    except OSError:
+    try:  # never through a symlink, never blocking on a FIFO
+        fd = open_beneath(root.path, f"{CKPTD_DIR}/{LEASE_FILE}")
+    except FileNotFoundError:
         return []
+    except (OSError, CkptdError) as exc:  # a link, a FIFO, a directory
+        return [Check(f"root {root.name} lease", WARN, f"{path} cannot be read ({exc})",
+                      f"remove it if it is not a regular file (a daemon replaces a damaged"
+                      f" lease.json, but not a directory): `ls -la {path.parent}`")]
     try:
-        data, age = os.read(fd, 65536), time.time() - os.fstat(fd).st_mtime
+        data, age = os.read(fd, 65537), time.time() - os.fstat(fd).st_mtime
+    except OSError as exc:
+        return [Check(f"root {root.name} lease", WARN, f"{path} cannot be read ({exc})", "")]
     finally:
         os.close(fd)
     try:
+        if len(data) > 65536:
+            raise ValueError("too large")
         h = Holder.from_json(json.loads(data))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         return [Check(f"root {root.name} lease", WARN, f"{path} is damaged ({exc})",
                       "nothing to do: a daemon replaces it once the lease goes stale")]
     state = ("released" if h.released else f"renewed {age:.0f}s ago"
@@ -212,7 +226,8 @@ def remote_check(root: RootConfig) -> Check:
         backend = make_backend(
             up.url, endpoint=up.endpoint, region=up.region, access_key_id=up.access_key_id,
             secret_access_key=up.secret_access_key.get_secret_value(), part_size=up.part_size,
-            concurrency=1)
+            concurrency=1, connect_timeout_s=REMOTE_TIMEOUT_S, read_timeout_s=REMOTE_TIMEOUT_S,
+            request_timeout_s=REMOTE_TIMEOUT_S, request_retries=0)
         backend.put(key, body, len(body), create_only=True)
     except (CkptdError, OSError, ValueError) as exc:
         return Check(what, PROBLEM, f"cannot write to {up.url}: {exc}",
@@ -274,7 +289,12 @@ def unit_checks(config: Config, unit: Path | None) -> list[Check]:
     found = unit if unit is not None else next((u for u in UNIT_PATHS if u.is_file()), None)
     if found is None or not found.is_file():
         return [Check("systemd unit", SKIP, "no ckptd.service installed")]
-    s = unit_settings(found)
+    try:
+        s = unit_settings(found)
+    except OSError as exc:
+        return [Check("systemd unit", WARN, f"cannot read {found} or its drop-ins:"
+                      f" {exc.strerror or exc} ({exc.filename})",
+                      "run doctor as a user that can read the unit, or fix its files")]
     last = {k: (v[-1] if v else "") for k, v in s.items()}
     writable = [w.lstrip("-+:") for w in s.get("ReadWritePaths", [])]
     writable += [str(config.daemon.state_dir)] if last.get("StateDirectory") else []

@@ -4,11 +4,17 @@ setup (a real daemon, a real S3 server) passes. Runs the real CLI."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from support.ckpts import save_single
 from support.config import render_config
 
@@ -116,3 +122,79 @@ def test_every_command_says_what_it_does_with_an_example() -> None:
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "examples:" in done.stdout, (name, done.stdout)
         assert f"ckptd {name}" in done.stdout.split("examples:")[1], name
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """An S3 endpoint that accepts connections and never answers."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+        srv.close()
+
+
+def test_a_remote_that_never_answers_is_said_in_bounded_time(
+        tmp_path: Path, short_dir: Path, silent_endpoint: str) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(render_config(
+        {"state_dir": str(tmp_path / "state"), "socket": str(short_dir / "s.sock")},
+        [{"name": "r", "path": str(root), "upload": {
+            "url": "s3://bucket/p", "endpoint": silent_endpoint, "region": "us-east-1",
+            "access_key_id": "k", "secret_access_key": "s"}}]))
+    started = time.monotonic()
+    rc, doc = _doctor(cfg, "--unit", str(tmp_path / "no.service"))
+    assert time.monotonic() - started < 60
+    check = _by_what(doc)["root r remote"]
+    assert rc == 1 and check["status"] == "problem" and "cannot write" in check["message"]
+
+
+def test_odd_files_where_doctor_looks_are_said_not_tracebacks(tmp_path: Path,
+                                                              short_dir: Path) -> None:
+    """lease.json a FIFO (reading it would block), a directory, or nested past the parser;
+    a unit drop-in that is a directory; a config without roots. Nothing is removed."""
+    roots = []
+    for i, make in enumerate([lambda p: os.mkfifo(p), lambda p: p.mkdir(),
+                              lambda p: p.write_bytes(b"[" * 60_000)]):
+        root = tmp_path / f"ckpt{i}"
+        (root / ".ckptd").mkdir(parents=True)
+        make(root / ".ckptd" / "lease.json")
+        roots.append({"name": f"r{i}", "path": str(root)})
+    unit = tmp_path / "ckptd.service"
+    unit.write_text(UNIT.read_text())
+    (tmp_path / "ckptd.service.d" / "x.conf").mkdir(parents=True)
+    cfg = tmp_path / "c.toml"
+    daemon = {"state_dir": str(tmp_path / "state"), "socket": str(short_dir / "s.sock")}
+    cfg.write_text(render_config(daemon, roots))
+    rc, doc = _doctor(cfg, "--unit", str(unit))
+    checks = _by_what(doc)
+    for i in range(3):
+        assert checks[f"root r{i} lease"]["status"] == "warning", checks
+        assert (tmp_path / f"ckpt{i}" / ".ckptd" / "lease.json").exists()
+    assert checks["systemd unit"]["status"] == "warning"
+    assert "x.conf" in checks["systemd unit"]["message"]
+
+    cfg.write_text(render_config(daemon, []))
+    rc, doc = _doctor(cfg, "--unit", str(tmp_path / "no.service"))
+    assert _by_what(doc)["roots"]["status"] == "warning" and doc["ok"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,37 @@ def test_an_unusable_state_or_socket_dir_is_one_line_and_exit_78(tmp_path: Path,
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and f"daemon.{which}" in lines[0] and "Traceback" not in lines[0]
     assert not (root / ".ckptd").exists()
+
+
+def _wait_cli(sock: Path, *args: str) -> tuple[int, str, float]:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "ckptd", "wait", *args, "--socket", str(sock)],
+                          capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - started
+
+
+def test_wait_answers_at_once_for_a_root_that_does_not_exist_and_for_timeout_0(
+        tmp_path: Path, short_dir: Path) -> None:
+    """`ckptd wait` on a misspelt root says so at once instead of waiting out --timeout;
+    `--timeout 0` asks once ("is it valid now?"); with no daemon it says none answered."""
+    h = Harness(tmp_path, short_dir)
+    sock = h.daemon.config.daemon.socket
+    rc, out, _ = _wait_cli(sock, "r", "1", "--timeout", "0")
+    assert rc == 69 and "did not answer" in out, out  # nothing there: not "not valid after 0s"
+    save_torch(h.root / "model_step_1.pt")
+    h.daemon.start()
+    try:
+        assert h.client.wait("r", 1, until="valid", timeout=30)
+        rc, out, took = _wait_cli(sock, "no-such-root", "1", "--timeout", "60")
+        assert rc == 1 and "no-such-root" in out and took < 20, (rc, out, took)
+        rc, out, _ = _wait_cli(sock, "r", "1", "--timeout", "0")
+        assert rc == 0 and "r step 1 valid" in out, out
+        assert h.client.wait("r", 1, timeout=float("nan")) and h.client.wait("r", 1, timeout=-5)
+        rc, out, _ = _wait_cli(sock, "r", "2", "--timeout", "0")
+        assert rc == 1 and "not valid after 0s" in out, out
+        for bad in ("-1", "nan", "inf", "1e20"):
+            rc, out, _ = _wait_cli(sock, "r", "1", "--timeout", bad)
+            assert rc == 2 and "--timeout must be" in out, (bad, out)
+    finally:
+        h.daemon.stop(grace=5)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,9 @@ from support.wait import wait_until
 
 from ckptd.client import Client, ClientError
 from ckptd.cluster.lease import Holder, Judgement, Me, Seen, Verdict, judge
+from ckptd.config import RootConfig
+from ckptd.service.lease import Leases
+from ckptd.store import Store
 
 ME = Me(token="a" * 32, host="node-a", boot="boot-1")
 OTHER = "b" * 32
@@ -39,6 +44,8 @@ def holder(token: str = OTHER, gen: int = 3, host: str = "node-b", released: boo
     (Seen(3, OTHER, holder(), ()), 5, None, Verdict.STANDBY, "held by another"),
     (Seen(3, OTHER, holder(), ()), 30, None, Verdict.TAKE, "not renewed for 30s"),
     (Seen(3, OTHER, holder(released=True), ()), 0, None, Verdict.TAKE, "released"),
+    # released by this very daemon: taken afresh (create-only), never resumed
+    (Seen(3, ME.token, holder(ME.token, released=True), ()), 0, None, Verdict.TAKE, "released"),
     (Seen(3, OTHER, holder(), ()), 0, False, Verdict.TAKE, "process on this machine is gone"),
     (Seen(3, OTHER, holder(), ()), 0, True, Verdict.STANDBY, "held by another"),
     # lease.json still names an older generation: only time decides (the new one is starting)
@@ -58,6 +65,9 @@ def test_the_lease_rule(seen: Seen, quiet_for: float, alive: bool | None, verdic
     None, [], {"format": "ckptd-lease/1"}, {**holder().as_json(), "gen": 0},
     {**holder().as_json(), "pid": True}, {**holder().as_json(), "token": "x" * 8},
     {**holder().as_json(), "node": "n" * 300}, {**holder().as_json(), "since": float("nan")},
+    # `since` is shown as a date in `status`: what no date can be is refused here
+    {**holder().as_json(), "since": float("inf")}, {**holder().as_json(), "since": 1e300},
+    {**holder().as_json(), "since": -1.0}, {**holder().as_json(), "since": 10**400},
     {**holder().as_json(), "format": "other/1"},
 ])
 def test_a_damaged_lease_document_is_refused(doc: Any) -> None:
@@ -195,3 +205,210 @@ def test_a_ckptd_dir_that_is_a_symlink_is_never_followed(tmp_path: Path) -> None
             assert d.events("lease_failed")
         finally:
             d.stop()
+
+
+# -- the lease service in this process, on real files and a real Store ---------------------------
+
+
+class _Roots:
+    """A daemon's configured roots, changed by a reload."""
+
+    def __init__(self, *roots: RootConfig) -> None:
+        self.now = {r.name: r for r in roots}
+
+    def __call__(self) -> dict[str, RootConfig]:
+        return dict(self.now)
+
+
+def _leases(state: Path, roots: _Roots, node: str, timeout: float = 30.0) -> Leases:
+    return Leases(Store(state / node / "state.db"), roots, lambda: node, lambda: timeout)
+
+
+def _damage(own: Path, how: str) -> None:
+    if how == ".ckptd is a file":
+        own.write_text("x")
+        return
+    if how == ".ckptd is a dangling symlink":
+        own.symlink_to(own.parent / "nowhere")
+        return
+    own.mkdir()
+    lease, claim = own / "lease.json", own / "lease.claim.3"
+    {"lease.json is a directory": lambda: lease.mkdir(),
+     "lease.json is a FIFO": lambda: os.mkfifo(lease),
+     "lease.json is huge": lambda: lease.write_bytes(b"{" * (4 << 20)),
+     "lease.json nests deeply": lambda: lease.write_bytes(b"[" * 60_000),
+     "lease.json is binary junk": lambda: lease.write_bytes(bytes(range(256)) * 64),
+     "lease.json has wrong types": lambda: lease.write_text(json.dumps(
+         {**holder().as_json(), "gen": "3", "pid": 1e400, "since": 10**400})),
+     "a claim is a directory": lambda: claim.mkdir(),
+     "a claim is a FIFO": lambda: os.mkfifo(claim),
+     "a claim is a symlink": lambda: claim.symlink_to("/etc/passwd"),
+     "a claim has an odd name": lambda: (own / "lease.claim.-1").write_text("a" * 32),
+     "a claim holds junk": lambda: claim.write_bytes(b"\xff" * 100_000),
+     }[how]()
+
+
+@pytest.mark.parametrize("how", [
+    ".ckptd is a file", ".ckptd is a dangling symlink", "lease.json is a directory",
+    "lease.json is a FIFO", "lease.json is huge", "lease.json nests deeply",
+    "lease.json is binary junk", "lease.json has wrong types", "a claim is a directory",
+    "a claim is a FIFO", "a claim is a symlink", "a claim has an odd name", "a claim holds junk",
+])
+def test_damaged_lease_files_never_stop_the_lease_service(tmp_path: Path, how: str) -> None:
+    """Whatever lies in `.ckptd`: the service's look returns at once, the root is acted on
+    (once the lease is stale, where a claim cannot be read) or its problem is said, and nothing
+    but an outdated claim is removed."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    own = root / ".ckptd"
+    _damage(own, how)
+    if own.is_dir() and not own.is_symlink():
+        (own / "keep.me").write_text("not ckptd's")
+    leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1", timeout=0.3)
+    started = time.monotonic()
+    leases.tick()
+    time.sleep(0.35)
+    leases.tick()
+    assert time.monotonic() - started < 5
+    problem = leases.problem("r")
+    assert leases.holds("r") or problem, how
+    if problem:
+        assert problem == leases.store.root_info("r")["last_error"] and "Traceback" not in problem
+    leases.holder_json("r")  # shown by status: never raises
+    assert (own / "keep.me").exists() or not own.is_dir()
+    assert Path("/etc/passwd").is_file()
+
+
+def test_a_lease_json_that_is_a_directory_is_said_and_not_acted_on(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    (root / ".ckptd" / "lease.json").mkdir(parents=True)
+    leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1")
+    leases.tick()
+    assert not leases.holds("r")
+    assert "lease.json" in (leases.problem("r") or "")
+    assert (root / ".ckptd" / "lease.json").is_dir()
+
+
+def test_the_last_generation_is_said_not_wrapped(tmp_path: Path) -> None:
+    """A claim of the highest generation there can be (put there by hand): a taker would need
+    one beyond it; it says so instead of claiming one no other daemon could see."""
+    root = tmp_path / "ckpt"
+    (root / ".ckptd").mkdir(parents=True)
+    (root / ".ckptd" / f"lease.claim.{2**62 - 1}").write_text(OTHER)
+    leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1", timeout=0.3)
+    leases.tick()
+    time.sleep(0.35)
+    leases.tick()
+    assert not leases.holds("r") and "remove the lease.claim.*" in (leases.problem("r") or "")
+    assert sorted(p.name for p in (root / ".ckptd").iterdir()) == [f"lease.claim.{2**62 - 1}"]
+
+
+def _acting(*leases: Leases) -> list[str]:
+    return [lz.node() for lz in leases if lz.holds("r")]
+
+
+def test_two_daemons_starting_at_the_same_instant_one_acts(tmp_path: Path) -> None:
+    """Their looks at a free root, at one its holder released, and at a stale one run at once
+    in two threads (many times): exactly one acts every time, and it stays the one."""
+    stores = {n: Store(tmp_path / n / "state.db") for n in ("a", "b")}
+    for i in range(25):
+        root = tmp_path / f"ckpt{i}"
+        root.mkdir()
+        roots = _Roots(RootConfig(name="r", path=root))
+        pair = [Leases(stores[n], roots, lambda n=n: n, lambda: 0.8) for n in ("a", "b")]
+        for round_ in range(3 if i < 5 else 2):  # a stale lease only takes waiting out
+            gate = threading.Barrier(2)
+
+            def tick(lz: Leases, gate: threading.Barrier = gate) -> None:
+                gate.wait()
+                lz.tick()
+
+            threads = [threading.Thread(target=tick, args=(lz,)) for lz in pair]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            (one,) = _acting(*pair)
+            for lz in pair * 3:  # interleaved looks change nothing
+                lz.tick()
+                assert _acting(*pair) == [one]
+            if round_ == 0:  # next: a lease released by its holder, taken by both at once
+                next(lz for lz in pair if lz.node() == one).release()
+            elif round_ == 1 and i < 5:  # next: a third daemon's lease, never renewed
+                held = json.loads((root / ".ckptd" / "lease.json").read_text())
+                (root / ".ckptd" / f"lease.claim.{held['gen'] + 1}").write_text("d" * 32)
+                for lz in pair:
+                    lz.tick()
+                assert _acting(*pair) == []
+                time.sleep(0.85)
+    for store in stores.values():
+        store.close()
+
+
+def test_a_root_that_disappears_and_reappears_is_taken_again(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1", timeout=0.4)
+    leases.tick()
+    assert leases.holds("r")
+    shutil.rmtree(root)
+    leases.tick()
+    assert "does not exist" in leases.store.root_info("r")["last_error"]
+    time.sleep(0.2)  # half the timeout without a renewal: it stops acting
+    assert not leases.holds("r")
+    root.mkdir()
+    leases.tick()
+    assert leases.holds("r") and leases.problem("r") is None
+    assert leases.store.root_info("r")["last_error"] == ""
+
+
+def test_a_holder_whose_renewal_fails_stops_acting_within_half_the_timeout(
+        tmp_path: Path) -> None:
+    """`.ckptd` replaced by a file while the daemon holds the root: it cannot renew; within
+    lease_timeout/2 of its last renewal it no longer acts, though it keeps looking."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    timeout = 0.6
+    leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1", timeout=timeout)
+    leases.tick()
+    renewed = time.monotonic()
+    assert leases.holds("r")
+    shutil.rmtree(root / ".ckptd")
+    (root / ".ckptd").write_text("not a directory")
+    while leases.holds("r"):
+        leases.tick()
+        time.sleep(0.02)
+    assert time.monotonic() - renewed <= timeout / 2 + 0.05
+    assert "not a directory" in (leases.problem("r") or "").lower()
+    (root / ".ckptd").unlink()
+    leases.tick()
+    assert leases.holds("r") and leases.store.root_info("r")["last_error"] == ""
+
+
+def test_a_root_removed_or_moved_by_a_reload_is_released_at_once(tmp_path: Path) -> None:
+    """A reload that drops a root, or points its name at another path: the lease held on the
+    old path is released (another daemon takes it at once), and the new path is acted on only
+    once its own lease is held."""
+    old, new, other = tmp_path / "old", tmp_path / "new", tmp_path / "other"
+    for d in (old, new, other):
+        d.mkdir()
+    roots = _Roots(RootConfig(name="r", path=old), RootConfig(name="o", path=other))
+    a = _leases(tmp_path, roots, "a")
+    a.tick()
+    assert a.holds("r") and a.holds("o")
+    b = _leases(tmp_path, _Roots(RootConfig(name="r", path=old)), "b")
+    b.tick()
+    assert not b.holds("r")
+
+    roots.now["r"] = RootConfig(name="r", path=new)  # the reload
+    assert not a.holds("r") and "r" not in a.acting()  # before its next look
+    a.tick()
+    assert json.loads((old / ".ckptd" / "lease.json").read_text())["released"]
+    assert a.holds("r") and json.loads((new / ".ckptd" / "lease.json").read_text())["node"] == "a"
+    b.tick()
+    assert b.holds("r")  # at once, not after the 30s timeout
+
+    del roots.now["o"]
+    a.tick()
+    assert json.loads((other / ".ckptd" / "lease.json").read_text())["released"]
+    assert not a.holds("o")

@@ -27,6 +27,7 @@ LEASE_FILE = "lease.json"
 CLAIM_PREFIX = "lease.claim."
 MAX_BYTES = 64 * 1024
 MAX_GENERATION = 2**62
+MAX_SINCE = 1e11  # seconds since the epoch (year 5138): NaN, infinities and overflows refused
 _CLAIM = re.compile(r"^lease\.claim\.([1-9][0-9]{0,18})$", re.ASCII)
 _TOKEN = re.compile(r"^[0-9a-f]{16,64}$", re.ASCII)
 
@@ -74,7 +75,7 @@ class Holder:
         for key, kind in fields.items():
             value = doc.get(key)
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
+                value = float(value) if abs(value) < MAX_SINCE else float("inf")
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise ValueError(f"{key!r} is missing or not {kind.__name__}")
             if isinstance(value, str) and len(value) > 256:
@@ -82,7 +83,7 @@ class Holder:
             out[key] = value
         if not 1 <= out["gen"] < MAX_GENERATION or not 0 < out["pid"] < 2**31:
             raise ValueError("'gen' or 'pid' is out of range")
-        if not valid_token(out["token"]) or out["since"] != out["since"]:
+        if not valid_token(out["token"]) or not 0 <= out["since"] < MAX_SINCE:
             raise ValueError("'token' or 'since' is not valid")
         return cls(**out)
 
@@ -126,12 +127,14 @@ def judge(me: Me, seen: Seen, changed_at: float, now: float, timeout: float,
     """
     if seen.top == 0:
         return Judgement(Verdict.TAKE, "no daemon has held the root")
-    if seen.top_token == me.token:
-        return Judgement(Verdict.HOLD, "ours")
     h = seen.holder
     current = h is not None and h.gen == seen.top and h.token == seen.top_token
     if current and h is not None and h.released:
+        # Ours too: a released lease is never resumed, or this daemon and one taking it now
+        # would both act; a new generation, claimed create-only, decides between them.
         return Judgement(Verdict.TAKE, "released by its holder")
+    if seen.top_token == me.token:
+        return Judgement(Verdict.HOLD, "ours")
     if current and process_alive is False:
         return Judgement(Verdict.TAKE, "its holder's process on this machine is gone")
     if now - changed_at >= timeout:

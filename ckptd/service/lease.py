@@ -27,6 +27,7 @@ from ckptd.cluster.lease import (
     CLAIM_PREFIX,
     LEASE_FILE,
     MAX_BYTES,
+    MAX_GENERATION,
     Holder,
     Judgement,
     Me,
@@ -65,6 +66,7 @@ def pid_alive(pid: int) -> bool:
 
 @dataclass
 class _RootLease:
+    path: Path  # the root's path when this lease was looked at: a reload may change it
     key: tuple[Any, ...] | None = None
     changed_at: float = 0.0  # monotonic: when `key` last changed
     gen: int = 0  # the generation we hold; 0 = none
@@ -102,16 +104,20 @@ class Leases:
         return min(5.0, max(0.25, self.timeout() / 6))
 
     def holds(self, name: str) -> bool:
-        """Act on `name` only while this is True: our lease, renewed within half the timeout
-        (well before any standby may judge it stale)."""
+        """Act on `name` only while this is True: our lease on the root's configured path,
+        renewed within half the timeout (well before any standby may judge it stale)."""
+        root = self.roots().get(name)
+        return root is not None and self._holds(root)
+
+    def _holds(self, root: RootConfig) -> bool:
         with self._lock:
-            st = self._state.get(name)
-            return (st is not None and st.gen > 0
+            st = self._state.get(root.name)
+            return (st is not None and st.gen > 0 and st.path == root.path
                     and time.monotonic() - st.renewed_ok < self.timeout() / 2)
 
     def acting(self) -> dict[str, RootConfig]:
         """The configured roots this daemon acts on now."""
-        return {n: r for n, r in self.roots().items() if self.holds(n)}
+        return {n: r for n, r in self.roots().items() if self._holds(r)}
 
     def fresh(self, name: str) -> bool:
         """This daemon took the root as the first ckptd ever to hold it: what its first scan
@@ -154,41 +160,53 @@ class Leases:
         roots newly held when the set of roots this daemon acts on changed."""
         roots = self.roots()
         before = set(self.acting())
-        with self._lock:
-            for name in list(self._state):
-                if name not in roots:
-                    del self._state[name]
+        self._let_go(roots)
         for root in roots.values():
             try:
                 self._tick_root(root)
             except LeaseProblem as exc:
                 self._problem(root, str(exc))
+            except OSError as exc:  # the lease files changed under us in a way not foreseen
+                self._problem(root, f"lease: {root.path / CKPTD_DIR}: {exc.strerror or exc}")
         after = set(self.acting())
         if after != before:
             self.on_change(after - before)
 
     def release(self) -> None:
         """A clean stop: mark every lease we hold released, so a standby takes over at once."""
-        for name, root in self.roots().items():
-            with self._lock:
-                st = self._state.get(name)
-                held = st is not None and st.gen > 0 and st.holder is not None
-                doc = replace(st.holder, released=True) if held and st and st.holder else None
-                if st is not None:
-                    st.gen = 0
-            if doc is None:
-                continue
+        with self._lock:
+            held = list(self._state.items())
+        for name, st in held:
+            self._release(name, st)
+
+    def _let_go(self, roots: Mapping[str, RootConfig]) -> None:
+        """Roots a reload removed, or moved to another path: release what we held there, so
+        another daemon takes it at once instead of after `lease_timeout`."""
+        with self._lock:
+            gone = [(n, st) for n, st in self._state.items()
+                    if n not in roots or roots[n].path != st.path]
+            for name, _ in gone:
+                del self._state[name]
+        for name, st in gone:
+            self._release(name, st)
+
+    def _release(self, name: str, st: _RootLease) -> None:
+        with self._lock:
+            doc = replace(st.holder, released=True) if st.gen > 0 and st.holder else None
+            st.gen = 0
+        if doc is None:
+            return
+        try:
+            dfd = _open_dir(st.path, create=False)
             try:
-                dfd = _open_dir(root.path, create=False)
-                try:
-                    top, token = _top_claim(dfd)
-                    if top == doc.gen and token == self.me.token:
-                        _write_lease(dfd, doc)
-                finally:
-                    os.close(dfd)
-                self.log.info("lease_released", root=name, gen=doc.gen)
-            except (OSError, LeaseProblem) as exc:
-                self.log.warning("lease_release_failed", root=name, error=str(exc))
+                top, token = _top_claim(dfd)
+                if top == doc.gen and token == self.me.token:
+                    _write_lease(dfd, doc)
+            finally:
+                os.close(dfd)
+            self.log.info("lease_released", root=name, gen=doc.gen)
+        except (OSError, LeaseProblem) as exc:
+            self.log.warning("lease_release_failed", root=name, error=str(exc))
 
     # -- one root ------------------------------------------------------------------------------
 
@@ -196,7 +214,7 @@ class Leases:
         now = time.monotonic()
         timeout = self.timeout()
         with self._lock:
-            st = self._state.setdefault(root.name, _RootLease(changed_at=now))
+            st = self._state.setdefault(root.name, _RootLease(root.path, changed_at=now))
         dfd = _open_dir(root.path, create=True)
         ok = True
         try:
@@ -222,6 +240,10 @@ class Leases:
     def _take(self, dfd: int, root: RootConfig, st: _RootLease, seen: Seen, why: Judgement,
               now: float) -> Judgement:
         gen = seen.top + 1
+        if gen >= MAX_GENERATION:
+            raise LeaseProblem(f"lease: {root.path / CKPTD_DIR} has a claim of generation"
+                               f" {seen.top}, the last there can be; remove the"
+                               f" {CLAIM_PREFIX}* files there while no ckptd runs on the root")
         doc = Holder(gen=gen, token=self.me.token, node=self.node(), pid=os.getpid(),
                      host=self.me.host, boot=self.me.boot, since=time.time())
         try:
@@ -238,8 +260,14 @@ class Leases:
             os.fsync(fd)
         finally:
             os.close(fd)
-        _write_lease(dfd, doc)
-        os.fsync(dfd)
+        if _top_claim(dfd)[0] != gen:  # we looked long ago: someone has since claimed higher
+            return Judgement(Verdict.STANDBY, "another daemon took it first")
+        try:
+            _write_lease(dfd, doc)
+            os.fsync(dfd)
+        except OSError as exc:
+            raise LeaseProblem(f"lease: cannot write {root.path / CKPTD_DIR / LEASE_FILE}:"
+                               f" {exc.strerror}") from exc
         previous = seen.holder
         with self._lock:
             st.gen, st.holder, st.renewed_ok = gen, doc, now
@@ -283,7 +311,8 @@ class Leases:
 
     def _problem(self, root: RootConfig, message: str) -> None:
         with self._lock:
-            st = self._state.setdefault(root.name, _RootLease(changed_at=time.monotonic()))
+            st = self._state.setdefault(root.name,
+                                        _RootLease(root.path, changed_at=time.monotonic()))
             first = st.problem != message
             st.problem = message
         if first:
@@ -359,7 +388,7 @@ def _look(dfd: int) -> Seen:
         stat_key = (st.st_ino, st.st_mtime_ns, st.st_size)
         try:
             holder = Holder.from_json(json.loads(data)) if len(data) <= MAX_BYTES else None
-        except ValueError:
+        except (ValueError, RecursionError):
             holder = None  # damaged: judged by its claim and by time alone
     return Seen(top=top, top_token=token, holder=holder, key=(top, token, stat_key))
 
