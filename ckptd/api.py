@@ -486,6 +486,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def h_wait(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         r = self.ctx.root(root)
+        self.ctx.acting(r)  # a standby never sees the step: say so instead of waiting it out
         n = checks.step(step)
         until = query.get("until", "valid")
         if until not in ("valid", "uploaded"):

@@ -133,6 +133,10 @@ def test_two_daemons_on_one_root_one_acts_the_other_stands_by_and_takes_over(pai
         b.client.pin("r", 10)
     assert refused.value.status == 409 and "node-a" in str(refused.value)
     assert Client(b.socket, timeout=5).checkpoint("r", 10) is None  # never scanned by the standby
+    started = time.monotonic()
+    with pytest.raises(ClientError) as refused:  # a wait is refused, not waited out
+        b.client.wait("r", 10, timeout=30)
+    assert refused.value.status == 409 and time.monotonic() - started < 5
 
     a.kill9()
     # Same machine, holder's process gone: taken at the standby's next look, not after 4s.

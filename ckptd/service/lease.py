@@ -128,13 +128,15 @@ class Leases:
 
     def holder_json(self, name: str) -> dict[str, Any] | None:
         """`{"node", "pid", "host", "since", "this_daemon"}` of the daemon acting on the root,
-        as last seen; None when none does."""
+        as last seen; None when none does. `this_daemon` only while this daemon acts on it (a
+        lease it can no longer renew, the root gone say, is not claimed as acting)."""
+        acting = self.holds(name)
         with self._lock:
             st = self._state.get(name)
             h = st.holder if st is not None else None
             if st is None or h is None or h.released or st.verdict is Verdict.TAKE:
                 return None
-            ours = st.gen > 0 and h.token == self.me.token
+            ours = acting and h.token == self.me.token
             return {"node": h.node, "pid": h.pid, "host": h.host,
                     "since": datetime.fromtimestamp(h.since, UTC).isoformat(timespec="seconds"),
                     "this_daemon": ours}
