@@ -432,6 +432,8 @@ def test_deepspeed_checkpoints_trust_deepspeeds_plain_data_classes(
     res = validate(root, ds)
     _invalid(res, "unsafe_pickle")
     assert "argparse.Namespace, which is not" in res.message
+
+
 @pytest.mark.skipif(shutil.which("fincore") is None, reason="needs util-linux fincore")
 def test_a_just_written_checkpoint_leaves_the_page_cache_once_valid(tmp_path: Path) -> None:
     """The trainer's own writes leave the file's pages dirty in the cache; the read pass cannot
