@@ -168,6 +168,8 @@ def kill_tree_when(procs: list[subprocess.Popen[bytes]], cond: Callable[[], bool
         stop_all()
         for p in procs:
             p.communicate()
+
+
 def verify(path: Path) -> tuple[int, dict[str, Any]]:
     """`ckptd verify PATH --json` (no daemon, default config): exit code and document."""
     done = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(path), "--json"],
