@@ -27,11 +27,11 @@ from ckptd import __version__
 from ckptd import api_input as checks
 from ckptd.api_input import HttpError
 from ckptd.changes import Changes
+from ckptd.client import read_latest_file
 from ckptd.config import RootConfig
 from ckptd.errors import ConfigError, ServiceUnavailable
-from ckptd.fileio import open_beneath
 from ckptd.log import get_logger
-from ckptd.model import CKPTD_DIR, CheckpointRecord, Remote, State, Tier
+from ckptd.model import CheckpointRecord, Remote, State, Tier
 from ckptd.pins import write_pins
 from ckptd.store import Store
 
@@ -194,7 +194,7 @@ class ApiContext:
 
     def _published_latest(self, root: RootConfig, tier: Tier) -> dict[str, Any]:
         """A standby answers what the acting daemon published beside the root."""
-        doc = read_published_latest(root.path)
+        doc = read_latest_file(root.path)
         wanted = {Tier.ANY: True, Tier.LOCAL: doc and doc.get("local") == "present",
                   Tier.REMOTE: doc and doc.get("remote") == "uploaded"}[tier]
         if doc is None or not wanted:
@@ -205,29 +205,6 @@ class ApiContext:
                 "local": str(doc.get("local", "")), "remote": str(doc.get("remote", "")),
                 "layout": str(doc.get("layout", "")), "metrics": {},
                 "holder": self.leases.holder_json(root.name)}
-
-
-def read_published_latest(root: Path) -> dict[str, Any] | None:
-    """`<root>/.ckptd/latest.json` when it is a sound one (never through a symlink)."""
-    try:
-        fd = open_beneath(root, f"{CKPTD_DIR}/latest.json")
-    except OSError:
-        return None
-    try:
-        data = os.read(fd, 65537)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    try:
-        doc = json.loads(data) if len(data) <= 65536 else None
-    except ValueError:
-        return None
-    if (not isinstance(doc, dict) or not isinstance(doc.get("path"), str)
-            or not isinstance(doc.get("step"), int) or isinstance(doc.get("step"), bool)
-            or not 0 <= doc["step"] < 2**63):
-        return None
-    return doc
 
 
 def latest_json(root: RootConfig, rec: CheckpointRecord) -> dict[str, Any]:

@@ -54,14 +54,32 @@ def default_socket() -> str:
     return os.environ.get("CKPTD_SOCKET") or DEFAULT_SOCKET
 
 
+LATEST_FILE_MAX = 64 * 1024
+
+
 def read_latest_file(root_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The daemon's last word on a root, from `<root>/.ckptd/latest.json` (no daemon needed)."""
-    path = Path(root_dir) / ".ckptd" / "latest.json"
+    """The daemon's last word on a root, from `<root>/.ckptd/latest.json` (no daemon needed):
+    None unless it is a sound one. Neither `.ckptd` nor the file is followed if a symlink, a
+    FIFO never blocks the read, and at most 64 KiB are read."""
+    nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        data = json.loads(path.read_text())
+        dfd = os.open(Path(root_dir) / ".ckptd", os.O_RDONLY | os.O_DIRECTORY | nofollow)
+        try:
+            fd = os.open("latest.json", os.O_RDONLY | os.O_NONBLOCK | nofollow, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        try:
+            raw = os.read(fd, LATEST_FILE_MAX + 1)
+        finally:
+            os.close(fd)
+        data = json.loads(raw) if len(raw) <= LATEST_FILE_MAX else None
     except (OSError, ValueError, RecursionError):
         return None
-    if not isinstance(data, dict) or not isinstance(data.get("step"), int):
+    if not isinstance(data, dict):
+        return None
+    step = data.get("step")
+    if (not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63
+            or not isinstance(data.get("path"), str)):
         return None
     return data
 

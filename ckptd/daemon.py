@@ -13,7 +13,6 @@ import signal
 import threading
 import time
 from pathlib import Path
-from types import FrameType
 
 from ckptd import sdnotify
 from ckptd.api import ApiContext, UnixHttpServer
@@ -29,7 +28,7 @@ from ckptd.service.discovery import Discovery
 from ckptd.service.effects import Effects
 from ckptd.service.jobs import policy_of
 from ckptd.service.lease import Leases
-from ckptd.service.observe import root_samples
+from ckptd.service.observe import root_samples, summary
 from ckptd.service.recovery import StateDirLock
 from ckptd.service.scan import Scanner
 from ckptd.service.supervisor import Supervisor
@@ -54,7 +53,7 @@ class Daemon:
         self.backends = BackendCache()
         self.supervisor = Supervisor(on_crash=lambda name: self.metrics.error(f"service:{name}"))
         self._stop = threading.Event()
-        self._signals: list[int] = []  # appended by handlers, handled by the main loop
+        self.signals = recovery.SignalInbox(self._stop)
         self.notifier = sdnotify.Notifier.from_env(
             unset=True, on_error=lambda m: self.log.warning("sd_notify_failed", error=m))
         self.watchdog = sdnotify.ProgressWatchdog.from_env(self.notifier)
@@ -132,7 +131,7 @@ class Daemon:
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; then stop gracefully. Returns the exit code."""
-        self._install_signals()
+        self.signals.install()
         self.start()
         last_status = 0.0
         while not self._stop.wait(1.0):
@@ -146,20 +145,8 @@ class Daemon:
         self.stop()
         return 0
 
-    def _install_signals(self) -> None:
-        # Handlers only record the signal: logging or locking inside a handler can deadlock
-        # when the signal lands while the main thread holds the same lock.
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            self._signals.append(signum)
-            if signum in (signal.SIGTERM, signal.SIGINT):
-                self._stop.set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
-            signal.signal(sig, on_signal)
-
     def _handle_signals(self) -> None:
-        while self._signals:
-            signum = self._signals.pop(0)
+        for signum in self.signals.drain():
             if signum == signal.SIGHUP:
                 self.reload()
             elif signum == signal.SIGUSR1:
@@ -189,9 +176,7 @@ class Daemon:
                 and self.scanner.healthy(self.config.daemon.scan_interval))
 
     def summary(self) -> str:
-        parts = [f"{name} latest {rec.step if rec else '-'} queue {self.store.queue_length(name)}"
-                 for name in self.roots() for rec in [self.store.latest(name)]]
-        return "; ".join(parts) or "no roots"
+        return summary(self.store, list(self.roots()))
 
     # -- reload ------------------------------------------------------------------------------
 

@@ -49,3 +49,10 @@ def _disk_free(root: RootConfig) -> int | None:
         return shutil.disk_usage(root.path).free
     except OSError:
         return None
+
+
+def summary(store: Store, names: list[str]) -> str:
+    """One line for systemd's STATUS=: each root's latest step and queue."""
+    parts = [f"{name} latest {rec.step if rec else '-'} queue {store.queue_length(name)}"
+             for name in names for rec in [store.latest(name)]]
+    return "; ".join(parts) or "no roots"

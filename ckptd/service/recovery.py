@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import socket
+import threading
 from pathlib import Path
+from types import FrameType
 from typing import IO
 
 from ckptd import fileio, sdnotify
@@ -113,3 +116,30 @@ class StateDirLock:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+class SignalInbox:
+    """Signals recorded by their handlers, handled later by the main loop: logging or locking
+    inside a handler can deadlock when the signal lands while the main thread holds the same
+    lock. SIGTERM and SIGINT also set `stop` at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+
+    def __init__(self, stop: threading.Event) -> None:
+        self._stop = stop
+        self._got: list[int] = []
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._record)
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self._got.append(signum)
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            self._stop.set()
+
+    def drain(self) -> list[int]:
+        """The signals received since the last drain, oldest first."""
+        out = self._got[:]
+        del self._got[:len(out)]
+        return out

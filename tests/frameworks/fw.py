@@ -69,18 +69,30 @@ def run_ranks(script: str, args: list[str], world: int = 1, timeout: float = 300
     return finish(start_ranks(script, args, world, **env), timeout)
 
 
+def _await(procs: list[subprocess.Popen[bytes]], cond: Callable[[], bool],
+           timeout: float) -> None:
+    """Poll `cond()` every 2 ms until it holds; fail if it never does or the ranks end first."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("the condition to kill on never came")
+        if all(p.poll() is not None for p in procs):
+            outs = [p.communicate()[0].decode(errors="replace") for p in procs]
+            raise AssertionError("the ranks ended before the kill:\n" + "\n".join(outs))
+        time.sleep(0.002)
+
+
+def result_json(out: str, prefix: str = '{"global_step"') -> dict[str, Any]:
+    """The one JSON line a rank script printed (starting with `prefix`) among its logs."""
+    (line,) = [ln for ln in out.splitlines() if ln.startswith(prefix)]
+    return json.loads(line)  # type: ignore[no-any-return]
+
+
 def kill_when(procs: list[subprocess.Popen[bytes]], cond: Callable[[], bool],
               timeout: float = 120.0) -> None:
     """SIGKILL every rank the moment `cond()` holds (a save begun, its commit not yet made)."""
-    deadline = time.monotonic() + timeout
     try:
-        while not cond():
-            if time.monotonic() > deadline:
-                raise AssertionError("the condition to kill on never came")
-            if all(p.poll() is not None for p in procs):
-                outs = [p.communicate()[0].decode(errors="replace") for p in procs]
-                raise AssertionError("the ranks ended before the kill:\n" + "\n".join(outs))
-            time.sleep(0.002)
+        _await(procs, cond, timeout)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -155,15 +167,8 @@ def kill_tree_when(procs: list[subprocess.Popen[bytes]], cond: Callable[[], bool
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    deadline = time.monotonic() + timeout
     try:
-        while not cond():
-            if time.monotonic() > deadline:
-                raise AssertionError("the condition to kill on never came")
-            if all(p.poll() is not None for p in procs):
-                outs = [p.communicate()[0].decode(errors="replace") for p in procs]
-                raise AssertionError("the ranks ended before the kill:\n" + "\n".join(outs))
-            time.sleep(0.002)
+        _await(procs, cond, timeout)
     finally:
         stop_all()
         for p in procs:

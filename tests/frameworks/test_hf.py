@@ -5,20 +5,14 @@ restored copy exactly as from the original."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from fw import files_of, kill_when, restore, run_ranks, same_files, start_ranks
+from fw import files_of, kill_when, restore, result_json, run_ranks, same_files, start_ranks
 from support.wait import wait_until
 
 from ckptd.client import Client
-
-
-def _result(out: str) -> dict[str, Any]:
-    (line,) = [ln for ln in out.splitlines() if ln.startswith('{"global_step"')]
-    return json.loads(line)  # type: ignore[no-any-return]
 
 
 def test_trainer_checkpoints_are_valid_uploaded_and_resumable_from_a_restore(
@@ -36,9 +30,9 @@ def test_trainer_checkpoints_are_valid_uploaded_and_resumable_from_a_restore(
     restored = tmp_path / "restored"
     restore(d.config, "hf", 15, restored)
     same_files(root, restored, files_of(d, "hf", 15))
-    from_original = _result(run_ranks("hf_train.py", [str(tmp_path / "a"), "20", "--resume",
+    from_original = result_json(run_ranks("hf_train.py", [str(tmp_path / "a"), "20", "--resume",
                                                       str(root / "checkpoint-15")])[0])
-    from_restore = _result(run_ranks("hf_train.py", [str(tmp_path / "b"), "20", "--resume",
+    from_restore = result_json(run_ranks("hf_train.py", [str(tmp_path / "b"), "20", "--resume",
                                                      str(restored / "checkpoint-15")])[0])
     assert from_restore == from_original and from_restore["global_step"] == 20
 

@@ -5,18 +5,12 @@ followed, nor taken for a checkpoint; a run killed mid-save leaves nothing ckptd
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from fw import files_of, kill_when, restore, run_ranks, same_files, start_ranks
+from fw import files_of, kill_when, restore, result_json, run_ranks, same_files, start_ranks
 
 from ckptd.client import Client
-
-
-def _result(out: str) -> dict[str, Any]:
-    (line,) = [ln for ln in out.splitlines() if ln.startswith('{"global_step"')]
-    return json.loads(line)  # type: ignore[no-any-return]
 
 
 def test_model_checkpoint_saves_are_valid_uploaded_and_resumable_from_a_restore(
@@ -38,9 +32,9 @@ def test_model_checkpoint_saves_are_valid_uploaded_and_resumable_from_a_restore(
     restore(d.config, "pl", 15, restored)
     same_files(root, restored, files_of(d, "pl", 15))
     name = "epoch=0-step=15.ckpt"
-    from_original = _result(run_ranks("lightning_train.py", [
+    from_original = result_json(run_ranks("lightning_train.py", [
         str(tmp_path / "a"), "25", "--resume", str(root / name)])[0])
-    from_restore = _result(run_ranks("lightning_train.py", [
+    from_restore = result_json(run_ranks("lightning_train.py", [
         str(tmp_path / "b"), "25", "--resume", str(restored / name)])[0])
     assert from_restore == from_original and from_restore["global_step"] == 25
 
