@@ -42,6 +42,14 @@ PHASE_PROBE = 16 << 10
 # the bytes are worth. Kept below the block-level min_saving because exponent planes carry the
 # saving and a 2% mantissa plane still adds to it cheaply.
 PLANE_MIN_SAVING = 0.01
+# The top plane is coded as exponent nibbles when a 15-value window holds at least this share
+# of the sample (the rest are escapes, one byte each); on trained bf16/fp32 weights the window
+# holds 99.9% and the nibble pairs reach the plane's Huffman size at 4x zstd's speed.
+NIBBLE_MIN_SHARE = 0.8
+# Above this share, nibbles are taken without pricing plain zstd on the plane too.
+NIBBLE_SURE_SHARE = 0.99
+# Escape lists shorter than this stay raw: a zstd frame would not pay for its call.
+ESCAPES_MIN_ZSTD = 256
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,7 @@ class Choice:
     width: int  # 1 with zstd_planes=(True,) is plain zstd; 1 with (False,) is raw
     zstd_planes: tuple[bool, ...]
     phase: int = 0  # bytes before the first element, for tensors not aligned to the block
+    nibble_base: int = -1  # >= 0: the top plane is coded as exponent nibbles from this base
 
 
 RAW = Choice(1, (False,))
@@ -140,12 +149,37 @@ def _plane_choice(
     body = memoryview(probe)[phase:]
     cost = phase + len(body) % width
     flags = []
-    for plane in planes.split(body, width, True, ws):
+    split = planes.split(body, width, True, ws)
+    base, nibbles, sure = _nibble_price(split[-1], coders, ws) if width > 1 else (-1, 0, False)
+    for i, plane in enumerate(split):
+        plain = len(plane)
+        if i == width - 1 and base >= 0:
+            if not sure:
+                plain = min(plain, len(coders.plane.compress(plane.data)))
+            if nibbles < plain * (1.0 - PLANE_MIN_SAVING):
+                flags.append(False)
+                cost += nibbles
+                continue
+            base = -1
         packed = len(coders.plane.compress(plane.data))
-        pays = packed < len(plane) * (1.0 - PLANE_MIN_SAVING)
+        pays = packed < plain * (1.0 - PLANE_MIN_SAVING)
         flags.append(pays)
-        cost += packed if pays else len(plane)
-    return Choice(width, tuple(flags), phase), cost
+        cost += packed if pays else plain
+    return Choice(width, tuple(flags), phase, base), cost
+
+
+def _nibble_price(top: planes.Plane, coders: Coders, ws: Workspace) -> tuple[int, int, bool]:
+    """(base, stored bytes, sure to win) of `top` as exponent nibbles; base -1 when they do
+    not apply (too many exponents outside any 15-value window)."""
+    base, share = planes.nibble_base(top)
+    if len(top) < 2 or share < NIBBLE_MIN_SHARE:
+        return -1, 0, False
+    pairs, escapes = planes.pack_nibbles(top, base, ws)
+    kept = len(escapes)
+    if kept >= 16:  # priced as the block would code them (zstd from ESCAPES_MIN_ZSTD)
+        kept = min(kept, len(coders.plane.compress(escapes.tobytes())))
+    cost = frame.NIBBLES_HEAD_SIZE + len(coders.plane.compress(pairs.data)) + kept
+    return base, cost, share >= NIBBLE_SURE_SHARE
 
 
 @dataclass
@@ -187,10 +221,11 @@ def _encode_single(data: memoryview, choice: Choice, coders: Coders, checksum: i
     if choice.zstd_planes[0]:
         packed = coders.frame.compress(data)
         if len(packed) < len(data):
-            head = _header(data, Choice(1, (True,)), checksum, [len(packed)], [packed])
+            head = _header(data, PLAIN, checksum, [(frame.METHOD_ZSTD, len(packed))], [packed])
             return Encoded("zstd", len(data), head, [packed])
     # A raw block's payload is the block itself: its two checksums are the same number.
-    head = _header(data, RAW, checksum, [len(data)], [], stored_checksum=checksum)
+    table = [(frame.METHOD_RAW, len(data))]
+    head = _header(data, RAW, checksum, table, [], stored_checksum=checksum)
     return Encoded("raw", len(data), head, [data])
 
 
@@ -199,31 +234,57 @@ def _encode_planes(
 ) -> Encoded:
     width, phase = choice.width, choice.phase
     body = data[phase:]
-    sizes: list[int] = []
-    packed_planes: list[bytes | memoryview] = []
-    methods: list[bool] = []
+    table: list[tuple[int, int]] = []
+    stored: list[bytes | memoryview] = []
     split = planes.split(body, width, True, ws)
-    for plane, wanted in zip(split, choice.zstd_planes, strict=True):
-        packed = coders.plane.compress(plane.data) if wanted else b""
-        use = wanted and len(packed) < len(plane)
-        methods.append(use)
-        sizes.append(len(packed) if use else len(plane))
-        packed_planes.append(packed if use else plane.data)
-    if not any(methods):
+    for i, (plane, wanted) in enumerate(zip(split, choice.zstd_planes, strict=True)):
+        if i == width - 1 and choice.nibble_base >= 0:
+            method, pieces = _nibbles(plane, choice.nibble_base, coders, ws)
+        else:
+            method, pieces = _zstd_plane(plane, wanted, coders)
+        table.append((method, sum(len(p) for p in pieces)))
+        stored += pieces
+    if all(method == frame.METHOD_RAW for method, _ in table):
         return _encode_single(data, RAW, coders, checksum)
     tail = len(body) % width
-    payload = [data[:phase], *packed_planes, body[len(body) - tail :]]
+    payload = [data[:phase], *stored, body[len(body) - tail :]]
     payload = [piece for piece in payload if len(piece)]
-    final = Choice(width, tuple(methods), phase)
-    return Encoded("planes", len(data), _header(data, final, checksum, sizes, payload), payload)
+    head = _header(data, choice, checksum, table, payload)
+    return Encoded("planes", len(data), head, payload)
+
+
+Pieces = list[bytes | memoryview]
+
+
+def _zstd_plane(plane: planes.Plane, wanted: bool, coders: Coders) -> tuple[int, Pieces]:
+    if wanted:
+        packed = coders.plane.compress(plane.data)
+        if len(packed) < len(plane):
+            return frame.METHOD_ZSTD, [packed]
+    return frame.METHOD_RAW, [plane.data]
+
+
+def _nibbles(top: planes.Plane, base: int, coders: Coders, ws: Workspace) -> tuple[int, Pieces]:
+    """The top plane as exponent nibbles (docs/FORMAT.md), or raw if that is not shorter."""
+    pairs, escapes = planes.pack_nibbles(top, base, ws)
+    packed = coders.plane.compress(pairs.data)
+    method, kept = frame.ESCAPES_RAW, escapes.tobytes()
+    if len(escapes) >= ESCAPES_MIN_ZSTD:
+        squeezed = coders.plane.compress(kept)
+        if len(squeezed) < len(kept):
+            method, kept = frame.ESCAPES_ZSTD, squeezed
+    head = frame.pack_nibbles_head(frame.NibblesHead(base, method, len(escapes), len(packed)))
+    if len(head) + len(packed) + len(kept) >= len(top):
+        return frame.METHOD_RAW, [top.data]
+    return frame.METHOD_NIBBLES, [head, packed, kept]
 
 
 def _header(
     data: memoryview,
     choice: Choice,
     checksum: int,
-    sizes: list[int],
-    payload: list[bytes | memoryview],
+    table: list[tuple[int, int]],
+    payload: Pieces,
     stored_checksum: int | None = None,
 ) -> bytes:
     if stored_checksum is None:
@@ -231,7 +292,6 @@ def _header(
         for piece in payload:
             stored.update(piece)
         stored_checksum = stored.intdigest()
-    methods = [frame.METHOD_ZSTD if z else frame.METHOD_RAW for z in choice.zstd_planes]
     head = BlockHeader(
         raw_len=len(data),
         width=choice.width,
@@ -239,6 +299,6 @@ def _header(
         phase=choice.phase,
         checksum=checksum,
         stored_checksum=stored_checksum,
-        planes=tuple(PlaneEntry(m, n) for m, n in zip(methods, sizes, strict=True)),
+        planes=tuple(PlaneEntry(method, size) for method, size in table),
     )
     return frame.pack_block_header(head)
