@@ -152,19 +152,17 @@ def _plane_choice(
     split = planes.split(body, width, True, ws)
     base, nibbles, sure = _nibble_price(split[-1], coders, ws) if width > 1 else (-1, 0, False)
     for i, plane in enumerate(split):
-        plain = len(plane)
+        raw = len(plane)
+        packed = raw if i == width - 1 and sure else len(coders.plane.compress(plane.data))
         if i == width - 1 and base >= 0:
-            if not sure:
-                plain = min(plain, len(coders.plane.compress(plane.data)))
-            if nibbles < plain * (1.0 - PLANE_MIN_SAVING):
+            if nibbles < min(packed, raw * (1.0 - PLANE_MIN_SAVING)):
                 flags.append(False)
                 cost += nibbles
                 continue
             base = -1
-        packed = len(coders.plane.compress(plane.data))
-        pays = packed < plain * (1.0 - PLANE_MIN_SAVING)
+        pays = packed < raw * (1.0 - PLANE_MIN_SAVING)
         flags.append(pays)
-        cost += packed if pays else plain
+        cost += packed if pays else raw
     return Choice(width, tuple(flags), phase, base), cost
 
 
