@@ -11,7 +11,7 @@ import torch
 import xxhash
 from test_codec import BLOCK, decode, encode, trained_weights
 
-from ckptd.codec import frame, planes
+from ckptd.codec import frame, nibbles, planes
 from ckptd.errors import CorruptData
 
 
@@ -82,12 +82,12 @@ def test_unaligned_and_odd_lengths(shift: int, cut: int) -> None:
 @pytest.mark.parametrize("count", [0, 1, 2, 3, 4, 5, 999, 4096])
 def test_pack_unpack_nibbles(count: int) -> None:
     rng = np.random.default_rng(count)
-    for base in (0, 17, planes.MAX_NIBBLE_BASE):
+    for base in (0, 17, nibbles.MAX_NIBBLE_BASE):
         top = (base + rng.integers(0, 16, count)).astype(np.uint8)
         top[rng.random(count) < 0.05] = rng.integers(0, 256)  # escapes, some inside the window
-        pairs, escapes = planes.pack_nibbles(top, base, planes.Workspace())
+        pairs, escapes = nibbles.pack_nibbles(top, base, planes.Workspace())
         assert len(pairs) == (count + 1) // 2
-        got, marks = planes.unpack_nibbles(
+        got, marks = nibbles.unpack_nibbles(
             pairs.copy(), base, count, escapes.copy(), planes.Workspace()
         )
         assert (got == top).all()

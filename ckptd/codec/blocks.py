@@ -14,7 +14,7 @@ import numpy.typing as npt
 import xxhash
 import zstandard
 
-from ckptd.codec import frame, planes
+from ckptd.codec import frame, nibbles, planes
 from ckptd.codec.frame import BlockHeader, PlaneEntry
 from ckptd.codec.planes import Workspace
 
@@ -169,10 +169,10 @@ def _plane_choice(
 def _nibble_price(top: planes.Plane, coders: Coders, ws: Workspace) -> tuple[int, int, bool]:
     """(base, stored bytes, sure to win) of `top` as exponent nibbles; base -1 when they do
     not apply (too many exponents outside any 15-value window)."""
-    base, share = planes.nibble_base(top)
+    base, share = nibbles.nibble_base(top)
     if len(top) < 2 or share < NIBBLE_MIN_SHARE:
         return -1, 0, False
-    pairs, escapes = planes.pack_nibbles(top, base, ws)
+    pairs, escapes = nibbles.pack_nibbles(top, base, ws)
     kept = len(escapes)
     if kept >= 16:  # priced as the block would code them (zstd from ESCAPES_MIN_ZSTD)
         kept = min(kept, len(coders.plane.compress(escapes.tobytes())))
@@ -264,7 +264,7 @@ def _zstd_plane(plane: planes.Plane, wanted: bool, coders: Coders) -> tuple[int,
 
 def _nibbles(top: planes.Plane, base: int, coders: Coders, ws: Workspace) -> tuple[int, Pieces]:
     """The top plane as exponent nibbles (docs/FORMAT.md), or raw if that is not shorter."""
-    pairs, escapes = planes.pack_nibbles(top, base, ws)
+    pairs, escapes = nibbles.pack_nibbles(top, base, ws)
     packed = coders.plane.compress(pairs.data)
     method, kept = frame.ESCAPES_RAW, escapes.tobytes()
     if len(escapes) >= ESCAPES_MIN_ZSTD:

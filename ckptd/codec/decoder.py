@@ -15,6 +15,7 @@ import zstandard
 
 from ckptd.codec import buffers, frame, planes
 from ckptd.codec.frame import BlockHeader
+from ckptd.codec.nibbles import NibblePlane
 from ckptd.errors import CorruptData
 
 COPY_CHUNK = 1 << 20
@@ -144,7 +145,7 @@ class _BlockReader:
         out = self.out[: head.raw_len].data
         start, end = head.phase, head.phase + head.plane_len * head.width
         out[:start] = payload[:start]
-        parts: list[planes.Plane] = []
+        parts: list[planes.Plane | NibblePlane] = []
         pos = start
         for i, entry in enumerate(head.planes):
             stored = payload[pos : pos + entry.stored_len]
@@ -152,6 +153,9 @@ class _BlockReader:
             parts.append(self._plane(entry.method, stored, head.plane_len, f"{where} plane {i}", i))
         rotate = head.transform == frame.TRANSFORM_SIGN_ROTATE
         planes.merge(parts, head.width, rotate, out[start:end], self.ws)
+        top = parts[-1]
+        if isinstance(top, NibblePlane) and top.marks != len(top.escapes):
+            raise CorruptData(f"{where}: {top.marks} escape marks for {len(top.escapes)} escapes")
         out[end:] = payload[pos:]
         if xxhash.xxh3_64_intdigest(out) != head.checksum:
             raise CorruptData(f"{where}: decoded bytes do not match the block checksum")
@@ -159,7 +163,7 @@ class _BlockReader:
 
     def _plane(
         self, method: int, stored: memoryview, size: int, where: str, i: int
-    ) -> planes.Plane:
+    ) -> planes.Plane | NibblePlane:
         if method == frame.METHOD_RAW:
             return np.frombuffer(stored, dtype=np.uint8)
         if method == frame.METHOD_NIBBLES:
@@ -179,17 +183,14 @@ class _BlockReader:
             raise CorruptData(f"{where}: decoded {got} bytes, expected {size}")
         return plane
 
-    def _nibbles(self, stored: memoryview, size: int, where: str) -> planes.Plane:
+    def _nibbles(self, stored: memoryview, size: int, where: str) -> NibblePlane:
         head = frame.parse_nibbles_head(stored, size, where)
         at = frame.NIBBLES_HEAD_SIZE
         pairs = self._zstd(stored[at : head.escapes_at], "pairs", (size + 1) // 2, where)
         escapes: planes.Plane = np.frombuffer(stored[head.escapes_at :], dtype=np.uint8)
         if head.escape_method == frame.ESCAPES_ZSTD:
             escapes = self._zstd(stored[head.escapes_at :], "escapes", head.escapes, where)
-        top, marks = planes.unpack_nibbles(pairs, head.base, size, escapes, self.ws)
-        if marks != head.escapes:
-            raise CorruptData(f"{where}: {marks} escape marks for {head.escapes} escapes")
-        return top
+        return NibblePlane(pairs, head.base, size, escapes)
 
 
 def _fill(readinto: Callable[[memoryview], int | None], buf: memoryview) -> int:
