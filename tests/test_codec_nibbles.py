@@ -190,3 +190,30 @@ def test_decoder_reads_a_stream_in_small_pieces(coded: tuple[bytes, int, int]) -
     out = io.BytesIO()
     decode_stream("zstd-bytegroup", Trickle(), out)  # type: ignore[arg-type]
     assert out.getvalue() == decode("zstd-bytegroup", stored)
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("count", [1, 2, 7, planes.MERGE_CHUNK + 3, 2 * planes.MERGE_CHUNK])
+def test_split_packed_matches_split_then_pack(width: int, count: int) -> None:
+    rng = np.random.default_rng(width * count)
+    data = rng.integers(0, 256, count * width, dtype=np.uint8)
+    data[width - 1 :: width] = 0x3C + rng.integers(0, 3, count)  # exponents near 2^-7
+    view = memoryview(data.tobytes())
+    want = [p.copy() for p in planes.split(view, width, True, planes.Workspace())]
+    base = nibbles.nibble_base(want[-1])[0]
+    lower, pairs, escapes = nibbles.split_packed(view, width, base, planes.Workspace())
+    want_pairs, want_escapes = nibbles.pack_nibbles(want[-1], base, planes.Workspace())
+    assert [p.tobytes() for p in lower] == [p.tobytes() for p in want[:-1]]
+    assert pairs.tobytes() == want_pairs.tobytes()
+    assert escapes.tobytes() == want_escapes.tobytes()
+
+
+def test_nibbles_that_do_not_pay_store_the_plane_raw() -> None:
+    from ckptd.codec import blocks, buffers
+
+    top = np.random.default_rng(5).integers(0, 256, 5000, dtype=np.uint8)  # mostly escapes
+    ws = planes.Workspace()
+    pairs, escapes = nibbles.pack_nibbles(top, 0, ws)
+    method, pieces = blocks._nibbles(pairs, escapes, 0, len(top), buffers.coders(3), ws)
+    assert method == frame.METHOD_RAW
+    assert b"".join(bytes(p) for p in pieces) == top.tobytes()

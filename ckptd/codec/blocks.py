@@ -234,12 +234,17 @@ def _encode_planes(
     body = data[phase:]
     table: list[tuple[int, int]] = []
     stored: list[bytes | memoryview] = []
-    split = planes.split(body, width, True, ws)
-    for i, (plane, wanted) in enumerate(zip(split, choice.zstd_planes, strict=True)):
-        if i == width - 1 and choice.nibble_base >= 0:
-            method, pieces = _nibbles(plane, choice.nibble_base, coders, ws)
-        else:
-            method, pieces = _zstd_plane(plane, wanted, coders)
+    if choice.nibble_base >= 0:
+        lower, pairs, escapes = nibbles.split_packed(body, width, choice.nibble_base, ws)
+    else:
+        lower = planes.split(body, width, True, ws)
+    for plane, wanted in zip(lower, choice.zstd_planes, strict=False):
+        method, pieces = _zstd_plane(plane, wanted, coders)
+        table.append((method, sum(len(p) for p in pieces)))
+        stored += pieces
+    if choice.nibble_base >= 0:
+        count = len(body) // width
+        method, pieces = _nibbles(pairs, escapes, choice.nibble_base, count, coders, ws)
         table.append((method, sum(len(p) for p in pieces)))
         stored += pieces
     if all(method == frame.METHOD_RAW for method, _ in table):
@@ -262,9 +267,15 @@ def _zstd_plane(plane: planes.Plane, wanted: bool, coders: Coders) -> tuple[int,
     return frame.METHOD_RAW, [plane.data]
 
 
-def _nibbles(top: planes.Plane, base: int, coders: Coders, ws: Workspace) -> tuple[int, Pieces]:
+def _nibbles(
+    pairs: planes.Plane,
+    escapes: planes.Plane,
+    base: int,
+    count: int,
+    coders: Coders,
+    ws: Workspace,
+) -> tuple[int, Pieces]:
     """The top plane as exponent nibbles (docs/FORMAT.md), or raw if that is not shorter."""
-    pairs, escapes = nibbles.pack_nibbles(top, base, ws)
     packed = coders.plane.compress(pairs.data)
     method, kept = frame.ESCAPES_RAW, escapes.tobytes()
     if len(escapes) >= ESCAPES_MIN_ZSTD:
@@ -272,9 +283,9 @@ def _nibbles(top: planes.Plane, base: int, coders: Coders, ws: Workspace) -> tup
         if len(squeezed) < len(kept):
             method, kept = frame.ESCAPES_ZSTD, squeezed
     head = frame.pack_nibbles_head(frame.NibblesHead(base, method, len(escapes), len(packed)))
-    if len(head) + len(packed) + len(kept) >= len(top):
-        return frame.METHOD_RAW, [top.data]
-    return frame.METHOD_NIBBLES, [head, packed, kept]
+    if len(head) + len(packed) + len(kept) < count:
+        return frame.METHOD_NIBBLES, [head, packed, kept]
+    return frame.METHOD_RAW, [nibbles.unpack_nibbles(pairs, base, count, escapes, ws)[0].data]
 
 
 def _header(

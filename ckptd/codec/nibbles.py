@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from ckptd.codec.planes import Plane, Workspace
+from ckptd.codec.planes import MERGE_CHUNK, UINT, Plane, Workspace
 
 NIBBLE_ESCAPE = 15
 MAX_NIBBLE_BASE = 255 - NIBBLE_ESCAPE
@@ -30,25 +30,73 @@ def pack_nibbles(top: Plane, base: int, ws: Workspace) -> tuple[Plane, Plane]:
 
     An odd count leaves the last high nibble 0. `escapes` are the elements coded as 15, in order.
     """
+    sub = ws.get("nib_sub", np.uint8, len(top) + 1)
+    sub[: len(top)] = top
+    pairs = ws.get("nib_pairs", np.uint8, (len(top) + 1) // 2)
+    return pairs, _pack_chunk(sub, base, pairs, ws)
+
+
+def split_packed(
+    data: memoryview, width: int, base: int, ws: Workspace
+) -> tuple[list[Plane], Plane, Plane]:
+    """`planes.split(data, width, rotate=True)` with the top plane packed as `pack_nibbles`
+    would: (the planes below the top, pairs, escapes), in workspace arrays.
+
+    One pass over the block in cache-sized chunks: the top plane is never written out whole
+    (measured on bf16: 1.9 ms per 4 MiB against 2.9 ms for split, then pack).
+    """
+    count = len(data) // width
+    words = np.frombuffer(data, dtype=np.uint8, count=count * width).view(UINT[width])
+    lower = [ws.get(f"plane{i}", np.uint8, count) for i in range(width - 2)]
+    lower.append(ws.get("plane_mid", np.uint8, count))
+    pairs = ws.get("nib_pairs", np.uint8, (count + 1) // 2)
+    escapes: list[Plane] = []
+    for start in range(0, count, MERGE_CHUNK):
+        stop = min(start + MERGE_CHUNK, count)
+        chunk = words[start:stop]
+        for i in range(width - 2):
+            np.right_shift(chunk, 8 * i, out=lower[i][start:stop], casting="unsafe")
+        top = chunk
+        if width > 2:
+            top = ws.get("top16", np.uint16, stop - start)
+            np.right_shift(chunk, 8 * width - 16, out=top, casting="unsafe")
+        sub = _rotate_low(top, lower[-1][start:stop], ws)
+        escapes.append(_pack_chunk(sub, base, pairs[start // 2 : (stop + 1) // 2], ws))
+    return lower, pairs, np.concatenate(escapes) if escapes else np.empty(0, np.uint8)
+
+
+def _rotate_low(top: npt.NDArray[np.uint16], low: Plane, ws: Workspace) -> Plane:
+    """Write the rotated low byte of each 16-bit `top` into `low`; return the exponent bytes
+    (the rotated high byte) in a workspace array one element longer, for an odd count."""
     count = len(top)
-    pairs = (count + 1) // 2
-    sub = ws.get("nib_sub", np.uint8, 2 * pairs)
-    np.subtract(top, np.uint8(base), out=sub[:count])
-    sub[count:] = 0
+    sign = ws.get("sign8", np.uint8, count)
+    np.left_shift(top, 1, out=low, casting="unsafe")
+    np.right_shift(top, 15, out=sign, casting="unsafe")
+    low |= sign
+    high = ws.get("nib_sub", np.uint8, count + 1)
+    np.right_shift(top, 7, out=high[:count], casting="unsafe")
+    return high
+
+
+def _pack_chunk(sub: Plane, base: int, pairs: Plane, ws: Workspace) -> Plane:
+    """Pack exponents `sub[:-1]` (overwritten) into `pairs`; return the escaped values."""
+    count = len(sub) - 1
+    body = sub[:count]
+    np.subtract(body, np.uint8(base), out=body)
     mask = ws.get("nib_mask", np.bool_, count)
-    np.greater_equal(sub[:count], NIBBLE_ESCAPE, out=mask)
+    np.greater_equal(body, NIBBLE_ESCAPE, out=mask)
     # Positions, then fancy indexing on those few: 0.55 ms per 2 M elements against 0.85 ms
     # for a boolean gather plus a masked copy, and 2 ms for np.minimum.
     where = np.flatnonzero(mask)
-    escapes: Plane = top[where]
-    sub[where] = NIBBLE_ESCAPE
-    both = sub.view(np.uint16)  # little-endian: element 2k in the low byte, 2k+1 in the high
-    mixed = ws.get("nib_mixed", np.uint16, pairs)
+    escapes: Plane = body[where] + np.uint8(base)
+    body[where] = NIBBLE_ESCAPE
+    sub[count] = 0
+    both = sub[: 2 * len(pairs)].view(np.uint16)  # element 2k in the low byte, 2k+1 high
+    mixed = ws.get("nib_mixed", np.uint16, len(pairs))
     np.right_shift(both, 4, out=mixed)
     mixed |= both
-    packed = ws.get("nib_pairs", np.uint8, pairs)
-    np.copyto(packed, mixed, casting="unsafe")
-    return packed, escapes
+    np.copyto(pairs, mixed, casting="unsafe")
+    return escapes
 
 
 class NibblePlane:

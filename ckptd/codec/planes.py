@@ -16,8 +16,8 @@ Plane = npt.NDArray[np.uint8]
 Array = npt.NDArray[Any]
 
 WIDTHS = (1, 2, 4, 8)
-MERGE_CHUNK = 1 << 16  # elements; even, so a chunk never splits a nibble pair
-_UINT: dict[int, Any] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+MERGE_CHUNK = 1 << 17  # elements; even, so a chunk never splits a nibble pair
+UINT: dict[int, Any] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 class Workspace:
@@ -50,7 +50,7 @@ def split(data: memoryview | bytes, width: int, rotate: bool, ws: Workspace) -> 
     body = np.frombuffer(data, dtype=np.uint8, count=count * width)
     if width == 1:
         return [body]
-    words = body.view(_UINT[width])
+    words = body.view(UINT[width])
     planes: list[Plane] = []
     for i in range(width - 2):
         plane = ws.get(f"plane{i}", np.uint8, count)
@@ -89,10 +89,11 @@ def merge(
     """Inverse of `split`: write the interleaved elements into `out` (len = plane len * width).
 
     Works through MERGE_CHUNK elements at a time, so each pass's arrays stay in the CPU cache
-    (measured: 2.2 ms instead of 2.7 ms per 4 MiB of bf16 when the planes come from memory).
+    (measured on bf16: whole decode 1007 MB/s with 128 Ki-element chunks, 939 with 64 Ki, 850
+    unchunked).
     """
     count = len(planes[0])
-    words = np.frombuffer(out, dtype=_UINT[width] if width > 1 else np.uint8)
+    words = np.frombuffer(out, dtype=UINT[width] if width > 1 else np.uint8)
     for start in range(0, count, MERGE_CHUNK):
         stop = min(start + MERGE_CHUNK, count)
         parts = [
