@@ -89,11 +89,17 @@ class Coders(threading.local):
 
 
 def sample(data: memoryview) -> memoryview | bytes:
-    """A few slices spread over the block, each starting at a multiple of 8 within it."""
+    """A few slices spread over the block, each starting at a multiple of 8 within it.
+
+    Each slice sits in the middle of its sixteenth of the block: slices at the very start
+    over-weighted a file's header (a 5 KB safetensors header made 8% of the sample and sent a
+    random mantissa plane through zstd for nothing).
+    """
     if len(data) <= SAMPLE_SLICES * SAMPLE_SLICE:
         return data
     step = len(data) // SAMPLE_SLICES
-    starts = [(i * step) & ~7 for i in range(SAMPLE_SLICES)]
+    offset = (step - SAMPLE_SLICE) // 2
+    starts = [(i * step + offset) & ~7 for i in range(SAMPLE_SLICES)]
     return b"".join(data[s : s + SAMPLE_SLICE] for s in starts)
 
 
