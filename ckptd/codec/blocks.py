@@ -48,6 +48,9 @@ PLANE_MIN_SAVING = 0.01
 NIBBLE_MIN_SHARE = 0.8
 # Above this share, nibbles are taken without pricing plain zstd on the plane too.
 NIBBLE_SURE_SHARE = 0.99
+# Byte columns whose entropies differ by less than this from the columns 2 bytes on are taken
+# as 2-periodic. bf16 MiniLM/TinyLM samples differ by at most ~0.1 bit; fp32 by ~5 bits.
+PERIODIC_BITS = 0.5
 # Escape lists shorter than this stay raw: a zstd frame would not pay for its call.
 ESCAPES_MIN_ZSTD = 256
 
@@ -115,14 +118,32 @@ def choose(data: memoryview, policy: Policy, coders: Coders, ws: Workspace) -> C
     if policy.allow_plain and cost < best_cost:
         best, best_cost = PLAIN, cost
     hist8 = _column_hist(probe)
+    skip = _narrower_suffices(hist8, policy.widths)
     for width in policy.widths:
-        if width >= size:
+        if width >= size or width in skip:
             continue
         for phase in _phases(hist8, width):
             choice, cost = _plane_choice(probe, width, phase, coders, ws)
             if cost < best_cost:
                 best, best_cost = choice, cost
     return best
+
+
+def _column_entropy(hist8: npt.NDArray[np.float64], width: int) -> npt.NDArray[np.float64]:
+    """Order-0 entropy (bits) of each byte column `offset mod width`."""
+    hist = hist8.reshape(8 // width, width, 256).sum(axis=0)
+    freq = hist / np.maximum(hist.sum(axis=1, keepdims=True), 1.0)
+    logs = np.log2(freq, out=np.zeros_like(freq), where=freq > 0)
+    return np.asarray(-(freq * logs).sum(axis=1))
+
+
+def _narrower_suffices(hist8: npt.NDArray[np.float64], widths: tuple[int, ...]) -> set[int]:
+    """Widths not worth pricing: 4 when the byte columns repeat every 2 bytes (bf16, fp16),
+    since 4 planes then hold the same statistics as 2 (saves a quarter of the choice's time)."""
+    if not {2, 4} <= set(widths):
+        return set()
+    cols = _column_entropy(hist8, 8)
+    return {4} if float(np.abs(cols[:6] - cols[2:]).max()) < PERIODIC_BITS else set()
 
 
 def _phases(hist8: npt.NDArray[np.float64], width: int) -> list[int]:
@@ -133,11 +154,7 @@ def _phases(hist8: npt.NDArray[np.float64], width: int) -> list[int]:
     """
     if width == 1:
         return [0]
-    hist = hist8.reshape(8 // width, width, 256).sum(axis=0)
-    freq = hist / np.maximum(hist.sum(axis=1, keepdims=True), 1.0)
-    logs = np.log2(freq, out=np.zeros_like(freq), where=freq > 0)
-    entropy = -(freq * logs).sum(axis=1)
-    phase = (int(np.argmin(entropy)) + 1) % width
+    phase = (int(np.argmin(_column_entropy(hist8, width))) + 1) % width
     return [0] if phase == 0 else [0, phase]
 
 
