@@ -173,14 +173,14 @@ def _plane_choice(
     cost = phase + len(body) % width
     flags = []
     split = planes.split(body, width, True, ws)
-    base, nibbles, sure = _nibble_price(split[-1], coders, ws) if width > 1 else (-1, 0, False)
+    base, nibble_cost, sure = _nibble_price(split[-1], coders, ws) if width > 1 else (-1, 0, False)
     for i, plane in enumerate(split):
         raw = len(plane)
         packed = raw if i == width - 1 and sure else len(coders.plane.compress(plane.data))
         if i == width - 1 and base >= 0:
-            if nibbles < min(packed, raw * (1.0 - PLANE_MIN_SAVING)):
+            if nibble_cost < min(packed, raw * (1.0 - PLANE_MIN_SAVING)):
                 flags.append(False)
-                cost += nibbles
+                cost += nibble_cost
                 continue
             base = -1
         pays = packed < raw * (1.0 - PLANE_MIN_SAVING)
