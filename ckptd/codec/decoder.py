@@ -15,6 +15,7 @@ import zstandard
 
 from ckptd.codec import buffers, frame, planes
 from ckptd.codec.frame import BlockHeader
+from ckptd.codec.nibbles import NibblePlane
 from ckptd.errors import CorruptData
 
 COPY_CHUNK = 1 << 20
@@ -127,7 +128,8 @@ def _check_frame_header(data: bytes, where: str) -> None:
 class _BlockReader:
     """Decodes container blocks into buffers reused from block to block."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, version: int) -> None:
+        self.version = version
         self.dctx = zstandard.ZstdDecompressor()
         self.slot = buffers.take(block_size)
         self.ws = self.slot.ws
@@ -143,7 +145,7 @@ class _BlockReader:
         out = self.out[: head.raw_len].data
         start, end = head.phase, head.phase + head.plane_len * head.width
         out[:start] = payload[:start]
-        parts: list[planes.Plane] = []
+        parts: list[planes.Plane | NibblePlane] = []
         pos = start
         for i, entry in enumerate(head.planes):
             stored = payload[pos : pos + entry.stored_len]
@@ -151,6 +153,9 @@ class _BlockReader:
             parts.append(self._plane(entry.method, stored, head.plane_len, f"{where} plane {i}", i))
         rotate = head.transform == frame.TRANSFORM_SIGN_ROTATE
         planes.merge(parts, head.width, rotate, out[start:end], self.ws)
+        top = parts[-1]
+        if isinstance(top, NibblePlane) and top.marks != len(top.escapes):
+            raise CorruptData(f"{where}: {top.marks} escape marks for {len(top.escapes)} escapes")
         out[end:] = payload[pos:]
         if xxhash.xxh3_64_intdigest(out) != head.checksum:
             raise CorruptData(f"{where}: decoded bytes do not match the block checksum")
@@ -158,10 +163,16 @@ class _BlockReader:
 
     def _plane(
         self, method: int, stored: memoryview, size: int, where: str, i: int
-    ) -> planes.Plane:
+    ) -> planes.Plane | NibblePlane:
         if method == frame.METHOD_RAW:
             return np.frombuffer(stored, dtype=np.uint8)
-        plane: planes.Plane = self.ws.get(f"decoded{i}", np.uint8, size)
+        if method == frame.METHOD_NIBBLES:
+            return self._nibbles(stored, size, where)
+        return self._zstd(stored, f"decoded{i}", size, where)
+
+    def _zstd(self, stored: memoryview, name: str, size: int, where: str) -> planes.Plane:
+        """One zstd frame that must declare and hold exactly `size` bytes, into `ws[name]`."""
+        plane: planes.Plane = self.ws.get(name, np.uint8, size)
         try:
             if zstandard.frame_content_size(stored) != size:
                 raise CorruptData(f"{where}: zstd frame does not declare {size} bytes")
@@ -171,6 +182,15 @@ class _BlockReader:
         if got != size:
             raise CorruptData(f"{where}: decoded {got} bytes, expected {size}")
         return plane
+
+    def _nibbles(self, stored: memoryview, size: int, where: str) -> NibblePlane:
+        head = frame.parse_nibbles_head(stored, size, where)
+        at = frame.NIBBLES_HEAD_SIZE
+        pairs = self._zstd(stored[at : head.escapes_at], "pairs", (size + 1) // 2, where)
+        escapes: planes.Plane = np.frombuffer(stored[head.escapes_at :], dtype=np.uint8)
+        if head.escape_method == frame.ESCAPES_ZSTD:
+            escapes = self._zstd(stored[head.escapes_at :], "escapes", head.escapes, where)
+        return NibblePlane(pairs, head.base, size, escapes)
 
 
 def _fill(readinto: Callable[[memoryview], int | None], buf: memoryview) -> int:
@@ -205,10 +225,10 @@ def _readinto(src: BinaryIO) -> Callable[[memoryview], int | None]:
 
 
 def _container(src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None]) -> int:
-    block_size = frame.parse_file_header(
+    block_size, version = frame.parse_file_header(
         _read_exact(src, frame.FILE_HEADER_SIZE, "zstd-bytegroup: file header")
     )
-    reader = _BlockReader(block_size)
+    reader = _BlockReader(block_size, version)
     try:
         return _blocks(src, dst, cb, reader, block_size)
     finally:
@@ -228,7 +248,7 @@ def _blocks(
             break
         fixed = marker + _read_exact(src, frame.BLOCK_FIXED_SIZE - 4, f"{where} header")
         rest = _read_exact(src, frame.table_size(fixed), f"{where} header")
-        head = frame.parse_block_header(fixed, rest, index, block_size)
+        head = frame.parse_block_header(fixed, rest, index, block_size, reader.version)
         total += _put(dst, reader.decode(src, head, index, total), cb)
         index += 1
     if src.read(1):

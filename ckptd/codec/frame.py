@@ -15,12 +15,16 @@ from ckptd.codec.planes import WIDTHS
 from ckptd.errors import CorruptData
 
 MAGIC = b"CKZG"
-VERSION = 1
+VERSION = 2  # what the encoder writes
+VERSIONS = (1, 2)  # what the decoder reads: version 1 lacks METHOD_NIBBLES
 MIN_BLOCK = 1 << 10
 MAX_BLOCK = 64 << 20
 
 METHOD_RAW = 0
 METHOD_ZSTD = 1
+METHOD_NIBBLES = 2  # version 2, top plane only: exponent nibbles (see "Exponent nibbles")
+ESCAPES_RAW = 0
+ESCAPES_ZSTD = 1
 TRANSFORM_NONE = 0
 TRANSFORM_SIGN_ROTATE = 1
 
@@ -30,6 +34,8 @@ _BLOCK = struct.Struct("<IBBBBQQ")
 _PLANE = struct.Struct("<BI")  # method, stored_len
 _END = struct.Struct("<IIQ")  # zero marker, block count, total raw bytes
 _CHECK = struct.Struct("<I")
+_NIBBLES = struct.Struct("<BBII")  # base, escape method, escape count, pairs frame length
+NIBBLES_HEAD_SIZE = _NIBBLES.size
 
 FILE_HEADER_SIZE = _FILE.size + _CHECK.size
 BLOCK_FIXED_SIZE = _BLOCK.size
@@ -75,8 +81,8 @@ def pack_file_header(block_size: int) -> bytes:
     return head + _check(head)
 
 
-def parse_file_header(data: bytes) -> int:
-    """The container's block size, after checking magic, version and header checksum."""
+def parse_file_header(data: bytes) -> tuple[int, int]:
+    """(block size, version), after checking magic, version and header checksum."""
     if len(data) < FILE_HEADER_SIZE:
         raise CorruptData("zstd-bytegroup: truncated file header")
     magic, version, flags, _, block_size = _FILE.unpack_from(data)
@@ -84,11 +90,11 @@ def parse_file_header(data: bytes) -> int:
         raise CorruptData(f"zstd-bytegroup: bad magic {magic!r} (not a ckptd container)")
     if data[_FILE.size : FILE_HEADER_SIZE] != _check(data[: _FILE.size]):
         raise CorruptData("zstd-bytegroup: file header checksum mismatch")
-    if version != VERSION or flags != 0:
+    if version not in VERSIONS or flags != 0:
         raise CorruptData(f"zstd-bytegroup: unsupported version {version} flags {flags}")
     if not MIN_BLOCK <= block_size <= MAX_BLOCK:
         raise CorruptData(f"zstd-bytegroup: block size {block_size} out of range")
-    return int(block_size)
+    return int(block_size), int(version)
 
 
 def pack_block_header(head: BlockHeader) -> bytes:
@@ -115,7 +121,9 @@ def table_size(fixed: bytes) -> int:
     return fixed[6] * _PLANE.size + _CHECK.size
 
 
-def parse_block_header(fixed: bytes, rest: bytes, index: int, block_size: int) -> BlockHeader:
+def parse_block_header(
+    fixed: bytes, rest: bytes, index: int, block_size: int, version: int = VERSION
+) -> BlockHeader:
     """Parse and check one block header; `index` names the block in errors."""
     raw_len, width, transform, nplanes, phase, checksum, stored_checksum = _BLOCK.unpack(fixed)
     table, check = rest[: -_CHECK.size], rest[-_CHECK.size :]
@@ -124,6 +132,7 @@ def parse_block_header(fixed: bytes, rest: bytes, index: int, block_size: int) -
     planes = tuple(PlaneEntry(*_PLANE.unpack_from(table, i * _PLANE.size)) for i in range(nplanes))
     head = BlockHeader(raw_len, width, transform, phase, checksum, stored_checksum, planes)
     _validate(head, index, block_size)
+    _validate_planes(head, index, version)
     return head
 
 
@@ -140,13 +149,54 @@ def _validate(head: BlockHeader, index: int, block_size: int) -> None:
         raise CorruptData(f"{where}: sign rotation on width 1")
     if head.phase >= head.width or head.phase > head.raw_len:
         raise CorruptData(f"{where}: phase {head.phase} out of range")
+
+
+def _validate_planes(head: BlockHeader, index: int, version: int) -> None:
+    where = f"zstd-bytegroup: block {index}"
+    top = head.width - 1
     for i, plane in enumerate(head.planes):
         if plane.method == METHOD_RAW and plane.stored_len != head.plane_len:
             raise CorruptData(f"{where}: raw plane {i} length {plane.stored_len}")
         if plane.method == METHOD_ZSTD and not 0 < plane.stored_len < head.plane_len:
             raise CorruptData(f"{where}: zstd plane {i} length {plane.stored_len}")
-        if plane.method not in (METHOD_RAW, METHOD_ZSTD):
+        if plane.method == METHOD_NIBBLES:
+            if version < 2 or i != top or top == 0:
+                raise CorruptData(f"{where}: nibble method on plane {i} (version {version})")
+            if not NIBBLES_HEAD_SIZE < plane.stored_len < head.plane_len:
+                raise CorruptData(f"{where}: nibble plane {i} length {plane.stored_len}")
+        if plane.method not in (METHOD_RAW, METHOD_ZSTD, METHOD_NIBBLES):
             raise CorruptData(f"{where}: unknown plane method {plane.method}")
+
+
+@dataclass(frozen=True)
+class NibblesHead:
+    base: int
+    escape_method: int
+    escapes: int
+    pairs_len: int
+
+    @property
+    def escapes_at(self) -> int:
+        return NIBBLES_HEAD_SIZE + self.pairs_len
+
+
+def pack_nibbles_head(head: NibblesHead) -> bytes:
+    return _NIBBLES.pack(head.base, head.escape_method, head.escapes, head.pairs_len)
+
+
+def parse_nibbles_head(data: memoryview, plane_len: int, where: str) -> NibblesHead:
+    """The head of a nibble plane whose stored bytes are `data`, checked against its length."""
+    head = NibblesHead(*_NIBBLES.unpack_from(data))
+    left = len(data) - head.escapes_at
+    if head.base > 255 - 15 or head.escapes > plane_len or left < 0 or head.pairs_len == 0:
+        raise CorruptData(f"{where}: bad nibble plane head {head}")
+    if head.escape_method == ESCAPES_RAW and left != head.escapes:
+        raise CorruptData(f"{where}: {left} escape bytes stored, {head.escapes} declared")
+    if head.escape_method == ESCAPES_ZSTD and not 0 < left < head.escapes:
+        raise CorruptData(f"{where}: zstd escapes of {left} bytes for {head.escapes}")
+    if head.escape_method not in (ESCAPES_RAW, ESCAPES_ZSTD):
+        raise CorruptData(f"{where}: unknown escape method {head.escape_method}")
+    return head
 
 
 def pack_end(blocks: int, total: int) -> bytes:
