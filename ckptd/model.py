@@ -120,6 +120,9 @@ class RootOptions:
 
     settle: float = 5.0
     world_size: int = 0
+    # Several nodes write each checkpoint (docs/MULTINODE.md): a node's own settled files are
+    # complete for this node even where the commit record, or the files it names, are elsewhere.
+    multi_node: bool = False
 
 
 @dataclass(frozen=True)

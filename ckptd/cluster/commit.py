@@ -23,7 +23,8 @@ SPREAD_S = 120.0
 # The assumption that keeps attempts apart: a re-save of a step starts more than GAP_S after the
 # last write of the attempt it replaces (a restart, a reload, training back to the step).
 GAP_S = SPREAD_S + 2 * SKEW_S
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$", re.ASCII)
+_NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", re.ASCII)  # as daemon.node
+_ATTEMPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$", re.ASCII)  # no dot: split at the last
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,10 @@ class BadPart(ValueError):
     """A part object that is not a `ckptd-part/1` document (its message says what is wrong)."""
 
 
-def valid_id(value: str) -> bool:
-    """A node or attempt id: letters, digits, `-`, `_`; no dots (the separator) or slashes."""
-    return bool(_ID.match(value))
+def valid_ids(node: str, attempt: str) -> bool:
+    """A node id as `daemon.node` allows; an attempt id of letters, digits, `-`, `_` (no dot:
+    `<node>.<attempt>` splits at the last one)."""
+    return bool(_NODE.match(node)) and bool(_ATTEMPT.match(attempt))
 
 
 def attempt_id(stats: Iterable[tuple[str, int, int]]) -> str:
@@ -114,7 +116,7 @@ def parse_part(data: bytes, where: str, written: float = 0.0) -> Part:
         raise BadPart(f"{where}: not a {PART_FORMAT} document")
     try:
         node, attempt = str(doc["node"]), str(doc["attempt"])
-        if not (valid_id(node) and valid_id(attempt)):
+        if not valid_ids(node, attempt):
             raise ValueError(f"bad node or attempt id {node!r}.{attempt!r}")
         files = tuple(_part_file(f, f"{node}.{attempt}/") for f in doc["files"])
         return Part(node=node, attempt=attempt, layout=str(doc["layout"]), files=files,
