@@ -85,7 +85,7 @@ class Daemon:
                                cfg.daemon.polling, self.metrics, self.retention.exclusive,
                                may_adopt=leases.fresh)
         self.workers = Workers(store, acting, cfg.daemon.workers, self.scanner.wake,
-                               self.backends.get, self.metrics)
+                               self.backends.get, self.metrics, node=cfg.daemon.node_id)
         self.discovery = Discovery(store, acting, self.backends.get)
         self.effects = Effects(store, acting, self.changes, self.workers, self.retention,
                                self.scanner)

@@ -154,6 +154,9 @@ class Candidate:
     # Per-rank files whose count is recorded inside a member; validation reads it and
     # requires every one (a layout may not see the count: it reads no large file).
     rank_files: tuple[RankFiles, ...] = ()
+    # One node's share of a multi-node save (docs/MULTINODE.md): files its record names that
+    # are not here belong to other nodes, and validation does not require them.
+    node_share: bool = False
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,10 @@ class Workers:
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  count: int, rescan: Callable[[], None],
-                 backend_for: Callable[[RootConfig], Any], metrics: Metrics) -> None:
+                 backend_for: Callable[[RootConfig], Any], metrics: Metrics,
+                 node: str = "") -> None:
         self.store = store
+        self.node = node  # daemon.node: this node's id on multi-node roots
         self.roots = roots
         self.count = count
         self.rescan = rescan
@@ -58,6 +60,8 @@ class Workers:
         self.busy: dict[str, bool] = {}
         self.inflight: dict[int, Progress] = {}
         self.log = get_logger()
+        # Multi-node roots: steps whose part is written and wait for the commit.
+        self.waiting = Waiting()
 
     @property
     def names(self) -> list[str]:
@@ -182,6 +186,12 @@ class Workers:
             except jobs.NoLongerValid as exc:
                 self._no_longer_valid(root, job, fp, exc, log)
                 return
+            except jobs.NotCommitted as exc:
+                delay = self.waiting.wait(rec.root, rec.step, exc)
+                log.info("commit_waiting", error=str(exc), missing_nodes=exc.missing_nodes,
+                         retry_in_s=delay)
+                self.store.defer(job, job.owner, delay, time.time())
+                return
             except Exception as exc:  # an OS, storage or code failure: retry later, never crash
                 self._failed(job, log, exc)
                 return
@@ -200,6 +210,12 @@ class Workers:
         if backend is None:
             raise PermanentError(f"root {root.name} has no upload.url")
         rec = job.checkpoint
+        if root.multi_node:
+            known = self.waiting.known(root.name, lambda: jobs.known_nodes(backend, root.name))
+            result = jobs.run_share_upload(root, job, progress, backend,
+                                           self.store.stored_files(rec.id), self.node, known)
+            self.waiting.done(rec.root, rec.step)
+            return result
         return jobs.run_upload(root, job, progress, backend, self.store.stored_files(rec.id),
                                replace_remote=self.store.replaced_upload(rec.root, rec.step))
 
@@ -272,6 +288,19 @@ class Workers:
     def _tick(self, worker: str) -> None:
         self.progress[worker] = time.time()
 
+    def uncommitted(self, root: str) -> list[dict[str, Any]]:
+        return self.waiting.uncommitted(root)
+
+    def part_states(self, root: RootConfig, rec: Any) -> dict[str, str]:
+        """Each node's part state of one step of a multi-node root, as this node knows it:
+        from its last look at the parts while the step waited, else this node's own."""
+        seen = self.waiting.node_states(root.name, rec.step)
+        if seen is not None:
+            return seen
+        if rec.remote.value == "uploaded":
+            return {self.node: "committed"}
+        return {self.node: "uploading" if rec.remote.value == "uploading" else "local"}
+
     def in_flight(self) -> list[dict[str, Any]]:
         return [p.as_json() for p in list(self.inflight.values())]
 
@@ -305,6 +334,50 @@ class Progress:
     def as_json(self) -> dict[str, Any]:
         return {"root": self.root, "step": self.step, "stage": self.stage,
                 "done_bytes": self.done, "total_bytes": self.total}
+
+
+class Waiting:
+    """Multi-node roots: the steps waiting for their commit, with the nodes missing (for
+    `status`) and each node's part state (for `ls`); how long until the next look."""
+
+    FIRST_S = 1.0
+    MOST_S = 8.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._steps: dict[tuple[str, int], tuple[int, list[str], dict[str, str]]] = {}
+        self._known: dict[str, set[str]] = {}
+
+    def wait(self, root: str, step: int, exc: jobs.NotCommitted) -> float:
+        with self._lock:
+            looks = self._steps.get((root, step), (0, [], {}))[0]
+            self._steps[(root, step)] = (looks + 1, exc.missing_nodes, exc.states)
+            self._known.setdefault(root, set()).update(exc.states)
+        return float(min(self.MOST_S, self.FIRST_S * 2.0 ** looks))
+
+    def done(self, root: str, step: int) -> None:
+        with self._lock:
+            self._steps.pop((root, step), None)
+
+    def known(self, root: str, load: Callable[[], set[str]]) -> frozenset[str]:
+        with self._lock:
+            have = self._known.get(root)
+        if have is None:
+            have = load()
+            with self._lock:
+                have = self._known.setdefault(root, set()) | have
+                self._known[root] = have
+        return frozenset(have)
+
+    def uncommitted(self, root: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [{"step": step, "missing_nodes": list(missing)}
+                    for (r, step), (_n, missing, _s) in sorted(self._steps.items()) if r == root]
+
+    def node_states(self, root: str, step: int) -> dict[str, str] | None:
+        with self._lock:
+            hit = self._steps.get((root, step))
+        return dict(hit[2]) if hit else None
 
 
 def _size(path: Path) -> int:
