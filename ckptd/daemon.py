@@ -80,7 +80,8 @@ class Daemon:
         self.leases = leases = Leases(store, self.roots, lambda: self.config.daemon.node_id,
                                       lambda: self.config.daemon.lease_timeout, self._retake)
         acting = leases.acting
-        self.retention = RetentionService(store, acting, self.backends.get)
+        self.retention = RetentionService(store, acting, self.backends.get,
+                                          node=cfg.daemon.node_id)
         self.scanner = Scanner(store, acting, lambda: self.config.daemon.scan_interval,
                                cfg.daemon.polling, self.metrics, self.retention.exclusive,
                                may_adopt=leases.fresh)
