@@ -20,6 +20,7 @@ import pytest
 import torch
 from support.wait import wait_until
 
+pytest_plugins = ["s3server"]
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 WORLD = 3
 ROWS, COLS = 384, 64
@@ -198,32 +199,37 @@ def test_a_three_node_dcp_save_is_committed_once_and_restores_whole(
     assert got["step"] == 10
 
 
-def test_a_node_down_during_the_save_holds_the_commit_until_it_returns(
+def test_a_node_down_holds_the_commit_and_retention_keeps_the_uncommitted_steps(
         nodes: Any, tmp_path: Path) -> None:
-    cluster = nodes()
+    cluster = nodes(retention={"local": {"keep_last": 1, "keep_best": 0}})
     cluster.start()
     dcp_save(cluster.dirs(1), seed=1)
     cluster.wait_committed(1)
     cluster.handles[2].stop()
-    dcp_save(cluster.dirs(2), seed=2)
+    dcp_save(cluster.dirs(2), seed=2)  # n2 down: steps 2 and 3 wait for its parts
+    dcp_save(cluster.dirs(3), seed=3)
     waiting = cluster.handles[0].client
-    wait_until(lambda: next((u for r in waiting.status()["roots"]
-                             for u in r["uncommitted"] or [] if u["step"] == 2), None),
-               30, "status to list step 2 as uncommitted")
+    wait_until(lambda: len([u for r in waiting.status()["roots"]
+                            for u in r["uncommitted"] or []]) == 2, 30, "two uncommitted steps")
     status = waiting.status()["roots"][0]
-    assert status["uncommitted"] == [{"step": 2, "missing_nodes": ["n2"]}]
+    assert status["uncommitted"] == [{"step": 2, "missing_nodes": ["n2"]},
+                                     {"step": 3, "missing_nodes": ["n2"]}]
     assert status["latest"] == 1
     assert (cluster.row(0, 2) or {})["nodes"] == {"n0": "uploaded", "n1": "uploaded",
                                                  "n2": "missing"}
+    time.sleep(2)  # retention runs on every transition: give it the chance to be wrong
     for n in (0, 1):
         assert cluster.latest_json(n) == 1
-        assert (cluster.row(n, 2) or {}).get("remote") != "uploaded"
+        for step in (2, 3):  # keep_last = 1, yet neither uncommitted step goes
+            assert (cluster.root(n) / f"step-{step}").is_dir()
+            assert (cluster.row(n, step) or {}).get("remote") != "uploaded"
     assert not (tmp_path / "remote" / "job" / "step-2" / "MANIFEST.json").exists()
     cluster.start(2)
-    cluster.wait_committed(2)
+    cluster.wait_committed(3)
     for n in range(WORLD):
-        assert wait_until(lambda n=n: cluster.latest_json(n) == 2, 15, "latest.json")
-
+        assert wait_until(lambda n=n: cluster.latest_json(n) == 3, 15, "latest.json")
+    wait_until(lambda: not (cluster.root(0) / "step-2").exists(), 30,
+               "step 2 pruned once committed and older than keep_last")
 
 
 def test_s3_three_nodes_commit_through_conditional_writes(
@@ -289,24 +295,6 @@ def test_a_crashed_first_attempt_is_never_mixed_into_the_re_save(
 
         assert xxhash.xxh3_128_hexdigest((cluster.root(node) / f["path"]).read_bytes()) == (
             f["hash"])
-
-
-def test_retention_never_deletes_an_uncommitted_step(nodes: Any, tmp_path: Path) -> None:
-    cluster = nodes(retention={"local": {"keep_last": 1, "keep_best": 0}})
-    cluster.start(0, 1)
-    dcp_save(cluster.dirs(6), seed=6)  # n2 down: steps 6 and 7 wait for its parts
-    dcp_save(cluster.dirs(7), seed=7)
-    waiting = cluster.handles[0].client
-    wait_until(lambda: len([u for r in waiting.status()["roots"]
-                            for u in r["uncommitted"] or []]) == 2, 30, "two uncommitted steps")
-    time.sleep(2)  # retention runs on every transition; give it the chance to be wrong
-    for n in (0, 1):
-        assert (cluster.root(n) / "step-6").is_dir() and (cluster.root(n) / "step-7").is_dir()
-        assert cluster.latest_json(n) is None
-    cluster.start(2)
-    cluster.wait_committed(7)
-    wait_until(lambda: not (cluster.root(0) / "step-6").exists(), 30,
-               "step 6 pruned once committed and older than keep_last")
 
 
 if __name__ == "__main__":

@@ -211,7 +211,8 @@ class Workers:
             raise PermanentError(f"root {root.name} has no upload.url")
         rec = job.checkpoint
         if root.multi_node:
-            known = self.waiting.known(root.name, lambda: jobs.known_nodes(backend, root.name))
+            known = self.waiting.known(root.name, root.nodes,
+                                       lambda: jobs.known_nodes(backend, root.name))
             result = jobs.run_share_upload(root, job, progress, backend,
                                            self.store.stored_files(rec.id), self.node, known)
             self.waiting.done(rec.root, rec.step)
@@ -340,8 +341,8 @@ class Waiting:
     """Multi-node roots: the steps waiting for their commit, with the nodes missing (for
     `status`) and each node's part state (for `ls`); how long until the next look."""
 
-    FIRST_S = 1.0
-    MOST_S = 8.0
+    FIRST_S = 0.5
+    MOST_S = 4.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -359,10 +360,12 @@ class Waiting:
         with self._lock:
             self._steps.pop((root, step), None)
 
-    def known(self, root: str, load: Callable[[], set[str]]) -> frozenset[str]:
+    def known(self, root: str, want: int, load: Callable[[], set[str]]) -> frozenset[str]:
+        """The root's nodes this daemon knows of; looked up (the latest commit's) again while
+        fewer than the root's `nodes` are known."""
         with self._lock:
             have = self._known.get(root)
-        if have is None:
+        if have is None or len(have) < want:
             have = load()
             with self._lock:
                 have = self._known.setdefault(root, set()) | have
