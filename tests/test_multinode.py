@@ -39,13 +39,16 @@ def full_state(seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(ROWS, COLS, generator=g), "b": torch.randn(COLS, generator=g)}
 
 
-def dcp_save(dirs: list[Path], seed: int, timeout: float = 90.0, crash: bool = False) -> None:
-    """A 3-rank gloo DCP save of seed's state; rank r writes into dirs[r] (its node's disk).
-    `crash`: every rank exits hard once its data file is written, before the commit."""
+def dcp_save(roots: list[Path], *steps: int, seed: int = 0, timeout: float = 120.0,
+             crash: bool = False) -> None:
+    """One 3-rank gloo job saving `steps` in turn (the state of seed `seed or step`); rank r
+    writes `roots[r]/step-<N>` (its node's disk). `crash`: every rank exits hard once its
+    data file of the first step is written, before the commit."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
     env.pop("CKPTD_SOCKET", None)
-    procs = [subprocess.Popen([sys.executable, __file__, str(dirs[r]), str(seed), str(crash)],
+    arg = ",".join(f"{step}:{seed or step}" for step in steps)
+    procs = [subprocess.Popen([sys.executable, __file__, str(roots[r]), arg, str(crash)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(WORLD)]
@@ -63,7 +66,7 @@ def dcp_save(dirs: list[Path], seed: int, timeout: float = 90.0, crash: bool = F
     assert [p.returncode for p in procs] == want, "\n".join(outs)
 
 
-def _rank_main(ckpt_dir: str, seed: int, crash: bool) -> None:
+def _rank_main(root: str, steps: str, crash: bool) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -82,12 +85,14 @@ def _rank_main(ckpt_dir: str, seed: int, crash: bool) -> None:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     mesh = init_device_mesh("cpu", (WORLD,))
-    full = full_state(seed)
-    state = {"model": {"w": distribute_tensor(full["w"], mesh, [Shard(0)]),
-                       "b": distribute_tensor(full["b"], mesh, [Replicate()])},
-             "step": seed}
-    dcp.save(state, storage_writer=Writer(ckpt_dir, thread_count=1))
-    dist.barrier()
+    for item in steps.split(","):
+        step, seed = (int(x) for x in item.split(":"))
+        full = full_state(seed)
+        state = {"model": {"w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+                           "b": distribute_tensor(full["b"], mesh, [Replicate()])},
+                 "step": seed}
+        dcp.save(state, storage_writer=Writer(f"{root}/step-{step}", thread_count=1))
+        dist.barrier()
     dist.destroy_process_group()
 
 
@@ -121,8 +126,8 @@ class Nodes:
     def root(self, n: int) -> Path:
         return self.handles[n].roots["job"]
 
-    def dirs(self, step: int) -> list[Path]:
-        return [self.root(n) / f"step-{step}" for n in range(WORLD)]
+    def roots(self) -> list[Path]:
+        return [self.root(n) for n in range(WORLD)]
 
     def row(self, n: int, step: int) -> dict[str, Any] | None:
         rows = self.handles[n].client.checkpoints("job") or []
@@ -166,7 +171,7 @@ def test_a_three_node_dcp_save_is_committed_once_and_restores_whole(
         nodes: Any, tmp_path: Path) -> None:
     cluster = nodes()
     cluster.start()
-    dcp_save(cluster.dirs(10), seed=10)
+    dcp_save(cluster.roots(), 10)
     assert (cluster.root(0) / "step-10" / ".metadata").exists()
     assert not (cluster.root(1) / "step-10" / ".metadata").exists()
     started = time.monotonic()
@@ -203,11 +208,10 @@ def test_a_node_down_holds_the_commit_and_retention_keeps_the_uncommitted_steps(
         nodes: Any, tmp_path: Path) -> None:
     cluster = nodes(retention={"local": {"keep_last": 1, "keep_best": 0}})
     cluster.start()
-    dcp_save(cluster.dirs(1), seed=1)
+    dcp_save(cluster.roots(), 1)
     cluster.wait_committed(1)
     cluster.handles[2].stop()
-    dcp_save(cluster.dirs(2), seed=2)  # n2 down: steps 2 and 3 wait for its parts
-    dcp_save(cluster.dirs(3), seed=3)
+    dcp_save(cluster.roots(), 2, 3)  # n2 down: steps 2 and 3 wait for its parts
     waiting = cluster.handles[0].client
     wait_until(lambda: len([u for r in waiting.status()["roots"]
                             for u in r["uncommitted"] or []]) == 2, 30, "two uncommitted steps")
@@ -239,7 +243,7 @@ def test_s3_three_nodes_commit_through_conditional_writes(
                             "region": s3_server.region, "access_key_id": s3_server.access_key,
                             "secret_access_key": s3_server.secret_key})
     cluster.start()
-    dcp_save(cluster.dirs(3), seed=3)
+    dcp_save(cluster.roots(), 3)
     cluster.wait_committed(3)
     assert len([e for h in cluster.handles for e in h.events("step_committed")]) == 1
     out = tmp_path / "restored"
@@ -256,7 +260,7 @@ def test_the_coordinator_killed_after_its_part_another_node_commits(
         nodes: Any, tmp_path: Path) -> None:
     cluster = nodes(commit_timeout="10s")
     cluster.start(0)
-    dcp_save(cluster.dirs(4), seed=4)  # n1, n2 down: the coordinator's part waits alone
+    dcp_save(cluster.roots(), 4)  # n1, n2 down: the coordinator's part waits alone
     parts = tmp_path / "remote" / "job" / "step-4" / "_parts"
     wait_until(lambda: any(p.name.startswith("n0.") for p in parts.glob("*.json")), 30,
                "the coordinator's part", detail=lambda: cluster.handles[0].log_text()[-3000:])
@@ -274,9 +278,9 @@ def test_the_coordinator_killed_after_its_part_another_node_commits(
 def test_a_crashed_first_attempt_is_never_mixed_into_the_re_save(
         nodes: Any, tmp_path: Path) -> None:
     cluster = nodes()
-    dcp_save(cluster.dirs(5), seed=50, crash=True)  # no .metadata anywhere
+    dcp_save(cluster.roots(), 5, seed=50, crash=True)  # no .metadata anywhere
     old = time.time() - 3600  # the crash was an hour before the re-save
-    for d in cluster.dirs(5):
+    for d in (r / "step-5" for r in cluster.roots()):
         for f in d.iterdir():
             os.utime(f, (old, old))
     cluster.start()
@@ -284,7 +288,7 @@ def test_a_crashed_first_attempt_is_never_mixed_into_the_re_save(
     wait_until(lambda: len(list(parts.glob("*.json"))) == WORLD, 30,
                "every node's part of the crashed attempt")
     first = {p.name for p in parts.glob("*.json")}
-    dcp_save(cluster.dirs(5), seed=5)
+    dcp_save(cluster.roots(), 5)
     cluster.wait_committed(5)
     doc = _manifest(tmp_path, 5)
     chosen = {f'{n["node"]}.{n["attempt"]}.json' for n in doc["nodes"]}
@@ -298,4 +302,4 @@ def test_a_crashed_first_attempt_is_never_mixed_into_the_re_save(
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "True")
+    _rank_main(sys.argv[1], sys.argv[2], sys.argv[3] == "True")

@@ -197,13 +197,11 @@ def choose(parts: Sequence[Part], known_nodes: Iterable[str] = ()) -> Plan:
     for node in known:
         if node == coord.node:
             continue
-        fits = {p.attempt: p for p in by_node.get(node, []) if _within(p, lo, hi)}
-        if len(fits) == 1:
-            chosen.append(next(iter(fits.values())))
+        fits = [p for p in by_node.get(node, []) if _within(p, lo, hi)]
+        if fits:  # two looks at one save (a share that grew after it settled): the newest
+            chosen.append(max(fits, key=lambda p: (p.newest_mtime, len(p.files), p.attempt)))
         else:
             missing.append(node)
-            if len(fits) > 1:
-                problems.append(f"node {node}: attempts {sorted(fits)} both fit the save")
     files, gaps = _cover(coord, chosen)
     problems += gaps
     return Plan(coord.node, tuple(chosen), covered=not problems, missing_nodes=tuple(missing),
