@@ -64,6 +64,7 @@ class Sim:
         self.events = 0
         self.polls: dict[tuple[int, int], int] = {}
         self.plans: dict[int, tuple[int, cc.Plan]] = {}
+        self.newest: dict[int, float] = {}
         self.horizon = 0.0
         self.checked: dict[int, object] = {}  # step -> the commit checked already
 
@@ -136,6 +137,7 @@ class Sim:
         part = cc.Part(str(node), attempt, "dcp", tuple(files), record, written=now)
         if self.store.put_create_only(step, f"_parts/{part.name}.json", part):
             self.parts_by_step.setdefault(step, []).append(part)
+            self.newest[step] = now
         self.published[(node, step)] = attempt
         if node == 0 and record is not None and self.rng.random() < 0.02:
             self.at(now + 0.01, "die", 0, int(self.rng.uniform(60, 2000)))
@@ -151,7 +153,7 @@ class Sim:
                 self.uploaded[node].add(step)
             return
         parts = self.parts_by_step.get(step, [])
-        newest = max((p.written for p in parts), default=now)
+        newest = self.newest.get(step, now)  # the newest part's write
         if node != 0 and now - newest < COMMIT_TIMEOUT:
             self.later(now, node, step)
             return
