@@ -85,7 +85,8 @@ class Workers:
         for name, root in self.roots().items():
             if not root.upload.enabled:
                 continue
-            rec = self.store.latest(name, Tier.LOCAL)
+            rec = (self.store.latest(name, Tier.LOCAL) if not root.multi_node else
+                   _newest_local(self.store.checkpoints(name)))  # latest waits for commits
             if rec is not None and rec.remote.value != "uploaded":
                 targets[name] = rec.step
                 self.store.expedite(name, rec.step)  # no waiting out an earlier backoff
@@ -335,6 +336,14 @@ class Progress:
     def as_json(self) -> dict[str, Any]:
         return {"root": self.root, "step": self.step, "stage": self.stage,
                 "done_bytes": self.done, "total_bytes": self.total}
+
+
+def _newest_local(records: list[Any]) -> Any:
+    """The newest valid step on disk, committed or not (a multi-node root's latest is the
+    newest committed one)."""
+    mine = [r for r in records if r.state is State.VALID
+            and r.local.value in ("present", "compressed")]
+    return max(mine, key=lambda r: r.step, default=None)
 
 
 class Waiting:
