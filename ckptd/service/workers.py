@@ -23,6 +23,7 @@ from ckptd.log import get_logger
 from ckptd.metrics import Metrics
 from ckptd.model import State, Tier
 from ckptd.service import jobs
+from ckptd.service.commits import Waiting, newest_local
 from ckptd.store import Job, Store
 from ckptd.watch import file_fingerprint
 
@@ -86,7 +87,7 @@ class Workers:
             if not root.upload.enabled:
                 continue
             rec = (self.store.latest(name, Tier.LOCAL) if not root.multi_node else
-                   _newest_local(self.store.checkpoints(name)))  # latest waits for commits
+                   newest_local(self.store.checkpoints(name)))  # latest waits for commits
             if rec is not None and rec.remote.value != "uploaded":
                 targets[name] = rec.step
                 self.store.expedite(name, rec.step)  # no waiting out an earlier backoff
@@ -336,60 +337,6 @@ class Progress:
     def as_json(self) -> dict[str, Any]:
         return {"root": self.root, "step": self.step, "stage": self.stage,
                 "done_bytes": self.done, "total_bytes": self.total}
-
-
-def _newest_local(records: list[Any]) -> Any:
-    """The newest valid step on disk, committed or not (a multi-node root's latest is the
-    newest committed one)."""
-    mine = [r for r in records if r.state is State.VALID
-            and r.local.value in ("present", "compressed")]
-    return max(mine, key=lambda r: r.step, default=None)
-
-
-class Waiting:
-    """Multi-node roots: the steps waiting for their commit, with the nodes missing (for
-    `status`) and each node's part state (for `ls`); how long until the next look."""
-
-    FIRST_S = 0.5
-    MOST_S = 4.0
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._steps: dict[tuple[str, int], tuple[int, list[str], dict[str, str]]] = {}
-        self._known: dict[str, set[str]] = {}
-
-    def wait(self, root: str, step: int, exc: jobs.NotCommitted) -> float:
-        with self._lock:
-            looks = self._steps.get((root, step), (0, [], {}))[0]
-            self._steps[(root, step)] = (looks + 1, exc.missing_nodes, exc.states)
-            self._known.setdefault(root, set()).update(exc.states)
-        return float(min(self.MOST_S, self.FIRST_S * 2.0 ** looks))
-
-    def done(self, root: str, step: int) -> None:
-        with self._lock:
-            self._steps.pop((root, step), None)
-
-    def known(self, root: str, want: int, load: Callable[[], set[str]]) -> frozenset[str]:
-        """The root's nodes this daemon knows of; looked up (the latest commit's) again while
-        fewer than the root's `nodes` are known."""
-        with self._lock:
-            have = self._known.get(root)
-        if have is None or len(have) < want:
-            have = load()
-            with self._lock:
-                have = self._known.setdefault(root, set()) | have
-                self._known[root] = have
-        return frozenset(have)
-
-    def uncommitted(self, root: str) -> list[dict[str, Any]]:
-        with self._lock:
-            return [{"step": step, "missing_nodes": list(missing)}
-                    for (r, step), (_n, missing, _s) in sorted(self._steps.items()) if r == root]
-
-    def node_states(self, root: str, step: int) -> dict[str, str] | None:
-        with self._lock:
-            hit = self._steps.get((root, step))
-        return dict(hit[2]) if hit else None
 
 
 def _size(path: Path) -> int:

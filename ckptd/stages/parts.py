@@ -224,6 +224,9 @@ def read_parts(backend: Backend, root_name: str, step: int) -> list[cc.Part]:
         with _PARTS_LOCK:
             part = _PARTS.get((backend.url, meta.key))
         if part is None:
+            if meta.size > cc.MAX_PART_BYTES:
+                get_logger().warning("part_unreadable", key=meta.key, error="too large")
+                continue
             try:
                 part = cc.parse_part(backend.get_bytes(meta.key), meta.key, meta.mtime)
             except (cc.BadPart, ObjectNotFound) as exc:
