@@ -27,13 +27,17 @@ from support.wait import wait_until  # noqa: E402
 from test_multinode import WORLD, Nodes, dcp_save  # noqa: E402
 
 
+KEEP = {"local": {"keep_last": 100}}  # every step stays on disk to be measured
+
+
 def _committed(remote: Path, step: int) -> bool:
     return (remote / "job" / f"step-{step}" / "MANIFEST.json").exists()
 
 
 def multi(base: Path, steps: list[int]) -> list[tuple[float, float]]:
     remote = base / "remote"
-    cluster = Nodes(base, Path(tempfile.mkdtemp(prefix="ckb-")), {"url": f"file://{remote}"})
+    cluster = Nodes(base, Path(tempfile.mkdtemp(prefix="ckb-")), {"url": f"file://{remote}"},
+                    retention=KEEP)
     cluster.start()
     try:
         dcp_save(cluster.roots(), *steps)
@@ -54,7 +58,8 @@ def multi(base: Path, steps: list[int]) -> list[tuple[float, float]]:
 def single(base: Path, steps: list[int]) -> list[float]:
     remote = base / "remote"
     layout = write_layout(base, Path(tempfile.mkdtemp(prefix="ckb-")) / "d.sock",
-                          [{"name": "job", "upload": {"url": f"file://{remote}"}}])
+                          [{"name": "job", "upload": {"url": f"file://{remote}"},
+                            "retention": KEEP}])
     d = DaemonHandle(layout, base / "daemon.log").start()
     try:
         root = layout.roots["job"]

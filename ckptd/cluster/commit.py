@@ -174,9 +174,11 @@ class Plan:
 
 
 def window(coordinator: Part) -> tuple[float, float]:
-    """The mtimes (any node's clock) a file of the coordinator's save may carry."""
+    """The mtimes (any node's clock) a file of the coordinator's save may carry. `first` is
+    the earliest of the coordinator's own files the record names (written by this save), so
+    a stale file beside them cannot widen the window."""
     assert coordinator.record is not None
-    own = [f.mtime for f in coordinator.files if f.path != coordinator.record.path]
+    own = [f.mtime for f in coordinator.files if f.path in coordinator.record.expected]
     first = min(own, default=coordinator.record.mtime)
     return first - SPREAD_S - SKEW_S, coordinator.record.mtime + SKEW_S
 
