@@ -301,5 +301,39 @@ def test_a_crashed_first_attempt_is_never_mixed_into_the_re_save(
             f["hash"])
 
 
+
+def test_a_deepspeed_save_split_over_nodes_commits_and_restores_whole(
+        nodes: Any, tmp_path: Path) -> None:
+    """DeepSpeed ZeRO on node-local disks: rank 0's node holds the model states, its optimizer
+    shard and `latest`; each other node only its rank's optimizer shard."""
+    from layout_writers import write_deepspeed
+
+    staged = write_deepspeed(tmp_path / "staging", 5, world_size=WORLD)
+    cluster = nodes()
+    cluster.start()
+    homes = {"mp_rank_00_model_states.pt": 0,
+             **{f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt": r for r in range(WORLD)}}
+    for name, node in homes.items():
+        (cluster.root(node) / "global_step5").mkdir(exist_ok=True)
+        (staged / name).rename(cluster.root(node) / "global_step5" / name)
+    (staged.parent / "latest").rename(cluster.root(0) / "latest")
+    cluster.wait_committed(5)
+    doc = _manifest(tmp_path, 5)
+    assert doc["layout"] == "deepspeed"
+    assert [n.get("record") for n in doc["nodes"] if n["node"] == "n0"] == [
+        "global_step5/mp_rank_00_model_states.pt"]
+    assert sorted(f["path"] for f in doc["files"]) == sorted(
+        f"global_step5/{name}" for name in homes)
+    out = tmp_path / "restored"
+    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "5", "--to", str(out),
+                        "--all", "--config", str(cluster.handles[2].config)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "latest").read_text() == "global_step5"
+    for name, node in homes.items():
+        assert (out / "global_step5" / name).read_bytes() == (
+            cluster.root(node) / "global_step5" / name).read_bytes()
+
+
 if __name__ == "__main__":
     _rank_main(sys.argv[1], sys.argv[2], sys.argv[3] == "True")

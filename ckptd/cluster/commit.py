@@ -54,9 +54,13 @@ class Record:
     path: str
     mtime: float
     expected: Mapping[str, int]
+    # How long after the record other ranks may still finish writing (DeepSpeed writes its
+    # model states, then each rank its optimizer states concurrently): SPREAD_S there, else 0.
+    after: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
-        return {"path": self.path, "mtime": self.mtime, "expected": dict(self.expected)}
+        return {"path": self.path, "mtime": self.mtime, "expected": dict(self.expected),
+                "after": self.after}
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,10 @@ def _record(doc: Any) -> Record | None:
     expected = {_safe(str(k)): int(v) for k, v in dict(doc["expected"]).items()}
     if any(v < 0 for v in expected.values()):
         raise ValueError("negative expected size")
-    return Record(path=_safe(str(doc["path"])), mtime=mtime, expected=expected)
+    after = float(doc.get("after", 0.0))
+    if not 0 <= after <= SPREAD_S:
+        raise ValueError("record after")
+    return Record(path=_safe(str(doc["path"])), mtime=mtime, expected=expected, after=after)
 
 
 def _safe(p: str) -> str:
@@ -180,7 +187,8 @@ def window(coordinator: Part) -> tuple[float, float]:
     assert coordinator.record is not None
     own = [f.mtime for f in coordinator.files if f.path in coordinator.record.expected]
     first = min(own, default=coordinator.record.mtime)
-    return first - SPREAD_S - SKEW_S, coordinator.record.mtime + SKEW_S
+    last = max([coordinator.record.mtime, *own])
+    return first - SPREAD_S - SKEW_S, last + coordinator.record.after + SKEW_S
 
 
 def choose(parts: Sequence[Part], known_nodes: Iterable[str] = ()) -> Plan:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -29,6 +30,7 @@ from ckptd.errors import (
     ValidationFailed,
 )
 from ckptd.formats.dcpmeta import parse_dcp_metadata
+from ckptd.formats.torchhead import HEAD_BYTES, leading_fields
 from ckptd.log import get_logger
 from ckptd.manifest import Manifest, StoredFile, step_prefix
 from ckptd.remote import manifest_key, read_latest, read_manifest, step_objects, write_latest
@@ -117,6 +119,38 @@ def dcp_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
     base = posixpath.dirname(f.path)
     expected = {posixpath.join(base, name): least for name, least in meta.references.items()}
     return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected)
+
+
+_DS_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$", re.ASCII)
+_DS_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$", re.ASCII)
+
+
+def deepspeed_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
+                     ) -> cc.Record | None:
+    """The commit record of a DeepSpeed share that holds the model states (ZeRO-1/2): the
+    model states of every model-parallel rank here and, when the save has optimizer shards,
+    one per data-parallel rank as `dp_world_size` in the model states records."""
+    names = {posixpath.basename(f.path): f.path for f in manifest.files}
+    models = {int(m.group(1)): path for n, path in names.items() if (m := _DS_MODEL.match(n))}
+    if not models:
+        return None
+    record = models[min(models)]
+    fd = fileio.open_beneath(root_dir, record)
+    with os.fdopen(fd, "rb") as fh:
+        fields = leading_fields(fh.read(HEAD_BYTES), record) or {}
+    dp = fields.get("dp_world_size")
+    if type(dp) is not int or not 0 < dp <= 1 << 20:
+        raise PermanentError(f"{record} records no dp_world_size: the optimizer shards this"
+                             " save needs from other nodes are unknown")
+    base = posixpath.dirname(record)
+    expected = {path: 0 for path in models.values()}
+    optims = [n for n in names if _DS_OPTIM.match(n)]
+    prefix = "bf16_" if any(n.startswith("bf16_") for n in optims) else ""
+    if optims:
+        expected.update({posixpath.join(base, f"{prefix}zero_pp_rank_{r}_mp_rank_{mp:02d}"
+                                              "_optim_states.pt"): 0
+                         for r in range(dp) for mp in models})
+    return cc.Record(path=record, mtime=mtimes[record], expected=expected, after=cc.SPREAD_S)
 
 
 # -- the probe -------------------------------------------------------------------------------
