@@ -47,7 +47,11 @@ class Store:
 
 
 class Sim:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, deepspeed: bool = False, steps: int = STEPS) -> None:
+        """`deepspeed`: the record (rank 0's model states) is written right after node 0's
+        own file, and the other ranks may finish after it (`Record.after`)."""
+        self.deepspeed = deepspeed
+        self.steps = steps
         self.rng = random.Random(seed)
         self.offset = [self.rng.uniform(-cc.SKEW_S / 2, cc.SKEW_S / 2) for _ in range(NODES)]
         self.down_until = [0.0] * NODES
@@ -97,7 +101,7 @@ class Sim:
             end = max(end, t)
         save.attempts.append(files)
         if record:
-            save.record_at = end + 0.5
+            save.record_at = (files[0][0] - self.offset[0] if self.deepspeed else end) + 0.5
             save.final = n
             self.pending[(0, -step - 1)] = [(save.record_at + self.offset[0], f"{step}.{n}.rec")]
             self.at(save.record_at, "write", 0, -step - 1)
@@ -105,7 +109,7 @@ class Sim:
 
     def schedule_job(self) -> None:
         t = 0.0
-        for step in range(STEPS):
+        for step in range(self.steps):
             if self.rng.random() < 0.1:  # a crashed first attempt, a re-save after the gap
                 some = self.rng.sample(range(NODES), self.rng.randrange(1, NODES))
                 end = self.write_attempt(step, t, some, record=False)
@@ -113,7 +117,7 @@ class Sim:
             end = self.write_attempt(step, t, list(range(NODES)), record=True)
             t = end + self.rng.uniform(1, 400)
         self.horizon = t + 20 * COMMIT_TIMEOUT + 4000
-        for _ in range(STEPS // 3):  # daemon deaths and slow restarts
+        for _ in range(self.steps // 3):  # daemon deaths and slow restarts
             node = self.rng.randrange(NODES)
             start = self.rng.uniform(0, t)
             self.at(start, "die", node, self.rng.uniform(10, 3000).__int__())
@@ -130,7 +134,8 @@ class Sim:
             files.append(cc.PartFile(f"step-{step}/.metadata", 10, rec[0], rec[1], "xxh3",
                                      "none", 10, ""))
             record = cc.Record(f"step-{step}/.metadata", rec[0],
-                               {f"step-{step}/__{n}_0.distcp": SIZE for n in range(NODES)})
+                               {f"step-{step}/__{n}_0.distcp": SIZE for n in range(NODES)},
+                               after=cc.SPREAD_S if self.deepspeed else 0.0)
         attempt = cc.attempt_id((f.path, f.size, int(f.mtime * 1e9)) for f in files)
         if self.published.get((node, step)) == attempt:
             return
@@ -226,6 +231,15 @@ def test_sixty_four_nodes_a_thousand_steps() -> None:
         assert sim.store.creates[(step, "MANIFEST.json")] == 1
         for node in range(NODES):
             assert step in sim.uploaded[node], (step, node)
+
+
+def test_records_other_ranks_finish_after_deepspeed_style() -> None:
+    """Rank 0 writes the record first and the other ranks finish up to SPREAD later: every
+    step still commits once (without `Record.after` most would wait forever)."""
+    sim = Sim(seed=17, deepspeed=True, steps=300)
+    sim.run()
+    assert sim.commits == 300
+    assert all(sim.store.creates[(step, "MANIFEST.json")] == 1 for step in range(300))
 
 
 def test_a_part_of_an_earlier_attempt_is_never_chosen() -> None:
