@@ -40,7 +40,7 @@ def full_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def dcp_save(roots: list[Path], *steps: int, seed: int = 0, timeout: float = 120.0,
-             crash: bool = False) -> None:
+             crash: bool = False, pattern: str = "step-{step}") -> None:
     """One 3-rank gloo job saving `steps` in turn (the state of seed `seed or step`); rank r
     writes `roots[r]/step-<N>` (its node's disk). `crash`: every rank exits hard once its
     data file of the first step is written, before the commit."""
@@ -48,7 +48,7 @@ def dcp_save(roots: list[Path], *steps: int, seed: int = 0, timeout: float = 120
            "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
     env.pop("CKPTD_SOCKET", None)
     arg = ",".join(f"{step}:{seed or step}" for step in steps)
-    procs = [subprocess.Popen([sys.executable, __file__, str(roots[r]), arg, str(crash)],
+    procs = [subprocess.Popen([sys.executable, __file__, str(roots[r]), arg, str(crash), pattern],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(WORLD)]
@@ -66,7 +66,7 @@ def dcp_save(roots: list[Path], *steps: int, seed: int = 0, timeout: float = 120
     assert [p.returncode for p in procs] == want, "\n".join(outs)
 
 
-def _rank_main(root: str, steps: str, crash: bool) -> None:
+def _rank_main(root: str, steps: str, crash: bool, pattern: str) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -91,7 +91,8 @@ def _rank_main(root: str, steps: str, crash: bool) -> None:
         state = {"model": {"w": distribute_tensor(full["w"], mesh, [Shard(0)]),
                            "b": distribute_tensor(full["b"], mesh, [Replicate()])},
                  "step": seed}
-        dcp.save(state, storage_writer=Writer(f"{root}/step-{step}", thread_count=1))
+        where = f"{root}/{pattern.format(step=step)}"
+        dcp.save(state, storage_writer=Writer(where, thread_count=1))
         dist.barrier()
     dist.destroy_process_group()
 
@@ -335,5 +336,36 @@ def test_a_deepspeed_save_split_over_nodes_commits_and_restores_whole(
             cluster.root(node) / "global_step5" / name).read_bytes()
 
 
+
+def test_a_megatron_torch_dist_save_split_over_nodes_commits(nodes: Any, tmp_path: Path) -> None:
+    """megatron-core's torch_dist: `common.pt`, the DCP save of every rank into `iter_N/` on
+    its own node, `metadata.json`, then the tracker, on rank 0's node only."""
+    cluster = nodes()
+    d = cluster.root(0) / "iter_0000100"
+    d.mkdir()
+    torch.save({"iteration": 100}, d / "common.pt")
+    dcp_save(cluster.roots(), 100, pattern="iter_{step:07d}")
+    (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (cluster.root(0) / "latest_checkpointed_iteration.txt").write_text("100")
+    cluster.start()
+    cluster.wait_committed(100)
+    doc = _manifest(tmp_path, 100)
+    assert doc["layout"] == "megatron"
+    assert sorted(f["path"] for f in doc["files"]) == sorted(
+        ["iter_0000100/.metadata", "iter_0000100/common.pt", "iter_0000100/metadata.json",
+         *(f"iter_0000100/__{r}_0.distcp" for r in range(WORLD))])
+    out = tmp_path / "restored"
+    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "100", "--to",
+                        str(out), "--all", "--config", str(cluster.handles[1].config)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "100"
+    import torch.distributed.checkpoint as dcp
+
+    got = {"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS)}, "step": 0}
+    dcp.load(got, checkpoint_id=str(out / "iter_0000100"))
+    assert torch.equal(got["model"]["w"], full_state(100)["w"])
+
+
 if __name__ == "__main__":
-    _rank_main(sys.argv[1], sys.argv[2], sys.argv[3] == "True")
+    _rank_main(sys.argv[1], sys.argv[2], sys.argv[3] == "True", sys.argv[4])
