@@ -319,6 +319,9 @@ def test_a_deepspeed_save_split_over_nodes_commits_and_restores_whole(
         (staged / name).rename(cluster.root(node) / "global_step5" / name)
     (staged.parent / "latest").rename(cluster.root(0) / "latest")
     cluster.wait_committed(5)
+    for n in range(WORLD):  # `ls`: every node's part state, as each node saw the commit
+        assert (cluster.row(n, 5) or {})["nodes"] == dict.fromkeys(["n0", "n1", "n2"],
+                                                                  "committed")
     doc = _manifest(tmp_path, 5)
     assert doc["layout"] == "deepspeed"
     assert [n.get("record") for n in doc["nodes"] if n["node"] == "n0"] == [

@@ -21,6 +21,9 @@ def newest_local(records: list[Any]) -> Any:
     return max(mine, key=lambda r: r.step, default=None)
 
 
+KEPT = 10_000  # committed steps remembered (their nodes, for `ls`)
+
+
 class Waiting:
     """Multi-node roots: the steps waiting for their commit, with the nodes missing (for
     `status`) and each node's part state (for `ls`); how long until the next look."""
@@ -32,6 +35,7 @@ class Waiting:
         self._lock = threading.Lock()
         self._steps: dict[tuple[str, int], tuple[int, list[str], dict[str, str]]] = {}
         self._known: dict[str, set[str]] = {}
+        self._committed: dict[tuple[str, int], tuple[str, ...]] = {}  # the newest KEPT
 
     def wait(self, root: str, step: int, exc: jobs.NotCommitted) -> float:
         with self._lock:
@@ -40,9 +44,18 @@ class Waiting:
             self._known.setdefault(root, set()).update(exc.states)
         return float(min(self.MOST_S, self.FIRST_S * 2.0 ** looks))
 
-    def done(self, root: str, step: int) -> None:
+    def done(self, root: str, step: int, nodes: tuple[str, ...]) -> None:
+        """The step is committed with `nodes`' parts."""
         with self._lock:
             self._steps.pop((root, step), None)
+            self._committed[(root, step)] = nodes
+            self._known.setdefault(root, set()).update(nodes)
+            while len(self._committed) > KEPT:
+                self._committed.pop(next(iter(self._committed)))
+
+    def committed(self, root: str, step: int) -> tuple[str, ...] | None:
+        with self._lock:
+            return self._committed.get((root, step))
 
     def known(self, root: str, want: int, load: Callable[[], set[str]]) -> frozenset[str]:
         """The root's nodes this daemon knows of; looked up (the latest commit's) again while

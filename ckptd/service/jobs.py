@@ -147,7 +147,7 @@ def run_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
 
 def run_share_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
                      expected: Sequence[StoredFile], node: str,
-                     known_nodes: frozenset[str]) -> UploadResult:
+                     known_nodes: frozenset[str]) -> parts.ShareResult:
     """A multi-node root: this node's share of the step (docs/MULTINODE.md). Raises
     NotCommitted while the step waits for other nodes' parts. Never replaces a remote step."""
     step = job.checkpoint.step

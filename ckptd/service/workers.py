@@ -217,7 +217,7 @@ class Workers:
                                        lambda: jobs.known_nodes(backend, root.name))
             result = jobs.run_share_upload(root, job, progress, backend,
                                            self.store.stored_files(rec.id), self.node, known)
-            self.waiting.done(rec.root, rec.step)
+            self.waiting.done(rec.root, rec.step, result.nodes)
             return result
         return jobs.run_upload(root, job, progress, backend, self.store.stored_files(rec.id),
                                replace_remote=self.store.replaced_upload(rec.root, rec.step))
@@ -300,6 +300,9 @@ class Workers:
         seen = self.waiting.node_states(root.name, rec.step)
         if seen is not None:
             return seen
+        nodes = self.waiting.committed(root.name, rec.step)
+        if nodes is not None and rec.remote.value == "uploaded":
+            return dict.fromkeys(sorted(nodes), "committed")
         if rec.remote.value == "uploaded":
             return {self.node: "committed"}
         return {self.node: "uploading" if rec.remote.value == "uploading" else "local"}

@@ -52,6 +52,13 @@ class Share:
     known_nodes: frozenset[str] = frozenset()
 
 
+@dataclass(frozen=True)
+class ShareResult(UploadResult):
+    """An upload of a share that ended in the commit: also the nodes the commit holds."""
+
+    nodes: tuple[str, ...] = ()
+
+
 class NotCommitted(TransientError):
     """The part is written; the step waits for other nodes' parts (or for the coordinator)."""
 
@@ -65,7 +72,7 @@ class NotCommitted(TransientError):
 
 def upload_share(backend: Backend, root_name: str, objects_dir: Path, manifest: Manifest,
                  share: Share, now: float, progress: Progress | None = None,
-                 concurrency: int = 4) -> UploadResult:
+                 concurrency: int = 4) -> ShareResult:
     """Send this node's objects, write its part, commit when the parts cover the save.
     Returns once the step is committed with this node's part; NotCommitted while it waits;
     PermanentError when the step was committed without this node's files of this save."""
@@ -84,8 +91,9 @@ def upload_share(backend: Backend, root_name: str, objects_dir: Path, manifest: 
             f"step {manifest.step} is committed without this node's files of this save"
             f" ({part.name}); the committed nodes: {[f'{n}.{a}' for n, a, _ in committed.nodes]}")
     get_logger().info("part_committed", root=root_name, step=manifest.step, part=part.name)
-    return UploadResult(sent_bytes=sent, skipped_objects=skipped,
-                        uploaded_objects=len(manifest.files) - skipped, latest_updated=latest)
+    return ShareResult(sent_bytes=sent, skipped_objects=skipped,
+                       uploaded_objects=len(manifest.files) - skipped, latest_updated=latest,
+                       nodes=tuple(n for n, _a, _r in committed.nodes))
 
 
 def part_of(manifest: Manifest, share: Share) -> cc.Part:
