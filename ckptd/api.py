@@ -56,6 +56,8 @@ class Workers(Protocol):
     def flush(self) -> dict[str, int]: ...
     def flushing(self) -> dict[str, int]: ...
     def in_flight(self) -> list[dict[str, Any]]: ...
+    def part_states(self, root: RootConfig, rec: Any) -> dict[str, str]: ...
+    def uncommitted(self, root: str) -> list[dict[str, Any]]: ...
 
 
 class Retention(Protocol):
@@ -166,6 +168,7 @@ class ApiContext:
             "unrecognised": self.scan.unrecognised(root.name)[:100],
             "holder": self.leases.holder_json(root.name),
             "acting": self.leases.holds(root.name),
+            "uncommitted": self.workers.uncommitted(root.name) if root.multi_node else None,
         }
 
     def acting(self, root: RootConfig) -> None:
@@ -179,8 +182,11 @@ class ApiContext:
 
     def listing(self, root: RootConfig) -> dict[str, Any]:
         self.discovery.refresh(root.name)
-        return {"root": root.name,
-                "checkpoints": [c.as_json() for c in self.store.checkpoints(root.name)]}
+        rows = self.store.checkpoints(root.name)
+        if not root.multi_node:
+            return {"root": root.name, "checkpoints": [c.as_json() for c in rows]}
+        return {"root": root.name, "checkpoints": [
+            {**c.as_json(), "nodes": self.workers.part_states(root, c)} for c in rows]}
 
     def latest(self, root: RootConfig, tier: Tier) -> dict[str, Any]:
         if not self.leases.holds(root.name):

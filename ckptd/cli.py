@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("root")
     s.add_argument("step", nargs="?", default="latest", help="a step number, or latest")
     s.add_argument("--to", required=True, help="directory to write the original files into")
+    which = s.add_mutually_exclusive_group()
+    which.add_argument("--all", action="store_true",
+                       help="multi-node root: the whole checkpoint in one directory")
+    which.add_argument("--node", metavar="ID",
+                       help="multi-node root: node ID's files and the commit record"
+                            " (default: this node's)")
     s.add_argument("--json", action="store_true")
     s = cmd("verify", "validate one checkpoint offline (no daemon needed)")
     s.add_argument("path")
@@ -392,7 +398,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
     step: int | str = "latest" if args.step == "latest" else int(args.step)
     cfg = _load_config(args, required=True)
     print(f"ckptd: config {_config_path(args)}", file=sys.stderr)
-    n, paths = restore(cfg, args.root, step, Path(args.to), tty_progress())  # type: ignore[arg-type]
+    node = "*" if args.all else args.node
+    n, paths = restore(cfg, args.root, step, Path(args.to), tty_progress(),  # type: ignore[arg-type]
+                       node=node)
     if args.json:
         _print_json({"root": args.root, "step": n, "to": str(Path(args.to).resolve()),
                      "files": [str(p) for p in paths]})

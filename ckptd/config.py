@@ -169,6 +169,13 @@ def _lease_timeout(value: Any) -> float:
     return seconds
 
 
+def _commit_timeout(value: Any) -> float:
+    seconds = _duration(value)
+    if not 10 <= seconds <= 7 * 86400:
+        raise ValueError(f"must be a duration from 10s to 7d, got {_show(value)}")
+    return seconds
+
+
 def _node(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError(f"must be a string, got {_show(value)}")
@@ -441,6 +448,11 @@ class RootConfig(_Model):
     # with the reason its layout names (a file never written, a shard short of its bytes).
     pending_timeout: Duration = 3600.0
     world_size: Count = 0
+    # How many nodes write each checkpoint (docs/MULTINODE.md); 1 = this node alone.
+    nodes: Annotated[int, Field(ge=1, le=100_000), Expect("a whole number from 1 to 100000")] = 1
+    # After this long since a step's newest part, any node may commit it (else the coordinator).
+    commit_timeout: Annotated[float, PlainValidator(_commit_timeout),
+                              Render(format_duration)] = 600.0
     deep_validate: Flag = False
     # Globals (besides torch's weights-only set) a framework pickles into its checkpoints,
     # e.g. Megatron's "argparse.Namespace": referenced, never executed by ckptd.
@@ -455,7 +467,12 @@ class RootConfig(_Model):
     @property
     def options(self) -> RootOptions:
         """The slice of this root's settings that completion rules need."""
-        return RootOptions(settle=self.settle, world_size=self.world_size)
+        return RootOptions(settle=self.settle, world_size=self.world_size,
+                           multi_node=self.nodes > 1)
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
 
 
 class Config(_Model):
@@ -658,6 +675,9 @@ def _overlaps(state_dir: Path | None, roots: dict[int, RootConfig]) -> list[str]
                 )
     for i, root in roots.items():
         problems += _outside_root(i, root, real[i], state_dir)
+        if root.nodes > 1 and not root.upload.url:
+            problems.append(f"roots[{i}].nodes: {root.nodes} nodes share a checkpoint through"
+                            " the object store; set roots.upload.url")
     return problems
 
 

@@ -80,12 +80,13 @@ class Daemon:
         self.leases = leases = Leases(store, self.roots, lambda: self.config.daemon.node_id,
                                       lambda: self.config.daemon.lease_timeout, self._retake)
         acting = leases.acting
-        self.retention = RetentionService(store, acting, self.backends.get)
+        self.retention = RetentionService(store, acting, self.backends.get,
+                                          node=cfg.daemon.node_id)
         self.scanner = Scanner(store, acting, lambda: self.config.daemon.scan_interval,
                                cfg.daemon.polling, self.metrics, self.retention.exclusive,
                                may_adopt=leases.fresh)
         self.workers = Workers(store, acting, cfg.daemon.workers, self.scanner.wake,
-                               self.backends.get, self.metrics)
+                               self.backends.get, self.metrics, node=cfg.daemon.node_id)
         self.discovery = Discovery(store, acting, self.backends.get)
         self.effects = Effects(store, acting, self.changes, self.workers, self.retention,
                                self.scanner)

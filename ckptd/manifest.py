@@ -46,6 +46,8 @@ class Manifest:
     files: tuple[StoredFile, ...]
     created: str = field(default_factory=lambda: rfc3339_now())
     metrics: dict[str, float] = field(default_factory=dict)
+    # A multi-node commit (docs/MULTINODE.md): (node, attempt, record path or "") per part.
+    nodes: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def size(self) -> int:
@@ -56,12 +58,34 @@ class Manifest:
         return sum(f.stored_size for f in self.files)
 
     def as_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "root": self.root, "step": self.step, "layout": self.layout,
-                "created": self.created, "metrics": dict(self.metrics),
-                "files": [f.as_json() for f in self.files]}
+        doc = {"format": FORMAT, "root": self.root, "step": self.step, "layout": self.layout,
+               "created": self.created, "metrics": dict(self.metrics),
+               "files": [f.as_json() for f in self.files]}
+        if self.nodes:
+            doc["nodes"] = [{"node": n, "attempt": a, **({"record": r} if r else {})}
+                            for n, a, r in self.nodes]
+        return doc
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.as_json(), indent=1, sort_keys=True).encode() + b"\n"
+
+
+def for_node(manifest: Manifest, node: str) -> Manifest:
+    """The files of a multi-node commit one node restores: "*" all of them (the whole
+    checkpoint, as one node would have written it), else that node's files and the
+    coordinator's record. ValueError for a node not in the commit."""
+    if node == "*" or not manifest.nodes:
+        return manifest
+    parts = {n: a for n, a, _r in manifest.nodes}
+    if node not in parts:
+        raise ValueError(f"step {manifest.step} was committed by nodes {sorted(parts)},"
+                         f" not {node!r}")
+    records = {r for _n, _a, r in manifest.nodes if r}
+    mine = f"{node}.{parts[node]}/"
+    files = tuple(f for f in manifest.files if f.key.startswith(mine) or f.path in records)
+    return Manifest(root=manifest.root, step=manifest.step, layout=manifest.layout,
+                    files=files, created=manifest.created, metrics=dict(manifest.metrics),
+                    nodes=manifest.nodes)
 
 
 def step_prefix(root: str, step: int) -> str:
@@ -88,7 +112,9 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
             raise ValueError("step")
         return Manifest(root=str(doc["root"]), step=step, layout=str(doc["layout"]),
                         files=files, created=str(doc["created"]),
-                        metrics={str(k): float(v) for k, v in (doc.get("metrics") or {}).items()})
+                        metrics={str(k): float(v) for k, v in (doc.get("metrics") or {}).items()},
+                        nodes=tuple((str(n["node"]), str(n["attempt"]), str(n.get("record", "")))
+                                    for n in doc.get("nodes") or ()))
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptData(f"{where}: malformed manifest ({exc})") from exc
 

@@ -120,6 +120,9 @@ class RootOptions:
 
     settle: float = 5.0
     world_size: int = 0
+    # Several nodes write each checkpoint (docs/MULTINODE.md): a node's own settled files are
+    # complete for this node even where the commit record, or the files it names, are elsewhere.
+    multi_node: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,9 @@ class Candidate:
     # Per-rank files whose count is recorded inside a member; validation reads it and
     # requires every one (a layout may not see the count: it reads no large file).
     rank_files: tuple[RankFiles, ...] = ()
+    # One node's share of a multi-node save (docs/MULTINODE.md): files its record names that
+    # are not here belong to other nodes, and validation does not require them.
+    node_share: bool = False
 
 
 @dataclass(frozen=True)

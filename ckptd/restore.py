@@ -25,7 +25,7 @@ from ckptd.backends import Backend, backend_for_upload
 from ckptd.config import Config, RootConfig
 from ckptd.errors import CorruptData, NotFound, ObjectNotFound
 from ckptd.log import get_logger
-from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
+from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, for_node, step_prefix
 from ckptd.model import CKPTD_DIR
 from ckptd.render import human_bytes, progress_bar
 from ckptd.stages.compress import (
@@ -330,12 +330,17 @@ def restore(
     step: StepArg,
     to: Path,
     progress: TotalProgress | None = None,
+    node: str | None = None,
 ) -> tuple[int, list[Path]]:
     """Restore a step of a configured root into `to` (see `resolve_step` for which and from
     where); no daemon needed. `progress(done, total)` gets cumulative bytes. Returns the step
-    and the restored paths."""
+    and the restored paths. A multi-node root restores from its commit: `node` "*" the whole
+    checkpoint, else that node's files and the record (default: this node's)."""
     root = config.root(root_name)
     backend = remote_backend(root)
+    if root.multi_node:
+        return _restore_nodes(root, backend, step, to, progress,
+                              node or config.daemon.node_id)
     n, where = resolve_step(root.path, root.name, step, backend)
     if where == "local":
         manifest = read_local_manifest(root.path, n)
@@ -347,6 +352,24 @@ def restore(
                                                   staging, cb)))
     assert backend is not None
     remote = read_remote_manifest(backend, root.name, n)
+    cb = _cumulative(progress, remote.size)
+    return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging: _restore_remote(
+        backend, remote, staging, root.upload.concurrency, cb)))
+
+
+def _restore_nodes(root: RootConfig, backend: Backend | None, step: StepArg, to: Path,
+                   progress: TotalProgress | None, node: str) -> tuple[int, list[Path]]:
+    """A multi-node step from its commit (docs/MULTINODE.md): no node's disk holds it whole."""
+    if backend is None:
+        raise NotFound(f"root {root.name!r} has no upload.url: a multi-node step is restored"
+                       " from its commit")
+    n = step if step != "latest" else max(list_remote_steps(backend, root.name), default=None)
+    if n is None:
+        raise NotFound(f"no committed step of {root.name!r} at {backend.url}")
+    try:
+        remote = for_node(read_remote_manifest(backend, root.name, n), node)
+    except ValueError as exc:
+        raise NotFound(str(exc)) from None
     cb = _cumulative(progress, remote.size)
     return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging: _restore_remote(
         backend, remote, staging, root.upload.concurrency, cb)))

@@ -6,6 +6,7 @@ under way)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from typing import Any
 
@@ -47,7 +48,10 @@ class DcpLayout:
             files = common.members(tree.under(step_dir))
             if common.touches(files, claimed):
                 continue
-            out.append(_candidate(snap, tree, step_dir, step, inner, files))
+            if opts.multi_node:
+                out.append(_node_candidate(snap, tree, step_dir, step, inner, files, opts, now))
+            else:
+                out.append(_candidate(snap, tree, step_dir, step, inner, files))
         return out
 
 
@@ -73,6 +77,23 @@ def _candidate(snap: Snapshot, tree: common.Tree, step_dir: str, step: int, inne
     return common.make(NAME, step, step_dir, files, problems, **verdict_extras(verdicts))
 
 
+def _node_candidate(snap: Snapshot, tree: common.Tree, step_dir: str, step: int,
+                    inner: list[str], files: list[str], opts: RootOptions,
+                    now: float) -> Candidate:
+    """A multi-node root (docs/MULTINODE.md): this node's share of the save. A directory with
+    `.metadata` (the coordinator's) is held to the rule for the files it names that are here;
+    the others are expected from other nodes. Without it, the files once settled."""
+    problems = [common.open_problem(snap, files),
+                common.unfinished_problem(snap, step_dir, tree.under(step_dir))]
+    verdicts = [check_dir(snap, tree, d, here_only=True) for d in inner
+                if common.join(d, METADATA) in snap.files]
+    problems += [p for v in verdicts for p in v.problems]
+    if not verdicts:
+        problems.append(common.settle_problem(snap, files, opts, now))
+    cand = common.make(NAME, step, step_dir, files, problems, **verdict_extras(verdicts))
+    return dataclasses.replace(cand, node_share=True)
+
+
 def verdict_extras(verdicts: list[DirVerdict]) -> dict[str, Any]:
     """Candidate fields from DCP verdicts: min sizes, and the first invalid metadata found."""
     extra: dict[str, Any] = {"min_sizes": {k: v for d in verdicts for k, v in d.min_sizes.items()}}
@@ -91,8 +112,10 @@ class DirVerdict:
         self.invalid: list[tuple[str, str]] = []  # (reason, message) from the parser
 
 
-def check_dir(snap: Snapshot, tree: common.Tree, dcp_dir: str) -> DirVerdict:
-    """Apply the DCP commit rule to one directory (also used by the megatron layout)."""
+def check_dir(snap: Snapshot, tree: common.Tree, dcp_dir: str,
+              here_only: bool = False) -> DirVerdict:
+    """Apply the DCP commit rule to one directory (also used by the megatron layout).
+    `here_only`: referenced files absent here are another node's (a multi-node root)."""
     verdict = DirVerdict()
     meta_rel = common.join(dcp_dir, METADATA)
     meta = snap.files.get(meta_rel)
@@ -107,7 +130,7 @@ def check_dir(snap: Snapshot, tree: common.Tree, dcp_dir: str) -> DirVerdict:
     if data is None:
         verdict.problems.append(f"{meta_rel} to be readable")
         return verdict
-    _check_references(snap, dcp_dir, meta_rel, data, verdict)
+    _check_references(snap, dcp_dir, meta_rel, data, verdict, here_only)
     return verdict
 
 
@@ -154,7 +177,7 @@ def _parsed(data: bytes, meta_rel: str) -> DcpMetadata | ValidationFailed:
 
 
 def _check_references(snap: Snapshot, dcp_dir: str, meta_rel: str, data: bytes,
-                      verdict: DirVerdict) -> None:
+                      verdict: DirVerdict, here_only: bool = False) -> None:
     parsed = _parsed(data, meta_rel)
     if isinstance(parsed, ValidationFailed):
         verdict.invalid.append((parsed.reason, parsed.message))
@@ -163,6 +186,8 @@ def _check_references(snap: Snapshot, dcp_dir: str, meta_rel: str, data: bytes,
     for name, size in sorted(refs.items()):
         rel = common.join(dcp_dir, name)
         info = snap.files.get(rel)
+        if info is None and here_only:
+            continue
         if info is None:
             verdict.problems.append(f"{rel} (referenced by {METADATA})")
         elif info.size < size:

@@ -6,6 +6,7 @@ Pure: reads only the snapshot."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 
@@ -90,6 +91,9 @@ class DeepSpeedLayout:
             files, top = common.members(under), tops[directory]
             if not _is_deepspeed(top) or common.touches(files, claimed):
                 continue
+            if opts.multi_node:
+                out.append(_node_share(snap, opts, now, directory, step, files, under, top))
+                continue
             ranks = _Ranks(directory, top, common.parent_of(directory) in zero_dirs,
                            _recorded_dp(snap, directory, top))
             problems = [
@@ -101,6 +105,19 @@ class DeepSpeedLayout:
             out.append(common.make(NAME, step, directory, files, problems,
                                    rank_files=ranks.rank_files()))
         return out
+
+
+def _node_share(snap: Snapshot, opts: RootOptions, now: float, directory: str, step: int,
+                files: list[str], under: list[str], top: list[str]) -> Candidate:
+    """A multi-node root (docs/MULTINODE.md): this node's files of the tag, once settled; the
+    coordinator's (it holds the model states) also once `latest` names the tag. The other
+    ranks' optimizer states are on other nodes: the commit, not this node, requires them."""
+    problems = [common.unfinished_problem(snap, directory, under),
+                common.settle_problem(snap, under, opts, now)]
+    if any(_MODEL.match(n) for n in top):
+        problems.append(_latest_problem(snap, directory, step))
+    cand = common.make(NAME, step, directory, files, problems)
+    return dataclasses.replace(cand, node_share=True)
 
 
 def _top_names(directory: str, under: list[str]) -> list[str]:

@@ -4,6 +4,7 @@ dir settled (plus, for torch_dist saves, megatron-core's `metadata.json` and the
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 
@@ -67,10 +68,13 @@ def _candidate(snap: Snapshot, tree: common.Tree, opts: RootOptions, now: float,
     problems = [common.unfinished_problem(snap, directory, under),
                 _tracker_problem(snap, directory, step),
                 _dist_problem(directory, files)]
-    verdicts = [dcp.check_dir(snap, tree, d) for d in dcp.dcp_dirs(files)]  # torch_dist format
+    # torch_dist format; on a multi-node root the files .metadata names may be on other nodes
+    verdicts = [dcp.check_dir(snap, tree, d, here_only=opts.multi_node)
+                for d in dcp.dcp_dirs(files)]
     problems += [p for v in verdicts for p in v.problems]
     problems.append(common.settle_problem(snap, under, opts, now))
-    return common.make(NAME, step, directory, files, problems, **dcp.verdict_extras(verdicts))
+    cand = common.make(NAME, step, directory, files, problems, **dcp.verdict_extras(verdicts))
+    return dataclasses.replace(cand, node_share=opts.multi_node)
 
 
 def _dist_problem(directory: str, files: list[str]) -> str:

@@ -90,6 +90,8 @@ class Policy:
 
     uploads: bool = False
     keeps_copies: bool = False  # retention.local.compress_older
+    # A multi-node root: a step is latest only once committed (remote uploaded).
+    committed_only: bool = False
 
     @property
     def wants_copy(self) -> bool:

@@ -63,7 +63,8 @@ class RetentionService:
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  backend_for: Callable[[RootConfig], Backend | None], *,
-                 timer_s: float = TIMER_S, api_timeout: float = RUN_NOW_TIMEOUT_S) -> None:
+                 timer_s: float = TIMER_S, api_timeout: float = RUN_NOW_TIMEOUT_S,
+                 node: str = "") -> None:
         self.store = store
         self.roots = roots
         self.timer_s = timer_s
@@ -71,7 +72,7 @@ class RetentionService:
         self.exclusive = threading.RLock()
         self.nets = threading.RLock()
         self.log = get_logger()
-        self._runner = _Runner(store, backend_for, self.exclusive, self.nets)
+        self._runner = _Runner(store, backend_for, self.exclusive, self.nets, node)
         self._mutex = threading.Lock()  # guards the three fields below
         self._wanted: set[str] = set()
         self._waiting: Waiters = {}
@@ -274,9 +275,10 @@ class _Runner:
     record. Only the service's thread calls `run`."""
 
     def __init__(self, store: Store, backend_for: Callable[[RootConfig], Backend | None],
-                 lock: threading.RLock, nets: threading.RLock) -> None:
+                 lock: threading.RLock, nets: threading.RLock, node: str = "") -> None:
         self.store = store
         self.backend_for = backend_for
+        self.node = node  # daemon.node: remote retention of a multi-node root is its coordinator's
         self.exclusive = lock
         self.nets = nets
         self.health: dict[str, RootHealth] = {}
@@ -335,12 +337,28 @@ class _Runner:
         if not any(i.remote is planner.Action.DELETE for i in plan.items):
             return []
         backend = self.backend_for(root)
-        if backend is None:
+        if backend is None or (root.multi_node and not self._coordinates(root, backend)):
             return []
         from ckptd.stages.upload import delete_step
 
         return executor.execute_remote(backend, root.name, plan, self._guards(root, now),
                                        delete_step)
+
+    def _coordinates(self, root: RootConfig, backend: Backend) -> bool:
+        """A multi-node root's remote deletes are made by one node only: the coordinator of
+        its newest committed step (the node holding that step's commit record)."""
+        newest = self.store.latest(root.name, Tier.REMOTE)
+        if newest is None:
+            return False
+        from ckptd import remote
+        from ckptd.errors import CkptdError
+
+        try:
+            nodes = remote.read_manifest(backend, root.name, newest.step).nodes
+        except CkptdError as exc:
+            self.log.warning("remote_retention_skipped", root=root.name, error=str(exc))
+            return False
+        return any(n == self.node and record for n, _a, record in nodes)
 
     def _guards(self, root: RootConfig, now: float,
                 delete_adopted: bool = False) -> executor.Guards:

@@ -65,6 +65,8 @@ class Discovery:
             self._seen[name] = time.monotonic()
         uploaded = {r.step for r in self.store.checkpoints(name) if r.remote is Remote.UPLOADED}
         try:
+            if root is not None and root.multi_node:
+                self._probe(name, backend)
             steps = set(remote.list_steps(backend, name))
             added = self._add_unknown(name, backend, steps)
         except Exception as exc:  # noqa: BLE001 - a down remote is a warning, not a crash
@@ -73,6 +75,18 @@ class Discovery:
         lost = self._mark_lost(name, uploaded - steps)
         if added or lost:
             self.log.info("remote_checkpoints_found", root=name, added=added, lost=lost or None)
+
+    def _probe(self, name: str, backend: Any) -> None:
+        """A multi-node root at start: does the store enforce create-only writes? Where it
+        does not, the root refuses to commit, and status says why (docs/MULTINODE.md)."""
+        from ckptd.errors import PermanentError
+        from ckptd.stages.parts import require_create_only
+
+        try:
+            require_create_only(backend, name)
+        except PermanentError as exc:
+            self.log.error("create_only_refused", root=name, error=str(exc))
+            self.store.set_root_error(name, f"upload: {exc}", time.time())
 
     def _add_unknown(self, name: str, backend: Any, steps: set[int]) -> int:
         added = 0

@@ -6,17 +6,20 @@ Decides nothing and records nothing: the stages do the work, the workers record 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckptd import fileio
 from ckptd.config import RootConfig
 from ckptd.errors import DiskFull
 from ckptd.lifecycle.table import Policy
 from ckptd.log import get_logger
 from ckptd.manifest import StoredFile
 from ckptd.model import Candidate, ValidationResult
-from ckptd.stages import compress
+from ckptd.stages import compress, parts
+from ckptd.stages.parts import NotCommitted as NotCommitted
 from ckptd.stages.upload import UploadResult, upload_step
 from ckptd.stages.validate import validate
 from ckptd.store import Job
@@ -28,13 +31,14 @@ class Validated:
     stored: tuple[StoredFile, ...] = ()
 
 
-def candidate_of(job: Job) -> Candidate:
+def candidate_of(job: Job, node_share: bool = False) -> Candidate:
+    """`node_share`: the root is multi-node, so files the record names may be elsewhere."""
     rec = job.checkpoint
     return Candidate(
         layout=rec.layout, step=rec.step, path=rec.path, files=job.files, complete=True,
         expected_sizes=job.expected_sizes, min_sizes=job.min_sizes, metrics=dict(rec.metrics),
         invalid_reason=job.invalid_reason, invalid_message=job.invalid_message,
-        opaque=job.opaque, rank_files=job.rank_files,
+        opaque=job.opaque, rank_files=job.rank_files, node_share=node_share,
     )
 
 
@@ -45,7 +49,8 @@ def _checks(root: RootConfig) -> dict[str, Any]:
 def policy_of(root: RootConfig) -> Policy:
     """What the lifecycle needs of a root's config to know which stages its checkpoints need:
     a compressed copy when it uploads or may keep copies instead of originals."""
-    return Policy(uploads=root.upload.enabled, keeps_copies=root.retention.local.compress_older)
+    return Policy(uploads=root.upload.enabled, keeps_copies=root.retention.local.compress_older,
+                  committed_only=root.multi_node)
 
 
 def stager_for(root: RootConfig, job: Job) -> compress.Stager:
@@ -56,7 +61,7 @@ def stager_for(root: RootConfig, job: Job) -> compress.Stager:
 
 def run_validate(root: RootConfig, job: Job, progress: Any) -> Validated:
     """Validate, and when the root wants a compressed copy, build it in the same read pass."""
-    cand = candidate_of(job)
+    cand = candidate_of(job, node_share=root.multi_node)
     if cand.invalid_reason:
         return Validated(ValidationResult(False, cand.invalid_reason, cand.invalid_message))
     if not policy_of(root).wants_copy:
@@ -89,7 +94,7 @@ def run_compress(root: RootConfig, job: Job, progress: Any) -> Sequence[StoredFi
     copy was deferred for space). The read pass re-checks the files as it goes."""
     stager = stager_for(root, job)
     try:
-        result = validate(root.path, candidate_of(job), deep=False,
+        result = validate(root.path, candidate_of(job, node_share=root.multi_node), deep=False,
                           trusted=frozenset(root.trusted_globals),
                           extra_sinks=lambda rel: [progress, *stager.sinks_for(rel)])
         if not result.valid:
@@ -138,6 +143,45 @@ def run_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
     progress.total = manifest.stored_size
     return upload_step(backend, root.name, compress.objects_dir(root.path, step), manifest,
                        progress=progress.advance, concurrency=root.upload.concurrency)
+
+
+def run_share_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
+                     expected: Sequence[StoredFile], node: str,
+                     known_nodes: frozenset[str]) -> parts.ShareResult:
+    """A multi-node root: this node's share of the step (docs/MULTINODE.md). Raises
+    NotCommitted while the step waits for other nodes' parts. Never replaces a remote step."""
+    step = job.checkpoint.step
+    manifest = compress.read_local_manifest(root.path, step)
+    if manifest is None:
+        raise CopyMissing(f"no local compressed copy of step {step} to upload")
+    if {(f.path, f.size, f.hash) for f in manifest.files} != {
+            (f.path, f.size, f.hash) for f in expected}:
+        raise CopyMissing(f"the local copy of step {step} does not match its validated files")
+    mtimes = {f.path: fileio.safe_join(root.path, f.path).stat().st_mtime_ns / 1e9
+              for f in manifest.files}
+    reader = {"dcp": parts.dcp_record, "megatron": parts.dcp_record,  # torch_dist is DCP
+              "deepspeed": parts.deepspeed_record}.get(manifest.layout)
+    record = reader(root.path, manifest, mtimes) if reader is not None else None
+    share = parts.Share(node=node, commit_timeout=root.commit_timeout, mtimes=mtimes,
+                        record=record, known_nodes=known_nodes)
+    progress.total = manifest.stored_size
+    return parts.upload_share(backend, root.name, compress.objects_dir(root.path, step),
+                              manifest, share, time.time(), progress=progress.advance,
+                              concurrency=root.upload.concurrency)
+
+
+def known_nodes(backend: Any, root_name: str) -> set[str]:
+    """The nodes of the root's latest commit (none before the first)."""
+    from ckptd import remote
+    from ckptd.errors import CkptdError
+
+    try:
+        step = remote.read_latest(backend, root_name)
+        if step is None:
+            return set()
+        return {n for n, _a, _r in remote.read_manifest(backend, root_name, step).nodes}
+    except CkptdError:
+        return set()
 
 
 def _replace_older_remote(backend: Any, root_name: str, manifest: Any) -> None:

@@ -23,6 +23,7 @@ from ckptd.log import get_logger
 from ckptd.metrics import Metrics
 from ckptd.model import State, Tier
 from ckptd.service import jobs
+from ckptd.service.commits import Waiting, newest_local
 from ckptd.store import Job, Store
 from ckptd.watch import file_fingerprint
 
@@ -42,8 +43,10 @@ class Workers:
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  count: int, rescan: Callable[[], None],
-                 backend_for: Callable[[RootConfig], Any], metrics: Metrics) -> None:
+                 backend_for: Callable[[RootConfig], Any], metrics: Metrics,
+                 node: str = "") -> None:
         self.store = store
+        self.node = node  # daemon.node: this node's id on multi-node roots
         self.roots = roots
         self.count = count
         self.rescan = rescan
@@ -58,6 +61,8 @@ class Workers:
         self.busy: dict[str, bool] = {}
         self.inflight: dict[int, Progress] = {}
         self.log = get_logger()
+        # Multi-node roots: steps whose part is written and wait for the commit.
+        self.waiting = Waiting()
 
     @property
     def names(self) -> list[str]:
@@ -81,7 +86,8 @@ class Workers:
         for name, root in self.roots().items():
             if not root.upload.enabled:
                 continue
-            rec = self.store.latest(name, Tier.LOCAL)
+            rec = (self.store.latest(name, Tier.LOCAL) if not root.multi_node else
+                   newest_local(self.store.checkpoints(name)))  # latest waits for commits
             if rec is not None and rec.remote.value != "uploaded":
                 targets[name] = rec.step
                 self.store.expedite(name, rec.step)  # no waiting out an earlier backoff
@@ -182,6 +188,12 @@ class Workers:
             except jobs.NoLongerValid as exc:
                 self._no_longer_valid(root, job, fp, exc, log)
                 return
+            except jobs.NotCommitted as exc:
+                delay = self.waiting.wait(rec.root, rec.step, exc)
+                log.info("commit_waiting", error=str(exc), missing_nodes=exc.missing_nodes,
+                         retry_in_s=delay)
+                self.store.defer(job, job.owner, delay, time.time())
+                return
             except Exception as exc:  # an OS, storage or code failure: retry later, never crash
                 self._failed(job, log, exc)
                 return
@@ -200,6 +212,13 @@ class Workers:
         if backend is None:
             raise PermanentError(f"root {root.name} has no upload.url")
         rec = job.checkpoint
+        if root.multi_node:
+            known = self.waiting.known(root.name, root.nodes,
+                                       lambda: jobs.known_nodes(backend, root.name))
+            result = jobs.run_share_upload(root, job, progress, backend,
+                                           self.store.stored_files(rec.id), self.node, known)
+            self.waiting.done(rec.root, rec.step, result.nodes)
+            return result
         return jobs.run_upload(root, job, progress, backend, self.store.stored_files(rec.id),
                                replace_remote=self.store.replaced_upload(rec.root, rec.step))
 
@@ -271,6 +290,22 @@ class Workers:
 
     def _tick(self, worker: str) -> None:
         self.progress[worker] = time.time()
+
+    def uncommitted(self, root: str) -> list[dict[str, Any]]:
+        return self.waiting.uncommitted(root)
+
+    def part_states(self, root: RootConfig, rec: Any) -> dict[str, str]:
+        """Each node's part state of one step of a multi-node root, as this node knows it:
+        from its last look at the parts while the step waited, else this node's own."""
+        seen = self.waiting.node_states(root.name, rec.step)
+        if seen is not None:
+            return seen
+        nodes = self.waiting.committed(root.name, rec.step)
+        if nodes is not None and rec.remote.value == "uploaded":
+            return dict.fromkeys(sorted(nodes), "committed")
+        if rec.remote.value == "uploaded":
+            return {self.node: "committed"}
+        return {self.node: "uploading" if rec.remote.value == "uploading" else "local"}
 
     def in_flight(self) -> list[dict[str, Any]]:
         return [p.as_json() for p in list(self.inflight.values())]

@@ -263,6 +263,8 @@ class _Run:
         base = posixpath.dirname(m.rel)
         for name, least in sorted(meta.references.items()):
             rel = posixpath.join(base, name)
+            if self.cand.node_share and rel not in self.cand.files:
+                continue  # another node's file (a multi-node save)
             size = self._size_of(rel)
             if size < least:
                 raise ValidationFailed(
@@ -277,8 +279,8 @@ class _Run:
         """Every rank's file, as many as `need.source` records: a layout that cannot read the
         count (it reads no large file) may have called the checkpoint complete without one."""
         count = self.fields.get(need.source, {}).get(need.key)
-        if count is None:
-            return  # not recorded there (an older writer): the layout's rule stands
+        if count is None or self.cand.node_share:
+            return  # not recorded there (an older writer), or other ranks are on other nodes
         if type(count) is not int or not 0 < count <= _MAX_RANKS:
             raise ValidationFailed(Reason.BAD_METADATA, f"{need.source} records {need.key} ="
                                    f" {count!r}, not a rank count", need.source)

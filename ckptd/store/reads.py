@@ -10,7 +10,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ckptd.lifecycle.table import Status
+from ckptd.lifecycle.table import Policy, Status
 from ckptd.manifest import StoredFile
 from ckptd.model import CheckpointRecord, FileRecord, Local, Remote, State, Tier
 from ckptd.store.rows import record_of, status_of
@@ -21,6 +21,7 @@ class Reads:
 
     _db: sqlite3.Connection
     _lock: threading.RLock
+    _policies: dict[str, Policy]
 
     def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
         with self._lock:
@@ -90,6 +91,8 @@ class Reads:
             Tier.LOCAL: "local IN ('present','compressed')",
             Tier.REMOTE: "remote='uploaded'",
         }[tier]
+        if self._policies.get(root, Policy()).committed_only:
+            where = f"{where} AND remote='uploaded'"  # a multi-node step: once committed
         rows = self._rows(
             f"SELECT * FROM checkpoints WHERE root=? AND superseded=0 AND state='valid'"  # noqa: S608
             f" AND {where} ORDER BY step DESC LIMIT 1", (root,))

@@ -1,0 +1,80 @@
+"""Multi-node roots, as this daemon's workers see them (docs/MULTINODE.md): the steps whose part
+is written and that wait for their commit, the nodes known to write the root, when to look
+again. Memory only: a restart looks at the store's parts afresh. Decides nothing of the commit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ckptd.model import State
+from ckptd.service import jobs
+
+
+def newest_local(records: list[Any]) -> Any:
+    """The newest valid step on disk, committed or not (a multi-node root's latest is the
+    newest committed one)."""
+    mine = [r for r in records if r.state is State.VALID
+            and r.local.value in ("present", "compressed")]
+    return max(mine, key=lambda r: r.step, default=None)
+
+
+KEPT = 10_000  # committed steps remembered (their nodes, for `ls`)
+
+
+class Waiting:
+    """Multi-node roots: the steps waiting for their commit, with the nodes missing (for
+    `status`) and each node's part state (for `ls`); how long until the next look."""
+
+    FIRST_S = 0.5
+    MOST_S = 4.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._steps: dict[tuple[str, int], tuple[int, list[str], dict[str, str]]] = {}
+        self._known: dict[str, set[str]] = {}
+        self._committed: dict[tuple[str, int], tuple[str, ...]] = {}  # the newest KEPT
+
+    def wait(self, root: str, step: int, exc: jobs.NotCommitted) -> float:
+        with self._lock:
+            looks = self._steps.get((root, step), (0, [], {}))[0]
+            self._steps[(root, step)] = (looks + 1, exc.missing_nodes, exc.states)
+            self._known.setdefault(root, set()).update(exc.states)
+        return float(min(self.MOST_S, self.FIRST_S * 2.0 ** looks))
+
+    def done(self, root: str, step: int, nodes: tuple[str, ...]) -> None:
+        """The step is committed with `nodes`' parts."""
+        with self._lock:
+            self._steps.pop((root, step), None)
+            self._committed[(root, step)] = nodes
+            self._known.setdefault(root, set()).update(nodes)
+            while len(self._committed) > KEPT:
+                self._committed.pop(next(iter(self._committed)))
+
+    def committed(self, root: str, step: int) -> tuple[str, ...] | None:
+        with self._lock:
+            return self._committed.get((root, step))
+
+    def known(self, root: str, want: int, load: Callable[[], set[str]]) -> frozenset[str]:
+        """The root's nodes this daemon knows of; looked up (the latest commit's) again while
+        fewer than the root's `nodes` are known."""
+        with self._lock:
+            have = self._known.get(root)
+        if have is None or len(have) < want:
+            have = load()
+            with self._lock:
+                have = self._known.setdefault(root, set()) | have
+                self._known[root] = have
+        return frozenset(have)
+
+    def uncommitted(self, root: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [{"step": step, "missing_nodes": list(missing)}
+                    for (r, step), (_n, missing, _s) in sorted(self._steps.items()) if r == root]
+
+    def node_states(self, root: str, step: int) -> dict[str, str] | None:
+        with self._lock:
+            hit = self._steps.get((root, step))
+        return dict(hit[2]) if hit else None

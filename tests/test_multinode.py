@@ -1,0 +1,374 @@
+"""Three real daemons, one per "node", each with its own root, state and socket, sharing only an
+object store (file://): a real 3-rank gloo DCP save where each rank's FileSystemWriter points at
+its own node's root (what node-local disks give), committed once through the store; a node whose
+daemon is down during the save leaves the step uncommitted and never latest until it returns;
+`ckptd restore --all` gives one directory that `dcp.load` reads. docs/MULTINODE.md.
+
+Run as a script, this file is one rank of such a save (see `_rank_main`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.wait import wait_until
+
+pytest_plugins = ["s3server"]
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+WORLD = 3
+ROWS, COLS = 384, 64
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def full_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(ROWS, COLS, generator=g), "b": torch.randn(COLS, generator=g)}
+
+
+def dcp_save(roots: list[Path], *steps: int, seed: int = 0, timeout: float = 120.0,
+             crash: bool = False, pattern: str = "step-{step}") -> None:
+    """One 3-rank gloo job saving `steps` in turn (the state of seed `seed or step`); rank r
+    writes `roots[r]/step-<N>` (its node's disk). `crash`: every rank exits hard once its
+    data file of the first step is written, before the commit."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
+    env.pop("CKPTD_SOCKET", None)
+    arg = ",".join(f"{step}:{seed or step}" for step in steps)
+    procs = [subprocess.Popen([sys.executable, __file__, str(roots[r]), arg, str(crash), pattern],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(WORLD)]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append(out.decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    want = [9] * WORLD if crash else [0] * WORLD
+    assert [p.returncode for p in procs] == want, "\n".join(outs)
+
+
+def _rank_main(root: str, steps: str, crash: bool, pattern: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    class Writer(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            fut = super().write_data(plan, planner)
+            if crash:
+                fut.wait()  # this rank's data file is on disk; the commit never comes
+                os._exit(9)
+            return fut
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for item in steps.split(","):
+        step, seed = (int(x) for x in item.split(":"))
+        full = full_state(seed)
+        state = {"model": {"w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+                           "b": distribute_tensor(full["b"], mesh, [Replicate()])},
+                 "step": seed}
+        where = f"{root}/{pattern.format(step=step)}"
+        dcp.save(state, storage_writer=Writer(where, thread_count=1))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- the nodes -------------------------------------------------------------------------------
+
+
+class Nodes:
+    """Three `ckptd run` processes, node n0 .. n2, one root `job` each, one shared remote."""
+
+    def __init__(self, tmp: Path, socks: Path, upload: dict[str, Any],
+                 commit_timeout: str = "10s", **root: Any) -> None:
+        from support.config import write_layout
+        from support.proc import DaemonHandle
+
+        self.handles = []
+        for n in range(WORLD):
+            layout = write_layout(
+                tmp / f"n{n}", socks / f"n{n}.sock",
+                [{"name": "job", "nodes": WORLD, "commit_timeout": commit_timeout,
+                  "upload": upload, **root}], node=f"n{n}")
+            self.handles.append(DaemonHandle(layout, tmp / f"n{n}.log"))
+
+    def start(self, *which: int) -> None:
+        for n in which or range(WORLD):
+            self.handles[n].start()
+
+    def stop(self) -> None:
+        for h in self.handles:
+            h.stop()
+
+    def root(self, n: int) -> Path:
+        return self.handles[n].roots["job"]
+
+    def roots(self) -> list[Path]:
+        return [self.root(n) for n in range(WORLD)]
+
+    def row(self, n: int, step: int) -> dict[str, Any] | None:
+        rows = self.handles[n].client.checkpoints("job") or []
+        return next((c for c in rows if c["step"] == step), None)
+
+    def wait_committed(self, step: int, nodes: range | tuple[int, ...] = range(WORLD),
+                       timeout: float = 60.0) -> None:
+        for n in nodes:
+            wait_until(lambda n=n: (self.row(n, step) or {}).get("remote") == "uploaded",
+                       timeout, f"node n{n} to record step {step} committed",
+                       detail=lambda n=n: self.handles[n].log_text()[-4000:])
+
+    def latest_json(self, n: int) -> int | None:
+        try:
+            return int(json.loads((self.root(n) / ".ckptd" / "latest.json").read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+@pytest.fixture
+def nodes(tmp_path: Path, short_dir: Path) -> Any:
+    made: list[Nodes] = []
+
+    def make(upload: dict[str, Any] | None = None, **kw: Any) -> Nodes:
+        n = Nodes(tmp_path, short_dir, upload or {"url": f"file://{tmp_path}/remote"}, **kw)
+        made.append(n)
+        return n
+
+    yield make
+    for n in made:
+        n.stop()
+
+
+def _s3_get(s3: Any, url: str, key: str) -> bytes:
+    from ckptd.backends import make_backend
+
+    backend = make_backend(url, endpoint=s3.endpoint, region=s3.region,
+                           access_key_id=s3.access_key, secret_access_key=s3.secret_key)
+    return backend.get_bytes(key)
+
+
+def _manifest(tmp_path: Path, step: int) -> dict[str, Any]:
+    doc = json.loads((tmp_path / "remote" / "job" / f"step-{step}" / "MANIFEST.json").read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_a_three_node_dcp_save_is_committed_once_and_restores_whole(
+        nodes: Any, s3_server: Any, s3_url: str, tmp_path: Path) -> None:
+    """Through SeaweedFS, which enforces create-only puts: the probe passes, one commit."""
+    cluster = nodes(upload={"url": s3_url, "endpoint": s3_server.endpoint,
+                            "region": s3_server.region, "access_key_id": s3_server.access_key,
+                            "secret_access_key": s3_server.secret_key})
+    cluster.start()
+    dcp_save(cluster.roots(), 10)
+    assert (cluster.root(0) / "step-10" / ".metadata").exists()
+    assert not (cluster.root(1) / "step-10" / ".metadata").exists()
+    started = time.monotonic()
+    cluster.wait_committed(10)
+    doc = json.loads(_s3_get(s3_server, s3_url, "job/step-10/MANIFEST.json"))
+    assert sorted(n["node"] for n in doc["nodes"]) == ["n0", "n1", "n2"]
+    assert [n.get("record") for n in doc["nodes"] if n["node"] == "n0"] == ["step-10/.metadata"]
+    paths = sorted(f["path"] for f in doc["files"])
+    assert paths == ["step-10/.metadata", *(f"step-10/__{r}_0.distcp" for r in range(WORLD))]
+    attempts = {f'{n["node"]}.{n["attempt"]}/' for n in doc["nodes"]}
+    for f in doc["files"]:  # each file under its node's attempt-unique prefix
+        assert any(f["key"].startswith(a + f["path"]) for a in attempts), f
+    for n in range(WORLD):
+        assert wait_until(lambda n=n: cluster.latest_json(n) == 10, 15, "latest.json")
+    committed = [e for h in cluster.handles for e in h.events("step_committed")]
+    assert len(committed) == 1, committed
+    print(f"commit after save: {time.monotonic() - started:.2f}s")
+
+    out = tmp_path / "restored"
+    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "10", "--to", str(out),
+                        "--all", "--config", str(cluster.handles[1].config)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import torch.distributed.checkpoint as dcp
+
+    want = full_state(10)
+    got = {"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS)}, "step": 0}
+    dcp.load(got, checkpoint_id=str(out / "step-10"))
+    assert torch.equal(got["model"]["w"], want["w"]) and torch.equal(got["model"]["b"], want["b"])
+    assert got["step"] == 10
+
+    one = tmp_path / "one-node"
+    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "10", "--to", str(one),
+                        "--node", "n2", "--config", str(cluster.handles[0].config)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in (one / "step-10").iterdir()) == [".metadata", "__2_0.distcp"]
+    assert (one / "step-10" / "__2_0.distcp").read_bytes() == (
+        cluster.root(2) / "step-10" / "__2_0.distcp").read_bytes()
+
+
+def test_a_node_down_holds_the_commit_and_retention_keeps_the_uncommitted_steps(
+        nodes: Any, tmp_path: Path) -> None:
+    cluster = nodes(retention={"local": {"keep_last": 1, "keep_best": 0}})
+    cluster.start()
+    dcp_save(cluster.roots(), 1)
+    cluster.wait_committed(1)
+    cluster.handles[2].stop()
+    dcp_save(cluster.roots(), 2, 3)  # n2 down: steps 2 and 3 wait for its parts
+    waiting = cluster.handles[0].client
+    want = [{"step": 2, "missing_nodes": ["n2"]}, {"step": 3, "missing_nodes": ["n2"]}]
+    wait_until(lambda: waiting.status()["roots"][0]["uncommitted"] == want, 30,
+               "steps 2 and 3 listed as waiting for n2's parts",
+               detail=lambda: str(waiting.status()["roots"][0]["uncommitted"]))
+    status = waiting.status()["roots"][0]
+    assert status["latest"] == 1
+    assert (cluster.row(0, 2) or {})["nodes"] == {"n0": "uploaded", "n1": "uploaded",
+                                                 "n2": "missing"}
+    time.sleep(2)  # retention runs on every transition: give it the chance to be wrong
+    for n in (0, 1):
+        assert cluster.latest_json(n) == 1
+        for step in (2, 3):  # keep_last = 1, yet neither uncommitted step goes
+            assert (cluster.root(n) / f"step-{step}").is_dir()
+            assert (cluster.row(n, step) or {}).get("remote") != "uploaded"
+    assert not (tmp_path / "remote" / "job" / "step-2" / "MANIFEST.json").exists()
+    cluster.start(2)
+    cluster.wait_committed(3)
+    for n in range(WORLD):
+        assert wait_until(lambda n=n: cluster.latest_json(n) == 3, 15, "latest.json")
+    wait_until(lambda: not (cluster.root(0) / "step-2").exists(), 30,
+               "step 2 pruned once committed and older than keep_last")
+
+
+def test_the_coordinator_killed_after_its_part_another_node_commits(
+        nodes: Any, tmp_path: Path) -> None:
+    cluster = nodes(commit_timeout="10s")
+    cluster.start(0)
+    dcp_save(cluster.roots(), 4)  # n1, n2 down: the coordinator's part waits alone
+    parts = tmp_path / "remote" / "job" / "step-4" / "_parts"
+    wait_until(lambda: any(p.name.startswith("n0.") for p in parts.glob("*.json")), 30,
+               "the coordinator's part", detail=lambda: cluster.handles[0].log_text()[-3000:])
+    cluster.handles[0].kill9()
+    cluster.start(1, 2)
+    cluster.wait_committed(4, nodes=(1, 2), timeout=60)
+    doc = _manifest(tmp_path, 4)
+    assert sorted(n["node"] for n in doc["nodes"]) == ["n0", "n1", "n2"]
+    by = [e["by"] for h in cluster.handles[1:] for e in h.events("step_committed")]
+    assert len(by) == 1 and by[0] in ("n1", "n2")
+    cluster.start(0)  # back: finds the commit and records its own part in it
+    cluster.wait_committed(4, nodes=(0,))
+
+
+def test_a_crashed_first_attempt_is_never_mixed_into_the_re_save(
+        nodes: Any, tmp_path: Path) -> None:
+    cluster = nodes()
+    dcp_save(cluster.roots(), 5, seed=50, crash=True)  # no .metadata anywhere
+    old = time.time() - 3600  # the crash was an hour before the re-save
+    for d in (r / "step-5" for r in cluster.roots()):
+        for f in d.iterdir():
+            os.utime(f, (old, old))
+    cluster.start()
+    parts = tmp_path / "remote" / "job" / "step-5" / "_parts"
+    wait_until(lambda: len(list(parts.glob("*.json"))) == WORLD, 30,
+               "every node's part of the crashed attempt")
+    first = {p.name for p in parts.glob("*.json")}
+    dcp_save(cluster.roots(), 5)
+    cluster.wait_committed(5)
+    doc = _manifest(tmp_path, 5)
+    chosen = {f'{n["node"]}.{n["attempt"]}.json' for n in doc["nodes"]}
+    assert not chosen & first, (chosen, first)
+    for f in doc["files"]:  # the second attempt's bytes: the files on the nodes' disks now
+        node = int(f["key"][1])
+        import xxhash
+
+        assert xxhash.xxh3_128_hexdigest((cluster.root(node) / f["path"]).read_bytes()) == (
+            f["hash"])
+
+
+
+def test_a_deepspeed_save_split_over_nodes_commits_and_restores_whole(
+        nodes: Any, tmp_path: Path) -> None:
+    """DeepSpeed ZeRO on node-local disks: rank 0's node holds the model states, its optimizer
+    shard and `latest`; each other node only its rank's optimizer shard."""
+    from layout_writers import write_deepspeed
+
+    staged = write_deepspeed(tmp_path / "staging", 5, world_size=WORLD)
+    cluster = nodes()
+    cluster.start()
+    homes = {"mp_rank_00_model_states.pt": 0,
+             **{f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt": r for r in range(WORLD)}}
+    for name, node in homes.items():
+        (cluster.root(node) / "global_step5").mkdir(exist_ok=True)
+        (staged / name).rename(cluster.root(node) / "global_step5" / name)
+    (staged.parent / "latest").rename(cluster.root(0) / "latest")
+    cluster.wait_committed(5)
+    for n in range(WORLD):  # `ls`: every node's part state, as each node saw the commit
+        assert (cluster.row(n, 5) or {})["nodes"] == dict.fromkeys(["n0", "n1", "n2"],
+                                                                  "committed")
+    doc = _manifest(tmp_path, 5)
+    assert doc["layout"] == "deepspeed"
+    assert [n.get("record") for n in doc["nodes"] if n["node"] == "n0"] == [
+        "global_step5/mp_rank_00_model_states.pt"]
+    assert sorted(f["path"] for f in doc["files"]) == sorted(
+        f"global_step5/{name}" for name in homes)
+    out = tmp_path / "restored"
+    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "5", "--to", str(out),
+                        "--all", "--config", str(cluster.handles[2].config)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "latest").read_text() == "global_step5"
+    for name, node in homes.items():
+        assert (out / "global_step5" / name).read_bytes() == (
+            cluster.root(node) / "global_step5" / name).read_bytes()
+
+
+
+def test_a_megatron_torch_dist_save_split_over_nodes_commits(nodes: Any, tmp_path: Path) -> None:
+    """megatron-core's torch_dist: `common.pt`, the DCP save of every rank into `iter_N/` on
+    its own node, `metadata.json`, then the tracker, on rank 0's node only."""
+    cluster = nodes()
+    d = cluster.root(0) / "iter_0000100"
+    d.mkdir()
+    torch.save({"iteration": 100}, d / "common.pt")
+    dcp_save(cluster.roots(), 100, pattern="iter_{step:07d}")
+    (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (cluster.root(0) / "latest_checkpointed_iteration.txt").write_text("100")
+    cluster.start()
+    cluster.wait_committed(100)
+    doc = _manifest(tmp_path, 100)
+    assert doc["layout"] == "megatron"
+    assert sorted(f["path"] for f in doc["files"]) == sorted(
+        ["iter_0000100/.metadata", "iter_0000100/common.pt", "iter_0000100/metadata.json",
+         *(f"iter_0000100/__{r}_0.distcp" for r in range(WORLD))])
+    out = tmp_path / "restored"
+    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "100", "--to",
+                        str(out), "--all", "--config", str(cluster.handles[1].config)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "100"
+    import torch.distributed.checkpoint as dcp
+
+    got = {"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS)}, "step": 0}
+    dcp.load(got, checkpoint_id=str(out / "iter_0000100"))
+    assert torch.equal(got["model"]["w"], full_state(100)["w"])
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], sys.argv[2], sys.argv[3] == "True", sys.argv[4])

@@ -1,0 +1,96 @@
+"""The multi-node upload stage (ckptd.stages.parts) against a real file:// store: the probe
+refuses a store that ignores create-only writes; two nodes' shares commit once, by the
+coordinator, with both parts; a re-run sends nothing; a node whose part is not in the commit
+is told so; `restore --node` picks a node's files and the record. docs/MULTINODE.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.backends.local import LocalBackend
+from ckptd.cluster import commit as cc
+from ckptd.errors import PermanentError
+from ckptd.manifest import Manifest, StoredFile, for_node
+from ckptd.remote import read_manifest
+from ckptd.stages import parts
+
+
+class IgnoresCreateOnly:
+    """A store (a gateway, say) that drops the conditional header: every put overwrites."""
+
+    def __init__(self, inner: LocalBackend) -> None:
+        self.inner = inner
+        self.url = inner.url + "#ignores-create-only"
+        self.part_size = inner.part_size
+
+    def put(self, key: str, src: Any, size: int | None = None, *,
+            create_only: bool = False) -> Any:
+        return self.inner.put(key, src, size)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _share(tmp: Path, node: str, files: dict[str, bytes], mtime: float,
+           record: cc.Record | None = None) -> tuple[Path, Manifest, parts.Share]:
+    """One node's local compressed copy (codec none: the object is the file) and its share."""
+    objects = tmp / node / "objects"
+    stored = []
+    for path, data in files.items():
+        (objects / path).parent.mkdir(parents=True, exist_ok=True)
+        (objects / path).write_bytes(data)
+        import xxhash
+
+        stored.append(StoredFile(path, len(data), xxhash.xxh3_128_hexdigest(data), "xxh3-128",
+                                 "none", len(data), path))
+    manifest = Manifest("job", 7, "dcp", tuple(stored))
+    share = parts.Share(node=node, commit_timeout=60.0, record=record,
+                        mtimes={p: mtime for p in files})
+    return objects, manifest, share
+
+
+def test_the_probe_refuses_a_store_that_ignores_create_only(tmp_path: Path) -> None:
+    good = LocalBackend(tmp_path / "good")
+    parts.require_create_only(good, "job")
+    bad = IgnoresCreateOnly(LocalBackend(tmp_path / "bad"))
+    with pytest.raises(PermanentError, match="ignores conditional writes"):
+        parts.require_create_only(bad, "job")  # type: ignore[arg-type]
+    assert not list((tmp_path / "good").rglob("_probe/*"))  # the probe key is removed
+
+
+def test_two_shares_commit_once_with_both_parts(tmp_path: Path) -> None:
+    store = LocalBackend(tmp_path / "remote")
+    t = 1_700_000_000.0
+    record = cc.Record("step-7/.metadata", t + 2, {"step-7/__0_0.distcp": 4,
+                                                   "step-7/__1_0.distcp": 4})
+    c_dir, c_man, c_share = _share(tmp_path, "n0", {"step-7/.metadata": b"meta",
+                                                    "step-7/__0_0.distcp": b"zero"}, t + 1,
+                                   record)
+    o_dir, o_man, o_share = _share(tmp_path, "n1", {"step-7/__1_0.distcp": b"one!"}, t)
+    with pytest.raises(parts.NotCommitted) as waiting:
+        parts.upload_share(store, "job", c_dir, c_man, c_share, now=t + 10)
+    assert waiting.value.missing_nodes == []  # n1 is not known yet: no part, no commit
+    assert "__1_0.distcp in no part" in str(waiting.value)
+    with pytest.raises(parts.NotCommitted):  # not the coordinator, before the timeout
+        parts.upload_share(store, "job", o_dir, o_man, o_share, now=t + 11)
+    done = parts.upload_share(store, "job", c_dir, c_man, c_share, now=t + 12)
+    assert done.uploaded_objects == 0 and done.skipped_objects == 2  # a re-run sends nothing
+    commit = read_manifest(store, "job", 7)
+    assert {(n, r) for n, _a, r in commit.nodes} == {("n0", "step-7/.metadata"), ("n1", "")}
+    assert sorted(f.path for f in commit.files) == [
+        "step-7/.metadata", "step-7/__0_0.distcp", "step-7/__1_0.distcp"]
+    parts.upload_share(store, "job", o_dir, o_man, o_share, now=t + 13)  # finds the commit
+    mine = for_node(commit, "n1")
+    assert sorted(f.path for f in mine.files) == ["step-7/.metadata", "step-7/__1_0.distcp"]
+    assert for_node(commit, "*") == commit
+    with pytest.raises(ValueError, match="not 'n9'"):
+        for_node(commit, "n9")
+
+    # A re-save on n1 after the commit: its new part is not in the commit, and it says so.
+    r_dir, r_man, r_share = _share(tmp_path / "again", "n1", {"step-7/__1_0.distcp": b"ONE!"},
+                                   t + 600)
+    with pytest.raises(PermanentError, match="committed without this node's files"):
+        parts.upload_share(store, "job", r_dir, r_man, r_share, now=t + 700)
