@@ -7,6 +7,8 @@ Never runs a stage itself and never blocks the accept loop (one thread per conne
 
 from __future__ import annotations
 
+import array
+import io
 import json
 import os
 import re
@@ -14,6 +16,7 @@ import shutil
 import socket
 import socketserver
 import stat
+import struct
 import threading
 import time
 import urllib.parse
@@ -88,6 +91,23 @@ class Leases(Protocol):
     def holder_json(self, name: str) -> dict[str, Any] | None: ...
 
 
+class Persist(Protocol):
+    def accept(self, fd: int, body: Any, peer: tuple[int, int, int]) -> dict[str, Any]: ...
+    def outcome(self, job_id: str, timeout: float) -> dict[str, Any] | None: ...
+
+
+class NoPersist:
+    """No persist service (a bare context in tests): async saves are refused, the trainer
+    writes in-process."""
+
+    def accept(self, fd: int, body: Any, peer: tuple[int, int, int]) -> dict[str, Any]:
+        os.close(fd)
+        raise HttpError(503, "no_persist", "this daemon takes no async saves")
+
+    def outcome(self, job_id: str, timeout: float) -> dict[str, Any] | None:
+        return None
+
+
 class HoldsAll:
     """Every root is this daemon's (no lease service: a bare context in tests)."""
 
@@ -104,7 +124,7 @@ class ApiContext:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  changes: Changes, scan: Scan, workers: Workers, retention: Retention,
                  discovery: Discovery, services: Services, metrics: MetricsText,
-                 leases: Leases | None = None) -> None:
+                 leases: Leases | None = None, persist: Persist | None = None) -> None:
         self.store = store
         self.roots = roots
         self.changes = changes
@@ -115,6 +135,7 @@ class ApiContext:
         self.services = services
         self.metrics = metrics
         self.leases: Leases = leases if leases is not None else HoldsAll()
+        self.persist: Persist = persist if persist is not None else NoPersist()
         self.started = time.monotonic()
         self.stopping = threading.Event()
         self.problem: str | None = None  # why the daemon stopped acting (set by the daemon)
@@ -231,6 +252,8 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"^/v1/status$"), "status"),
     ("GET", re.compile(r"^/metrics$"), "metrics"),
     ("POST", re.compile(r"^/v1/flush$"), "flush"),
+    ("POST", re.compile(r"^/v1/persist$"), "persist"),
+    ("GET", re.compile(r"^/v1/persist/(?P<job>[0-9a-f]{1,64})$"), "persist_outcome"),
     ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints$"), "list"),
     ("POST", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints$"), "register"),
     ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/latest$"), "latest"),
@@ -255,6 +278,31 @@ class Handler(BaseHTTPRequestHandler):
     # a long-poll is not idle reading, so its own timeout (<= MAX_WAIT_S) bounds it.
     timeout = IDLE_TIMEOUT_S
     ctx: ApiContext  # set on the subclass the server builds
+
+    def setup(self) -> None:
+        """The first bytes of a connection are read with recvmsg: an async save sends its
+        arena's descriptor with them (SCM_RIGHTS), which a plain read would drop."""
+        super().setup()
+        self.passed_fds: list[int] = []
+        try:
+            first, fds = _recv_first(self.connection)
+        except OSError:
+            first = b""
+        else:
+            self.passed_fds = fds
+        self.rfile.close()  # the plain reader holds a reference that keeps the socket open
+        self.rfile = io.BufferedReader(_Prefixed(first, self.connection))
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in self.passed_fds:
+            os.close(fd)
+        self.passed_fds = []
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         return  # access logs would drown journald; errors are logged as events
@@ -296,6 +344,7 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # never let a bug kill the connection thread silently
             get_logger().error("api_error", path=url.path, error=str(exc), exc_info=True)
             status, payload = 500, {"error": "internal", "message": str(exc)}
+        self._close_fds()  # a descriptor no handler took is never kept
         self._send(status, payload)
 
     def _route(self, method: str, path: str, query: dict[str, str], body: Any
@@ -363,6 +412,27 @@ class Handler(BaseHTTPRequestHandler):
         self._not_stopping()
         targets = self.ctx.workers.flush()
         return 200, {"flushing": [{"root": r, "step": s} for r, s in targets.items()]}
+
+    def h_persist(self, body: Any, **_: Any) -> tuple[int, Any]:
+        """An async save: the arena's descriptor came with this request's first bytes."""
+        self._not_stopping()
+        fds, self.passed_fds = self.passed_fds, []
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise HttpError(400, "no_arena", "send exactly one arena descriptor (SCM_RIGHTS)"
+                            " with the first bytes of a new connection")
+        pid, uid, gid = struct.unpack("3i", self.connection.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return 202, self.ctx.persist.accept(fds[0], body, (pid, uid, gid))
+
+    def h_persist_outcome(self, job: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
+        timeout = checks.number(query.get("timeout", "0"), "timeout", 0.0, MAX_WAIT_S)
+        outcome = self.ctx.persist.outcome(job, timeout)
+        if outcome is None:
+            raise HttpError(404, "no_job", f"this daemon holds no async save {job} (it was"
+                            " taken by a daemon that is gone, or long forgotten)")
+        return (408 if outcome["state"] == "running" else 200), outcome
 
     def h_metrics(self, **_: Any) -> tuple[int, Any]:
         return 200, self.ctx.metrics.render()
@@ -512,6 +582,41 @@ def _reached(rec: CheckpointRecord, until: str) -> bool:
         return rec.state is State.VALID
     # A step retention has since removed remotely did reach "uploaded".
     return rec.state is State.VALID and rec.remote in (Remote.UPLOADED, Remote.PRUNED)
+
+
+MAX_PASSED_FDS = 4
+
+
+def _recv_first(conn: socket.socket) -> tuple[bytes, list[int]]:
+    """The connection's first bytes, and any descriptors sent with them."""
+    data, anc, flags, _ = conn.recvmsg(65536, socket.CMSG_SPACE(MAX_PASSED_FDS * 4))
+    fds = array.array("i")
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    if flags & socket.MSG_CTRUNC:  # more than we take: none of them is kept
+        for fd in fds:
+            os.close(fd)
+        return data, []
+    return data, list(fds)
+
+
+class _Prefixed(io.RawIOBase):
+    """A socket's reader that first gives back bytes already received."""
+
+    def __init__(self, first: bytes, conn: socket.socket) -> None:
+        self._first, self._conn = memoryview(first), conn
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        if self._first:
+            n = min(len(buf), len(self._first))
+            buf[:n] = self._first[:n]
+            self._first = self._first[n:]
+            return n
+        return self._conn.recv_into(buf)
 
 
 class UnixHttpServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

@@ -29,7 +29,7 @@ import torch
 from ckptd.errors import CkptdError, NotFound, ValidationFailed
 from ckptd.model import CKPTD_DIR
 
-__all__ = ["FORMAT", "Stateful", "load", "resolve", "save"]
+__all__ = ["FORMAT", "Stateful", "load", "resolve", "save"]  # re-exported by ckptd.torch
 
 FORMAT = "ckptd-native/1"
 PREFIX = "_orig_mod."  # what torch.compile's OptimizedModule puts before every key
