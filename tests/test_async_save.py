@@ -4,8 +4,12 @@ daemon killed mid-save, flush, skip, the fallback without a daemon, refused peer
 
 from __future__ import annotations
 
+import array
 import json
 import os
+import signal
+import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+from support.wait import wait_until
 
 import ckptd.torch as ckpt
+from ckptd import arena
 from ckptd.client import Client
+from ckptd.errors import NotFound
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,3 +118,196 @@ def test_fallback_without_daemon(tmp_path: Path, short_dir: Path,
     fresh, fresh_opt = trained(seed=3)
     ckpt.load(tmp_path / "r", 4, model=fresh, optimizer=fresh_opt, client=client)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+KILLED_CODE = """
+import os, signal, sys, ckptd.torch as ckpt, torch
+torch.manual_seed(1)
+model = torch.nn.Linear(2048, 2048)  # 16 MiB of weights, 32 MiB of Adam state
+opt = torch.optim.Adam(model.parameters())
+model(torch.randn(2, 2048)).sum().backward()
+opt.step()
+torch.save(model.state_dict(), sys.argv[2])  # the values the checkpoint must hold
+ckpt.save(sys.argv[1], 5, model=model, optimizer=opt, blocking=False)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_trainer_killed_right_after_save_returns(inproc_daemon: Any, tmp_path: Path) -> None:
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    root = d.roots["r1"]
+    p = run_py(KILLED_CODE, d.socket, str(root), str(tmp_path / "expected.pt"))
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGKILL, err[-3000:]
+    assert d.wait_for("r1", 5)["state"] == "valid"
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    model = torch.nn.Linear(2048, 2048)
+    ckpt.load(root, 5, model=model, client=d.client)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_daemon_killed_mid_save_never_yields_a_valid_step(daemon_factory: Any) -> None:
+    """Rank 0 of two: the daemon has written rank 0's files and waits for rank 1 when it is
+    killed; the handle reports it, and after a restart step 3 is neither valid nor complete:
+    its files stay in step-3.tmp/, which no layout reads as a checkpoint."""
+    d = daemon_factory(roots=[{"name": "r1"}])
+    root = d.roots["r1"]
+    model, opt = trained()
+    h = ckpt.save(root, 3, model=model, optimizer=opt, rank=0, world_size=2,
+                  client=d.client, blocking=False)
+    wait_until(lambda: (root / "step-3.tmp" / ".done.rank0").exists(), 30,
+               "rank 0's files written")
+    d.kill9()
+    assert h.wait(30) is False and h.done()
+    assert h.error is not None and "ckptd went away" in h.error
+    d.start()
+    # A later save becomes valid: the scans after the restart have seen step-3.tmp too.
+    later = ckpt.save(root, 4, model=model, client=d.client, blocking=False)
+    assert later.wait(30)
+    assert d.wait_for("r1", 4)["state"] == "valid"
+    assert (root / "step-3.tmp").is_dir() and not (root / "step-3").exists()
+    code, _ = d.client.request("GET", "/v1/roots/r1/checkpoints/3")
+    assert code == 404
+    with pytest.raises(NotFound, match="no complete native checkpoint"):
+        ckpt.resolve(root, 3, client=d.client)
+
+
+TWO_RANKS_CODE = """
+import sys, ckptd.torch as ckpt, torch
+rank = int(sys.argv[2])
+torch.manual_seed(rank)
+model = torch.nn.Linear(256, 256)
+opt = torch.optim.Adam(model.parameters())
+model(torch.randn(2, 256)).sum().backward()
+opt.step()
+h = ckpt.save(sys.argv[1], 9, model=model, optimizer=opt, rank=rank, world_size=2,
+              blocking=False)
+print(ckpt.flush(60), h.error)
+"""
+
+
+def test_two_ranks_save_at_once(inproc_daemon: Any) -> None:
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    root = d.roots["r1"]
+    procs = [run_py(TWO_RANKS_CODE, d.socket, str(root), str(r)) for r in (1, 0)]
+    for p in procs:
+        out, err = p.communicate(timeout=90)
+        assert p.returncode == 0 and out.strip() == "True None", err[-3000:]
+    assert d.wait_for("r1", 9)["state"] == "valid"
+    meta = json.loads((root / "step-9" / "meta.json").read_text())
+    assert sorted(f["path"] for f in meta["files"]) == [
+        "model.pt", "optim.rank0.pt", "optim.rank1.pt", "rng.rank0.pt", "rng.rank1.pt"]
+
+
+# -- the door ---------------------------------------------------------------------------------
+
+
+def post_persist(sock: Path, body: Any, fd: int | None) -> tuple[int, dict[str, Any]]:
+    payload = json.dumps(body).encode()
+    data = (b"POST /v1/persist HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(payload)) + payload
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(sock))
+        anc = [] if fd is None else [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                      array.array("i", [fd]))]
+        s.sendmsg([data], anc)
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(rest)
+
+
+def sealed_arena(files: int = 1) -> tuple[int, dict[str, Any]]:
+    fd = arena.create_memfd(2 * arena.DATA_OFFSET)
+    os.pwrite(fd, arena.pack_header(arena.State.SEALED, 1, 8192), 0)
+    body = {"root": "r1", "dir": "", "step": 1, "rank": 0, "world_size": 1, "generation": 1,
+            "files": [{"path": "model.pt", "component": "model", "offset": 4096, "size": 10}],
+            "head": {"format": "ckptd-native/1", "step": 1, "world_size": 1}}
+    return fd, body
+
+
+@pytest.mark.parametrize(("change", "status", "code"), [
+    ({"files": [{"path": "../x.pt", "component": "model", "offset": 4096, "size": 1}]},
+     400, "bad_arena"),
+    ({"files": [{"path": "optim.rank1.pt", "component": "optimizer", "offset": 4096,
+                 "size": 1}]}, 400, "bad_arena"),
+    ({"files": [{"path": "model.pt", "component": "model", "offset": 4096, "size": 5000}]},
+     400, "bad_arena"),
+    ({"generation": 2}, 409, "not_sealed"),
+    ({"root": "nope"}, 404, "no_root"),
+    ({"dir": "/tmp"}, 422, "outside_root"),
+])
+def test_bad_requests_are_refused(inproc_daemon: Any, change: dict[str, Any], status: int,
+                                  code: str) -> None:
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    fd, body = sealed_arena()
+    body["dir"] = str(d.roots["r1"])
+    try:
+        got = post_persist(d.socket, {**body, **change}, fd)
+    finally:
+        os.close(fd)
+    assert got[0] == status and got[1]["error"] == code, got
+    assert [p.name for p in d.roots["r1"].iterdir()] == [".ckptd"]
+
+
+def test_a_descriptor_that_is_not_a_memfd_or_none_is_refused(inproc_daemon: Any,
+                                                             tmp_path: Path) -> None:
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    _, body = sealed_arena()
+    body["dir"] = str(d.roots["r1"])
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"\0" * 8192)
+    fd = os.open(plain, os.O_RDWR)
+    try:
+        assert post_persist(d.socket, body, fd)[1]["error"] == "bad_arena"
+    finally:
+        os.close(fd)
+    assert post_persist(d.socket, body, None)[1]["error"] == "no_arena"
+    # A descriptor sent with another request is closed by the daemon, never kept.
+    status, _ = d.client.request("GET", "/v1/health")
+    assert status == 200
+
+
+def test_peer_credentials() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        pid, uid, gid = struct.unpack("3i", a.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         struct.calcsize("3i")))
+    assert pid == os.getpid() and uid == os.geteuid()
+    groups = arena.peer_groups(pid, gid)
+    assert gid in groups
+    assert arena.peer_allowed(uid, groups, uid, None)
+    assert not arena.peer_allowed(uid, groups, uid + 1, None)  # another user's daemon
+    assert arena.peer_allowed(uid, groups, uid + 1, gid)  # ... whose socket group it is in
+    assert not arena.peer_allowed(uid, groups, uid + 1, max(groups) + 1)
+
+
+OTHER_USER_CODE = """
+import json, os, sys
+from ckptd import arena
+from ckptd.torch import _async
+os.setgroups([]); os.setgid(65534); os.setuid(65534)  # after the imports: /root is 0700
+fd = arena.create_memfd(8192)
+os.pwrite(fd, arena.pack_header(arena.State.SEALED, 1, 8192), 0)
+body = json.loads(sys.argv[1])
+try:
+    _async._hand_over(sys.argv[2], body, fd)
+except _async._NotTaken as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
+def test_a_peer_of_another_user_is_refused(inproc_daemon: Any) -> None:
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    os.chmod(d.socket.parent, 0o755)
+    os.chmod(d.socket, 0o666)  # let it connect: the check under test is SO_PEERCRED
+    _, body = sealed_arena()
+    body["dir"] = str(d.roots["r1"])
+    p = run_py(OTHER_USER_CODE, d.socket, json.dumps(body), str(d.socket))
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err[-3000:]
+    assert out.startswith("403 forbidden: uid 65534"), out
+    assert [p.name for p in d.roots["r1"].iterdir()] == [".ckptd"]

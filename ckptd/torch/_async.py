@@ -234,7 +234,8 @@ def _hand_over(sock_path: str, body: dict[str, Any], fd: int) -> dict[str, Any]:
         except OSError as exc:
             raise _NotTaken(f"cannot connect to {sock_path}: {exc}") from None
         sent = s.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-        s.sendall(data[sent:])
+        if sent < len(data):
+            s.sendall(data[sent:])  # (never a zero-length send: the daemon may have answered)
         status, answer = _read_answer(s)
     finally:
         s.close()
