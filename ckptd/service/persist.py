@@ -171,7 +171,7 @@ class PersistService:
         if root is None:
             raise HttpError(404, "no_root", f"root {req.root!r} left the config")
         with memoryview(mm) as view:
-            written = stage.persist(view, req, str(root.path), self._cancel)
+            written = stage.persist(view, job.fd, req, str(root.path), self._cancel)
         self.log.info("async_save_written", root=req.root, step=req.step, rank=req.rank,
                       files=len(written.files), job=job.id)
         if req.rank == 0:

@@ -26,6 +26,7 @@ import xxhash
 from ckptd.arena import FileRange, Request
 from ckptd.errors import CkptdError
 from ckptd.fileio import CHUNK_SIZE, HASH_ALG
+from ckptd.formats.zipcrc import fill_crcs
 
 META = "meta.json"
 MAX_MARKER = 1 << 20
@@ -45,8 +46,13 @@ class Written:
     files: list[Entry]
 
 
-def persist(view: memoryview, req: Request, root_path: str, cancel: threading.Event) -> Written:
-    """Write this rank's files; rank 0 also waits for every rank and commits `step-<N>/`."""
+def persist(view: memoryview, fd: int, req: Request, root_path: str,
+            cancel: threading.Event) -> Written:
+    """Write this rank's files from the arena `fd` (mapped as `view`); rank 0 also waits for
+    every rank and commits `step-<N>/`. Each file is a torch.save archive whose CRC fields
+    the trainer left empty: they are filled in here first."""
+    for f in req.files:
+        fill_crcs(view, fd, f.offset, f.offset + f.size, f.path)
     deadline = time.monotonic() + req.timeout
     root_fd = os.open(root_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

@@ -85,7 +85,7 @@ class _Arena:
         for name, component, build in parts:
             state = _to_host(build())
             writer = _Writer(self, pos)
-            torch.save(state, cast(IO[bytes], writer))
+            _save_without_crc(state, writer)
             del state  # this component's host copies (if any) go before the next one
             files.append({"path": name, "component": component, "offset": pos,
                           "size": writer.pos - pos})
@@ -110,6 +110,19 @@ class _Writer:
 
     def flush(self) -> None:
         return None
+
+
+def _save_without_crc(state: Any, writer: _Writer) -> None:
+    """torch.save into the arena without its CRC-32 pass (most of its time on CPU tensors):
+    the writer fills the CRC fields in (`ckptd.formats.zipcrc`) before writing the file."""
+    import torch.serialization as ser
+
+    crc = ser.get_crc32_options()
+    ser.set_crc32_options(False)
+    try:
+        torch.save(state, cast(IO[bytes], writer))
+    finally:
+        ser.set_crc32_options(crc)
 
 
 def _to_host(state: Any) -> Any:
@@ -298,7 +311,7 @@ def _write_here(arena: _Arena, body: dict[str, Any], root: Path, handle: SaveHan
     req = layout.parse_request(body, len(arena.mm))
     try:
         with memoryview(arena.mm) as view:
-            written = persist.persist(view, req, str(root), threading.Event())
+            written = persist.persist(view, arena.fd, req, str(root), threading.Event())
     except Exception as exc:
         handle._finish(f"{type(exc).__name__}: {exc}")
         raise
