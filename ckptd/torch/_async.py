@@ -220,7 +220,7 @@ def save_async(root: Path, step: int, rank: int, world: int, parts: list[_native
         handle._finish(f"no answer from ckptd at {sock} after handing over the save: {exc}")
         return handle
     with _lock:
-        _pending.append(handle)
+        _pending[:] = [h for h in _pending if not h.done()] + [handle]
     threading.Thread(target=_watch, args=(handle, sock, str(job["id"])), daemon=True,
                      name=f"ckptd-save-{step}").start()
     return handle
