@@ -26,6 +26,7 @@ MAX_FILES = 16
 MAX_WORLD = 1 << 16
 MAX_STEP = 2**63
 MAX_TIMEOUT_S = 7 * 86400.0
+MAX_METRICS = 256
 _RANK0_FILES = {"model.pt": "model", "ema.pt": "ema", "scheduler.pt": "scheduler",
                 "scaler.pt": "scaler", "extra.pt": "extra"}
 _RANK_FILE = re.compile(r"^(optim|rng)\.rank(\d{1,5})\.pt$", re.ASCII)
@@ -169,6 +170,10 @@ def parse_request(body: Any, arena_size: int) -> Request:
         raise ValueError("head must be a meta.json head with format ckptd-native/*")
     if head.get("step") != step or head.get("world_size") != world:
         raise ValueError("head's step and world_size must match the request's")
+    metrics = head.get("metrics", {})
+    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()):
+        raise ValueError(f"head's metrics must be at most {MAX_METRICS} numbers")
     return Request(root, where, step, rank, world, generation, float(timeout), files, head)
 
 

@@ -5,13 +5,16 @@ daemon killed mid-save, flush, skip, the fallback without a daemon, refused peer
 from __future__ import annotations
 
 import array
+import io
 import json
+import mmap
 import os
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ import ckptd.torch as ckpt
 from ckptd import arena
 from ckptd.client import Client
 from ckptd.errors import NotFound
+from ckptd.formats import zipcrc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -238,6 +242,8 @@ def sealed_arena(files: int = 1) -> tuple[int, dict[str, Any]]:
     ({"generation": 2}, 409, "not_sealed"),
     ({"root": "nope"}, 404, "no_root"),
     ({"dir": "/tmp"}, 422, "outside_root"),
+    ({"head": {"format": "ckptd-native/1", "step": 1, "world_size": 1,
+               "metrics": {"loss": "low"}}}, 400, "bad_arena"),
 ])
 def test_bad_requests_are_refused(inproc_daemon: Any, change: dict[str, Any], status: int,
                                   code: str) -> None:
@@ -311,3 +317,37 @@ def test_a_peer_of_another_user_is_refused(inproc_daemon: Any) -> None:
     assert p.returncode == 0, err[-3000:]
     assert out.startswith("403 forbidden: uid 65534"), out
     assert [p.name for p in d.roots["r1"].iterdir()] == [".ckptd"]
+
+
+def test_crc_fields_are_filled_in_from_the_arena() -> None:
+    """What the trainer writes without torch.save's CRC pass, with the CRCs filled in, is an
+    archive whose every member checks, with the CRCs torch.save itself computes."""
+    state = {"w": torch.randn(300, 70), "b": torch.arange(5), "n": 3}
+    with_crc = io.BytesIO()
+    torch.save(state, with_crc)
+    torch.serialization.set_crc32_options(False)
+    try:
+        without = io.BytesIO()
+        torch.save(state, without)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    raw = without.getvalue()
+    assert {i.CRC for i in zipfile.ZipFile(io.BytesIO(raw)).infolist()} == {0}
+    fd = arena.create_memfd(arena.aligned(arena.DATA_OFFSET + len(raw)))
+    try:
+        os.pwrite(fd, raw, arena.DATA_OFFSET)
+        with mmap.mmap(fd, 0) as mm, memoryview(mm) as view:
+            assert zipcrc.fill_crcs(view, fd, arena.DATA_OFFSET, arena.DATA_OFFSET + len(raw),
+                                    "model.pt") == len(zipfile.ZipFile(with_crc).infolist())
+            filled = bytes(view[arena.DATA_OFFSET:arena.DATA_OFFSET + len(raw)])
+    finally:
+        os.close(fd)
+    z = zipfile.ZipFile(io.BytesIO(filled))
+    assert z.testzip() is None
+    def crcs(zf: zipfile.ZipFile) -> dict[str, int]:  # serialization_id is random per save
+        return {i.filename.split("/", 1)[1]: i.CRC for i in zf.infolist()
+                if not i.filename.endswith("serialization_id")}
+
+    assert crcs(z) == crcs(zipfile.ZipFile(with_crc))
+    loaded = torch.load(io.BytesIO(filled), weights_only=True)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["n"] == 3
