@@ -7,7 +7,6 @@ Never runs a stage itself and never blocks the accept loop (one thread per conne
 
 from __future__ import annotations
 
-import array
 import io
 import json
 import os
@@ -28,6 +27,7 @@ from typing import Any, Protocol
 
 from ckptd import __version__
 from ckptd import api_input as checks
+from ckptd.api_fds import Prefixed, recv_first
 from ckptd.api_input import HttpError
 from ckptd.changes import Changes
 from ckptd.client import read_latest_file
@@ -285,13 +285,13 @@ class Handler(BaseHTTPRequestHandler):
         super().setup()
         self.passed_fds: list[int] = []
         try:
-            first, fds = _recv_first(self.connection)
+            first, fds = recv_first(self.connection)
         except OSError:
             first = b""
         else:
             self.passed_fds = fds
         self.rfile.close()  # the plain reader holds a reference that keeps the socket open
-        self.rfile = io.BufferedReader(_Prefixed(first, self.connection))
+        self.rfile = io.BufferedReader(Prefixed(first, self.connection))
 
     def finish(self) -> None:
         try:
@@ -582,41 +582,6 @@ def _reached(rec: CheckpointRecord, until: str) -> bool:
         return rec.state is State.VALID
     # A step retention has since removed remotely did reach "uploaded".
     return rec.state is State.VALID and rec.remote in (Remote.UPLOADED, Remote.PRUNED)
-
-
-MAX_PASSED_FDS = 4
-
-
-def _recv_first(conn: socket.socket) -> tuple[bytes, list[int]]:
-    """The connection's first bytes, and any descriptors sent with them."""
-    data, anc, flags, _ = conn.recvmsg(65536, socket.CMSG_SPACE(MAX_PASSED_FDS * 4))
-    fds = array.array("i")
-    for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-    if flags & socket.MSG_CTRUNC:  # more than we take: none of them is kept
-        for fd in fds:
-            os.close(fd)
-        return data, []
-    return data, list(fds)
-
-
-class _Prefixed(io.RawIOBase):
-    """A socket's reader that first gives back bytes already received."""
-
-    def __init__(self, first: bytes, conn: socket.socket) -> None:
-        self._first, self._conn = memoryview(first), conn
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf: Any) -> int:
-        if self._first:
-            n = min(len(buf), len(self._first))
-            buf[:n] = self._first[:n]
-            self._first = self._first[n:]
-            return n
-        return self._conn.recv_into(buf)
 
 
 class UnixHttpServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
