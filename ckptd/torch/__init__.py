@@ -16,7 +16,8 @@ import torch
 
 from ckptd.torch import _native
 from ckptd.torch._async import SaveHandle, flush, save_async
-from ckptd.torch._native import FORMAT, Stateful, load, resolve
+from ckptd.torch._load import load, resolve
+from ckptd.torch._native import FORMAT, Stateful
 
 __all__ = ["FORMAT", "SaveHandle", "Stateful", "flush", "load", "resolve", "save"]
 
