@@ -170,8 +170,11 @@ class PersistService:
         root = self.roots().get(req.root)
         if root is None:
             raise HttpError(404, "no_root", f"root {req.root!r} left the config")
-        with memoryview(mm) as view:
-            written = stage.persist(view, job.fd, req, str(root.path), self._cancel)
+        # Not `with memoryview(...)`: on a failure the traceback still holds slices of it, and
+        # releasing it then would replace the save's error with a BufferError.
+        view = memoryview(mm)
+        written = stage.persist(view, job.fd, req, str(root.path), self._cancel)
+        view.release()
         self.log.info("async_save_written", root=req.root, step=req.step, rank=req.rank,
                       files=len(written.files), job=job.id)
         if req.rank == 0:
@@ -188,7 +191,10 @@ class PersistService:
                 arena.set_state(mm, state, generation)
         except ValueError:
             pass  # the trainer scribbled over the header: it is its arena to mend
-        mm.close()
+        try:
+            mm.close()
+        except BufferError:
+            pass  # a failed write's slices are still referenced: unmapped when collected
 
     # -- supervision ------------------------------------------------------------------------
 

@@ -310,8 +310,9 @@ def _write_here(arena: _Arena, body: dict[str, Any], root: Path, handle: SaveHan
 
     req = layout.parse_request(body, len(arena.mm))
     try:
-        with memoryview(arena.mm) as view:
-            written = persist.persist(view, arena.fd, req, str(root), threading.Event())
+        view = memoryview(arena.mm)  # (released on success; a failure's traceback holds it)
+        written = persist.persist(view, arena.fd, req, str(root), threading.Event())
+        view.release()
     except Exception as exc:
         handle._finish(f"{type(exc).__name__}: {exc}")
         raise
