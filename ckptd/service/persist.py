@@ -130,11 +130,6 @@ class PersistService:
         job.done.wait(min(max(timeout, 0.0), MAX_WAIT_S))
         return dict(job.outcome)
 
-    def in_flight(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return [{"root": j.req.root, "step": j.req.step, "rank": j.req.rank}
-                    for j in self._jobs.values() if not j.done.is_set()]
-
     def _forget_old(self) -> None:
         while len(self._jobs) > MAX_OUTCOMES:
             oldest = next((k for k, j in self._jobs.items() if j.done.is_set()), None)
