@@ -7,6 +7,7 @@ Never runs a stage itself and never blocks the accept loop (one thread per conne
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import shutil
 import socket
 import socketserver
 import stat
+import struct
 import threading
 import time
 import urllib.parse
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 
 from ckptd import __version__
 from ckptd import api_input as checks
+from ckptd.api_fds import Prefixed, recv_first
 from ckptd.api_input import HttpError
 from ckptd.changes import Changes
 from ckptd.client import read_latest_file
@@ -90,6 +93,23 @@ class Leases(Protocol):
     def holder_json(self, name: str) -> dict[str, Any] | None: ...
 
 
+class Persist(Protocol):
+    def accept(self, fd: int, body: Any, peer: tuple[int, int, int]) -> dict[str, Any]: ...
+    def outcome(self, job_id: str, timeout: float) -> dict[str, Any] | None: ...
+
+
+class NoPersist:
+    """No persist service (a bare context in tests): async saves are refused, the trainer
+    writes in-process."""
+
+    def accept(self, fd: int, body: Any, peer: tuple[int, int, int]) -> dict[str, Any]:
+        os.close(fd)
+        raise HttpError(503, "no_persist", "this daemon takes no async saves")
+
+    def outcome(self, job_id: str, timeout: float) -> dict[str, Any] | None:
+        return None
+
+
 class HoldsAll:
     """Every root is this daemon's (no lease service: a bare context in tests)."""
 
@@ -106,7 +126,7 @@ class ApiContext:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  changes: Changes, scan: Scan, workers: Workers, retention: Retention,
                  discovery: Discovery, services: Services, metrics: MetricsText,
-                 leases: Leases | None = None) -> None:
+                 leases: Leases | None = None, persist: Persist | None = None) -> None:
         self.store = store
         self.roots = roots
         self.changes = changes
@@ -117,6 +137,7 @@ class ApiContext:
         self.services = services
         self.metrics = metrics
         self.leases: Leases = leases if leases is not None else HoldsAll()
+        self.persist: Persist = persist if persist is not None else NoPersist()
         self.started = time.monotonic()
         self.stopping = threading.Event()
         self.problem: str | None = None  # why the daemon stopped acting (set by the daemon)
@@ -237,6 +258,8 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"^/v1/status$"), "status"),
     ("GET", re.compile(r"^/metrics$"), "metrics"),
     ("POST", re.compile(r"^/v1/flush$"), "flush"),
+    ("POST", re.compile(r"^/v1/persist$"), "persist"),
+    ("GET", re.compile(r"^/v1/persist/(?P<job>[0-9a-f]{1,64})$"), "persist_outcome"),
     ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints$"), "list"),
     ("POST", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints$"), "register"),
     ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/latest$"), "latest"),
@@ -261,6 +284,31 @@ class Handler(BaseHTTPRequestHandler):
     # a long-poll is not idle reading, so its own timeout (<= MAX_WAIT_S) bounds it.
     timeout = IDLE_TIMEOUT_S
     ctx: ApiContext  # set on the subclass the server builds
+
+    def setup(self) -> None:
+        """The first bytes of a connection are read with recvmsg: an async save sends its
+        arena's descriptor with them (SCM_RIGHTS), which a plain read would drop."""
+        super().setup()
+        self.passed_fds: list[int] = []
+        try:
+            first, fds = recv_first(self.connection)
+        except OSError:
+            first = b""
+        else:
+            self.passed_fds = fds
+        self.rfile.close()  # the plain reader holds a reference that keeps the socket open
+        self.rfile = io.BufferedReader(Prefixed(first, self.connection))
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in self.passed_fds:
+            os.close(fd)
+        self.passed_fds = []
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         return  # access logs would drown journald; errors are logged as events
@@ -302,6 +350,7 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # never let a bug kill the connection thread silently
             get_logger().error("api_error", path=url.path, error=str(exc), exc_info=True)
             status, payload = 500, {"error": "internal", "message": str(exc)}
+        self._close_fds()  # a descriptor no handler took is never kept
         self._send(status, payload)
 
     def _route(self, method: str, path: str, query: dict[str, str], body: Any
@@ -369,6 +418,27 @@ class Handler(BaseHTTPRequestHandler):
         self._not_stopping()
         targets = self.ctx.workers.flush()
         return 200, {"flushing": [{"root": r, "step": s} for r, s in targets.items()]}
+
+    def h_persist(self, body: Any, **_: Any) -> tuple[int, Any]:
+        """An async save: the arena's descriptor came with this request's first bytes."""
+        self._not_stopping()
+        fds, self.passed_fds = self.passed_fds, []
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise HttpError(400, "no_arena", "send exactly one arena descriptor (SCM_RIGHTS)"
+                            " with the first bytes of a new connection")
+        pid, uid, gid = struct.unpack("3i", self.connection.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return 202, self.ctx.persist.accept(fds[0], body, (pid, uid, gid))
+
+    def h_persist_outcome(self, job: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
+        timeout = checks.number(query.get("timeout", "0"), "timeout", 0.0, MAX_WAIT_S)
+        outcome = self.ctx.persist.outcome(job, timeout)
+        if outcome is None:
+            raise HttpError(404, "no_job", f"this daemon holds no async save {job} (it was"
+                            " taken by a daemon that is gone, or long forgotten)")
+        return (408 if outcome["state"] == "running" else 200), outcome
 
     def h_metrics(self, **_: Any) -> tuple[int, Any]:
         return 200, self.ctx.metrics.render()

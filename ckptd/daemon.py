@@ -29,6 +29,7 @@ from ckptd.service.effects import Effects
 from ckptd.service.jobs import policy_of
 from ckptd.service.lease import Leases
 from ckptd.service.observe import root_samples, summary
+from ckptd.service.persist import PersistService
 from ckptd.service.recovery import StateDirLock
 from ckptd.service.scan import Scanner
 from ckptd.service.supervisor import Supervisor
@@ -94,9 +95,12 @@ class Daemon:
         store.set_on_commit(self.effects)
         self.scanner.set_roots(self.roots())
         leases.tick()  # takes what is free, then scans and publishes only those
+        self.persist = PersistService(store, self.roots, self.scanner.wake,
+                                      lambda: self.config.daemon.socket,
+                                      lambda: self.config.daemon.socket_group)
         self.ctx = ApiContext(store, self.roots, self.changes, self.scanner, self.workers,
                               self.retention, self.discovery, self.supervisor, self.metrics,
-                              leases)
+                              leases, self.persist)
         self.server = UnixHttpServer(sock, self.ctx)
         self._add_services()
         self.supervisor.start()
@@ -127,6 +131,7 @@ class Daemon:
         sup.add("scan", self.scanner.run, halt=self.scanner.wake)
         sup.add("discovery", self.discovery.run, halt=self.discovery.wake)
         sup.add("retention", self.retention.run, halt=self.retention.wake)
+        sup.add("persist", self.persist.run)
         for name in self.workers.names:
             sup.add(name, functools.partial(self.workers.run, name), halt=self.workers.wake)
 
@@ -227,10 +232,12 @@ class Daemon:
         self._stop.set()
         sup = self.supervisor
         sup.stop("scan", "watch", "discovery", "retention")
-        finished = sup.stop(*self.workers.names, timeout=grace)
+        # Async saves already handed over finish within the grace (the trainer may be gone).
+        self.persist.grace = grace
+        finished = sup.stop("persist", *self.workers.names, timeout=grace)
         if not finished:  # past the grace: read passes end at their next chunk, cleaned up
             self.workers.cancel()
-            finished = sup.stop(*self.workers.names, timeout=CANCEL_WAIT_S)
+            finished = sup.stop("persist", *self.workers.names, timeout=CANCEL_WAIT_S)
         if not finished:
             self.log.warning("daemon_stop_incomplete",
                              message="in-flight stages left to resume after restart")

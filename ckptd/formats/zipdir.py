@@ -73,6 +73,11 @@ def read_archives(path: str | os.PathLike[str]) -> list[ZipArchive]:
         os.close(fd)
 
 
+def read_archive(fd: int, end: int, path: str) -> ZipArchive:
+    """The one archive that ends at `end` in `fd` (an archive embedded in a larger buffer)."""
+    return _read_archive(fd, end, path, outermost=True)
+
+
 def _read_archive(fd: int, end: int, path: str, outermost: bool) -> ZipArchive:
     eocd_pos, eocd = _find_eocd(fd, end, path, outermost)
     disk, cd_disk, disk_count, count, cd_size, cd_offset = eocd[:6]

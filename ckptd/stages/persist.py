@@ -1,0 +1,270 @@
+"""The persist stage: write one rank's `native` files from a mapped arena into
+`<root>/step-<N>.tmp/`, hashing as it writes, and (rank 0) commit the step by renaming it.
+
+Given the arena's bytes, a checked request and the root's path; never touches the store. Every
+path is opened beneath the root's descriptor without following a symlink. Speaks the same
+`.ready` / `.done.rank<R>` rendezvous as the in-process writer in `ckptd.torch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import xxhash
+
+from ckptd.arena import FileRange, Request
+from ckptd.errors import CkptdError
+from ckptd.fileio import CHUNK_SIZE, HASH_ALG
+from ckptd.formats.zipcrc import fill_crcs
+
+META = "meta.json"
+MAX_MARKER = 1 << 20
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+_DROP_EVERY = 64 << 20  # start writeback and forget written pages in steps of this many bytes
+
+Entry = dict[str, Any]
+
+
+class Cancelled(CkptdError):
+    """The daemon is stopping: the save is abandoned before its commit."""
+
+
+@dataclass(frozen=True)
+class Written:
+    path: str  # the committed step dir (rank 0), or the tmp dir this rank wrote into
+    files: list[Entry]
+
+
+def persist(view: memoryview, fd: int, req: Request, root_path: str,
+            cancel: threading.Event) -> Written:
+    """Write this rank's files from the arena `fd` (mapped as `view`); rank 0 also waits for
+    every rank and commits `step-<N>/`. Each file is a torch.save archive whose CRC fields
+    the trainer left empty: they are filled in here first."""
+    for f in req.files:
+        fill_crcs(view, fd, f.offset, f.offset + f.size, f.path)
+    deadline = time.monotonic() + req.timeout
+    root_fd = os.open(root_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if req.rank == 0:
+            return _persist_rank0(view, req, root_fd, deadline, cancel)
+        return _persist_rank(view, req, root_fd, deadline, cancel)
+    finally:
+        os.close(root_fd)
+
+
+def _persist_rank0(view: memoryview, req: Request, root_fd: int, deadline: float,
+                   cancel: threading.Event) -> Written:
+    tmp, final = f"step-{req.step}.tmp", f"step-{req.step}"
+    token = secrets.token_hex(16)
+    _fresh_dir(root_fd, tmp)
+    with _opendir(root_fd, tmp) as tmp_fd:
+        _write_json(tmp_fd, ".ready", {"token": token})
+        entries = _write_files(view, req, tmp_fd, cancel)
+        _write_json(tmp_fd, ".done.rank0", {"token": token, "files": entries})
+        everyone = _collect(tmp_fd, req.world_size, token, deadline, cancel)
+        _commit(root_fd, tmp_fd, tmp, final, {**req.head, "save_id": token, "files": everyone})
+    return Written(final, everyone)
+
+
+def _persist_rank(view: memoryview, req: Request, root_fd: int, deadline: float,
+                  cancel: threading.Event) -> Written:
+    tmp, final = f"step-{req.step}.tmp", f"step-{req.step}"
+    while True:
+        token = _wait(lambda: _token(root_fd, tmp), deadline, cancel,
+                      f"rank 0 to start step {req.step}")
+        try:
+            with _opendir(root_fd, tmp) as tmp_fd:
+                entries = _write_files(view, req, tmp_fd, cancel)
+                _write_json(tmp_fd, f".done.rank{req.rank}", {"token": token, "files": entries})
+        except OSError:
+            if _token(root_fd, tmp) == token:
+                raise
+            continue  # rank 0 cleared a leftover dir under us: write again under its token
+        if _wait(partial(_committed, root_fd, final, tmp, token), deadline, cancel,
+                 f"rank 0 to commit step {req.step}") == "yes":
+            return Written(final, entries)
+
+
+def _committed(root_fd: int, final: str, tmp: str, token: str) -> str | None:
+    meta = _read_json(root_fd, f"{final}/{META}")
+    if meta is not None and meta.get("save_id") == token:
+        return "yes"
+    current = _token(root_fd, tmp)
+    return "again" if current is not None and current != token else None
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+def _write_files(view: memoryview, req: Request, tmp_fd: int,
+                 cancel: threading.Event) -> list[Entry]:
+    entries = []
+    for f in req.files:
+        size, digest = _write_one(view, f, tmp_fd, cancel)
+        entry: Entry = {"path": f.path, "component": f.component, "size": size,
+                        "hash": digest, "hash_alg": HASH_ALG}
+        if f.component in ("optimizer", "rng"):
+            entry["rank"] = req.rank
+        entries.append(entry)
+    return entries
+
+
+def _write_one(view: memoryview, f: FileRange, tmp_fd: int,
+               cancel: threading.Event) -> tuple[int, str]:
+    """Write, hash, fdatasync and drop the cached pages of one file; (size, xxh3-128 hex)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f.path, dir_fd=tmp_fd)  # a retry under a new token writes the file again
+    fd = os.open(f.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=tmp_fd)
+    try:
+        h = xxhash.xxh3_128()
+        done = dropped = 0
+        while done < f.size:
+            if cancel.is_set():
+                raise Cancelled(f"stopped while writing {f.path}")
+            chunk = view[f.offset + done:f.offset + min(f.size, done + CHUNK_SIZE)]
+            h.update(chunk)
+            while chunk:
+                chunk = chunk[os.write(fd, chunk):]
+            done = min(f.size, done + CHUNK_SIZE)
+            if done - dropped >= _DROP_EVERY:
+                os.posix_fadvise(fd, dropped, done - dropped, os.POSIX_FADV_DONTNEED)
+                dropped = done
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return f.size, h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _collect(tmp_fd: int, world: int, token: str, deadline: float,
+             cancel: threading.Event) -> list[Entry]:
+    """Every rank's entries from their markers; each file must still have its listed size."""
+    entries: list[Entry] = []
+    for r in range(world):
+        def marker(r: int = r) -> list[Entry] | None:
+            done = _read_json(tmp_fd, f".done.rank{r}")
+            ok = done is not None and done.get("token") == token
+            return list(done["files"]) if ok and done is not None else None
+
+        entries.extend(_wait(marker, deadline, cancel, f"rank {r} to finish writing"))
+    for e in entries:
+        st = os.stat(str(e["path"]), dir_fd=tmp_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != e["size"]:
+            raise CkptdError(f"{e['path']}: size {st.st_size}, its rank reported {e['size']}")
+    return entries
+
+
+def _commit(root_fd: int, tmp_fd: int, tmp: str, final: str, meta: dict[str, Any]) -> None:
+    """meta.json last, then the rename; an older `final` is swapped out, then removed."""
+    for name in os.listdir(tmp_fd):
+        if name.startswith("."):
+            os.unlink(name, dir_fd=tmp_fd)  # rendezvous markers are not part of the checkpoint
+    _write_json(tmp_fd, META, meta, atomic=False)
+    os.fsync(tmp_fd)
+    old = None
+    if _lexists(root_fd, final):
+        old = f".{final}.old-{secrets.token_hex(4)}"
+        os.rename(final, old, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+    os.rename(tmp, final, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+    os.fsync(root_fd)
+    if old is not None:
+        _remove_tree(root_fd, old)
+
+
+# -- directories and small files beneath the root ----------------------------------------------
+
+
+def _fresh_dir(root_fd: int, name: str) -> None:
+    if _lexists(root_fd, name):
+        aside = f".{name}.stale-{secrets.token_hex(4)}"
+        os.rename(name, aside, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+        _remove_tree(root_fd, aside)
+    os.mkdir(name, 0o755, dir_fd=root_fd)
+
+
+def _remove_tree(root_fd: int, name: str) -> None:
+    st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(name, dir_fd=root_fd, ignore_errors=True)  # never follows a link
+    else:
+        os.unlink(name, dir_fd=root_fd)
+
+
+@contextlib.contextmanager
+def _opendir(root_fd: int, name: str) -> Iterator[int]:
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=root_fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _lexists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _write_json(dir_fd: int, name: str, obj: Any, atomic: bool = True) -> None:
+    data = json.dumps(obj, indent=1, allow_nan=False).encode()
+    part = f"{name}.part-{secrets.token_hex(4)}" if atomic else name
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if atomic:
+        os.rename(part, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _read_json(dir_fd: int, rel: str) -> dict[str, Any] | None:
+    """A small JSON object beneath `dir_fd`, or None (absent, a link, too big, not JSON)."""
+    parent, _, name = rel.rpartition("/")
+    try:
+        with contextlib.ExitStack() as stack:
+            base = dir_fd
+            if parent:
+                base = stack.enter_context(_opendir(dir_fd, parent))
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=base)
+            try:
+                raw = os.read(fd, MAX_MARKER + 1)
+            finally:
+                os.close(fd)
+        data = json.loads(raw) if len(raw) <= MAX_MARKER else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _token(root_fd: int, tmp: str) -> str | None:
+    ready = _read_json(root_fd, f"{tmp}/.ready")
+    return None if ready is None else str(ready.get("token"))
+
+
+def _wait(probe: Callable[[], Any], deadline: float, cancel: threading.Event, what: str) -> Any:
+    delay = 0.01
+    while True:
+        found = probe()
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            raise CkptdError(f"timed out waiting for {what}")
+        if cancel.wait(delay):
+            raise Cancelled(f"stopped while waiting for {what}")
+        delay = min(delay * 2, 0.25)

@@ -1,0 +1,89 @@
+"""Save and load training state in the `native` layout: one file per component, rank 0 commits;
+`save(..., blocking=False)` hands the write to the daemon (docs/ASYNC.md).
+
+Runs inside training processes (imports torch); never imported by the daemon. Talks to the daemon
+only through its socket, and a missing daemon never fails or blocks a training step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, overload
+
+import torch
+
+from ckptd.torch import _native
+from ckptd.torch._async import SaveHandle, flush, save_async
+from ckptd.torch._load import load, resolve
+from ckptd.torch._native import FORMAT, Stateful
+
+__all__ = ["FORMAT", "SaveHandle", "Stateful", "flush", "load", "resolve", "save"]
+
+
+@overload
+def save(root_dir: str | os.PathLike[str], step: int, *, model: torch.nn.Module | None = ...,
+         optimizer: Stateful | None = ..., scheduler: Stateful | None = ...,
+         scaler: Stateful | None = ..., ema: Stateful | None = ...,
+         extra: Mapping[str, Any] | None = ..., metrics: Mapping[str, Any] | None = ...,
+         config: Mapping[str, Any] | None = ..., rank: int | None = ...,
+         world_size: int | None = ..., register: bool = ..., root_name: str | None = ...,
+         client: Any = ..., timeout: float = ..., blocking: Literal[True] = ...,
+         if_busy: Literal["wait", "skip"] = ...) -> Path: ...
+
+
+@overload
+def save(root_dir: str | os.PathLike[str], step: int, *, model: torch.nn.Module | None = ...,
+         optimizer: Stateful | None = ..., scheduler: Stateful | None = ...,
+         scaler: Stateful | None = ..., ema: Stateful | None = ...,
+         extra: Mapping[str, Any] | None = ..., metrics: Mapping[str, Any] | None = ...,
+         config: Mapping[str, Any] | None = ..., rank: int | None = ...,
+         world_size: int | None = ..., register: bool = ..., root_name: str | None = ...,
+         client: Any = ..., timeout: float = ..., blocking: Literal[False],
+         if_busy: Literal["wait", "skip"] = ...) -> SaveHandle: ...
+
+
+def save(
+    root_dir: str | os.PathLike[str],
+    step: int,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: Stateful | None = None,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+    ema: Stateful | None = None,
+    extra: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    register: bool = True,
+    root_name: str | None = None,
+    client: Any = None,
+    timeout: float = 1800.0,
+    blocking: bool = True,
+    if_busy: Literal["wait", "skip"] = "wait",
+) -> Path | SaveHandle:
+    """Write `<root_dir>/step-<step>/`. Blocking: return its path once every rank's files are
+    in it. `blocking=False`: return a SaveHandle once the state is copied into this process's
+    arena and handed to the daemon, which writes the files."""
+    if blocking:
+        return _native.save(root_dir, step, model=model, optimizer=optimizer,
+                            scheduler=scheduler, scaler=scaler, ema=ema, extra=extra,
+                            metrics=metrics, config=config, rank=rank, world_size=world_size,
+                            register=register, root_name=root_name, client=client,
+                            timeout=timeout)
+    if if_busy not in ("wait", "skip"):
+        raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+    if step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step}")
+    if extra is not None:
+        _native._check_plain(extra, "extra")
+    rank, world = _native._rank_world(rank, world_size)
+    root = Path(root_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    head = _native._meta_head(step, world, metrics, config)
+    parts = _native._parts(rank, model, optimizer, scheduler, scaler, ema, extra)
+    return save_async(root, step, rank, world, parts, head, root_name or root.resolve().name,
+                      client, timeout, if_busy, register)

@@ -1,0 +1,323 @@
+"""Read native checkpoints (and legacy single-file ones) back into training objects, one
+component at a time, and find the step to resume from.
+
+Runs inside training processes (imports torch); never runs code from a checkpoint: every file
+is read with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import random
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptd.errors import CkptdError, NotFound, ValidationFailed
+from ckptd.model import CKPTD_DIR
+from ckptd.torch._native import (
+    _STEP_DIR,
+    PREFIX,
+    Stateful,
+    _rank_world,
+    _read_json,
+    _try_read_json,
+    _unwrap,
+)
+
+log = logging.getLogger("ckptd.torch")
+
+# ---------------------------------------------------------------------------------------- load
+
+
+def load(
+    path_or_root: str | os.PathLike[str],
+    step: int | str = "latest",
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: Stateful | None = None,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+    ema: Stateful | None = None,
+    map_location: Any = "cpu",
+    rank: int | None = None,
+    strict: bool = True,
+    upcast_bf16: bool = False,
+    assign: bool = False,
+    restore_rng: bool = False,
+    root_name: str | None = None,
+    client: Any = None,
+) -> tuple[int, dict[str, Any]]:
+    """Load a checkpoint's state into the given objects in place; return `(step, meta)`.
+
+    `meta` is meta.json's content plus `path` and, when the checkpoint has one, `extra`.
+    """
+    target = resolve(path_or_root, step, root_name=root_name, client=client)
+    with _reader_lease(target, root_name, client):
+        return _load_into(target, model, optimizer, scheduler, scaler, ema, rank, restore_rng,
+                          _LoadOpts(map_location, strict, upcast_bf16, assign))
+
+
+def _reader_lease(target: Path, root_name: str | None, client: Any) -> Any:
+    """While a native checkpoint is read, the daemon's retention must not delete it."""
+    match = _STEP_DIR.match(target.name)
+    if not match or not target.is_dir():
+        return contextlib.nullcontext()
+    if client is None:
+        from ckptd.client import Client
+
+        client = Client(timeout=10.0)  # a lease may wait for a running prune's deletes
+    name = root_name or target.parent.resolve().name
+    return client.lease(name, int(match.group(1)), ttl=3600)
+
+
+def _load_into(target: Path, model: torch.nn.Module | None, optimizer: Stateful | None,
+               scheduler: Stateful | None, scaler: Stateful | None, ema: Stateful | None,
+               rank: int | None, restore_rng: bool, opts: _LoadOpts) -> tuple[int, dict[str, Any]]:
+    map_location = opts.map_location
+    if target.is_file():
+        states, meta = _legacy_states(target, map_location)
+        native = None
+    else:
+        meta = _read_json(target / "meta.json")
+        meta["path"] = str(target)
+        native = _NativeReader(target, _rank_world(None, None)[0] if rank is None else rank,
+                               map_location)
+        states = native.states()
+        if (target / "extra.pt").exists():
+            meta["extra"] = _torch_load(target / "extra.pt", map_location)
+    for component, obj in (("model", model), ("ema", ema), ("optimizer", optimizer),
+                           ("scheduler", scheduler), ("scaler", scaler)):
+        if obj is not None:
+            _apply(obj, states.get(component), component, target, opts)
+    if restore_rng:
+        rng = native.rng() if native else None
+        if rng is None:
+            log.warning("ckptd.torch: %s holds no RNG state for this rank; not restored", target)
+        else:
+            _set_rng_state(rng)
+    return int(meta["step"]), meta
+
+
+@dataclass(frozen=True)
+class _LoadOpts:
+    map_location: Any
+    strict: bool
+    upcast: bool
+    assign: bool
+
+
+class _NativeReader:
+    """Hands out one component's state at a time, so only one is in memory at once."""
+
+    def __init__(self, path: Path, rank: int, map_location: Any) -> None:
+        self.path, self.rank, self.map_location = path, rank, map_location
+
+    def states(self) -> dict[str, Callable[[bool], Any]]:
+        names = {"model": "model.pt", "ema": "ema.pt", "scheduler": "scheduler.pt",
+                 "scaler": "scaler.pt", "optimizer": f"optim.rank{self.rank}.pt"}
+        return {c: self._loader(n) for c, n in names.items() if (self.path / n).exists()}
+
+    def _loader(self, name: str) -> Callable[[bool], Any]:
+        return lambda mmap: _torch_load(self.path / name, self.map_location, mmap=mmap)
+
+    def rng(self) -> Any:
+        path = self.path / f"rng.rank{self.rank}.pt"
+        return _torch_load(path, "cpu") if path.exists() else None
+
+
+def _apply(obj: Stateful, state: Callable[[bool], Any] | None, component: str, where: Path,
+           opts: _LoadOpts) -> None:
+    if state is None:
+        raise NotFound(f"{where} holds no {component} state for this rank (saved without "
+                       f"{component}=, or by a different number of ranks)")
+    if not isinstance(obj, torch.nn.Module):
+        obj.load_state_dict(state(False))
+        return
+    # mmap: tensors are read page by page while copied into the module; not with assign=True,
+    # where the module would keep pointing into the checkpoint file.
+    sd = state(not opts.assign)
+    if opts.upcast:
+        sd = {k: v.float() if _is_bf16(v) else v for k, v in sd.items()}
+    module = _unwrap(obj)
+    module.load_state_dict(_match_prefix(sd, module), strict=opts.strict, assign=opts.assign)
+
+
+def _is_bf16(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16
+
+
+def _match_prefix(sd: Mapping[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+    """Rename keys to the module's own, adding or dropping `_orig_mod.` wherever it sits."""
+    own = {k.replace(PREFIX, ""): k for k in module.state_dict()}
+    return {own.get(k.replace(PREFIX, ""), k.replace(PREFIX, "")): v for k, v in sd.items()}
+
+
+# ------------------------------------------------------------------------------- legacy files
+
+_LEGACY_KEYS = {
+    "model": ("model", "model_state_dict", "state_dict", "model_state", "module"),
+    "optimizer": ("optimizer", "optimizer_state_dict", "optim", "optimizer_state"),
+    "scheduler": ("scheduler", "lr_scheduler", "scheduler_state_dict"),
+    "scaler": ("scaler", "grad_scaler", "scaler_state_dict"),
+    "ema": ("ema", "ema_state_dict", "model_ema", "ema_model"),
+}
+_STEP_KEYS = ("step", "global_step", "iteration", "iter", "epoch")
+_STEP_IN_NAME = re.compile(r"(?:step[_=-]|iter_|_)(\d+)(?:\.|$)")
+
+
+def _legacy_states(path: Path, map_location: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A single-file checkpoint: one dict, split into components by the usual key names."""
+    obj = _torch_load(path, map_location)
+    if not isinstance(obj, dict):
+        raise ValidationFailed("bad_metadata", f"{path}: not a dict of states", str(path))
+    if all(isinstance(v, torch.Tensor) for v in obj.values()):
+        obj = {"model": obj}  # a bare model state_dict
+    states: dict[str, Any] = {}
+    used: set[str] = set()
+    for component, keys in _LEGACY_KEYS.items():
+        key = next((k for k in keys if isinstance(obj.get(k), dict)), None)
+        if key is not None:
+            states[component] = _given(obj[key])
+            used.add(key)
+    extra = {k: v for k, v in obj.items() if k not in used}
+    meta = {"format": "legacy", "step": _legacy_step(path, obj), "path": str(path),
+            "metrics": {}, "config": {}, "extra": extra}
+    return states, meta
+
+
+def _given(value: Any) -> Callable[[bool], Any]:
+    return lambda _mmap: value  # already in memory: a legacy file loads in one piece
+
+
+def _legacy_step(path: Path, obj: Mapping[str, Any]) -> int:
+    for key in _STEP_KEYS:
+        value = obj.get(key)
+        if isinstance(value, int | torch.Tensor) and not isinstance(value, bool):
+            return int(value)
+    match = _STEP_IN_NAME.search(path.name)
+    return int(match.group(1)) if match else 0
+
+
+# ---------------------------------------------------------------------------- finding a step
+
+
+def resolve(path_or_root: str | os.PathLike[str], step: int | str = "latest", *,
+            root_name: str | None = None, client: Any = None) -> Path:
+    """The checkpoint `load` would read: a native step dir or a single legacy file."""
+    path = Path(path_or_root)
+    if path.is_file() or (path / "meta.json").is_file():
+        return path
+    if not path.is_dir():
+        raise NotFound(f"{path}: no such checkpoint or root directory")
+    if step != "latest":
+        found = path / f"step-{int(step)}"
+        if not _complete(found):
+            raise NotFound(f"{found}: no complete native checkpoint (if it lives only in "
+                           f"compressed or remote form, run `ckptd restore ROOT {step} --to DIR`)")
+        return found
+    return _resolve_latest(path, root_name or path.resolve().name, client)
+
+
+def _resolve_latest(root: Path, name: str, client: Any) -> Path:
+    info = _ask_latest(root, name, client)
+    if info is not None and info.get("step") is not None:
+        where = _under(root, info.get("path"))
+        if info.get("local") == "present" and where is not None and where.exists():
+            return where
+        if info.get("local") == "compressed" or info.get("remote") == "uploaded":
+            return _restore(name, int(info["step"]), root)
+        log.warning("ckptd.torch: latest %s of %s is not on disk; scanning", info["step"], name)
+    steps = sorted(_step_dirs(root), reverse=True)
+    for _, found in steps:
+        if _complete(found):
+            return found
+    raise NotFound(f"{root}: no complete checkpoint to resume from")
+
+
+def _ask_latest(root: Path, name: str, client: Any) -> dict[str, Any] | None:
+    try:
+        if client is None:
+            from ckptd.client import Client
+
+            client = Client(timeout=2.0)
+        info = client.latest(name, tier="any", root_dir=root)
+    except Exception as exc:
+        if getattr(client, "strict", False):
+            raise
+        log.warning("ckptd.torch: could not ask ckptd for the latest of %s: %s", name, exc)
+        info = None
+    if info is None:  # the daemon's last word, written next to the data
+        info = _try_read_json(root / CKPTD_DIR / "latest.json")
+        if info is not None:
+            info = {"local": "present", **info}
+    return info if isinstance(info, dict) else None
+
+
+def _under(root: Path, rel: Any) -> Path | None:
+    return None if not rel else root / str(rel)  # an absolute `rel` stays absolute
+
+
+def _step_dirs(root: Path) -> Iterator[tuple[int, Path]]:
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir():
+            yield int(match.group(1)), entry
+
+
+def _complete(step_dir: Path) -> bool:
+    """The native commit rule: meta.json there and every file it lists at its listed size."""
+    meta = _try_read_json(step_dir / "meta.json")
+    if meta is None:
+        return False
+    try:
+        return all((step_dir / f["path"]).stat().st_size == f["size"] for f in meta["files"])
+    except (OSError, KeyError, TypeError):
+        return False
+
+
+def _restore(name: str, step: int, root: Path) -> Path:
+    """Rebuild a compressed or remote-only checkpoint under `<root>/.ckptd/restored/`."""
+    from ckptd.restore import restore_checkpoint
+
+    to = root / CKPTD_DIR / "restored" / f"step-{step}"
+    restore_checkpoint(name, step, to=to, root_dir=root)
+    for candidate in (to, to / f"step-{step}"):
+        if _complete(candidate):
+            return candidate
+    files = [p for p in to.rglob("*") if p.is_file()]
+    if len(files) == 1:
+        return files[0]
+    raise CkptdError(f"restored step {step} of {name} into {to}, but found no checkpoint there")
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+def _torch_load(path: Path, map_location: Any, mmap: bool = False) -> Any:
+    """torch.load that never runs code from the file: weights_only, always."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        raise ValidationFailed(
+            "unsafe_pickle",
+            f"{path}: refused, it needs more than plain tensors and containers to load ({exc})",
+            str(path)) from exc
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(int(x) for x in p["internal"].tolist()), p["gauss_next"]))
