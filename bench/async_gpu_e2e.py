@@ -51,6 +51,12 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN included, which torch.equal never calls equal)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--params-mb", type=int, default=512)
@@ -87,7 +93,7 @@ def main() -> None:
             expect[step] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
             with torch.no_grad():  # snapshot semantics: the save holds the values before this
                 for prm in model.parameters():
-                    prm.add_(1.0)
+                    prm.neg_()  # changes every value, keeps the scale (adding would overflow)
         ok = all(h.wait(600) for h in handles)
         results["async_blocked_s"] = blocked
         results["handles_ok"] = ok and all(h.error is None for h in handles)
@@ -96,8 +102,13 @@ def main() -> None:
             wait_for_state(client, "r", step, "valid", 300, daemon.log_text)
             m2, _ = build(args.params_mb)
             ckpt.load(root, step=step, model=m2, map_location=DEV)
-            same = all(torch.equal(state[k], v.cpu()) for k, v in m2.state_dict().items())
+            got = {k: v.cpu() for k, v in m2.state_dict().items()}
+            same = all(bitwise_equal(state[k], v) for k, v in got.items())
             results[f"step_{step}_values_equal"] = same
+            if not same:
+                results[f"step_{step}_diff"] = {
+                    k: [float((v - state[k]).abs().max()), bitwise_equal(v, -state[k])]
+                    for k, v in got.items() if not bitwise_equal(v, state[k])}
             del m2
         sync()
         t = time.perf_counter()
