@@ -94,31 +94,6 @@ def test_pack_unpack_nibbles(count: int) -> None:
         assert marks == len(escapes)
 
 
-@pytest.mark.parametrize("count", [1, 15, 16, 17, 33, 4097])
-def test_escape_positions_match_a_plain_search(count: int) -> None:
-    rng = np.random.default_rng(count)
-    pairs = rng.integers(0, 256, (count + 1) // 2, dtype=np.uint8)
-    pairs[-1] |= 0xF0  # the pad nibble of an odd count is no element, even when it reads 15
-    nibs = np.stack([pairs & 0x0F, pairs >> 4], axis=1).ravel()[:count]
-    got = nibbles.escape_positions(pairs, count, planes.Workspace())
-    assert got.tolist() == np.flatnonzero(nibs == 15).tolist()
-
-
-@pytest.mark.parametrize(("width", "shift"), [(2, 7), (2, 8), (4, 23), (4, 24), (8, 55)])
-def test_apply_escapes_replaces_only_the_exponent_byte(width: int, shift: int) -> None:
-    dtype = planes.UINT[width]
-    words = np.random.default_rng(width).integers(0, 1 << 16, 64).astype(dtype)
-    words |= dtype(0xFF) << dtype(shift)  # what the merge leaves for base + 15 = 255
-    where = np.array([0, 5, 63], dtype=np.intp)
-    values = np.array([1, 128, 0], dtype=np.uint8)
-    want = words.copy()
-    want[where] = (want[where] & ~(dtype(0xFF) << dtype(shift))) | (
-        values.astype(dtype) << dtype(shift)
-    )
-    nibbles.apply_escapes(words, where, values, shift)
-    assert (words == want).all()
-
-
 def _rewrite(stored: bytes, edit: int, change: object, version: int | None = None) -> bytes:
     """`stored` with block `edit`'s payload changed by `change(payload, head)` and every check
     recomputed, so only the decoder's own validation can object."""

@@ -13,7 +13,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ckptd.codec import buffers, frame, nibbles, planes
+from ckptd.codec import buffers, frame, planes
 from ckptd.codec.frame import BlockHeader
 from ckptd.codec.nibbles import NibblePlane
 from ckptd.errors import CorruptData
@@ -154,23 +154,12 @@ class _BlockReader:
         rotate = head.transform == frame.TRANSFORM_SIGN_ROTATE
         planes.merge(parts, head.width, rotate, out[start:end], self.ws)
         top = parts[-1]
-        if isinstance(top, NibblePlane) and len(top.escapes):
-            self._escapes(top, rotate, head.width, out[start:end], where)
+        if isinstance(top, NibblePlane) and top.marks != len(top.escapes):
+            raise CorruptData(f"{where}: {top.marks} escape marks for {len(top.escapes)} escapes")
         out[end:] = payload[pos:]
         if xxhash.xxh3_64_intdigest(out) != head.checksum:
             raise CorruptData(f"{where}: decoded bytes do not match the block checksum")
         return out
-
-    def _escapes(
-        self, top: NibblePlane, rotate: bool, width: int, out: memoryview, where: str
-    ) -> None:
-        """Patch the escaped exponents into the merged elements (they hold base+15). With none
-        declared, a stray 15 (corruption) stays base+15 and the raw checksum rejects the block."""
-        found = nibbles.escape_positions(top.pairs, top.count, self.ws)
-        if len(found) != len(top.escapes):
-            raise CorruptData(f"{where}: {len(found)} escape marks for {len(top.escapes)} escapes")
-        words = np.frombuffer(out, dtype=planes.UINT[width])
-        nibbles.apply_escapes(words, found, top.escapes, 8 * width - (9 if rotate else 8))
 
     def _plane(
         self, method: int, stored: memoryview, size: int, where: str, i: int
