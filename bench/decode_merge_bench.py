@@ -134,7 +134,7 @@ def zstd_calls(frame_bytes: bytes, size: int) -> dict[str, Callable[[], object]]
     return {
         "zstd stream_reader.readinto, reused buffer": readinto,
         "zstd decompress()": lambda: dctx.decompress(frame_bytes),
-        "zstd decompress(max_output_size) (the decoder's)": lambda: dctx.decompress(frame_bytes, size),
+        "zstd decompress(max_output_size), as decoded": lambda: dctx.decompress(frame_bytes, size),
         "zstd decompressobj().decompress": lambda: dctx.decompressobj().decompress(frame_bytes),
     }
 
