@@ -29,6 +29,7 @@ from ckptd.backends.base import (
     os_error,
 )
 from ckptd.backends.credentials import Creds, s3_credential_provider
+from ckptd.backends.mapped import MappedBody, close_body, open_body
 from ckptd.errors import (
     ObjectExists,
     ObjectNotFound,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from obstore.store import ClientConfig, RetryConfig, S3Config
 
 T = TypeVar("T")
+Payload = bytes | memoryview | Iterator[bytes] | Iterator[memoryview]
 
 S3_SCHEMES = ("s3", "s3a")
 SCHEMES = (*S3_SCHEMES, "gs", "az")
@@ -118,20 +120,27 @@ class ObstoreBackend:
     ) -> ObjectMeta:
         check_key(key)
         where = join_url(self.url, key)
-        body = _Body(src, size, where)
-        payload = body.payload(self.part_size, whole=create_only)
-        result = _guard(
-            "put",
-            where,
-            lambda: obstore.put(
-                self._put_store,
-                key,
-                payload,
-                mode="create" if create_only else "overwrite",
-                chunk_size=self.part_size,
-                max_concurrency=self.concurrency,
-            ),
-        )
+        # A file's pages are sent from a mapping of it, not copies: see mapped.MappedBody.
+        depth = (self.concurrency + 1) * self.part_size
+        body = _Body(src, size, where, None if create_only else open_body(src, size, depth, where))
+        try:
+            payload = body.payload(self.part_size, whole=create_only)
+            result = _guard(
+                "put",
+                where,
+                lambda: obstore.put(
+                    self._put_store,
+                    key,
+                    payload,
+                    mode="create" if create_only else "overwrite",
+                    chunk_size=self.part_size,
+                    max_concurrency=self.concurrency,
+                ),
+            )
+        finally:
+            payload = b""
+            if body.mapped is not None:
+                close_body(body.mapped)
         body.finish()
         return ObjectMeta(key=key, size=body.count, mtime=time.time(), etag=result["e_tag"])
 
@@ -198,18 +207,22 @@ class ObstoreBackend:
 class _Body:
     """The bytes of one put: counted, size-checked, read from a file in bounded pieces."""
 
-    def __init__(self, src: Source, size: int | None, where: str) -> None:
+    def __init__(self, src: Source, size: int | None, where: str,
+                 mapped: MappedBody | None = None) -> None:
         self.src = src
         self.size = size
         self.where = where
+        self.mapped = mapped
         self.count = 0
 
-    def payload(self, part_size: int, whole: bool) -> bytes | Iterator[bytes]:
+    def payload(self, part_size: int, whole: bool) -> Payload:
         """Bytes for a single-request put, or an iterator of chunks for a multipart one."""
         if isinstance(self.src, bytes | bytearray | memoryview):
             self.count = len(self.src)
             self.finish()
             return bytes(self.src)
+        if self.mapped is not None:
+            return self._mapped(self.mapped, part_size, whole)
         first = self._read_upto(None if whole else part_size + 1)
         if whole or len(first) <= part_size:
             self.finish()
@@ -222,6 +235,28 @@ class _Body:
             raise PermanentError(
                 f"put {self.where}: source gave {self.count} bytes, expected {self.size}"
             )
+
+    def _mapped(self, m: MappedBody, part_size: int, whole: bool) -> Payload:
+        """The source is read through all the same (hashed, counted); what is sent are views
+        of the mapping over exactly the bytes read."""
+        if whole or m.remaining() <= part_size:
+            self.count = self._os(m.read_all)
+            self.finish()
+            return m.view(m.start, self.count)
+        return self._mapped_chunks(m)
+
+    def _mapped_chunks(self, m: MappedBody) -> Iterator[memoryview]:
+        chunks = m.chunks()
+        while (view := self._os(lambda: next(chunks, None))) is not None:
+            self.count += len(view)
+            yield view
+        self.finish()  # raising before the iterator ends makes obstore abort the upload
+
+    def _os(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except OSError as exc:
+            raise os_error(exc, f"put {self.where}: reading the source") from None
 
     def _chunks(self, first: bytes) -> Iterator[bytes]:
         yield first
