@@ -40,15 +40,14 @@ class Row:
     met: str
 
 
-def spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
-    """'median (min–max, n runs)' of `values`."""
+def spread(values: Sequence[float], fmt: str = "{:.2f}", unit: str = "", of: str = "run") -> str:
+    """'median unit (min–max, n runs)' of `values` (`of`: what each value is one of)."""
     if not values:
         return "—"
-    med = statistics.median(values)
+    med = fmt.format(statistics.median(values)) + unit
     if len(values) == 1:
-        return fmt.format(med) + " (1 run)"
-    return (f"{fmt.format(med)} ({fmt.format(min(values))}–{fmt.format(max(values))}, "
-            f"{len(values)} runs)")
+        return f"{med} (1 {of})"
+    return f"{med} ({fmt.format(min(values))}–{fmt.format(max(values))}, {len(values)} {of}s)"
 
 
 def verdict(ok: bool | None) -> str:
@@ -73,6 +72,7 @@ def run(argv: list[str], log: Path) -> float:
 
 
 def upload_rows(doc: dict[str, Any]) -> list[Row]:
+    size = f"{doc['raw'] / 1e9:.1f} GB"
     runs = {r["name"]: r for r in doc["runs"]}
     scripted, ckptd = runs["scripted"], next(r for n, r in runs.items() if n.startswith("ckptd "))
     save = [c / s for c, s in zip(ckptd["extra"]["walls"], scripted["extra"]["walls"],
@@ -80,13 +80,13 @@ def upload_rows(doc: dict[str, Any]) -> list[Row]:
     rs, rc = runs["scripted restore"], runs["ckptd restore"]
     restore = [c / s for c, s in zip(rc["extra"]["walls"], rs["extra"]["walls"], strict=True)]
     def secs(r: dict[str, Any]) -> str:
-        return f"{spread(r['extra']['walls'], '{:.1f}')} s"
+        return spread(r["extra"]["walls"], "{:.1f}", " s")
 
     def sent(r: dict[str, Any]) -> str:
         return f"{secs(r)}, {r['sent_bytes'] / 1e6:,.0f} MB sent"
 
     return [
-        Row("save end to end, 2 GB fp32 model+Adam into the test S3 server",
+        Row(f"save end to end, {size} fp32 model+Adam into the test S3 server",
             "`sha256sum; zstd -T0 -3; aws s3 cp`", sent(scripted), sent(ckptd),
             f"wall {spread(save)}; bytes {ckptd['sent_bytes'] / scripted['sent_bytes']:.3f}",
             "≤ 0.5× wall", verdict(statistics.median(save) <= 0.5)),
@@ -98,9 +98,9 @@ def upload_rows(doc: dict[str, Any]) -> list[Row]:
 def rss_rows(runs: list[dict[str, Any]]) -> list[Row]:
     peaks = [r["vm_hwm"] / MiB for r in runs]
     upload = [r["peaks"]["upload"]["RssAnon"] / MiB for r in runs]
-    return [Row("daemon peak RSS on that save (a real `ckptd run`, default settings)", "—", "—",
-                f"VmHWM {spread(peaks, '{:.0f}')} MiB (anonymous during upload "
-                f"{spread(upload, '{:.0f}')} MiB)", "—", "≤ 200 MiB",
+    return [Row("daemon peak RSS on that save (a real `ckptd run`, defaults)", "—", "—",
+                f"VmHWM {spread(peaks, '{:.0f}', ' MiB')}; anonymous memory during the upload "
+                f"{spread(upload, '{:.0f}', ' MiB')}", "—", "≤ 200 MiB",
                 verdict(max(peaks) <= 200))]
 
 
@@ -108,14 +108,15 @@ def many_rows(doc: dict[str, Any]) -> list[Row]:
     rounds = doc["rounds"]
     ratios = [r["ckptd"] / r["aws"] for r in rounds]
     return [Row(f"{doc['inputs']['files']:,}-file checkpoint upload", "`aws s3 cp --recursive`",
-                f"{spread([r['aws'] for r in rounds], '{:.1f}')} s",
-                f"{spread([r['ckptd'] for r in rounds], '{:.1f}')} s", spread(ratios),
+                spread([r["aws"] for r in rounds], "{:.1f}", " s"),
+                spread([r["ckptd"] for r in rounds], "{:.1f}", " s"), spread(ratios),
                 "≤ 1.5×", verdict(statistics.median(ratios) <= 1.5))]
 
 
 def codec_rows(rows: Any) -> list[Row]:
     """Rows from `bench/compress_bench.py --json` (one run: it times each figure as the fastest
-    of its own repeats). Inputs are named by dtype: '*-bf16', '*-fp32'."""
+    of its own repeats), so their spread is over inputs, not runs. Inputs are named by dtype:
+    '*-bf16', '*-fp32'."""
     need = {"input", "encoder", "raw", "stored", "comp_cpu_s", "decomp_cpu_s"}
     # Its JSON lists the from-disk rows, then the in-memory ones (no wall time, no cache).
     disk = [r for r in rows if isinstance(r, dict) and need <= r.keys() and r.get("comp_wall_s")]
@@ -140,15 +141,17 @@ def codec_rows(rows: Any) -> list[Row]:
                  if r["encoder"] == "ckptd-auto" and r.get("decomp_cpu_s")]
     names = ", ".join(c["input"] for c, _ in bf16)
     return [
-        Row(f"bf16 weights: ratio ({names})", "zipnn", "", "", f"{spread(ratio, '{:.4f}')}×"
-            " zipnn's size", "≤ zipnn's on every input", verdict(max(ratio) <= 1.0)),
+        Row(f"bf16 weights: ratio ({names})", "zipnn", "", "",
+            spread(ratio, "{:.4f}", "× zipnn's size", "input"), "≤ zipnn's on every input",
+            verdict(max(ratio) <= 1.0)),
         Row("bf16 weights: compress speed, one thread", "zipnn", "", "",
-            f"{spread(bspeed)}× zipnn's MB/s/core", "≥ 1.2×", verdict(min(bspeed) >= 1.2)),
+            spread(bspeed, "{:.2f}", "× zipnn's MB/s/core", "input"), "≥ 1.2×",
+            verdict(min(bspeed) >= 1.2)),
         Row("fp32: compress speed, one thread", "zipnn", "", "",
-            f"{spread(fspeed)}× zipnn's MB/s/core", "keep ≥ 1.2×",
+            spread(fspeed, "{:.2f}", "× zipnn's MB/s/core", "input"), "keep ≥ 1.2×",
             verdict(min(fspeed) >= 1.2) if fspeed else "—"),
         Row("decompress, one thread (ckptd, every input, from disk)", "zipnn", "",
-            f"{spread(ckptd_dec, '{:.0f}')} MB/s/core", "—", "≥ 1.5 GB/s on every input",
+            spread(ckptd_dec, "{:.0f}", " MB/s/core", "input"), "—", "≥ 1.5 GB/s on every input",
             verdict(min(ckptd_dec) >= 1500) if ckptd_dec else "—"),
     ]
 
