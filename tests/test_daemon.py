@@ -199,14 +199,10 @@ def test_kill9_mid_validation_then_restart_same_answer(daemon_factory: Any) -> N
 
 def test_the_daemon_process_does_not_load_torch(daemon_factory: Any) -> None:
     # torch costs a process ~100 MiB resident once imported: the daemon validates torch files
-    # without it, and deep validation (which needs it) loads them in a child process.
-    d = daemon_factory(roots=[{"name": "r1", "deep_validate": True}])
-    root = d.roots["r1"]
-    save_single(root, 1)
-    torch.save({"w": torch.tensor([1.0, float("nan")])}, root / "model_step_2.pt")
+    # without it (deep validation loads them in a child: test_validate).
+    d = daemon_factory()
+    save_single(d.roots["r1"], 1)
     assert d.wait_for("r1", 1)["state"] == "valid"
-    bad = d.wait_for("r1", 2)
-    assert bad["state"] == "invalid" and bad["reason"] == "nan", bad
     assert d.proc is not None
     maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
     assert "libtorch" not in maps and "/torch/" not in maps
