@@ -29,6 +29,10 @@ BEGIN, END = "<!-- make-bench:begin -->", "<!-- make-bench:end -->"
 MiB = 1 << 20
 
 
+class Failed(Exception):
+    """One benchmark script exited with an error."""
+
+
 @dataclass
 class Row:
     measure: str
@@ -63,7 +67,7 @@ def run(argv: list[str], log: Path) -> float:
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         tail = log.read_text(errors="replace")[-3000:]
-        raise SystemExit(f"{argv[1]} failed ({proc.returncode}):\n{tail}")
+        raise Failed(f"{argv[1]} failed ({proc.returncode}):\n{tail}")
     print(f"  done in {wall:.0f} s (output: {log})", flush=True)
     return wall
 
@@ -195,7 +199,8 @@ def collect(args: argparse.Namespace, out: Path) -> tuple[list[Row], list[str]]:
         ("many", [py, str(HERE / "many_files_bench.py"), "--files", str(args.files),
                   "--repeat", str(args.repeat), "--workdir", str(args.workdir / "many-files")],
          many_rows),
-        ("codec", [py, str(HERE / "compress_bench.py")], codec_rows),
+        ("codec", [py, str(HERE / "compress_bench.py"), "--workdir",
+                   str(args.workdir / "compress")], codec_rows),
     ]
     for name, argv, to_rows in steps:
         if name in args.skip:
@@ -203,7 +208,12 @@ def collect(args: argparse.Namespace, out: Path) -> tuple[list[Row], list[str]]:
             continue
         result = out / f"{name}.json"
         result.unlink(missing_ok=True)
-        wall = run([*argv, "--json", str(result)], out / f"{name}.log")
+        try:
+            wall = run([*argv, "--json", str(result)], out / f"{name}.log")
+        except Failed as exc:  # the other rows still stand; this one says why it is missing
+            print(exc, file=sys.stderr)
+            notes.append(f"{Path(argv[1]).name} FAILED: see {out / f'{name}.log'}")
+            continue
         notes.append(f"{Path(argv[1]).name}: {wall / 60:.1f} min")
         rows += to_rows(json.loads(result.read_text()))
     return rows, notes

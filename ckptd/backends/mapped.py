@@ -1,5 +1,6 @@
-"""Put bodies sent from their file's pages instead of copies in memory: a read-only mapping of
-the object file handed to the store client in views, its resident pages trimmed as they go.
+"""The bytes of one put: counted and size-checked; a local object file sent from its pages
+(a read-only mapping handed to the store client in views, its resident pages trimmed as they
+go) instead of copies in memory, any other source read in bounded pieces.
 
 Owns the mapping, its trimming and the page-cache drops behind it; the source still does every
 read (hashing, counting, size checks), so what was checked is what the mapping holds.
@@ -10,10 +11,14 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterator
+from typing import Protocol, TypeVar, runtime_checkable
 
+from ckptd.backends.base import COPY_CHUNK, Source, os_error
 from ckptd.errors import PermanentError
+
+_T = TypeVar("_T")
+Payload = bytes | memoryview | Iterator[bytes] | Iterator[memoryview]
 
 MAP_AT_LEAST = 1 << 20  # smaller objects are cheaper as one bytes object
 _TRIM_EVERY_S = 0.02
@@ -185,3 +190,86 @@ def open_body(src: object, size: int | None, depth: int, where: str) -> MappedBo
 def close_body(body: MappedBody) -> None:
     TRIMMER.remove(body)
     body.close()
+
+
+class PutBody:
+    """The bytes of one put: counted, size-checked, read from a file in bounded pieces."""
+
+    def __init__(self, src: Source, size: int | None, where: str,
+                 mapped: MappedBody | None = None) -> None:
+        self.src = src
+        self.size = size
+        self.where = where
+        self.mapped = mapped
+        self.count = 0
+
+    def payload(self, part_size: int, whole: bool) -> Payload:
+        """Bytes for a single-request put, or an iterator of chunks for a multipart one."""
+        if isinstance(self.src, bytes | bytearray | memoryview):
+            self.count = len(self.src)
+            self.finish()
+            return bytes(self.src)
+        if self.mapped is not None:
+            return self._mapped(self.mapped, part_size, whole)
+        first = self._read_upto(None if whole else part_size + 1)
+        if whole or len(first) <= part_size:
+            self.finish()
+            return first
+        return self._chunks(first)
+
+    def finish(self) -> None:
+        """Refuse to store an object whose source gave other than the announced size."""
+        if self.size is not None and self.count != self.size:
+            raise PermanentError(
+                f"put {self.where}: source gave {self.count} bytes, expected {self.size}"
+            )
+
+    def _mapped(self, m: MappedBody, part_size: int, whole: bool) -> Payload:
+        """The source is read through all the same (hashed, counted); what is sent are views
+        of the mapping over exactly the bytes read."""
+        if whole or m.remaining() <= part_size:
+            self.count = self._os(m.read_all)
+            self.finish()
+            return m.view(m.start, self.count)
+        return self._mapped_chunks(m)
+
+    def _mapped_chunks(self, m: MappedBody) -> Iterator[memoryview]:
+        chunks = m.chunks()
+        while (view := self._os(lambda: next(chunks, None))) is not None:
+            self.count += len(view)
+            yield view
+        self.finish()  # raising before the iterator ends makes obstore abort the upload
+
+    def _os(self, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()
+        except OSError as exc:
+            raise os_error(exc, f"put {self.where}: reading the source") from None
+
+    def _chunks(self, first: bytes) -> Iterator[bytes]:
+        yield first
+        while chunk := self._read(COPY_CHUNK):
+            yield chunk
+        # Raising here, before the iterator ends, makes obstore abort the multipart upload.
+        self.finish()
+
+    def _read_upto(self, limit: int | None) -> bytes:
+        parts: list[bytes] = []
+        got = 0
+        while limit is None or got < limit:
+            want = COPY_CHUNK if limit is None else min(COPY_CHUNK, limit - got)
+            chunk = self._read(want)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+
+    def _read(self, n: int) -> bytes:
+        assert not isinstance(self.src, bytes | bytearray | memoryview)
+        try:
+            chunk = self.src.read(n)
+        except OSError as exc:
+            raise os_error(exc, f"put {self.where}: reading the source") from None
+        self.count += len(chunk)
+        return chunk

@@ -32,7 +32,7 @@ from ckptd.backends.base import (
     os_error,
 )
 from ckptd.backends.credentials import Creds, s3_credential_provider
-from ckptd.backends.mapped import MappedBody, close_body, open_body
+from ckptd.backends.mapped import PutBody, close_body, open_body
 from ckptd.errors import (
     ObjectExists,
     ObjectNotFound,
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     from obstore.store import ClientConfig, RetryConfig, S3Config
 
 T = TypeVar("T")
-Payload = bytes | memoryview | Iterator[bytes] | Iterator[memoryview]
 
 # A get of a larger object fetches ranges this big, `concurrency` of them at once.
 _GET_RANGE = 8 << 20
@@ -129,7 +128,8 @@ class ObstoreBackend:
         where = join_url(self.url, key)
         # A file's pages are sent from a mapping of it, not copies: see mapped.MappedBody.
         depth = (self.concurrency + 1) * self.part_size
-        body = _Body(src, size, where, None if create_only else open_body(src, size, depth, where))
+        mapped = None if create_only else open_body(src, size, depth, where)
+        body = PutBody(src, size, where, mapped)
         try:
             payload = body.payload(self.part_size, whole=create_only)
             result = _guard(
@@ -254,89 +254,6 @@ def _write(dst: BinaryIO, data: Any, where: str) -> int:
     except OSError as exc:
         raise os_error(exc, f"get {where}: writing the destination") from None
     return len(data)
-
-
-class _Body:
-    """The bytes of one put: counted, size-checked, read from a file in bounded pieces."""
-
-    def __init__(self, src: Source, size: int | None, where: str,
-                 mapped: MappedBody | None = None) -> None:
-        self.src = src
-        self.size = size
-        self.where = where
-        self.mapped = mapped
-        self.count = 0
-
-    def payload(self, part_size: int, whole: bool) -> Payload:
-        """Bytes for a single-request put, or an iterator of chunks for a multipart one."""
-        if isinstance(self.src, bytes | bytearray | memoryview):
-            self.count = len(self.src)
-            self.finish()
-            return bytes(self.src)
-        if self.mapped is not None:
-            return self._mapped(self.mapped, part_size, whole)
-        first = self._read_upto(None if whole else part_size + 1)
-        if whole or len(first) <= part_size:
-            self.finish()
-            return first
-        return self._chunks(first)
-
-    def finish(self) -> None:
-        """Refuse to store an object whose source gave other than the announced size."""
-        if self.size is not None and self.count != self.size:
-            raise PermanentError(
-                f"put {self.where}: source gave {self.count} bytes, expected {self.size}"
-            )
-
-    def _mapped(self, m: MappedBody, part_size: int, whole: bool) -> Payload:
-        """The source is read through all the same (hashed, counted); what is sent are views
-        of the mapping over exactly the bytes read."""
-        if whole or m.remaining() <= part_size:
-            self.count = self._os(m.read_all)
-            self.finish()
-            return m.view(m.start, self.count)
-        return self._mapped_chunks(m)
-
-    def _mapped_chunks(self, m: MappedBody) -> Iterator[memoryview]:
-        chunks = m.chunks()
-        while (view := self._os(lambda: next(chunks, None))) is not None:
-            self.count += len(view)
-            yield view
-        self.finish()  # raising before the iterator ends makes obstore abort the upload
-
-    def _os(self, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except OSError as exc:
-            raise os_error(exc, f"put {self.where}: reading the source") from None
-
-    def _chunks(self, first: bytes) -> Iterator[bytes]:
-        yield first
-        while chunk := self._read(COPY_CHUNK):
-            yield chunk
-        # Raising here, before the iterator ends, makes obstore abort the multipart upload.
-        self.finish()
-
-    def _read_upto(self, limit: int | None) -> bytes:
-        parts: list[bytes] = []
-        got = 0
-        while limit is None or got < limit:
-            want = COPY_CHUNK if limit is None else min(COPY_CHUNK, limit - got)
-            chunk = self._read(want)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-        return b"".join(parts)
-
-    def _read(self, n: int) -> bytes:
-        assert not isinstance(self.src, bytes | bytearray | memoryview)
-        try:
-            chunk = self.src.read(n)
-        except OSError as exc:
-            raise os_error(exc, f"put {self.where}: reading the source") from None
-        self.count += len(chunk)
-        return chunk
 
 
 def _open_store(
