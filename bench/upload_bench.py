@@ -109,8 +109,6 @@ aws s3 cp --recursive --only-show-errors --endpoint-url "$EP" "$DEST" "$DL"
 echo "phase download $(t)"
 for f in model.pt optim.pt model_bf16.pt; do zstd -d -q -f "$DL/$f.zst" -o "$TO/$f"; done
 echo "phase unzstd $(t)"
-cd "$TO" && sha256sum -c --quiet "$DL/SHA256SUMS"
-echo "phase sha256sum $(t)"
 """
 
 

@@ -64,11 +64,13 @@ def _backend(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def ckptd_upload(args: argparse.Namespace) -> dict[str, object]:
     """What the daemon does for one step: validate + compress (one read pass), upload."""
+    from ckptd.heap import return_large_buffers
     from ckptd.model import Candidate
     from ckptd.stages.compress import Stager, objects_dir
     from ckptd.stages.upload import upload_step
     from ckptd.stages.validate import validate
 
+    return_large_buffers()  # as `ckptd run` does
     root = Path(args.root)
     step = args.step
     files = tuple(f"step-{step}/{f}" for f in FILES)
@@ -106,8 +108,10 @@ def ckptd_upload(args: argparse.Namespace) -> dict[str, object]:
 
 
 def ckptd_restore(args: argparse.Namespace) -> dict[str, object]:
+    from ckptd.heap import return_large_buffers
     from ckptd.restore import restore_from_backend
 
+    return_large_buffers()  # as `ckptd restore` does
     started = time.perf_counter()
     paths = restore_from_backend(
         _backend(args), ROOT_NAME, args.step, Path(args.to), concurrency=args.concurrency

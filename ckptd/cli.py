@@ -14,6 +14,7 @@ from typing import Any
 from ckptd import __version__
 from ckptd.client import Client, ClientError, DaemonUnavailable
 from ckptd.errors import CkptdError, ConfigError, DaemonUnreachable, NotFound, UsageError, exit_code
+from ckptd.heap import return_large_buffers
 
 EXIT_NO = 1
 DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
@@ -261,6 +262,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"daemon": cfg.daemon.model_copy(
             update={"socket": Path(args.socket).absolute()})})
     configure(cfg.daemon.log_format, cfg.daemon.log_level)
+    return_large_buffers()
     return Daemon(cfg, path).run()
 
 
@@ -392,6 +394,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     from ckptd.restore import restore, tty_progress
+
+    return_large_buffers()
 
     if args.step != "latest" and not (args.step.isascii() and args.step.isdigit()):
         raise UsageError(f"ckptd restore: STEP must be a number or 'latest', got {args.step!r}")

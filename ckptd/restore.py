@@ -7,7 +7,6 @@ store or the daemon, and never holds a whole file in memory.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -18,9 +17,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Literal, TextIO, cast
+from typing import TYPE_CHECKING, Literal, TextIO
 
-from ckptd import fileio, layouts, remote
+from ckptd import fileio, layouts, remote, restore_pipe
 from ckptd.backends import Backend, backend_for_upload
 from ckptd.config import Config, RootConfig
 from ckptd.errors import CorruptData, NotFound, ObjectNotFound
@@ -38,7 +37,7 @@ from ckptd.stages.compress import (
 )
 
 if TYPE_CHECKING:
-    from _typeshed import ReadableBuffer
+    pass
 
 Progress = Callable[[int], None]  # bytes just restored
 TotalProgress = Callable[[int, int], None]  # (bytes restored so far, bytes in the step)
@@ -152,8 +151,8 @@ def restore_from_backend(
     progress: Progress | None = None,
 ) -> list[Path]:
     """Rebuild a remote step under `to`: read its MANIFEST.json, fetch the objects on
-    `concurrency` threads (each streamed to a temp file beside its destination, then decoded
-    and checked like `restore_from_dir`). The first failure stops the rest and is raised;
+    `concurrency` threads, each decoded and checked as it arrives (`restore_pipe`), written
+    like `restore_from_dir` does. The first failure stops the rest and is raised;
     files already restored stay, nothing half-written does."""
     manifest = read_remote_manifest(backend, root_name, step)
     return _restore_remote(backend, manifest, Path(to), concurrency, progress)
@@ -195,49 +194,7 @@ class _Locked:
 def _fetch_and_restore(
     backend: Backend, key: str, f: StoredFile, to: Path, progress: Progress | None
 ) -> Path:
-    dest = fileio.safe_join(to, f.path)
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise write_error(exc, f"the directory of {dest}") from exc
-    stored = fileio.temp_name(dest)
-    try:
-        _fetch(backend, key, stored, f)
-        return _restore_file(stored, f, to, progress)
-    finally:
-        stored.unlink(missing_ok=True)
-
-
-def _fetch(backend: Backend, key: str, path: Path, f: StoredFile) -> None:
-    """Stream the object at `key` into a new file at `path` (no fsync: it is decoded at once
-    and deleted). The file is seekable so a retrying backend can start over."""
-    with _Download(path, f"the downloaded object {key}") as out:
-        try:
-            backend.get(key, cast(BinaryIO, out))
-        except ObjectNotFound:
-            raise CorruptData(f"{f.path}: object {key} named by the manifest is missing at "
-                              f"{backend.url}") from None
-
-
-class _Download(io.FileIO):
-    """A new file whose write errors are ckptd's (DiskFull on ENOSPC), not the backend's."""
-
-    def __init__(self, path: Path, what: str) -> None:
-        try:
-            super().__init__(path, "xb")
-        except OSError as exc:
-            raise write_error(exc, what) from exc
-        self.what = what
-
-    def write(self, data: ReadableBuffer, /) -> int:
-        view = memoryview(data).cast("B")
-        n = len(view)
-        try:
-            while view:
-                view = view[super().write(view) or 0 :]
-        except OSError as exc:
-            raise write_error(exc, self.what) from exc
-        return n
+    return restore_pipe.fetch_and_restore(backend, key, f, to, progress)
 
 
 # --- which step, from where ------------------------------------------------------------------

@@ -750,3 +750,45 @@ def test_only_the_configured_endpoint_is_contacted(
 def _no_metadata_lookups(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     yield
+
+
+# -- object files sent from a mapping of their pages ----------------------------------------
+
+
+def _object_file(tmp_path: Path, n: int, seed: int) -> tuple[Path, bytes]:
+    data = payload(n, seed=seed)
+    path = tmp_path / f"obj-{seed}.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+@pytest.mark.parametrize("size", [2 * MiB + 5, 2 * PART + 123])
+def test_an_object_file_is_sent_from_its_pages_and_hashed_as_read(
+    s3_server: S3Server, s3_url: str, tmp_path: Path, size: int
+) -> None:
+    from ckptd.backends.mapped import TRIMMER
+    from ckptd.stages.upload_local import Meter, ObjectReader, bare
+
+    path, data = _object_file(tmp_path, size, seed=size)
+    backend = retrying(s3_backend(s3_server, s3_url))
+    meter = Meter(None)
+    with ObjectReader(path, meter, PART, md5=True) as src:
+        meta = backend.put("obj", cast(BinaryIO, src), size=size)
+        assert bare(meta.etag or "") == src.etag(), "the store got exactly the bytes hashed"
+    assert meter.sent_bytes == size
+    assert get_all(backend, "obj") == data
+    assert not TRIMMER._bodies, "the mapping is given up when the put returns"
+
+
+def test_an_object_file_shorter_than_announced_stores_nothing(
+    s3_server: S3Server, s3_url: str, tmp_path: Path
+) -> None:
+    from ckptd.stages.upload_local import Meter, ObjectReader
+
+    backend = s3_backend(s3_server, s3_url)
+    for n in (2 * MiB, PART + 10):
+        path, _ = _object_file(tmp_path, n, seed=n)
+        with ObjectReader(path, Meter(None), PART, md5=True) as src, \
+                pytest.raises(PermanentError, match="expected"):
+            backend.put(f"short-{n}", cast(BinaryIO, src), size=n + 1)
+    assert list(backend.list("")) == []

@@ -197,6 +197,17 @@ def test_kill9_mid_validation_then_restart_same_answer(daemon_factory: Any) -> N
     assert [c["state"] for c in d.client.checkpoints("r1")] == ["valid", "valid", "invalid"]
 
 
+def test_the_daemon_process_does_not_load_torch(daemon_factory: Any) -> None:
+    # torch costs a process ~100 MiB resident once imported: the daemon validates torch files
+    # without it (deep validation loads them in a child: test_validate).
+    d = daemon_factory()
+    save_single(d.roots["r1"], 1)
+    assert d.wait_for("r1", 1)["state"] == "valid"
+    assert d.proc is not None
+    maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps and "/torch/" not in maps
+
+
 def test_resave_same_step_supersedes(inproc_daemon: Any) -> None:
     d = inproc_daemon()
     root = d.roots["r1"]

@@ -23,7 +23,7 @@ from writers import flip_byte
 from ckptd.backends import Backend, LocalBackend, ObjectMeta, ObstoreBackend, make_backend
 from ckptd.backends.base import Source
 from ckptd.config import Config, parse_config
-from ckptd.errors import CorruptData, NotFound
+from ckptd.errors import CorruptData, NotFound, TransientError
 from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
 from ckptd.restore import (
     list_remote_steps,
@@ -158,6 +158,49 @@ def test_corrupt_and_missing_remote_objects(staged: tuple[Path, Manifest],
     stored.unlink()
     with pytest.raises(CorruptData, match=r"odd/multi_block\.dat: object .* is missing"):
         restore_from_backend(backend, "r", 3, tmp_path / "out2")
+
+
+class FailsMidway(Counting):
+    """A backend whose first get of `key` delivers half the object, then fails transiently."""
+
+    def __init__(self, inner: Backend, key: str) -> None:
+        super().__init__(inner)
+        self.key, self.failed = key, False
+
+    def get(self, key: str, dst: BinaryIO) -> int:
+        if key.endswith(self.key) and not self.failed:
+            self.failed = True
+            whole = io.BytesIO()
+            self.inner.get(key, whole)
+            dst.write(whole.getvalue()[: len(whole.getvalue()) // 2])
+            raise TransientError(f"get {key}: connection reset")
+        return self.inner.get(key, dst)
+
+
+def test_a_download_failing_midway_starts_its_object_over(staged: tuple[Path, Manifest],
+                                                         tmp_path: Path) -> None:
+    root, manifest = staged
+    f = next(f for f in manifest.files if f.path == "odd/multi_block.dat")
+    backend = FailsMidway(LocalBackend(tmp_path / "remote"), f.key)
+    upload(backend, root, manifest)
+    seen: list[int] = []
+    restore_from_backend(backend, "r", 3, tmp_path / "out", progress=seen.append)
+    assert backend.failed
+    assert_same(root, tmp_path / "out", manifest)
+    assert sum(seen) == manifest.size, "bytes decoded before the failure are counted once"
+
+
+def test_an_object_longer_than_its_manifest_says_is_corrupt(staged: tuple[Path, Manifest],
+                                                           tmp_path: Path) -> None:
+    root, manifest = staged
+    backend = LocalBackend(tmp_path / "remote")
+    upload(backend, root, manifest)
+    f = next(f for f in manifest.files if f.path == "odd/multi_block.dat")
+    with open(tmp_path / "remote" / "r" / "step-3" / f.key, "ab") as stored:
+        stored.write(b"trailing")
+    with pytest.raises(CorruptData, match=r"odd/multi_block\.dat: .*bytes"):
+        restore_from_backend(backend, "r", 3, tmp_path / "out")
+    assert not (tmp_path / "out" / f.path).exists() and list_temps(tmp_path / "out") == []
 
 
 def test_a_step_without_manifest_does_not_exist(staged: tuple[Path, Manifest],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -452,3 +453,18 @@ def _resident(path: Path) -> int:
     out = subprocess.run(["fincore", "-b", "-n", "-o", "RES", str(path)], check=True,
                          capture_output=True, text=True).stdout
     return int(out.split()[0])
+
+
+def test_deep_validation_loads_torch_in_a_child_process(tmp_path: Path) -> None:
+    # A fresh interpreter, as the daemon is: a NaN is found, and torch never enters it.
+    torch.save({"w": torch.tensor([1.0, float("nan")])}, tmp_path / "model.pt")
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from ckptd.stages.validate import validate_file\n"
+        f"r = validate_file(Path({str(tmp_path / 'model.pt')!r}), deep=True)\n"
+        "print(r.reason, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.split() == ["nan", "False"], out.stderr

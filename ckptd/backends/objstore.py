@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
@@ -29,6 +32,7 @@ from ckptd.backends.base import (
     os_error,
 )
 from ckptd.backends.credentials import Creds, s3_credential_provider
+from ckptd.backends.mapped import PutBody, close_body, open_body
 from ckptd.errors import (
     ObjectExists,
     ObjectNotFound,
@@ -42,6 +46,9 @@ if TYPE_CHECKING:
     from obstore.store import ClientConfig, RetryConfig, S3Config
 
 T = TypeVar("T")
+
+# A get of a larger object fetches ranges this big, `concurrency` of them at once.
+_GET_RANGE = 8 << 20
 
 S3_SCHEMES = ("s3", "s3a")
 SCHEMES = (*S3_SCHEMES, "gs", "az")
@@ -68,7 +75,7 @@ class ObstoreBackend:
 
     Timeouts: `connect_timeout_s` for a TCP/TLS connect; `read_timeout_s` for a stalled
     download, stat, list or delete (no byte received for that long); `request_timeout_s` for
-    one whole request (one part of an upload, one `part_size` range of a download), which is
+    one whole request (one part of an upload, one 8 MiB range of a download), which is
     also what bounds a stalled upload.
     `request_retries` is obstore's own immediate retry of a single failed request (5xx,
     connection errors): it keeps one bad part from restarting a multi-gigabyte upload. Backoff
@@ -103,6 +110,7 @@ class ObstoreBackend:
             opts = _client_options(endpoint, connect_timeout_s, read_timeout, request_timeout_s)
             return _open_store(self.url, endpoint, region, creds, opts, retry)
 
+        self._range_slots = threading.Semaphore(2 * self.concurrency)
         self._store = _guard("open", self.url, lambda: open_store(read_timeout_s))
         # Uploads get their own client without a read timeout: while a part is being sent
         # nothing comes back, so a slow link would look stalled. request_timeout_s bounds them.
@@ -118,20 +126,28 @@ class ObstoreBackend:
     ) -> ObjectMeta:
         check_key(key)
         where = join_url(self.url, key)
-        body = _Body(src, size, where)
-        payload = body.payload(self.part_size, whole=create_only)
-        result = _guard(
-            "put",
-            where,
-            lambda: obstore.put(
-                self._put_store,
-                key,
-                payload,
-                mode="create" if create_only else "overwrite",
-                chunk_size=self.part_size,
-                max_concurrency=self.concurrency,
-            ),
-        )
+        # A file's pages are sent from a mapping of it, not copies: see mapped.MappedBody.
+        depth = (self.concurrency + 1) * self.part_size
+        mapped = None if create_only else open_body(src, size, depth, where)
+        body = PutBody(src, size, where, mapped)
+        try:
+            payload = body.payload(self.part_size, whole=create_only)
+            result = _guard(
+                "put",
+                where,
+                lambda: obstore.put(
+                    self._put_store,
+                    key,
+                    payload,
+                    mode="create" if create_only else "overwrite",
+                    chunk_size=self.part_size,
+                    max_concurrency=self.concurrency,
+                ),
+            )
+        finally:
+            payload = b""
+            if body.mapped is not None:
+                close_body(body.mapped)
         body.finish()
         return ObjectMeta(key=key, size=body.count, mtime=time.time(), etag=result["e_tag"])
 
@@ -140,12 +156,11 @@ class ObstoreBackend:
         where = join_url(self.url, key)
         # if_match pins every range to the version stat saw: a concurrent overwrite fails the
         # read (transient) instead of splicing two versions together.
-        written = 0
-        for rng in _ranges(meta.size, self.part_size):
-            options: GetOptions = {"if_match": meta.etag} if meta.etag else {}
-            if rng:
-                options["range"] = rng
-            written += self._get_into(key, where, options, dst)
+        ranges = _ranges(meta.size, _GET_RANGE)
+        if len(ranges) == 1:
+            written = self._get_into(key, where, self._options(meta, None), dst)
+        else:
+            written = self._get_ranges(key, where, meta, ranges, dst)
         if written != meta.size:
             raise TransientError(f"get {where}: got {written} bytes of {meta.size}")
         return written
@@ -182,74 +197,63 @@ class ObstoreBackend:
 
     # -- helpers ---------------------------------------------------------------------------
 
+    def _options(self, meta: ObjectMeta, rng: tuple[int, int] | None) -> GetOptions:
+        options: GetOptions = {"if_match": meta.etag} if meta.etag else {}
+        if rng:
+            options["range"] = rng
+        return options
+
+    def _get_ranges(self, key: str, where: str, meta: ObjectMeta,
+                    ranges: Sequence[tuple[int, int] | None], dst: BinaryIO) -> int:
+        """Fetch `ranges` with up to `concurrency` requests in flight and write them to `dst`
+        in order. Fetched ranges wait in memory until written: all gets of this backend
+        together hold at most 2 x `concurrency` of them (of _GET_RANGE bytes)."""
+
+        def fetch(rng: tuple[int, int] | None) -> Any:
+            result = _guard("get", where, lambda: obstore.get(
+                self._store, key, options=self._options(meta, rng)))
+            return _guard("get", where, result.bytes)
+
+        written = following = 0
+        pending: deque[Future[Any]] = deque()  # each holds one of self._range_slots
+        try:
+            with ThreadPoolExecutor(self.concurrency, "ckptd-get") as pool:
+                try:
+                    while True:
+                        # Top up, blocking for a slot only when nothing is pending (progress).
+                        while (len(pending) < self.concurrency and following < len(ranges)
+                               and self._range_slots.acquire(blocking=not pending)):
+                            pending.append(pool.submit(fetch, ranges[following]))
+                            following += 1
+                        if not pending:
+                            return written
+                        fut = pending.popleft()
+                        try:
+                            written += _write(dst, memoryview(fut.result()), where)
+                        finally:
+                            self._range_slots.release()
+                finally:
+                    for fut in pending:
+                        fut.cancel()
+        finally:
+            for _ in pending:  # cancelled or finished by now: the pool has shut down
+                self._range_slots.release()
+
     def _get_into(self, key: str, where: str, options: GetOptions, dst: BinaryIO) -> int:
         result = _guard("get", where, lambda: obstore.get(self._store, key, options=options))
         stream = result.stream(min_chunk_size=COPY_CHUNK)
         written = 0
         while (chunk := _guard("get", where, lambda: next(stream, None))) is not None:
-            try:
-                dst.write(chunk)
-            except OSError as exc:
-                raise os_error(exc, f"get {where}: writing the destination") from None
-            written += len(chunk)
+            written += _write(dst, chunk, where)
         return written
 
 
-class _Body:
-    """The bytes of one put: counted, size-checked, read from a file in bounded pieces."""
-
-    def __init__(self, src: Source, size: int | None, where: str) -> None:
-        self.src = src
-        self.size = size
-        self.where = where
-        self.count = 0
-
-    def payload(self, part_size: int, whole: bool) -> bytes | Iterator[bytes]:
-        """Bytes for a single-request put, or an iterator of chunks for a multipart one."""
-        if isinstance(self.src, bytes | bytearray | memoryview):
-            self.count = len(self.src)
-            self.finish()
-            return bytes(self.src)
-        first = self._read_upto(None if whole else part_size + 1)
-        if whole or len(first) <= part_size:
-            self.finish()
-            return first
-        return self._chunks(first)
-
-    def finish(self) -> None:
-        """Refuse to store an object whose source gave other than the announced size."""
-        if self.size is not None and self.count != self.size:
-            raise PermanentError(
-                f"put {self.where}: source gave {self.count} bytes, expected {self.size}"
-            )
-
-    def _chunks(self, first: bytes) -> Iterator[bytes]:
-        yield first
-        while chunk := self._read(COPY_CHUNK):
-            yield chunk
-        # Raising here, before the iterator ends, makes obstore abort the multipart upload.
-        self.finish()
-
-    def _read_upto(self, limit: int | None) -> bytes:
-        parts: list[bytes] = []
-        got = 0
-        while limit is None or got < limit:
-            want = COPY_CHUNK if limit is None else min(COPY_CHUNK, limit - got)
-            chunk = self._read(want)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-        return b"".join(parts)
-
-    def _read(self, n: int) -> bytes:
-        assert not isinstance(self.src, bytes | bytearray | memoryview)
-        try:
-            chunk = self.src.read(n)
-        except OSError as exc:
-            raise os_error(exc, f"put {self.where}: reading the source") from None
-        self.count += len(chunk)
-        return chunk
+def _write(dst: BinaryIO, data: Any, where: str) -> int:
+    try:
+        dst.write(data)
+    except OSError as exc:
+        raise os_error(exc, f"get {where}: writing the destination") from None
+    return len(data)
 
 
 def _open_store(

@@ -427,17 +427,26 @@ def decode_object(
         if stored != f.stored_size:
             raise CorruptData(f"{f.path}: stored object {f.key} has {stored} bytes, the "
                               f"manifest says {f.stored_size}")
-        checker = _Checker(f, out, progress)
-        try:
-            decode_stream(f.codec, cast(BinaryIO, _Source(fd)), cast(BinaryIO, checker))
-        except CorruptData as exc:
-            if str(exc).startswith(f"{f.path}: "):
-                raise
-            raise CorruptData(f"{f.path}: stored object {f.key} is corrupt: {exc}") from exc
-        checker.check()
+        decode_checked(cast(BinaryIO, _Source(fd)), f, out, progress)
     finally:
         _advise(fd, 0, 0)
         os.close(fd)
+
+
+def decode_checked(src: BinaryIO, f: StoredFile, out: DurableWriter | None = None,
+                   progress: Progress | None = None) -> None:
+    """Decode the stored object read from `src` (streaming), checking size and hash against
+    `f`; the original bytes go to `out` when given. Raises CorruptData naming the file."""
+    if f.hash_alg != HASH_ALG:
+        raise CorruptData(f"{f.path}: hash algorithm {f.hash_alg!r} is not {HASH_ALG!r}")
+    checker = _Checker(f, out, progress)
+    try:
+        decode_stream(f.codec, src, cast(BinaryIO, checker))
+    except CorruptData as exc:
+        if str(exc).startswith(f"{f.path}: "):
+            raise
+        raise CorruptData(f"{f.path}: stored object {f.key} is corrupt: {exc}") from exc
+    checker.check()
 
 
 def verify_copy(objects_dir: Path, manifest: Manifest) -> None:

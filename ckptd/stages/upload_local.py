@@ -170,6 +170,7 @@ class ObjectReader(io.RawIOBase):
         self.fingerprint = [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
         self._meter = meter
         self._pos = self._high = self._dropped = 0
+        self._hold = False
         self._hasher: _S3Etag | None = _S3Etag(self.size, part_size) if md5 else None
         self._md5 = md5
         self._part_size = part_size
@@ -177,6 +178,14 @@ class ObjectReader(io.RawIOBase):
 
     def readable(self) -> bool:
         return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def hold_cache(self) -> None:
+        """Stop dropping the pages behind the cursor: a backend sending this file's pages from
+        a mapping drops them itself once they are sent (until close, which drops them all)."""
+        self._hold = True
 
     def seekable(self) -> bool:
         return True
@@ -195,17 +204,29 @@ class ObjectReader(io.RawIOBase):
     def read(self, n: int | None = -1) -> bytes:
         want = self.size - self._pos if n is None or n < 0 else n
         data = os.pread(self._fd, min(want, _READ_LIMIT), self._pos) if want > 0 else b""
+        self._account(memoryview(data))
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        """Like read, into `buf` (a reused buffer: no allocation per read)."""
+        view = memoryview(buf).cast("B")
+        want = min(len(view), self.size - self._pos, _READ_LIMIT)
+        got = os.preadv(self._fd, [view[:want]], self._pos) if want > 0 else 0
+        self._account(view[:got])
+        return got
+
+    def _account(self, data: memoryview) -> None:
+        """Hash, count and advance over `data`, just read at the cursor."""
         if self._hasher is not None:
-            self._hasher.update(self._pos, memoryview(data))
+            self._hasher.update(self._pos, data)
         self._pos += len(data)
         self._meter.sent(len(data))
         if self._pos > self._high:
             self._meter.advance(self._pos - self._high)
             self._high = self._pos
-        if self._high - self._dropped >= _DROP_STEP:
+        if not self._hold and self._high - self._dropped >= _DROP_STEP:
             _advise(self._fd, self._dropped, self._high - self._dropped, "POSIX_FADV_DONTNEED")
             self._dropped = self._high
-        return data
 
     def etag(self) -> str | None:
         """The S3 etag of the bytes read, if they were read once through from the start."""

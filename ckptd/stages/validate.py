@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import posixpath
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +27,7 @@ from ckptd.model import (
     Reason,
     ValidationResult,
 )
+from ckptd.stages import deepscan
 
 SinkFactory = Callable[[str], list[Sink]]
 
@@ -43,8 +42,6 @@ _PAYLOAD_EXTS = _MAYBE_TORCH_EXTS | {".safetensors", ".json", ".distcp"}
 _JSON_LIMIT = 64 << 20  # JSON files larger than this are hashed but not parsed
 _MAX_RANKS = 1 << 20  # a recorded rank count beyond this is not a real job's
 _SCAN_BLOCK = 1 << 24  # elements checked for NaN/Inf at a time (bounded scratch memory)
-# torch.serialization.safe_globals edits process-wide state: one deep load at a time.
-_DEEP_LOCK = threading.Lock()
 
 
 @dataclass
@@ -436,7 +433,7 @@ def _parse_json(m: _Member, capture: _CaptureSink) -> None:
 def _deep_scan(m: _Member) -> None:
     if m.kind == "zip" and len(m.archives) == 1 and _is_torch_archive(m.archives[0]):
         try:
-            _scan_torch_file(m)
+            deepscan.scan_torch_file(m.fd, m.rel)
         finally:
             fileio.drop_cache(m.path)
     elif m.kind == "safetensors" and m.st_header is not None:
@@ -448,104 +445,6 @@ def _deep_scan(m: _Member) -> None:
 
 def _is_torch_archive(archive: zipcheck.ZipArchive) -> bool:
     return any(zipcheck.is_pickle_member(e.name) for e in archive.entries)
-
-
-def _scan_torch_file(m: _Member) -> None:
-    import torch
-
-    try:
-        with _DEEP_LOCK, torch.serialization.safe_globals(_numpy_safe_globals()):
-            obj = torch.load(m.path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as exc:
-        raise ValidationFailed(Reason.UNSAFE_PICKLE, f"{m.rel}: {exc}", m.rel) from None
-    except Exception as exc:  # torch's loader reports corrupt input with assorted exceptions
-        raise ValidationFailed(
-            Reason.BAD_HEADER, f"{m.rel}: torch.load failed: {type(exc).__name__}: {exc}", m.rel
-        ) from None
-    for key, tensor in _tensors(obj):
-        scanned = _within_storage(tensor, f"{m.rel}: tensor {key}", m.rel)
-        if _has_nonfinite(scanned):
-            raise ValidationFailed(Reason.NAN, f"{m.rel}: tensor {key} has NaN/Inf values", m.rel)
-
-
-def _within_storage(t: Any, what: str, rel: str) -> Any:
-    """Check a tensor's extent against its storage before touching data, and return what to
-    scan: the tensor, or (a view that reuses elements: stride 0, overlaps) the span of its
-    storage it reads, so the scan's work is bounded by the file, not by the view's size."""
-    import torch
-
-    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-        return t
-    if any(st < 0 for st in t.stride()) or t.storage_offset() < 0:
-        raise ValidationFailed(Reason.BAD_METADATA, f"{what} has a negative stride", rel)
-    if t.numel() == 0:
-        return t
-    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride(),
-                                                                     strict=True))
-    held = t.untyped_storage().nbytes() // max(1, t.element_size())
-    if last >= held:
-        raise ValidationFailed(Reason.BAD_METADATA, f"{what} reaches element {last} of a"
-                               f" storage of {held}: beyond its data", rel)
-    if t.numel() <= last - t.storage_offset() + 1:
-        return t
-    flat = torch.empty(0, dtype=t.dtype)
-    flat.set_(t.untyped_storage(), t.storage_offset(), (last - t.storage_offset() + 1,), (1,))
-    return flat
-
-
-def _numpy_safe_globals() -> list[Any]:
-    """picklescan.EXTRA_SAFE_GLOBALS as objects, for torch's weights-only loader."""
-    import numpy as np
-
-    core = getattr(np, "_core", None) or np.core
-    out: list[Any] = [np.ndarray, np.dtype, frozenset, slice]
-    # torch's loader also checks the class of what BUILD sets state on: each dtype's class.
-    out += [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
-    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        out += [(core.multiarray._reconstruct, f"{mod}._reconstruct")]
-        out += [(core.multiarray.scalar, f"{mod}.scalar")]
-    return out
-
-
-def _tensors(obj: Any) -> Iterator[tuple[str, Any]]:
-    """(dotted key, tensor) for every tensor in nested dicts/lists/tuples, depth-first in order.
-    Iterative and cycle-safe: the structure comes from the checkpoint."""
-    import torch
-
-    stack: list[tuple[str, Any]] = [("", obj)]
-    seen: set[int] = set()
-    while stack:
-        key, value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            yield key or "<root>", value
-            continue
-        if id(value) in seen or not isinstance(value, dict | list | tuple):
-            continue
-        seen.add(id(value))
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        children = [(f"{key}.{k}" if key else str(k), v) for k, v in items]
-        stack.extend(reversed(children))
-
-
-def _has_nonfinite(t: Any) -> bool:
-    import torch
-
-    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-        return False
-    if not (t.is_floating_point() or t.is_complex()):
-        return False
-    return any(not bool(torch.isfinite(block).all()) for block in _blocks(t.detach()))
-
-
-def _blocks(t: Any) -> Iterator[Any]:
-    """Contiguous pieces of `t` of at most _SCAN_BLOCK elements, copying as little as it can."""
-    if t.is_contiguous() or t.dim() <= 1:
-        flat = t.reshape(-1)
-        for start in range(0, flat.numel(), _SCAN_BLOCK):
-            yield flat[start : start + _SCAN_BLOCK]
-    else:
-        for row in t:
-            yield from _blocks(row)
 
 
 _FLOAT_VIEWS = {"F16": "<f2", "F32": "<f4", "F64": "<f8"}

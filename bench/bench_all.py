@@ -1,0 +1,283 @@
+"""`make bench`: every row of the performance table, ckptd beside its real baseline, from one
+run of the benchmarks in bench/ (each run its own process), medians over --repeat rounds with
+their spread; printed, and written into docs/PERFORMANCE.md between the make-bench markers.
+
+Usage: python bench/bench_all.py [--repeat 3] [--size 2GB] [--files 10000] [--skip codec]
+       [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DOC = REPO / "docs" / "PERFORMANCE.md"
+BEGIN, END = "<!-- make-bench:begin -->", "<!-- make-bench:end -->"
+MiB = 1 << 20
+
+
+class Failed(Exception):
+    """One benchmark script exited with an error."""
+
+
+@dataclass
+class Row:
+    measure: str
+    baseline: str
+    base_fig: str
+    ckptd_fig: str
+    ratio: str  # ckptd / baseline: median (spread)
+    goal: str
+    met: str
+
+
+def spread(values: Sequence[float], fmt: str = "{:.2f}", unit: str = "", of: str = "run") -> str:
+    """'median unit (min–max, n runs)' of `values` (`of`: what each value is one of)."""
+    if not values:
+        return "—"
+    med = fmt.format(statistics.median(values)) + unit
+    if len(values) == 1:
+        return f"{med} (1 {of})"
+    return f"{med} ({fmt.format(min(values))}–{fmt.format(max(values))}, {len(values)} {of}s)"
+
+
+def verdict(ok: bool | None) -> str:
+    return "—" if ok is None else ("**met**" if ok else "**not met**")
+
+
+def run(argv: list[str], log: Path) -> float:
+    """Run one benchmark script (its output kept in `log`); its wall time."""
+    print(f"$ {shlex.join(argv)}", flush=True)
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise Failed(f"{argv[1]} failed ({proc.returncode}):\n{tail}")
+    print(f"  done in {wall:.0f} s (output: {log})", flush=True)
+    return wall
+
+
+# -- the rows, from each benchmark's JSON -------------------------------------------------------
+
+
+def upload_rows(doc: dict[str, Any]) -> list[Row]:
+    size = f"{doc['raw'] / 1e9:.1f} GB"
+    runs = {r["name"]: r for r in doc["runs"]}
+    scripted, ckptd = runs["scripted"], next(r for n, r in runs.items() if n.startswith("ckptd "))
+    save = [c / s for c, s in zip(ckptd["extra"]["walls"], scripted["extra"]["walls"],
+                                  strict=True)]
+    rs, rc = runs["scripted restore"], runs["ckptd restore"]
+    restore = [c / s for c, s in zip(rc["extra"]["walls"], rs["extra"]["walls"], strict=True)]
+    def secs(r: dict[str, Any]) -> str:
+        return spread(r["extra"]["walls"], "{:.1f}", " s")
+
+    def sent(r: dict[str, Any]) -> str:
+        return f"{secs(r)}, {r['sent_bytes'] / 1e6:,.0f} MB sent"
+
+    return [
+        Row(f"save end to end, {size} fp32 model+Adam into the test S3 server",
+            "`sha256sum; zstd -T0 -3; aws s3 cp`", sent(scripted), sent(ckptd),
+            f"wall {spread(save)}; bytes {ckptd['sent_bytes'] / scripted['sent_bytes']:.3f}",
+            "≤ 0.5× wall", verdict(statistics.median(save) <= 0.5)),
+        Row("restore of the same", "`aws s3 cp` + `zstd -d`", secs(rs), secs(rc),
+            spread(restore), "≤ 0.7×", verdict(statistics.median(restore) <= 0.7)),
+    ]
+
+
+def rss_rows(runs: list[dict[str, Any]]) -> list[Row]:
+    peaks = [r["vm_hwm"] / MiB for r in runs]
+    upload = [r["peaks"]["upload"]["RssAnon"] / MiB for r in runs]
+    return [Row("daemon peak RSS on that save (a real `ckptd run`, defaults)", "—", "—",
+                f"VmHWM {spread(peaks, '{:.0f}', ' MiB')}; anonymous memory during the upload "
+                f"{spread(upload, '{:.0f}', ' MiB')}", "—", "≤ 200 MiB",
+                verdict(max(peaks) <= 200))]
+
+
+def many_rows(doc: dict[str, Any]) -> list[Row]:
+    rounds = doc["rounds"]
+    ratios = [r["ckptd"] / r["aws"] for r in rounds]
+    return [Row(f"{doc['inputs']['files']:,}-file checkpoint upload", "`aws s3 cp --recursive`",
+                spread([r["aws"] for r in rounds], "{:.1f}", " s"),
+                spread([r["ckptd"] for r in rounds], "{:.1f}", " s"), spread(ratios),
+                "≤ 1.5×", verdict(statistics.median(ratios) <= 1.5))]
+
+
+def codec_rows(rows: Any) -> list[Row]:
+    """Rows from `bench/compress_bench.py --json` (one run: it times each figure as the fastest
+    of its own repeats), so their spread is over inputs, not runs. Inputs are named by dtype:
+    '*-bf16', '*-fp32'."""
+    need = {"input", "encoder", "raw", "stored", "comp_cpu_s", "decomp_cpu_s"}
+    # Its JSON lists the from-disk rows, then the in-memory ones (no wall time, no cache).
+    disk = [r for r in rows if isinstance(r, dict) and need <= r.keys() and r.get("comp_wall_s")]
+    if not isinstance(rows, list) or not disk:
+        return [hook("compress_bench --json gave no rows in the expected form")]
+
+    def pairs(suffix: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        by = {(r["input"], r["encoder"]): r for r in disk}
+        return [(by[(i, "ckptd-auto")], by[(i, "zipnn")]) for i, e in by
+                if e == "zipnn" and i.endswith(suffix) and (i, "ckptd-auto") in by]
+
+    def speed(r: dict[str, Any], key: str) -> float:
+        return float(r["raw"]) / float(r[key]) / 1e6
+
+    bf16, fp32 = pairs("-bf16"), pairs("-fp32")
+    if not bf16:
+        return [hook("zipnn was not available to compress_bench (pip install --no-deps zipnn)")]
+    ratio = [c["stored"] / z["stored"] for c, z in bf16]
+    bspeed = [speed(c, "comp_cpu_s") / speed(z, "comp_cpu_s") for c, z in bf16]
+    fspeed = [speed(c, "comp_cpu_s") / speed(z, "comp_cpu_s") for c, z in fp32]
+    ckptd_dec = [speed(r, "decomp_cpu_s") for r in disk
+                 if r["encoder"] == "ckptd-auto" and r.get("decomp_cpu_s")]
+    names = ", ".join(c["input"] for c, _ in bf16)
+    return [
+        Row(f"bf16 weights: ratio ({names})", "zipnn", "", "",
+            spread(ratio, "{:.4f}", "× zipnn's size", "input"), "≤ zipnn's on every input",
+            verdict(max(ratio) <= 1.0)),
+        Row("bf16 weights: compress speed, one thread", "zipnn", "", "",
+            spread(bspeed, "{:.2f}", "× zipnn's MB/s/core", "input"), "≥ 1.2×",
+            verdict(min(bspeed) >= 1.2)),
+        Row("fp32: compress speed, one thread", "zipnn", "", "",
+            spread(fspeed, "{:.2f}", "× zipnn's MB/s/core", "input"), "keep ≥ 1.2×",
+            verdict(min(fspeed) >= 1.2) if fspeed else "—"),
+        Row("decompress, one thread (ckptd, every input, from disk)", "zipnn", "",
+            spread(ckptd_dec, "{:.0f}", " MB/s/core", "input"), "—", "≥ 1.5 GB/s on every input",
+            verdict(min(ckptd_dec) >= 1500) if ckptd_dec else "—"),
+    ]
+
+
+def hook(why: str) -> Row:
+    return Row("codec rows (bf16/fp32 ratio and speed, decompress)", "zipnn", "", "", "—", "—",
+               f"not measured: {why}")
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                .splitlines() if line.startswith("model name")), platform.processor())
+    mem = int(Path("/proc/meminfo").read_text().split()[1]) / (1 << 20)
+    versions = [_version(["zstd", "--version"]), _version(["aws", "--version"])]
+    return (f"{os.cpu_count()} vCPUs ({cpu}), {mem:.0f} GiB RAM, Linux {platform.release()}, "
+            f"Python {platform.python_version()}; {'; '.join(versions)}")
+
+
+def _version(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, check=False)
+    except OSError:
+        return f"{argv[0]}: not installed"
+    text = (out.stdout or out.stderr).strip()
+    return text.splitlines()[0] if text else argv[0]
+
+
+def collect(args: argparse.Namespace, out: Path) -> tuple[list[Row], list[str]]:
+    py = sys.executable
+    rows: list[Row] = []
+    notes: list[str] = []
+    steps: list[tuple[str, list[str], Callable[[Any], list[Row]]]] = [
+        ("upload", [py, str(HERE / "upload_bench.py"), "--size", args.size, "--repeat",
+                    str(args.repeat), "--keep-inputs", "--workdir", str(args.workdir / "upload")],
+         upload_rows),
+        ("rss", [py, str(HERE / "daemon_rss_bench.py"), "--size", args.size, "--repeat",
+                 str(args.repeat), "--workdir", str(args.workdir / "upload")], rss_rows),
+        ("many", [py, str(HERE / "many_files_bench.py"), "--files", str(args.files),
+                  "--repeat", str(args.repeat), "--workdir", str(args.workdir / "many-files")],
+         many_rows),
+        ("codec", [py, str(HERE / "compress_bench.py"), "--workdir",
+                   str(args.workdir / "compress")], codec_rows),
+    ]
+    for name, argv, to_rows in steps:
+        if name in args.skip:
+            notes.append(f"{name}: skipped (--skip)")
+            continue
+        result = out / f"{name}.json"
+        result.unlink(missing_ok=True)
+        try:
+            wall = run([*argv, "--json", str(result)], out / f"{name}.log")
+        except Failed as exc:  # the other rows still stand; this one says why it is missing
+            print(exc, file=sys.stderr)
+            notes.append(f"{Path(argv[1]).name} FAILED: see {out / f'{name}.log'}")
+            continue
+        notes.append(f"{Path(argv[1]).name}: {wall / 60:.1f} min")
+        rows += to_rows(json.loads(result.read_text()))
+    return rows, notes
+
+
+def render(rows: list[Row], notes: list[str], args: argparse.Namespace, loads: list[float],
+           started: str) -> str:
+    lines = [
+        BEGIN,
+        f"Written by `make bench` ({started}; command: `python bench/bench_all.py "
+        f"{' '.join(shlex.quote(a) for a in sys.argv[1:])}`).",
+        "",
+        f"Machine: {machine()}. Shared with other work: load average {loads[0]:.1f} at the "
+        f"start, {loads[1]:.1f} at the end; read ratios, not absolute times. Each ratio is "
+        f"the median of the per-round ratios (ckptd and its baseline run in the same round, "
+        f"alternating order), with the lowest and highest round.",
+        "",
+        "| measure | baseline | baseline | ckptd | ckptd / baseline | goal | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {r.measure} | {r.baseline} | {r.base_fig} | {r.ckptd_fig} | {r.ratio} | "
+              f"{r.goal} | {r.met} |" for r in rows]
+    lines += ["", *(f"- {n}" for n in notes), END]
+    return "\n".join(lines)
+
+
+def write_doc(block: str) -> None:
+    text = DOC.read_text()
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        marker = "\n## Compression\n"
+        head, tail = text.split(marker, 1) if marker in text else (text, "")
+        text = (head.rstrip("\n") + "\n\n## The table (`make bench`)\n\n" + block + "\n"
+                + (marker + tail if tail else ""))
+    DOC.write_text(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--size", default="2GB")
+    p.add_argument("--files", type=int, default=10_000)
+    p.add_argument("--skip", default="", help="comma-separated: upload,rss,many,codec")
+    p.add_argument("--no-write", action="store_true", help="print only; leave the doc alone")
+    p.add_argument("--workdir", type=Path, default=HERE / "out",
+                   help="inputs (built once, kept) and results go under here")
+    args = p.parse_args()
+    args.skip = set(filter(None, args.skip.split(",")))
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO),
+                                                             os.environ.get("PYTHONPATH")]))
+    out = args.workdir / "bench-all"
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load0 = os.getloadavg()[0]
+    rows, notes = collect(args, out)
+    block = render(rows, notes, args, [load0, os.getloadavg()[0]], started)
+    print(block)
+    if not args.no_write:
+        write_doc(block)
+        print(f"written into {DOC}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Deep validation of a torch file (a weights-only `torch.load`, then every floating tensor
+scanned for NaN/Inf) in a child process, so that torch, and the ~100+ MiB it takes once
+imported, never lives in the daemon: the child's memory goes back to the system when it ends.
+
+Owns the child's protocol (the file's inherited fd in, one JSON verdict out); reads the file
+only in the child, and never unpickles beyond torch's weights-only loader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ckptd.errors import CkptdError, ValidationFailed
+from ckptd.model import Reason
+
+_SCAN_BLOCK = 1 << 24  # elements checked for NaN/Inf at a time (bounded scratch memory)
+# One child at a time: each holds torch and a mapping of the file it loads.
+_DEEP_LOCK = threading.Lock()
+
+
+def scan_torch_file(fd: int, rel: str) -> None:
+    """Deep-check the torch file open at `fd` (named `rel`) in a child process; raise
+    ValidationFailed for what it finds, CkptdError when the child itself failed (killed,
+    out of memory: a retry may succeed, so the checkpoint is not called invalid for it)."""
+    argv = [sys.executable, "-m", "ckptd.stages.deepscan", str(fd), rel]
+    with _DEEP_LOCK:
+        proc = subprocess.run(argv, pass_fds=(fd,), capture_output=True, text=True,
+                              check=False, env=dict(os.environ, PYTHONSAFEPATH="1"))
+    lines = proc.stdout.strip().splitlines()
+    try:
+        verdict = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+    except ValueError:
+        verdict = None
+    if not isinstance(verdict, dict):
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise CkptdError(f"{rel}: the deep check's process failed: {why}")
+    if verdict.get("reason"):
+        raise ValidationFailed(Reason(verdict["reason"]), str(verdict.get("message", "")), rel)
+
+
+def main(argv: list[str]) -> int:
+    """The child: `python -m ckptd.stages.deepscan FD REL`; prints one JSON verdict."""
+    fd, rel = int(argv[0]), argv[1]
+    try:
+        _scan(Path(f"/proc/self/fd/{fd}"), rel)
+    except ValidationFailed as exc:
+        print(json.dumps({"reason": str(exc.reason), "message": exc.message}))
+    else:
+        print(json.dumps({"reason": None}))
+    return 0
+
+
+def _scan(path: Path, rel: str) -> None:
+    """In the child: load weights-only and scan; ValidationFailed says what is wrong."""
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise ValidationFailed(Reason.UNSAFE_PICKLE, f"{rel}: {exc}", rel) from None
+    except Exception as exc:  # torch's loader reports corrupt input with assorted exceptions
+        raise ValidationFailed(
+            Reason.BAD_HEADER, f"{rel}: torch.load failed: {type(exc).__name__}: {exc}", rel
+        ) from None
+    for key, tensor in _tensors(obj):
+        scanned = _within_storage(tensor, f"{rel}: tensor {key}", rel)
+        if _has_nonfinite(scanned):
+            raise ValidationFailed(Reason.NAN, f"{rel}: tensor {key} has NaN/Inf values", rel)
+
+
+def _within_storage(t: Any, what: str, rel: str) -> Any:
+    """Check a tensor's extent against its storage before touching data, and return what to
+    scan: the tensor, or (a view that reuses elements: stride 0, overlaps) the span of its
+    storage it reads, so the scan's work is bounded by the file, not by the view's size."""
+    import torch
+
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        return t
+    if any(st < 0 for st in t.stride()) or t.storage_offset() < 0:
+        raise ValidationFailed(Reason.BAD_METADATA, f"{what} has a negative stride", rel)
+    if t.numel() == 0:
+        return t
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride(),
+                                                                     strict=True))
+    held = t.untyped_storage().nbytes() // max(1, t.element_size())
+    if last >= held:
+        raise ValidationFailed(Reason.BAD_METADATA, f"{what} reaches element {last} of a"
+                               f" storage of {held}: beyond its data", rel)
+    if t.numel() <= last - t.storage_offset() + 1:
+        return t
+    flat = torch.empty(0, dtype=t.dtype)
+    flat.set_(t.untyped_storage(), t.storage_offset(), (last - t.storage_offset() + 1,), (1,))
+    return flat
+
+
+def _numpy_safe_globals() -> list[Any]:
+    """picklescan.EXTRA_SAFE_GLOBALS as objects, for torch's weights-only loader."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    out: list[Any] = [np.ndarray, np.dtype, frozenset, slice]
+    # torch's loader also checks the class of what BUILD sets state on: each dtype's class.
+    out += [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        out += [(core.multiarray._reconstruct, f"{mod}._reconstruct")]
+        out += [(core.multiarray.scalar, f"{mod}.scalar")]
+    return out
+
+
+def _tensors(obj: Any) -> Iterator[tuple[str, Any]]:
+    """(dotted key, tensor) for every tensor in nested dicts/lists/tuples, depth-first in order.
+    Iterative and cycle-safe: the structure comes from the checkpoint."""
+    import torch
+
+    stack: list[tuple[str, Any]] = [("", obj)]
+    seen: set[int] = set()
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            yield key or "<root>", value
+            continue
+        if id(value) in seen or not isinstance(value, dict | list | tuple):
+            continue
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        children = [(f"{key}.{k}" if key else str(k), v) for k, v in items]
+        stack.extend(reversed(children))
+
+
+def _has_nonfinite(t: Any) -> bool:
+    import torch
+
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        return False
+    if not (t.is_floating_point() or t.is_complex()):
+        return False
+    return any(not bool(torch.isfinite(block).all()) for block in _blocks(t.detach()))
+
+
+def _blocks(t: Any) -> Iterator[Any]:
+    """Contiguous pieces of `t` of at most _SCAN_BLOCK elements, copying as little as it can."""
+    if t.is_contiguous() or t.dim() <= 1:
+        flat = t.reshape(-1)
+        for start in range(0, flat.numel(), _SCAN_BLOCK):
+            yield flat[start : start + _SCAN_BLOCK]
+    else:
+        for row in t:
+            yield from _blocks(row)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
