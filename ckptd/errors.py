@@ -89,6 +89,11 @@ class ObjectExists(PermanentError):
     """A create-only put found the object already there."""
 
 
+class PreconditionFailed(StorageError):
+    """A conditional put (`if_match`) found the object changed or gone: neither transient nor
+    permanent, the caller re-reads and decides again."""
+
+
 class CorruptData(CkptdError):
     """Stored data does not match its recorded hash, size or framing."""
 

@@ -1,7 +1,8 @@
 """Reading the remote layout of a root: committed steps, their manifests, the LATEST pointer.
 
 Owns the key names under `<url>/<root>/` and what counts as committed (a step with a
-MANIFEST.json); writes nothing except LATEST, and never imports the store or a stage.
+MANIFEST.json); writes nothing except LATEST (compare-and-swap only), and never imports the
+store or a stage.
 """
 
 from __future__ import annotations
@@ -11,11 +12,22 @@ import re
 from collections.abc import Iterable
 
 from ckptd.backends.base import Backend, ObjectMeta
-from ckptd.errors import CorruptData, ObjectNotFound
+from ckptd.errors import (
+    CorruptData,
+    ObjectExists,
+    ObjectNotFound,
+    PreconditionFailed,
+    StorageError,
+    TransientError,
+)
+from ckptd.log import get_logger
 from ckptd.manifest import LATEST_NAME, MANIFEST_NAME, Manifest, parse_manifest, step_prefix
 
 # Only the canonical spelling written by step_prefix: "step-007" is somebody else's object.
 _STEP_DIR = re.compile(r"step-(0|[1-9][0-9]*)")
+# Compare-and-swap rounds on LATEST before giving up: each lost round means another writer
+# moved it, so a handful covers every node of a job committing at once.
+LATEST_TRIES = 8
 
 
 def manifest_key(root_name: str, step: int) -> str:
@@ -68,21 +80,92 @@ def read_latest(backend: Backend, root_name: str) -> int | None:
         data = backend.get_bytes(key)
     except ObjectNotFound:
         return None
+    return _parse_latest(data, f"{backend.url}/{key}")
+
+
+def _parse_latest(data: bytes, where: str) -> int:
     try:
         step = json.loads(data)["step"]
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
-        raise CorruptData(f"{backend.url}/{key}: not a LATEST document ({exc})") from exc
+        raise CorruptData(f"{where}: not a LATEST document ({exc})") from exc
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CorruptData(f"{backend.url}/{key}: bad step {step!r}")
+        raise CorruptData(f"{where}: bad step {step!r}")
     return step
 
 
-def write_latest(backend: Backend, root_name: str, step: int | None) -> None:
-    """Point LATEST at `step`, or remove it when `step` is None. Errors propagate."""
-    if step is None:
-        backend.delete(latest_key(root_name))
+def _read_pointer(backend: Backend, root_name: str) -> tuple[int | None, str | None]:
+    """LATEST's step (None when absent or damaged) and version (None only when absent)."""
+    key = latest_key(root_name)
+    try:
+        data, version = backend.get_versioned(key)
+    except ObjectNotFound:
+        return None, None
+    try:
+        return _parse_latest(data, f"{backend.url}/{key}"), version
+    except CorruptData:
+        return None, version  # damaged: replaced like any other version
+
+
+def _swap(backend: Backend, root_name: str, step: int, version: str | None) -> None:
+    """Write LATEST = step if it is still `version` (create-only when it was absent)."""
+    body = json.dumps({"step": step}).encode() + b"\n"
+    if version is None:
+        backend.put(latest_key(root_name), body, create_only=True)
     else:
-        backend.put(latest_key(root_name), json.dumps({"step": step}).encode() + b"\n")
+        backend.put(latest_key(root_name), body, if_match=version)
+
+
+def advance_latest(backend: Backend, root_name: str, step: int) -> bool:
+    """Best effort: move LATEST forward to `step` unless it names `step` or a later one.
+
+    Compare-and-swap: read LATEST with its version, put conditionally on that version (or
+    create-only), and on losing to another writer read again, `LATEST_TRIES` rounds at most.
+    True when LATEST names `step` afterwards. Never raises: failures log
+    `latest_update_failed`, a later step already there logs `latest_kept`.
+    """
+    log = get_logger(root=root_name, step=step)
+    try:
+        for _ in range(LATEST_TRIES):
+            current, version = _read_pointer(backend, root_name)
+            if current is not None and current >= step:
+                if current > step:
+                    log.info("latest_kept", latest=current)
+                return current == step
+            try:
+                _swap(backend, root_name, step, version)
+                return True
+            except (PreconditionFailed, ObjectExists):
+                continue  # another writer moved it in between: look again
+        raise TransientError(f"LATEST kept changing for {LATEST_TRIES} rounds")
+    except StorageError as exc:
+        log.warning("latest_update_failed", key=latest_key(root_name), error=str(exc))
+        return False
+
+
+def retreat_latest(backend: Backend, root_name: str, deleted: int) -> None:
+    """After step `deleted` is removed: if LATEST names it (or is damaged), point it at the
+    highest remaining committed step, or remove it when none is left. Errors propagate.
+
+    Conditional like `advance_latest`. The removal cannot be (obstore has no conditional
+    delete), so a step committed meanwhile is looked for afterwards and LATEST advanced to it.
+    """
+    for _ in range(LATEST_TRIES):
+        current, version = _read_pointer(backend, root_name)
+        if version is None or (current is not None and current != deleted):
+            return
+        remaining = [s for s in list_steps(backend, root_name) if s != deleted]
+        if not remaining:
+            backend.delete(latest_key(root_name))
+            later = [s for s in list_steps(backend, root_name) if s != deleted]
+            if later:
+                advance_latest(backend, root_name, max(later))
+            return
+        try:
+            _swap(backend, root_name, max(remaining), version)
+            return
+        except PreconditionFailed:
+            continue
+    raise TransientError(f"LATEST of {root_name!r} kept changing for {LATEST_TRIES} rounds")
 
 
 def step_objects(backend: Backend, root_name: str, step: int) -> dict[str, ObjectMeta]:

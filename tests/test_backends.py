@@ -35,7 +35,14 @@ from ckptd.backends import (
     wrap_backend,
 )
 from ckptd.backends.local import TMP_MARK
-from ckptd.errors import ObjectExists, ObjectNotFound, PermanentError, TransientError
+from ckptd.errors import (
+    ObjectExists,
+    ObjectNotFound,
+    PermanentError,
+    PreconditionFailed,
+    TransientError,
+)
+from ckptd.remote import advance_latest, latest_key, read_latest, retreat_latest
 
 if TYPE_CHECKING:
     from faultproxy import FaultProxy
@@ -158,6 +165,159 @@ def test_create_only(backend: Backend) -> None:
     with pytest.raises(ObjectExists):
         backend.put("MANIFEST.json", io.BytesIO(b'{"step": 3}'), create_only=True)
     assert backend.get_bytes("MANIFEST.json") == b'{"step": 1}'
+
+
+def test_conditional_put_swaps_only_the_version_it_read(backend: Backend) -> None:
+    backend.put("LATEST", b'{"step": 1}', create_only=True)
+    data, first = backend.get_versioned("LATEST")
+    assert data == b'{"step": 1}'
+    backend.put("LATEST", b'{"step": 2}', if_match=first)
+    data, second = backend.get_versioned("LATEST")
+    assert data == b'{"step": 2}' and second != first
+    with pytest.raises(PreconditionFailed):  # stale version: nothing changes
+        backend.put("LATEST", b'{"step": 0}', if_match=first)
+    with pytest.raises(PreconditionFailed):  # through the retry wrapper too, not retried
+        retrying(backend).put("LATEST", io.BytesIO(b'{"step": 0}'), if_match=first)
+    assert backend.get_versioned("LATEST") == (b'{"step": 2}', second)
+    with pytest.raises(PreconditionFailed):  # a version of nothing: still nothing
+        backend.put("absent", b"x", if_match=second)
+    with pytest.raises(ObjectNotFound):
+        backend.get_versioned("absent")
+    with pytest.raises(PermanentError):
+        backend.put("LATEST", b"x", create_only=True, if_match=second)
+    assert [m.key for m in backend.list()] == ["LATEST"]  # no lock or temp file shows
+    backend.delete("LATEST")
+    with pytest.raises(PreconditionFailed):
+        backend.put("LATEST", b'{"step": 3}', if_match=second)
+    assert list(backend.list()) == []
+
+
+def test_conditional_puts_lose_no_update(backend: Backend) -> None:
+    """Writers racing read-increment-swap on one counter: every success counts once."""
+    backend.put("counter", b"0", create_only=True)
+    writers, each = 4, 5
+    start = threading.Barrier(writers)
+
+    def increment_times(n: int) -> None:
+        start.wait()
+        done = 0
+        while done < n:
+            data, version = backend.get_versioned("counter")
+            try:
+                backend.put("counter", b"%d" % (int(data) + 1), if_match=version)
+                done += 1
+            except PreconditionFailed:
+                continue
+
+    threads = [threading.Thread(target=increment_times, args=(each,)) for _ in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert int(backend.get_bytes("counter")) == writers * each
+
+
+def test_latest_racing_nodes_end_at_the_highest_step(backend: Backend) -> None:
+    """Nodes committing different steps at once: LATEST ends at the highest, whatever order."""
+    steps = list(range(1, 9))
+    start = threading.Barrier(len(steps))
+    results: dict[int, bool] = {}
+
+    def commit(step: int) -> None:
+        start.wait()
+        results[step] = advance_latest(backend, "job", step)
+
+    with capture_logs() as logs:
+        threads = [threading.Thread(target=commit, args=(s,)) for s in steps]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert read_latest(backend, "job") == max(steps)
+    assert results[max(steps)] is True
+    assert not [e for e in logs if e["event"] == "latest_update_failed"]
+    assert advance_latest(backend, "job", 3) is False  # never backwards
+    assert read_latest(backend, "job") == max(steps)
+
+
+class AnotherNodeMovesLatest:
+    """Fault injection: right after the first versioned read of LATEST, another node's commit
+    (step `theirs`, manifest first) moves LATEST before the reader can swap it."""
+
+    def __init__(self, inner: Backend, theirs: int) -> None:
+        self.inner, self.theirs, self.fired = inner, theirs, False
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        got = self.inner.get_versioned(key)
+        if not self.fired:
+            self.fired = True
+            self.inner.put(f"job/step-{self.theirs}/MANIFEST.json", b"{}", create_only=True)
+            self.inner.put(key, b'{"step": %d}\n' % self.theirs)
+        return got
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_latest_swap_lost_to_another_node_is_read_again(backend: Backend) -> None:
+    for step in (3, 5):
+        backend.put(f"job/step-{step}/MANIFEST.json", b"{}", create_only=True)
+    assert advance_latest(backend, "job", 5)
+    # Moving forward to 7 while another node moves it to 9: 9 stays.
+    racing = cast(Backend, AnotherNodeMovesLatest(backend, 9))
+    assert advance_latest(racing, "job", 7) is False and racing.fired  # type: ignore[attr-defined]
+    assert read_latest(backend, "job") == 9
+    # Deleting step 9 (LATEST) while another node commits 11: LATEST names 11, not 5.
+    backend.delete("job/step-9/MANIFEST.json")
+    retreat_latest(cast(Backend, AnotherNodeMovesLatest(backend, 11)), "job", 9)
+    assert read_latest(backend, "job") == 11
+    # Without a race the delete path points LATEST at the highest remaining step, then away.
+    backend.delete("job/step-11/MANIFEST.json")
+    retreat_latest(backend, "job", 11)
+    assert read_latest(backend, "job") == 5
+    for step in (3, 5):
+        backend.delete(f"job/step-{step}/MANIFEST.json")
+    retreat_latest(backend, "job", 5)
+    assert read_latest(backend, "job") is None
+
+
+_ADVANCE = """
+import sys
+from ckptd.backends import LocalBackend
+from ckptd.remote import advance_latest
+backend, steps = LocalBackend(sys.argv[1]), [int(s) for s in sys.argv[2:]]
+sys.stdin.readline()
+for step in steps:
+    advance_latest(backend, "job", step)
+"""
+
+
+def test_local_latest_racing_processes_end_at_the_highest_step(tmp_path: Path) -> None:
+    """The file:// swap is atomic among processes (an flock), not only among threads."""
+    base = tmp_path / "remote"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ADVANCE, str(base), *[str(s) for s in range(i, 41, 4)]],
+            stdin=subprocess.PIPE, env=env,
+        )
+        for i in range(1, 5)
+    ]
+    try:
+        time.sleep(1.0)  # let every interpreter import and wait on its stdin
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(b"go\n")
+            p.stdin.flush()
+        assert [p.wait(60) for p in procs] == [0] * len(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    backend = LocalBackend(base)
+    assert read_latest(backend, "job") == 40
+    assert [m.key for m in backend.list()] == [latest_key("job")]
 
 
 def test_put_overwrites_and_is_idempotent(backend: Backend) -> None:

@@ -27,7 +27,7 @@ class IgnoresCreateOnly:
         self.part_size = inner.part_size
 
     def put(self, key: str, src: Any, size: int | None = None, *,
-            create_only: bool = False) -> Any:
+            create_only: bool = False, if_match: str | None = None) -> Any:
         return self.inner.put(key, src, size)
 
     def __getattr__(self, name: str) -> Any:

@@ -83,11 +83,14 @@ class Counting:
                 self.active -= 1
 
     def put(self, key: str, src: Source, size: int | None = None, *,
-            create_only: bool = False) -> ObjectMeta:
-        return self.inner.put(key, src, size, create_only=create_only)
+            create_only: bool = False, if_match: str | None = None) -> ObjectMeta:
+        return self.inner.put(key, src, size, create_only=create_only, if_match=if_match)
 
     def get_bytes(self, key: str) -> bytes:
         return self.inner.get_bytes(key)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        return self.inner.get_versioned(key)
 
     def stat(self, key: str) -> ObjectMeta:
         return self.inner.stat(key)

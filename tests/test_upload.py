@@ -178,14 +178,20 @@ class Recording:
         return [k for op, k in self.calls if op == "put"]
 
     def put(
-        self, key: str, src: Source, size: int | None = None, *, create_only: bool = False
+        self,
+        key: str,
+        src: Source,
+        size: int | None = None,
+        *,
+        create_only: bool = False,
+        if_match: str | None = None,
     ) -> ObjectMeta:
         with self._lock:
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
             self._call("put", key)
-            return self.inner.put(key, src, size, create_only=create_only)
+            return self.inner.put(key, src, size, create_only=create_only, if_match=if_match)
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -197,6 +203,10 @@ class Recording:
     def get_bytes(self, key: str) -> bytes:
         self._call("get_bytes", key)
         return self.inner.get_bytes(key)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        self._call("get_versioned", key)
+        return self.inner.get_versioned(key)
 
     def stat(self, key: str) -> ObjectMeta:
         self._call("stat", key)

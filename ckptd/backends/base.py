@@ -54,6 +54,12 @@ class Backend(Protocol):
       multipart uploads. `create_only=True` raises `ObjectExists` if the key is present and leaves
       the stored object unchanged: the manifest commit relies on this. A create-only object is
       sent in one request, so keep such objects small.
+    - Compare-and-swap for small pointers (LATEST): `get_versioned` returns an object's bytes
+      with an opaque version tag (S3: its ETag; file://: inode, mtime and size), and
+      `put(..., if_match=tag)` stores only if the object is still that version, atomically
+      with respect to other conditional puts, else raises `PreconditionFailed` (also when the
+      object is gone) and changes nothing. Sent in one request; not combined with
+      `create_only` (which is the way to create such an object).
     - `get` streams the object into `dst` (bounded memory) and returns the byte count;
       `get_bytes` is for small objects only.
     - `stat` gives size, etag (where the store has one) and mtime.
@@ -61,7 +67,8 @@ class Backend(Protocol):
       "a/b" matches "a/b/c", not "a/bc"), recursively. Order is not part of the contract.
     - `delete` is idempotent: deleting a missing key is not an error.
     - Every error is `TransientError` (retrying later may help) or `PermanentError` (it will
-      not); a missing object is `ObjectNotFound` (a PermanentError). No store library's own
+      not); a missing object is `ObjectNotFound` (a PermanentError); a failed `if_match` is
+      `PreconditionFailed` (neither: re-read, then decide). No store library's own
       exception types escape a backend.
     - Backends never retry on their own beyond a few immediate per-request retries documented
       by the implementation; backoff, bandwidth caps and concurrency limits are wrappers
@@ -80,9 +87,19 @@ class Backend(Protocol):
         ...
 
     def put(
-        self, key: str, src: Source, size: int | None = None, *, create_only: bool = False
+        self,
+        key: str,
+        src: Source,
+        size: int | None = None,
+        *,
+        create_only: bool = False,
+        if_match: str | None = None,
     ) -> ObjectMeta:
         """Store `src` (bytes, or a binary file object read to EOF) under `key`, atomically."""
+        ...
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """A small object's bytes and the version tag `put(if_match=...)` compares."""
         ...
 
     def get(self, key: str, dst: BinaryIO) -> int:
@@ -127,6 +144,12 @@ def check_prefix(prefix: str) -> str:
     """A list prefix: "" (everything) or a key, with trailing slashes dropped."""
     stripped = prefix.rstrip("/")
     return check_key(stripped) if stripped else ""
+
+
+def check_put_mode(create_only: bool, if_match: str | None) -> None:
+    """Refuse a put that is both create-only and conditional on a version."""
+    if create_only and if_match is not None:
+        raise PermanentError("a put is create-only or conditional on a version, not both")
 
 
 def join_url(url: str, key: str) -> str:

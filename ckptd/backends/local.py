@@ -1,15 +1,19 @@
 """The `file://` backend: objects are files under one directory (a local disk or an NFS mount).
 
 Writes are temp-name, fsync, rename, fsync-dir; nothing is written or read outside `base_dir`.
+A conditional put holds an flock on a lock file beside the object while it compares and renames.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import secrets
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from os import stat_result
 from stat import S_ISREG
 from typing import BinaryIO
 
@@ -20,13 +24,16 @@ from ckptd.backends.base import (
     Source,
     check_key,
     check_prefix,
+    check_put_mode,
     join_url,
     os_error,
 )
-from ckptd.errors import ObjectExists, ObjectNotFound, PermanentError
+from ckptd.errors import ObjectExists, ObjectNotFound, PermanentError, PreconditionFailed
 
 # Marks our in-flight temp files; list() never shows them and keys may not contain it.
 TMP_MARK = ".ckptd-tmp."
+# Ends the name of the lock file of a conditionally written object (".LATEST.ckptd-lock").
+LOCK_MARK = ".ckptd-lock"
 
 
 class LocalBackend:
@@ -44,15 +51,25 @@ class LocalBackend:
     # -- the contract ----------------------------------------------------------------------
 
     def put(
-        self, key: str, src: Source, size: int | None = None, *, create_only: bool = False
+        self,
+        key: str,
+        src: Source,
+        size: int | None = None,
+        *,
+        create_only: bool = False,
+        if_match: str | None = None,
     ) -> ObjectMeta:
+        check_put_mode(create_only, if_match)
         path = self._path(key)
         folder = os.path.dirname(path)
         try:
             self._makedirs(folder)
             tmp = self._write_temp(folder, os.path.basename(path), src, size, key)
             try:
-                self._commit(tmp, path, create_only, key)
+                if if_match is None:
+                    self._commit(tmp, path, create_only, key)
+                else:
+                    self._replace_if(tmp, path, if_match, key)
             finally:
                 _unlink_quietly(tmp)
             _fsync_dir(folder)
@@ -78,6 +95,14 @@ class LocalBackend:
         with self._open(key) as f:
             try:
                 return f.read()
+            except OSError as exc:
+                raise os_error(exc, f"get {self._where(key)}") from None
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        with self._open(key) as f:
+            try:
+                # fstat of the descriptor read: the version of exactly these bytes.
+                return f.read(), _version(os.fstat(f.fileno()))
             except OSError as exc:
                 raise os_error(exc, f"get {self._where(key)}") from None
 
@@ -107,7 +132,10 @@ class LocalBackend:
         path = self._path(key)
         try:
             self._inside(os.path.dirname(path), key)
-            os.unlink(path)
+            with _locked(_lock_path(path), create=False) as held:
+                os.unlink(path)
+                if held:  # a conditional put waiting on it re-checks the name and starts over
+                    _unlink_quietly(_lock_path(path))
         except (FileNotFoundError, NotADirectoryError):
             return
         except IsADirectoryError:
@@ -142,8 +170,9 @@ class LocalBackend:
 
     def _path(self, key: str) -> str:
         check_key(key)
-        if TMP_MARK in key:
-            raise PermanentError(f"invalid storage key {key!r}: contains {TMP_MARK!r}")
+        for mark in (TMP_MARK, LOCK_MARK):
+            if mark in key:
+                raise PermanentError(f"invalid storage key {key!r}: contains {mark!r}")
         return os.path.join(self.base, *key.split("/"))
 
     def _inside(self, path: str, key: str) -> None:
@@ -199,6 +228,19 @@ class LocalBackend:
         except FileExistsError:
             raise ObjectExists(f"{self._where(key)} already exists") from None
 
+    def _replace_if(self, tmp: str, path: str, if_match: str, key: str) -> None:
+        """Rename `tmp` over `path` if `path` is still version `if_match`, under its lock."""
+        with _locked(_lock_path(path), create=True):
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                st = None
+            if st is None or not S_ISREG(st.st_mode) or _version(st) != if_match:
+                raise PreconditionFailed(
+                    f"{self._where(key)} is gone or was changed since it was read"
+                )
+            os.replace(tmp, path)
+
     def _open(self, key: str) -> BinaryIO:
         """The object's file, opened for reading; symlinks and directories are not objects."""
         path = self._path(key)
@@ -232,7 +274,7 @@ class LocalBackend:
             key = f"{rel}/{entry.name}" if rel else entry.name
             if entry.is_dir(follow_symlinks=False):
                 yield from self._walk(entry.path, key)
-            elif entry.is_file(follow_symlinks=False) and TMP_MARK not in entry.name:
+            elif entry.is_file(follow_symlinks=False) and not _is_ours(entry.name):
                 st = entry.stat(follow_symlinks=False)
                 yield ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None)
 
@@ -245,6 +287,56 @@ class LocalBackend:
                 return  # not empty, or gone: either way stop
             _fsync_dir_quietly(os.path.dirname(folder))
             folder = os.path.dirname(folder)
+
+
+def _is_ours(name: str) -> bool:
+    """A temp or lock file of this backend, never an object."""
+    return TMP_MARK in name or name.endswith(LOCK_MARK)
+
+
+def _version(st: stat_result) -> str:
+    """A file's version tag: a rename-replaced file is another inode, a rewrite a new mtime."""
+    return f"{st.st_dev:x}.{st.st_ino:x}.{st.st_mtime_ns:x}.{st.st_size:x}"
+
+
+def _lock_path(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}{LOCK_MARK}")
+
+
+@contextmanager
+def _locked(lock: str, *, create: bool) -> Iterator[bool]:
+    """Hold an exclusive flock on `lock`; yields False (no lock) if it is absent and not
+    `create`. A lock file unlinked while we waited for it is opened again."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+    while True:
+        try:
+            fd = os.open(lock, flags, 0o666)
+        except FileNotFoundError:
+            if create:
+                raise
+            yield False
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _same_file(fd, lock):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield True
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        named = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
 
 
 def _copy(src: Source, out: BinaryIO) -> int:

@@ -28,6 +28,7 @@ from ckptd.backends.base import (
     Source,
     check_key,
     check_prefix,
+    check_put_mode,
     join_url,
     os_error,
 )
@@ -37,12 +38,13 @@ from ckptd.errors import (
     ObjectExists,
     ObjectNotFound,
     PermanentError,
+    PreconditionFailed,
     StorageError,
     TransientError,
 )
 
 if TYPE_CHECKING:
-    from obstore import GetOptions
+    from obstore import GetOptions, PutMode
     from obstore.store import ClientConfig, RetryConfig, S3Config
 
 T = TypeVar("T")
@@ -122,16 +124,24 @@ class ObstoreBackend:
     # -- the contract ----------------------------------------------------------------------
 
     def put(
-        self, key: str, src: Source, size: int | None = None, *, create_only: bool = False
+        self,
+        key: str,
+        src: Source,
+        size: int | None = None,
+        *,
+        create_only: bool = False,
+        if_match: str | None = None,
     ) -> ObjectMeta:
         check_key(key)
         where = join_url(self.url, key)
         # A file's pages are sent from a mapping of it, not copies: see mapped.MappedBody.
+        mode = _put_mode(create_only, if_match)
+        whole = mode != "overwrite"  # create-only and If-Match go in one request
         depth = (self.concurrency + 1) * self.part_size
-        mapped = None if create_only else open_body(src, size, depth, where)
+        mapped = None if whole else open_body(src, size, depth, where)
         body = PutBody(src, size, where, mapped)
         try:
-            payload = body.payload(self.part_size, whole=create_only)
+            payload = body.payload(self.part_size, whole=whole)
             result = _guard(
                 "put",
                 where,
@@ -139,7 +149,7 @@ class ObstoreBackend:
                     self._put_store,
                     key,
                     payload,
-                    mode="create" if create_only else "overwrite",
+                    mode=mode,
                     chunk_size=self.part_size,
                     max_concurrency=self.concurrency,
                 ),
@@ -173,6 +183,18 @@ class ObstoreBackend:
         if len(data) != result.meta["size"]:
             raise TransientError(f"get {where}: got {len(data)} bytes of {result.meta['size']}")
         return data
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        check_key(key)
+        where = join_url(self.url, key)
+        result = _guard("get", where, lambda: obstore.get(self._store, key))
+        data = bytes(_guard("get", where, result.bytes))
+        etag = result.meta["e_tag"]
+        if len(data) != result.meta["size"]:
+            raise TransientError(f"get {where}: got {len(data)} bytes of {result.meta['size']}")
+        if not etag:
+            raise PermanentError(f"get {where}: the store gave no ETag, so no conditional put")
+        return data, etag
 
     def stat(self, key: str) -> ObjectMeta:
         check_key(key)
@@ -254,6 +276,14 @@ def _write(dst: BinaryIO, data: Any, where: str) -> int:
     except OSError as exc:
         raise os_error(exc, f"get {where}: writing the destination") from None
     return len(data)
+
+
+def _put_mode(create_only: bool, if_match: str | None) -> PutMode:
+    """obstore's mode: If-None-Match: * (create), If-Match: <etag> (update), or plain."""
+    check_put_mode(create_only, if_match)
+    if if_match is not None:
+        return {"e_tag": if_match}
+    return "create" if create_only else "overwrite"
 
 
 def _open_store(
@@ -380,6 +410,8 @@ def translate(exc: BaseException, op: str, where: str) -> StorageError:
     if code == "NoSuchBucket":
         return PermanentError(f"{prefix}: the bucket does not exist ({detail})")
     if isinstance(exc, obx.AlreadyExistsError | obx.PreconditionError):
+        if op == "put" and isinstance(exc, obx.PreconditionError):  # If-Match: another version
+            return PreconditionFailed(f"{where} is gone or was changed since it was read")
         if op == "put":
             return ObjectExists(f"{where} already exists")
         return TransientError(f"{prefix}: the object changed while being read")

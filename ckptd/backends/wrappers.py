@@ -53,6 +53,8 @@ class RetryingBackend(_Delegating):
     logs `storage_gave_up`. A retried put rewinds a seekable source to where the first attempt
     started; a non-seekable source is not retried. A retried get rewinds and truncates a
     seekable destination; a non-seekable one is retried only if nothing was written yet.
+    PreconditionFailed is not retried: a conditional put whose lost answer hid its success
+    meets it on the retry, and the caller's re-read then finds its own write.
     """
 
     def __init__(
@@ -72,7 +74,13 @@ class RetryingBackend(_Delegating):
         self._rng = rng
 
     def put(
-        self, key: str, src: Source, size: int | None = None, *, create_only: bool = False
+        self,
+        key: str,
+        src: Source,
+        size: int | None = None,
+        *,
+        create_only: bool = False,
+        if_match: str | None = None,
     ) -> ObjectMeta:
         rewind = _rewinder(src)
         failed_before = False
@@ -83,7 +91,7 @@ class RetryingBackend(_Delegating):
                 failed_before = True
                 assert rewind is not None
                 rewind()
-            return self.inner.put(key, src, size, create_only=create_only)
+            return self.inner.put(key, src, size, create_only=create_only, if_match=if_match)
 
         try:
             return self._run("put", key, attempt, can_retry=rewind is not None)
@@ -107,6 +115,9 @@ class RetryingBackend(_Delegating):
 
     def get_bytes(self, key: str) -> bytes:
         return self._run("get", key, lambda _n: self.inner.get_bytes(key))
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        return self._run("get", key, lambda _n: self.inner.get_versioned(key))
 
     def stat(self, key: str) -> ObjectMeta:
         return self._run("stat", key, lambda _n: self.inner.stat(key))
@@ -273,12 +284,18 @@ class ThrottledBackend(_Delegating):
         self.bucket = TokenBucket(max_bytes_per_s, burst_s)
 
     def put(
-        self, key: str, src: Source, size: int | None = None, *, create_only: bool = False
+        self,
+        key: str,
+        src: Source,
+        size: int | None = None,
+        *,
+        create_only: bool = False,
+        if_match: str | None = None,
     ) -> ObjectMeta:
         if isinstance(src, bytes | bytearray | memoryview):
             src = cast(BinaryIO, io.BytesIO(src))
         reader = cast(BinaryIO, _ThrottledReader(src, self.bucket))
-        return self.inner.put(key, reader, size, create_only=create_only)
+        return self.inner.put(key, reader, size, create_only=create_only, if_match=if_match)
 
     def get(self, key: str, dst: BinaryIO) -> int:
         return self.inner.get(key, cast(BinaryIO, _ThrottledWriter(dst, self.bucket)))
@@ -287,6 +304,11 @@ class ThrottledBackend(_Delegating):
         data = self.inner.get_bytes(key)
         self.bucket.take(len(data))
         return data
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        data, version = self.inner.get_versioned(key)
+        self.bucket.take(len(data))
+        return data, version
 
     def stat(self, key: str) -> ObjectMeta:
         return self.inner.stat(key)
@@ -347,10 +369,16 @@ class LimitedBackend(_Delegating):
         self._slots = threading.BoundedSemaphore(self.concurrency)
 
     def put(
-        self, key: str, src: Source, size: int | None = None, *, create_only: bool = False
+        self,
+        key: str,
+        src: Source,
+        size: int | None = None,
+        *,
+        create_only: bool = False,
+        if_match: str | None = None,
     ) -> ObjectMeta:
         with self._slots:
-            return self.inner.put(key, src, size, create_only=create_only)
+            return self.inner.put(key, src, size, create_only=create_only, if_match=if_match)
 
     def get(self, key: str, dst: BinaryIO) -> int:
         with self._slots:
@@ -359,6 +387,10 @@ class LimitedBackend(_Delegating):
     def get_bytes(self, key: str) -> bytes:
         with self._slots:
             return self.inner.get_bytes(key)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        with self._slots:
+            return self.inner.get_versioned(key)
 
     def stat(self, key: str) -> ObjectMeta:
         return self.inner.stat(key)

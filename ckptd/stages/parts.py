@@ -33,7 +33,7 @@ from ckptd.formats.dcpmeta import parse_dcp_metadata
 from ckptd.formats.torchhead import HEAD_BYTES, leading_fields
 from ckptd.log import get_logger
 from ckptd.manifest import Manifest, StoredFile, step_prefix
-from ckptd.remote import manifest_key, read_latest, read_manifest, step_objects, write_latest
+from ckptd.remote import advance_latest, manifest_key, read_manifest, step_objects
 from ckptd.stages.upload import UploadResult
 
 Progress = Callable[[int], None]
@@ -85,7 +85,7 @@ def upload_share(backend: Backend, root_name: str, objects_dir: Path, manifest: 
     latest = False
     if committed is None:
         committed = _try_commit(backend, root_name, manifest, share, now)
-        latest = _advance_latest(backend, root_name, manifest.step)
+        latest = advance_latest(backend, root_name, manifest.step)
     if (share.node, part.attempt) not in {(n, a) for n, a, _r in committed.nodes}:
         raise PermanentError(
             f"step {manifest.step} is committed without this node's files of this save"
@@ -305,19 +305,3 @@ def _try_commit(backend: Backend, root_name: str, manifest: Manifest, share: Sha
         if there is None:
             raise TransientError(f"step {manifest.step}: the commit vanished") from None
         return there
-
-
-def _advance_latest(backend: Backend, root_name: str, step: int) -> bool:
-    """Point LATEST at `step` unless it names a later one (best effort, never raises)."""
-    try:
-        try:
-            current = read_latest(backend, root_name)
-        except CorruptData:
-            current = None
-        if current is not None and current >= step:
-            return current == step
-        write_latest(backend, root_name, step)
-        return True
-    except StorageError as exc:
-        get_logger().warning("latest_update_failed", root=root_name, step=step, error=str(exc))
-        return False

@@ -23,20 +23,17 @@ from ckptd.errors import (
     CorruptData,
     ObjectExists,
     PermanentError,
-    StorageError,
     TransientError,
     UnsafePath,
 )
 from ckptd.log import get_logger
 from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
 from ckptd.remote import (
-    latest_key,
-    list_steps,
+    advance_latest,
     manifest_key,
-    read_latest,
     read_manifest,
+    retreat_latest,
     step_objects,
-    write_latest,
 )
 from ckptd.stages.upload_local import (
     LEDGER_NAME,
@@ -101,7 +98,7 @@ def upload_step(
     _verify(backend, root_name, manifest, run.expected)
     if not committed:
         meter.sent(_commit(backend, root_name, manifest))
-    latest_updated = _advance_latest(backend, root_name, manifest.step)
+    latest_updated = advance_latest(backend, root_name, manifest.step)
     result = UploadResult(
         sent_bytes=meter.sent_bytes,
         skipped_objects=len(manifest.files) - len(todo),
@@ -126,7 +123,7 @@ def delete_step(backend: Backend, root_name: str, step: int) -> int:
     objects = [m.key for m in backend.list(step_prefix(root_name, step))]
     for key in objects:
         backend.delete(key)
-    _fix_latest_after_delete(backend, root_name, step)
+    retreat_latest(backend, root_name, step)
     get_logger().info("remote_step_deleted", root=root_name, step=step, url=backend.url,
                       objects=len(objects))
     return len(objects)
@@ -381,33 +378,3 @@ def _commit(backend: Backend, root_name: str, manifest: Manifest) -> int:
     except ObjectExists:
         _compare_commit(backend, root_name, manifest)
     return len(body)
-
-
-def _advance_latest(backend: Backend, root_name: str, step: int) -> bool:
-    """Best effort: point LATEST at `step` unless it names a later one. Never raises."""
-    log = get_logger(root=root_name, step=step)
-    try:
-        try:
-            current = read_latest(backend, root_name)
-        except CorruptData:
-            current = None  # rewrite a damaged pointer
-        if current is not None and current > step:
-            log.info("latest_kept", latest=current)
-            return False
-        if current != step:
-            write_latest(backend, root_name, step)
-        return True
-    except StorageError as exc:
-        log.warning("latest_update_failed", key=latest_key(root_name), error=str(exc))
-        return False
-
-
-def _fix_latest_after_delete(backend: Backend, root_name: str, step: int) -> None:
-    try:
-        current = read_latest(backend, root_name)
-    except CorruptData:
-        current = step  # unreadable: rebuild it like one naming the deleted step
-    if current != step:
-        return
-    remaining = [s for s in list_steps(backend, root_name) if s != step]
-    write_latest(backend, root_name, max(remaining) if remaining else None)
