@@ -286,6 +286,7 @@ import sys
 from ckptd.backends import LocalBackend
 from ckptd.remote import advance_latest
 backend, steps = LocalBackend(sys.argv[1]), [int(s) for s in sys.argv[2:]]
+print("ready", flush=True)
 sys.stdin.readline()
 for step in steps:
     advance_latest(backend, "job", step)
@@ -299,12 +300,13 @@ def test_local_latest_racing_processes_end_at_the_highest_step(tmp_path: Path) -
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _ADVANCE, str(base), *[str(s) for s in range(i, 41, 4)]],
-            stdin=subprocess.PIPE, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
         )
         for i in range(1, 5)
     ]
     try:
-        time.sleep(1.0)  # let every interpreter import and wait on its stdin
+        for p in procs:  # every interpreter imported and waiting: then all go at once
+            assert p.stdout is not None and p.stdout.readline() == b"ready\n"
         for p in procs:
             assert p.stdin is not None
             p.stdin.write(b"go\n")
