@@ -50,6 +50,11 @@ def holder(token: str = OTHER, gen: int = 3, host: str = "node-b", released: boo
     (Seen(3, OTHER, holder(), ()), 0, True, Verdict.STANDBY, "held by another"),
     # lease.json still names an older generation: only time decides (the new one is starting)
     (Seen(4, OTHER, holder(released=True), ()), 0, False, Verdict.STANDBY, "held by another"),
+    # a torn look (claims listed before another daemon claimed 4, lease.json read after it
+    # wrote it): never "ours" by the old claim, though that claim holds this daemon's token
+    (Seen(3, ME.token, holder(gen=4), ()), 0, None, Verdict.STANDBY, "newer generation"),
+    (Seen(3, OTHER, holder(gen=4), ()), 5, True, Verdict.STANDBY, "newer generation"),
+    (Seen(3, ME.token, holder(gen=4), ()), 30, None, Verdict.TAKE, "never claimed"),
     # a damaged lease.json: judged by the claim and by time
     (Seen(3, None, None, ()), 29, None, Verdict.STANDBY, "held by another"),
     (Seen(3, None, None, ()), 31, None, Verdict.TAKE, "not renewed"),

@@ -133,6 +133,14 @@ def judge(me: Me, seen: Seen, changed_at: float, now: float, timeout: float,
         # Ours too: a released lease is never resumed, or this daemon and one taking it now
         # would both act; a new generation, claimed create-only, decides between them.
         return Judgement(Verdict.TAKE, "released by its holder")
+    if h is not None and h.gen > seen.top:
+        # A torn look: the claims were listed before another daemon claimed a newer
+        # generation, lease.json read after it wrote it. Whatever the old top claim says, the
+        # root is not ours to renew; look again. Only time takes it (claims deleted by hand).
+        if now - changed_at >= timeout:
+            return Judgement(Verdict.TAKE, f"generation {h.gen} never claimed, not renewed"
+                                           f" for {now - changed_at:.0f}s")
+        return Judgement(Verdict.STANDBY, "a newer generation is being claimed")
     if seen.top_token == me.token:
         return Judgement(Verdict.HOLD, "ours")
     if current and process_alive is False:

@@ -282,6 +282,9 @@ class Leases:
     def _renew(self, dfd: int, root: RootConfig, st: _RootLease, seen: Seen, now: float) -> bool:
         doc = st.holder if st.gen == seen.top and st.holder is not None else None
         if doc is None:  # ours by the claim, but this daemon lost track: write it again
+            if _top_claim(dfd) != (seen.top, self.me.token):  # claimed past us since the look
+                self._stand_by(root, st, seen)
+                return True
             doc = Holder(gen=seen.top, token=self.me.token, node=self.node(), pid=os.getpid(),
                          host=self.me.host, boot=self.me.boot, since=time.time())
         try:
