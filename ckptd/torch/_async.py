@@ -110,6 +110,7 @@ class _Arena:
             log.debug("ckptd.torch: a component is copied the plain way: %s", exc)
             writer = _Writer(self, pos)
             _save_without_crc(_to_host(state), writer)
+            _drop_pinned_cache()
             return writer.pos
         copies.extend(hook.found)
         return writer.pos
@@ -154,9 +155,9 @@ def _save_without_crc(state: Any, writer: _Writer, pickler: Any = None) -> None:
 
 
 def _to_host(state: Any) -> Any:
-    """Device tensors copied to pinned host memory with non-blocking copies, then one
-    synchronize; without CUDA the state is returned as it is (torch.save copies it into the
-    arena)."""
+    """For a component placeholders do not fit: device tensors copied to pinned host memory
+    with non-blocking copies, then one synchronize; without CUDA the state is returned as it is
+    (torch.save copies it into the arena)."""
     if not torch.cuda.is_available():
         return state
     found: list[bool] = []
@@ -176,6 +177,13 @@ def _to_host(state: Any) -> Any:
     if found:
         torch.cuda.synchronize()
     return out
+
+
+def _drop_pinned_cache() -> None:
+    """Give the pinned host copies back to the system: torch's pinned cache keeps them."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
 
 
 # -- the process's state --------------------------------------------------------------------------
