@@ -101,17 +101,21 @@ def pickle_module(hook: Placeholders) -> types.ModuleType:
 def copy_storages(buf: Any, found: list[tuple[int, torch.UntypedStorage]],
                   non_blocking: bool) -> None:
     """Each real storage's bytes into the arena at its record's offset (`buf` is the arena's
-    writable mapping); device copies are issued non-blocking, then one synchronize."""
-    on_device = False
+    writable mapping); device copies are issued non-blocking, then one synchronize per device
+    they came from."""
+    devices: set[torch.device] = set()
     for offset, real in found:
         n = real.nbytes()
+        if real.device.type == "cpu":  # one memcpy (torch's copy_ is slower here)
+            buf[offset:offset + n] = (ctypes.c_char * n).from_address(real.data_ptr())
+            continue
         dst = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
         src = torch.empty(0, dtype=torch.uint8, device=real.device).set_(real)
-        on_device = on_device or real.device.type != "cpu"
-        dst.copy_(src, non_blocking=non_blocking and real.device.type != "cpu")
+        devices.add(real.device)
+        dst.copy_(src, non_blocking=non_blocking)
         del dst, src  # (each holds the mapping's buffer: released before it may grow)
-    if on_device:
-        torch.cuda.synchronize()
+    for device in devices:
+        torch.cuda.synchronize(device)
 
 
 class HostRegistration:
