@@ -111,6 +111,8 @@ def main() -> None:
                      ("arena copy, pageable", arena_pageable)):
         results[name] = timed(fn, args.repeat)
         print(name, json.dumps(results[name]), flush=True)
+    results["arena registered as pinned"] = {"registered": arena.pinned.span is not None,
+                                             "failed": arena.pinned.failed}
     print(json.dumps(results))
 
 
