@@ -27,6 +27,7 @@ from ckptd import arena
 from ckptd.client import Client
 from ckptd.errors import NotFound
 from ckptd.formats import zipcrc
+from ckptd.torch import _arena_copy, _async
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -351,3 +352,67 @@ def test_crc_fields_are_filled_in_from_the_arena() -> None:
     assert crcs(z) == crcs(zipfile.ZipFile(with_crc))
     loaded = torch.load(io.BytesIO(filled), weights_only=True)
     assert torch.equal(loaded["w"], state["w"]) and loaded["n"] == 3
+
+
+def _tricky_state() -> dict[str, Any]:
+    """Shared storages, views, non-contiguous tensors, several dtypes, 0-size tensors, a
+    module's state dict (an OrderedDict with its _metadata), a tensor seen twice."""
+    base = torch.randn(64, 48)
+    ints = torch.arange(1000, dtype=torch.int64)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4))
+    return {"model": model.state_dict(), "base": base, "view": base[3:9, 5:40],
+            "t": base.t(), "strided": ints[::7], "again": ints, "tail": ints[900:],
+            "bf16": torch.randn(33).to(torch.bfloat16), "fp16": torch.randn(5, 3).half(),
+            "empty": torch.empty(0), "empty2": torch.empty(0, 4, dtype=torch.int64),
+            "nested": [ints[:10], (base[0], {"x": 1.5})], "n": 7}
+
+
+def _arena_bytes(state: Any) -> tuple[bytes, int]:
+    """The component's bytes as an async save leaves them in the arena, CRCs filled in as the
+    daemon fills them; and how many storages went through the second pass."""
+    a = _async._Arena(_async.INITIAL_ARENA)
+    try:
+        copies: list[Any] = []
+        end = a._serialise(state, arena.DATA_OFFSET, copies)
+        _arena_copy.copy_storages(a.mm, copies, non_blocking=False)
+        with memoryview(a.mm) as view:
+            zipcrc.fill_crcs(view, a.fd, arena.DATA_OFFSET, end, "model.pt")
+            return bytes(view[arena.DATA_OFFSET:end]), len(copies)
+    finally:
+        a.mm.close()
+        os.close(a.fd)
+
+
+def _same_id(raw: bytes, like: bytes) -> bytes:
+    """`raw` with `like`'s serialization_id (random per save) and that member's CRCs."""
+    mine, theirs = zipfile.ZipFile(io.BytesIO(raw)), zipfile.ZipFile(io.BytesIO(like))
+    assert [(i.filename, i.header_offset, i.file_size) for i in mine.infolist()] == [
+        (i.filename, i.header_offset, i.file_size) for i in theirs.infolist()]
+    out = bytearray(raw)
+    for info in theirs.infolist():
+        if info.filename.endswith("serialization_id"):
+            start = len(out) - len(raw)  # (same layout: offsets alike)
+            n = struct.unpack_from("<HH", like, info.header_offset + 26)
+            data = info.header_offset + 30 + n[0] + n[1] + start
+            out[data:data + info.file_size] = like[data:data + info.file_size]
+            out = bytearray(out.replace(struct.pack("<I", mine.getinfo(info.filename).CRC),
+                                        struct.pack("<I", info.CRC)))
+    return bytes(out)
+
+
+@pytest.mark.parametrize("kind", ["placeholders", "plain"])
+def test_arena_bytes_are_torch_saves_bytes(kind: str) -> None:
+    """Both ways into the arena (placeholder storages + a copy of each storage into its record,
+    and the plain torch.save a state they do not fit falls back to) give, CRCs filled in,
+    exactly the bytes torch.save writes for the real tensors."""
+    state = _tricky_state()
+    if kind == "plain":  # a Parameter sharing a plain tensor's storage: no placeholders
+        state["param"] = torch.nn.Parameter(state["base"][1:3], requires_grad=False)
+    raw, copied = _arena_bytes(state)
+    ref = io.BytesIO()
+    torch.save(state, ref)
+    assert _same_id(raw, ref.getvalue()) == ref.getvalue()
+    assert copied == (0 if kind == "plain" else 8)  # base, ints, bf16, fp16 + the module's 4
+    loaded = torch.load(io.BytesIO(raw), weights_only=True)
+    assert torch.equal(loaded["view"], state["view"]) and loaded["view"].data_ptr() == (
+        loaded["base"].data_ptr() + (3 * 48 + 5) * 4)

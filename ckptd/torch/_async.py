@@ -23,7 +23,7 @@ import torch
 
 from ckptd import arena as layout
 from ckptd.client import Client, ClientError, DaemonUnavailable, default_socket
-from ckptd.torch import _native
+from ckptd.torch import _arena_copy, _native
 
 log = logging.getLogger("ckptd.torch")
 INITIAL_ARENA = 64 << 20
@@ -71,39 +71,65 @@ class _Arena:
         self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         layout.init_header(self.mm)
         self.generation = 0
+        self.pinned = _arena_copy.HostRegistration()
 
     def ensure(self, need: int) -> None:
         if need > len(self.mm):
+            self.pinned.release()  # (the mapping may move)
             new = max(need, len(self.mm) * 3 // 2)
             self.mm.resize(-(-new // (2 << 20)) * (2 << 20))  # ftruncate + mremap, no copy
 
     def fill(self, parts: list[_native.Part]) -> list[dict[str, Any]]:
-        """Copy each component in turn into the arena as its file's bytes; seal it."""
+        """Serialise each component in turn into the arena as its file's bytes, its tensors'
+        records left for the second pass; then copy every tensor into its record; seal it."""
         self.generation += 1
         layout.set_state(self.mm, layout.State.WRITING, self.generation)
         files, pos = [], layout.DATA_OFFSET
+        copies: list[tuple[int, torch.UntypedStorage]] = []
         for name, component, build in parts:
-            state = _to_host(build())
-            writer = _Writer(self, pos)
-            _save_without_crc(state, writer)
-            del state  # this component's host copies (if any) go before the next one
+            end = self._serialise(build(), pos, copies)
             files.append({"path": name, "component": component, "offset": pos,
-                          "size": writer.pos - pos})
-            pos = layout.aligned(writer.pos)
+                          "size": end - pos})
+            pos = layout.aligned(end)
+        pinned = any(real.device.type == "cuda" for _, real in copies) and self.pinned.ensure(
+            self.mm)
+        _arena_copy.copy_storages(self.mm, copies, non_blocking=pinned)
         layout.set_state(self.mm, layout.State.SEALED, self.generation, used=pos)
         return files
+
+    def _serialise(self, state: Any, pos: int,
+                   copies: list[tuple[int, torch.UntypedStorage]]) -> int:
+        """torch.save of `state` at `pos` over placeholders (the storages to copy are added
+        to `copies`); a state they do not fit is written the plain way. Returns its end."""
+        hook = _arena_copy.Placeholders()
+        writer = _Writer(self, pos, hook)
+        try:
+            _save_without_crc(state, writer, _arena_copy.pickle_module(hook))
+            hook.check_all_found()
+        except _arena_copy.Unsupported as exc:
+            log.debug("ckptd.torch: a component is copied the plain way: %s", exc)
+            writer = _Writer(self, pos)
+            _save_without_crc(_to_host(state), writer)
+            _drop_pinned_cache()
+            return writer.pos
+        copies.extend(hook.found)
+        return writer.pos
 
 
 class _Writer:
     """The file object torch.save writes into: bytes go straight into the arena's mapping."""
 
-    def __init__(self, arena: _Arena, pos: int) -> None:
-        self.arena, self.pos = arena, pos
+    def __init__(self, arena: _Arena, pos: int,
+                 hook: _arena_copy.Placeholders | None = None) -> None:
+        self.arena, self.pos, self.hook = arena, pos, hook
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         n = view.nbytes
         self.arena.ensure(self.pos + n)
+        if self.hook is not None and n in self.hook.sizes and self.hook.claim(view, self.pos):
+            self.pos += n  # a placeholder's record: its tensor's bytes are copied in later
+            return n
         self.arena.mm[self.pos:self.pos + n] = view
         self.pos += n
         return n
@@ -112,7 +138,7 @@ class _Writer:
         return None
 
 
-def _save_without_crc(state: Any, writer: _Writer) -> None:
+def _save_without_crc(state: Any, writer: _Writer, pickler: Any = None) -> None:
     """torch.save into the arena without its CRC-32 pass (most of its time on CPU tensors):
     the writer fills the CRC fields in (`ckptd.formats.zipcrc`) before writing the file."""
     import torch.serialization as ser
@@ -120,15 +146,18 @@ def _save_without_crc(state: Any, writer: _Writer) -> None:
     crc = ser.get_crc32_options()
     ser.set_crc32_options(False)
     try:
-        torch.save(state, cast(IO[bytes], writer))
+        if pickler is None:
+            torch.save(state, cast(IO[bytes], writer))
+        else:
+            torch.save(state, cast(IO[bytes], writer), pickle_module=pickler)
     finally:
         ser.set_crc32_options(crc)
 
 
 def _to_host(state: Any) -> Any:
-    """Device tensors copied to pinned host memory with non-blocking copies, then one
-    synchronize; without CUDA the state is returned as it is (torch.save copies it into the
-    arena)."""
+    """For a component placeholders do not fit: device tensors copied to pinned host memory
+    with non-blocking copies, then one synchronize; without CUDA the state is returned as it is
+    (torch.save copies it into the arena)."""
     if not torch.cuda.is_available():
         return state
     found: list[bool] = []
@@ -150,6 +179,13 @@ def _to_host(state: Any) -> Any:
     return out
 
 
+def _drop_pinned_cache() -> None:
+    """Give the pinned host copies back to the system: torch's pinned cache keeps them."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
+
+
 # -- the process's state --------------------------------------------------------------------------
 
 _lock = threading.Lock()
@@ -169,6 +205,7 @@ def _abandon_arena() -> None:
     new one (the daemon's descriptor keeps the old pages until it is done)."""
     global _arena
     if _arena is not None:
+        _arena.pinned.release()
         _arena.mm.close()
         os.close(_arena.fd)
         _arena = None
