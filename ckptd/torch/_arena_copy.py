@@ -9,6 +9,7 @@ would write for the real tensors, and never unpickles anything.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import pickle
 import types
 import warnings
@@ -126,17 +127,24 @@ class HostRegistration:
         self.span: tuple[int, int] | None = None
         self.failed = False
 
-    def ensure(self, mm: Any) -> bool:
-        if self.span is not None or self.failed:
-            return self.span is not None
+    def ensure(self, mm: Any, used: int) -> bool:
+        """Register the first `used` bytes (page-rounded), not the whole mapping: registering
+        pins, and so makes resident, every page it covers, the arena's unused growth room
+        included (measured: 1.20x the state resident instead of 1.00x)."""
+        if self.failed:
+            return False
+        length = min(len(mm), -(-used // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if self.span is not None and self.span[1] >= length:
+            return True
+        self.release()
         probe = ctypes.c_char.from_buffer(mm)
         address = ctypes.addressof(probe)
         del probe
-        err = _torch.cuda.cudart().cudaHostRegister(address, len(mm), 0)
+        err = _torch.cuda.cudart().cudaHostRegister(address, length, 0)
         if int(err) != 0:
             self.failed = True  # pageable copies: correct, slower
             return False
-        self.span = (address, len(mm))
+        self.span = (address, length)
         return True
 
     def release(self) -> None:

@@ -92,7 +92,7 @@ class _Arena:
                           "size": end - pos})
             pos = layout.aligned(end)
         pinned = any(real.device.type == "cuda" for _, real in copies) and self.pinned.ensure(
-            self.mm)
+            self.mm, pos)
         _arena_copy.copy_storages(self.mm, copies, non_blocking=pinned)
         layout.set_state(self.mm, layout.State.SEALED, self.generation, used=pos)
         return files
