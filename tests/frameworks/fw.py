@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,29 +37,44 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_ranks(script: str, args: list[str], world: int = 1, cwd: Path | None = None,
-                **env: str) -> list[subprocess.Popen[bytes]]:
+class Rank(subprocess.Popen[bytes]):
+    """One rank's process: the leader of its own session (so every process it leaves behind,
+    orphans included, can be found by its group), its output going to a file rather than a
+    pipe (a helper it leaves alive can never hold a test waiting for end of output)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed by output()
+        super().__init__(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+        LIVE.append(self)
+
+    def output(self) -> str:
+        """What the rank printed (stdout and stderr); it must have ended."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+
+LIVE: list[Rank] = []  # ranks started by the current test; `reap()` ends what they left
+
+
+def start_ranks(script: str, args: list[str], world: int = 1, **env: str) -> list[Rank]:
     """`scripts/<script>` once per rank with torchrun's variables (RANK, WORLD_SIZE, ...)."""
     base = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), **env)
-    return [subprocess.Popen([sys.executable, str(SCRIPTS / script), *args],
-                             env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=cwd,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return [Rank([sys.executable, str(SCRIPTS / script), *args],
+                 {**base, "RANK": str(r), "LOCAL_RANK": str(r)})
             for r in range(world)]
 
 
-def finish(procs: list[subprocess.Popen[bytes]], timeout: float = 300.0) -> list[str]:
+def finish(procs: list[Rank], timeout: float = 300.0) -> list[str]:
     """Wait for every rank; their outputs. A rank that failed fails the test with its output."""
-    outs = []
     deadline = time.monotonic() + timeout
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-        outs.append(out.decode(errors="replace"))
+            kill_tree(procs)
+    outs = [p.output() for p in procs]
     codes = [p.returncode for p in procs]
     assert codes == [0] * len(procs), f"ranks exited {codes}:\n" + "\n---\n".join(outs)
     return outs
@@ -69,7 +85,7 @@ def run_ranks(script: str, args: list[str], world: int = 1, timeout: float = 300
     return finish(start_ranks(script, args, world, **env), timeout)
 
 
-def _await(procs: list[subprocess.Popen[bytes]], cond: Callable[[], bool],
+def _await(procs: list[Rank], cond: Callable[[], bool],
            timeout: float) -> None:
     """Poll `cond()` every 2 ms until it holds; fail if it never does or the ranks end first."""
     deadline = time.monotonic() + timeout
@@ -77,7 +93,7 @@ def _await(procs: list[subprocess.Popen[bytes]], cond: Callable[[], bool],
         if time.monotonic() > deadline:
             raise AssertionError("the condition to kill on never came")
         if all(p.poll() is not None for p in procs):
-            outs = [p.communicate()[0].decode(errors="replace") for p in procs]
+            outs = [p.output() for p in procs]
             raise AssertionError("the ranks ended before the kill:\n" + "\n".join(outs))
         time.sleep(0.002)
 
@@ -88,7 +104,7 @@ def result_json(out: str, prefix: str = '{"global_step"') -> dict[str, Any]:
     return json.loads(line)  # type: ignore[no-any-return]
 
 
-def kill_when(procs: list[subprocess.Popen[bytes]], cond: Callable[[], bool],
+def kill_when(procs: list[Rank], cond: Callable[[], bool],
               timeout: float = 120.0) -> None:
     """SIGKILL every rank the moment `cond()` holds (a save begun, its commit not yet made)."""
     try:
@@ -98,7 +114,7 @@ def kill_when(procs: list[subprocess.Popen[bytes]], cond: Callable[[], bool],
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
         for p in procs:
-            p.communicate()
+            p.wait()
 
 
 def restore(config: Path, root: str, step: int | str, to: Path, *extra: str) -> str:
@@ -146,33 +162,54 @@ def descendants(pids: list[int]) -> list[int]:
     return found
 
 
-def kill_tree_when(procs: list[subprocess.Popen[bytes]], cond: Callable[[], bool],
+def kill_tree(procs: list[Rank]) -> None:
+    """SIGKILL each rank with every process below it (writer processes it forked, helpers it
+    spawned) and every process left in its session's group (an orphan whose parent already
+    exited). The tree is stopped first, so nothing forks or is orphaned between finding it and
+    killing it; then each rank is waited for."""
+    ranks = [p.pid for p in procs]
+    for pid in ranks:  # each rank leads its own group (start_new_session)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGSTOP)
+    tree: set[int] = set()
+    while True:
+        found = set(ranks) | set(descendants(ranks))
+        for pid in found - tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        if found <= tree:
+            break
+        tree |= found
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def reap() -> None:
+    """End whatever the current test's ranks left running (by their groups) and forget them."""
+    while LIVE:
+        p = LIVE.pop()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        p.log.close()
+
+
+def kill_tree_when(procs: list[Rank], cond: Callable[[], bool],
                    timeout: float = 120.0) -> None:
     """As `kill_when`, but what a lost node or a cancelled job does: each rank dies with every
-    process below it (writer processes it forked, helpers it spawned). The tree is stopped
-    first, so nothing forks or is orphaned between finding it and killing it."""
-    ranks = [p.pid for p in procs]
-
-    def stop_all() -> None:
-        tree: set[int] = set()
-        while True:
-            found = set(ranks) | set(descendants(ranks))
-            for pid in found - tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGSTOP)
-            if found <= tree:
-                break
-            tree |= found
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
+    process below it (see `kill_tree`)."""
     try:
         _await(procs, cond, timeout)
     finally:
-        stop_all()
-        for p in procs:
-            p.communicate()
+        kill_tree(procs)
 
 
 def verify(path: Path) -> tuple[int, dict[str, Any]]:
@@ -183,7 +220,7 @@ def verify(path: Path) -> tuple[int, dict[str, Any]]:
     return done.returncode, json.loads(done.stdout)
 
 
-def observe_until_done(procs: list[subprocess.Popen[bytes]], probe: Callable[[], Any],
+def observe_until_done(procs: list[Rank], probe: Callable[[], Any],
                        interval: float = 0.05, timeout: float = 300.0) -> list[Any]:
     """`probe()`'s answers, taken every `interval` while any rank still runs (and once more
     after): what a daemon made of a save while it was being written."""
