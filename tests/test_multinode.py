@@ -370,5 +370,78 @@ def test_a_megatron_torch_dist_save_split_over_nodes_commits(nodes: Any, tmp_pat
     assert torch.equal(got["model"]["w"], full_state(100)["w"])
 
 
+def test_a_native_node_local_save_commits_and_loads_every_rank(
+        nodes: Any, tmp_path: Path) -> None:
+    """`ckptd.torch.save(..., node_local=True)` from 3 gloo ranks, each into its own node's
+    root: rank 0's node holds model.pt, meta.json and its rank files; each other node only its
+    rank's. Committed once; `restore --all` gives a checkpoint every rank's state loads from."""
+    cluster = nodes()
+    cluster.start()
+    left = cluster.root(1) / "step-7.tmp"  # an interrupted save's leftovers on node n1
+    left.mkdir()
+    (left / "optim.rank1.pt").write_bytes(b"torn")
+    (left / ".here.rank9").write_text('{"token": "old"}')
+    dcp_save(cluster.roots(), 7, pattern="native")
+    assert sorted(p.name for p in (cluster.root(0) / "step-7").iterdir()) == [
+        "meta.json", "model.pt", "optim.rank0.pt", "rng.rank0.pt"]
+    for n in (1, 2):
+        assert sorted(p.name for p in (cluster.root(n) / "step-7").iterdir()) == [
+            f"optim.rank{n}.pt", f"rng.rank{n}.pt"]
+    cluster.wait_committed(7)
+    for n in range(WORLD):
+        assert (cluster.row(n, 7) or {})["nodes"] == dict.fromkeys(["n0", "n1", "n2"],
+                                                                  "committed")
+        assert wait_until(lambda n=n: cluster.latest_json(n) == 7, 15, "latest.json")
+    doc = _manifest(tmp_path, 7)
+    assert doc["layout"] == "native"
+    assert [n.get("record") for n in doc["nodes"] if n["node"] == "n0"] == ["step-7/meta.json"]
+    out = tmp_path / "restored"
+    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "7", "--to", str(out),
+                        "--all", "--config", str(cluster.handles[1].config)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import ckptd.torch
+
+    saved_model = _native_state(7, 0)[0]  # rank 0 writes the model
+    for rank in range(WORLD):
+        opt = _native_state(7, rank)[1]
+        got_model, got_opt = _native_state(0, rank)
+        ckptd.torch.load(out / "step-7", model=got_model, optimizer=got_opt, rank=rank,
+                         restore_rng=False)
+        assert torch.equal(got_model.weight, saved_model.weight)
+        want, got = opt.state_dict()["state"][0], got_opt.state_dict()["state"][0]
+        assert torch.equal(got["momentum_buffer"], want["momentum_buffer"])
+
+
+def _native_state(seed: int, rank: int) -> tuple[torch.nn.Linear, torch.optim.SGD]:
+    """A model (the same on every rank) and rank `rank`'s optimizer with one step taken."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(COLS, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if seed:
+        model(torch.full((2, COLS), float(rank + 1))).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _native_main(root: str, steps: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import ckptd.torch
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    for item in steps.split(","):
+        step, seed = (int(x) for x in item.split(":"))
+        model, opt = _native_state(seed, dist.get_rank())
+        ckptd.torch.save(root, step, model=model, optimizer=opt, node_local=True,
+                         register=False)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    _rank_main(sys.argv[1], sys.argv[2], sys.argv[3] == "True", sys.argv[4])
+    if sys.argv[4] == "native":
+        _native_main(sys.argv[1], sys.argv[2])
+    else:
+        _rank_main(sys.argv[1], sys.argv[2], sys.argv[3] == "True", sys.argv[4])

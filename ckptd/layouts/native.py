@@ -4,6 +4,7 @@ with its listed size. Pure: reads only the snapshot."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,9 @@ NAME = "native"
 META = "meta.json"
 FORMAT_PREFIX = "ckptd-native/"
 _STEP_DIR = re.compile(r"^step-(\d+)$", re.ASCII)
+# The files `ckptd.torch.save` writes (a node's share holds some of them and no meta.json).
+_FILE = re.compile(r"^((model|ema|scheduler|scaler|extra)\.pt|(optim|rng)\.rank\d+\.pt)$",
+                   re.ASCII)
 
 
 def step_of_dir(name: str) -> int | None:
@@ -56,14 +60,30 @@ class NativeLayout:
                 continue
             has_meta = common.join(directory, META) in snap.files
             if has_meta and self.with_meta:
-                out.append(_committed(snap, directory, step, mine, files))
+                out.append(_committed(snap, directory, step, mine, files, opts.multi_node))
             elif not has_meta and self.without_meta:
-                out.append(common.make(NAME, step, directory, mine, [f"{META} (written last)"]))
+                out.append(_without_meta(snap, opts, now, directory, step, mine, files))
         return out
 
 
+def _without_meta(snap: Snapshot, opts: RootOptions, now: float, directory: str, step: int,
+                  files: list[str], under: list[str]) -> Candidate:
+    """Incomplete until meta.json comes; on a multi-node root, files that are all the
+    writer's own names are a node's share once settled (node_local saves: rank 0's node alone
+    writes meta.json, docs/MULTINODE.md)."""
+    if not (opts.multi_node and all(_FILE.match(common.name_of(f)) for f in files)):
+        return common.make(NAME, step, directory, files, [f"{META} (written last)"])
+    problems = [common.open_problem(snap, files),
+                common.unfinished_problem(snap, directory, under),
+                common.settle_problem(snap, files, opts, now)]
+    return dataclasses.replace(common.make(NAME, step, directory, files, problems),
+                               node_share=True)
+
+
 def _committed(snap: Snapshot, directory: str, step: int, files: list[str],
-               under: list[str]) -> Candidate:
+               under: list[str], multi_node: bool = False) -> Candidate:
+    """`multi_node`: the coordinator's share; files meta.json lists that are not here are
+    other nodes' (the commit, not this node, requires them)."""
     meta_rel = common.join(directory, META)
     problems = [common.open_problem(snap, files), common.unfinished_problem(snap, directory, under)]
     if meta_rel not in snap.contents:
@@ -75,9 +95,12 @@ def _committed(snap: Snapshot, directory: str, step: int, files: list[str],
         return common.make(NAME, step, directory, files, problems,
                            invalid_reason=str(Reason.BAD_METADATA),
                            invalid_message=f"{meta_rel}: {exc}")
-    problems.extend(_size_problems(snap, meta.sizes))
-    return common.make(NAME, step, directory, files, problems,
-                       expected_sizes=dict(meta.sizes), metrics=meta.metrics)
+    sizes = {rel: size for rel, size in meta.sizes.items()
+             if not multi_node or rel in snap.files}
+    problems.extend(_size_problems(snap, sizes))
+    cand = common.make(NAME, step, directory, files, problems, expected_sizes=sizes,
+                       metrics=meta.metrics)
+    return dataclasses.replace(cand, node_share=multi_node)
 
 
 def _size_problems(snap: Snapshot, sizes: dict[str, int]) -> list[str]:

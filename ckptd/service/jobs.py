@@ -160,7 +160,8 @@ def run_share_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
     mtimes = {f.path: fileio.safe_join(root.path, f.path).stat().st_mtime_ns / 1e9
               for f in manifest.files}
     reader = {"dcp": parts.dcp_record, "megatron": parts.dcp_record,  # torch_dist is DCP
-              "deepspeed": parts.deepspeed_record}.get(manifest.layout)
+              "deepspeed": parts.deepspeed_record,
+              "native": parts.native_record}.get(manifest.layout)
     record = reader(root.path, manifest, mtimes) if reader is not None else None
     share = parts.Share(node=node, commit_timeout=root.commit_timeout, mtimes=mtimes,
                         record=record, known_nodes=known_nodes)

@@ -5,6 +5,7 @@ the coordinator's save. Decisions are `ckptd.cluster.commit`'s; never imports th
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
@@ -115,11 +116,7 @@ def dcp_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
     if len(metas) != 1:
         return None
     f = metas[0]
-    fd = fileio.open_beneath(root_dir, f.path)
-    with os.fdopen(fd, "rb") as fh:
-        data = fh.read(f.size + 1)
-    if len(data) != f.size or xxhash.xxh3_128_hexdigest(data) != f.hash:
-        raise TransientError(f"{f.path} changed since it was validated; rescanning")
+    data = _validated_bytes(root_dir, f.path, f.size, f.hash)
     try:
         meta = parse_dcp_metadata(data, f.path)
     except ValidationFailed as exc:
@@ -127,6 +124,35 @@ def dcp_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
     base = posixpath.dirname(f.path)
     expected = {posixpath.join(base, name): least for name, least in meta.references.items()}
     return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected)
+
+
+def native_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
+                  ) -> cc.Record | None:
+    """The commit record of a native share that holds `meta.json` (rank 0's node of a
+    `node_local` save): every file it lists, at its listed size. Written after every rank's
+    files (the ranks' write results are gathered first), like DCP's `.metadata`."""
+    metas = [f for f in manifest.files if posixpath.basename(f.path) == "meta.json"]
+    if len(metas) != 1:
+        return None
+    f = metas[0]
+    data = _validated_bytes(root_dir, f.path, f.size, f.hash)
+    try:
+        listing = json.loads(data).get("files")
+        base = posixpath.dirname(f.path)
+        expected = {posixpath.join(base, e["path"]): int(e["size"]) for e in listing}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise PermanentError(f"{f.path}: no file listing the commit can read") from None
+    return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected)
+
+
+def _validated_bytes(root_dir: Path, path: str, size: int, digest: str) -> bytes:
+    """A record file read again beneath the root; it must still be the validated bytes."""
+    fd = fileio.open_beneath(root_dir, path)
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(size + 1)
+    if len(data) != size or xxhash.xxh3_128_hexdigest(data) != digest:
+        raise TransientError(f"{path} changed since it was validated; rescanning")
+    return data
 
 
 _DS_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$", re.ASCII)

@@ -30,7 +30,7 @@ def save(root_dir: str | os.PathLike[str], step: int, *, model: torch.nn.Module 
          config: Mapping[str, Any] | None = ..., rank: int | None = ...,
          world_size: int | None = ..., register: bool = ..., root_name: str | None = ...,
          client: Any = ..., timeout: float = ..., blocking: Literal[True] = ...,
-         if_busy: Literal["wait", "skip"] = ...) -> Path: ...
+         if_busy: Literal["wait", "skip"] = ..., node_local: bool = ...) -> Path: ...
 
 
 @overload
@@ -41,7 +41,8 @@ def save(root_dir: str | os.PathLike[str], step: int, *, model: torch.nn.Module 
          config: Mapping[str, Any] | None = ..., rank: int | None = ...,
          world_size: int | None = ..., register: bool = ..., root_name: str | None = ...,
          client: Any = ..., timeout: float = ..., blocking: Literal[False],
-         if_busy: Literal["wait", "skip"] = ...) -> SaveHandle: ...
+         if_busy: Literal["wait", "skip"] = ..., node_local: Literal[False] = ...
+         ) -> SaveHandle: ...
 
 
 def save(
@@ -64,16 +65,21 @@ def save(
     timeout: float = 1800.0,
     blocking: bool = True,
     if_busy: Literal["wait", "skip"] = "wait",
+    node_local: bool = False,
 ) -> Path | SaveHandle:
     """Write `<root_dir>/step-<step>/`. Blocking: return its path once every rank's files are
     in it. `blocking=False`: return a SaveHandle once the state is copied into this process's
-    arena and handed to the daemon, which writes the files."""
+    arena and handed to the daemon, which writes the files. `node_local=True`: each node's ranks
+    write to that node's own disk, rank 0's node also `meta.json` (a multi-node root,
+    docs/MULTINODE.md); blocking only, needs torch.distributed."""
     if blocking:
         return _native.save(root_dir, step, model=model, optimizer=optimizer,
                             scheduler=scheduler, scaler=scaler, ema=ema, extra=extra,
                             metrics=metrics, config=config, rank=rank, world_size=world_size,
                             register=register, root_name=root_name, client=client,
-                            timeout=timeout)
+                            timeout=timeout, node_local=node_local)
+    if node_local:
+        raise ValueError("node_local=True saves are blocking only (blocking=True)")
     if if_busy not in ("wait", "skip"):
         raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
     if step < 0:

@@ -65,11 +65,14 @@ def save(
     root_name: str | None = None,
     client: Any = None,
     timeout: float = 1800.0,
+    node_local: bool = False,
 ) -> Path:
     """Write `<root_dir>/step-<step>/` and return its path once every rank's files are in it.
 
     Every rank calls this with its own optimizer; rank 0 also writes model, EMA, scheduler,
     scaler and extra, then meta.json, then renames the directory into place and registers it.
+    `node_local`: each node's ranks write to that node's own disk (`root_dir` is node-local;
+    needs torch.distributed); see ckptd.torch._nodelocal.
     """
     if step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step}")
@@ -81,14 +84,22 @@ def save(
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
     head = _meta_head(step, world, metrics, config)  # fail on bad metrics before writing
     parts = _parts(rank, model, optimizer, scheduler, scaler, ema, extra)
+    if node_local and not _dist_matches(world):
+        raise ValueError("node_local=True needs torch.distributed initialised with every rank:"
+                         " the nodes share no directory to meet in")
     try:
-        if _dist_matches(world):
+        if node_local:
+            from ckptd.torch import _nodelocal
+
+            _nodelocal.save(tmp, final, rank, world, parts, head)
+        elif _dist_matches(world):
             _save_dist(tmp, final, rank, world, parts, head)
         else:
             _save_files(tmp, final, rank, world, parts, head, time.monotonic() + timeout)
     except BaseException:
         # All or nothing: a save that failed (a state_dict that raised, a full disk) leaves no
-        # step-N.tmp behind. Rank 0 owns the directory; the others' files go with it.
+        # step-N.tmp behind. Rank 0 owns the directory; the others' files go with it. (Node-
+        # local: each node's leftover is cleared by the next save's probe.)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -232,11 +243,16 @@ def _collect(tmp: Path, world: int, token: str, deadline: float) -> list[Entry]:
 
 
 def _commit(tmp: Path, final: Path, head: dict[str, Any], entries: list[Entry]) -> None:
-    """meta.json last, then the atomic rename; an older `final` is swapped out, then removed."""
+    """meta.json last, then the atomic rename."""
     for p in tmp.iterdir():
         if p.name.startswith("."):
             p.unlink()  # rendezvous markers are not part of the checkpoint
     _write_json(tmp / "meta.json", {**head, "files": entries})
+    _swap_in(tmp, final)
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """`tmp` becomes `final` by one rename; an older `final` is moved aside, then removed."""
     _fsync(tmp)
     old = None
     if final.exists():
