@@ -116,7 +116,8 @@ def test_the_record_is_every_file_meta_lists(tmp_path: Path) -> None:
     mtimes = {"step-7/meta.json": 50.0, "step-7/model.pt": 40.0}
     record = parts.native_record(tmp_path, manifest, mtimes)
     assert record is not None
-    assert (record.path, record.mtime, record.after) == ("step-7/meta.json", 50.0, 0.0)
+    assert (record.path, record.mtime, record.after, record.exact) == (
+        "step-7/meta.json", 50.0, 0.0, True)
     assert dict(record.expected) == {"step-7/model.pt": 10, "step-7/optim.rank0.pt": 4,
                                      "step-7/optim.rank1.pt": 9}
     share = _manifest(tmp_path, ["step-7/model.pt"])  # no meta.json: another node's share
@@ -134,3 +135,20 @@ def test_a_meta_changed_since_validation_or_unreadable_gives_no_record(tmp_path:
     with pytest.raises(PermanentError, match="no file listing"):
         parts.native_record(tmp_path, _manifest(tmp_path, ["step-7/meta.json"]),
                             {"step-7/meta.json": 1.0})
+
+
+def test_an_exact_record_refuses_a_longer_file() -> None:
+    """DCP's record names a least size (a byte range's end); native's meta.json an exact one."""
+    from ckptd.cluster import commit as cc
+
+    def coord(exact: bool) -> cc.Part:
+        return cc.Part("0", "c", "native", (
+            cc.PartFile("s/meta.json", 5, 100.0, "m", "x", "none", 5, "0.c/s/meta.json"),),
+            cc.Record("s/meta.json", 100.0, {"s/optim.rank1.pt": 10}, exact=exact))
+
+    longer = cc.Part("1", "a", "native", (cc.PartFile("s/optim.rank1.pt", 11, 99.0, "h", "x",
+                                                      "none", 11, "1.a/s/optim.rank1.pt"),))
+    assert cc.choose([coord(False), longer]).covered
+    plan = cc.choose([coord(True), longer])
+    assert not plan.covered and "needs 10" in plan.problems[0]
+    assert cc.parse_part(coord(True).to_bytes(), "p").record == coord(True).record

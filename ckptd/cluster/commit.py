@@ -57,10 +57,12 @@ class Record:
     # How long after the record other ranks may still finish writing (DeepSpeed writes its
     # model states, then each rank its optimizer states concurrently): SPREAD_S there, else 0.
     after: float = 0.0
+    # The record gives each file's exact size (native meta.json), not a least one (DCP ranges).
+    exact: bool = False
 
     def as_json(self) -> dict[str, Any]:
         return {"path": self.path, "mtime": self.mtime, "expected": dict(self.expected),
-                "after": self.after}
+                "after": self.after, "exact": self.exact}
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,11 @@ def _record(doc: Any) -> Record | None:
     after = float(doc.get("after", 0.0))
     if not 0 <= after <= SPREAD_S:
         raise ValueError("record after")
-    return Record(path=_safe(str(doc["path"])), mtime=mtime, expected=expected, after=after)
+    exact = doc.get("exact", False)
+    if not isinstance(exact, bool):
+        raise ValueError("record exact")
+    return Record(path=_safe(str(doc["path"])), mtime=mtime, expected=expected, after=after,
+                  exact=exact)
 
 
 def _safe(p: str) -> str:
@@ -247,8 +253,9 @@ def _cover(coord: Part, chosen: list[Part]) -> tuple[list[PartFile], list[str]]:
         got = by_path.get(path)
         if got is None:
             problems.append(f"{path} in no part of the save")
-        elif got.size < least:
-            problems.append(f"{path} has {got.size} bytes, the record needs {least}")
+        elif got.size < least or (coord.record.exact and got.size != least):
+            need = "" if coord.record.exact else "at least "
+            problems.append(f"{path} has {got.size} bytes, the record needs {need}{least}")
     return sorted(by_path.values(), key=lambda f: f.path), problems
 
 

@@ -142,7 +142,7 @@ def native_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float
         expected = {posixpath.join(base, e["path"]): int(e["size"]) for e in listing}
     except (ValueError, TypeError, KeyError, AttributeError):
         raise PermanentError(f"{f.path}: no file listing the commit can read") from None
-    return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected)
+    return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected, exact=True)
 
 
 def _validated_bytes(root_dir: Path, path: str, size: int, digest: str) -> bytes:
