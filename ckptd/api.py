@@ -60,7 +60,7 @@ class Workers(Protocol):
     def flushing(self) -> dict[str, int]: ...
     def in_flight(self) -> list[dict[str, Any]]: ...
     def part_states(self, root: RootConfig, rec: Any) -> dict[str, str]: ...
-    def uncommitted(self, root: str) -> list[dict[str, Any]]: ...
+    def uncommitted(self, root: str, nodes: int) -> list[dict[str, Any]]: ...
 
 
 class Retention(Protocol):
@@ -189,7 +189,8 @@ class ApiContext:
             "unrecognised": self.scan.unrecognised(root.name)[:100],
             "holder": self.leases.holder_json(root.name),
             "acting": self.leases.holds(root.name),
-            "uncommitted": self.workers.uncommitted(root.name) if root.multi_node else None,
+            "uncommitted": (self.workers.uncommitted(root.name, root.nodes) if root.multi_node
+                            else None),
         }
 
     def acting(self, root: RootConfig) -> None:

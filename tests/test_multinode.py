@@ -234,7 +234,8 @@ def test_a_node_down_holds_the_commit_and_retention_keeps_the_uncommitted_steps(
     cluster.handles[2].stop()
     dcp_save(cluster.roots(), 2, 3)  # n2 down: steps 2 and 3 wait for its parts
     waiting = cluster.handles[0].client
-    want = [{"step": 2, "missing_nodes": ["n2"]}, {"step": 3, "missing_nodes": ["n2"]}]
+    want = [{"step": 2, "missing_nodes": ["n2"], "unseen_nodes": 0},
+            {"step": 3, "missing_nodes": ["n2"], "unseen_nodes": 0}]
     wait_until(lambda: waiting.status()["roots"][0]["uncommitted"] == want, 30,
                "steps 2 and 3 listed as waiting for n2's parts",
                detail=lambda: str(waiting.status()["roots"][0]["uncommitted"]))

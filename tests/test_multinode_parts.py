@@ -94,3 +94,20 @@ def test_two_shares_commit_once_with_both_parts(tmp_path: Path) -> None:
                                    t + 600)
     with pytest.raises(PermanentError, match="committed without this node's files"):
         parts.upload_share(store, "job", r_dir, r_man, r_share, now=t + 700)
+
+
+def test_status_counts_the_nodes_it_cannot_name() -> None:
+    """Before any commit, a node that wrote no part is known to no one: `status` still says
+    how many of the root's nodes it cannot name."""
+    from ckptd.service.commits import Waiting
+
+    waiting = Waiting()
+    plan = cc.Plan("n0", (), covered=False, missing_nodes=())
+    waiting.wait("job", 4, parts.NotCommitted(4, plan, {"n0": "uploaded", "n1": "uploaded"}))
+    assert waiting.uncommitted("job", 3) == [
+        {"step": 4, "missing_nodes": [], "unseen_nodes": 1}]
+    plan = cc.Plan("n0", (), covered=False, missing_nodes=("n2",))
+    waiting.wait("job", 5, parts.NotCommitted(5, plan, {"n0": "uploaded", "n2": "missing"}))
+    assert waiting.uncommitted("job", 3)[1] == {"step": 5, "missing_nodes": ["n2"],
+                                                "unseen_nodes": 0}
+    assert waiting.uncommitted("other", 3) == []

@@ -69,10 +69,19 @@ class Waiting:
                 self._known[root] = have
         return frozenset(have)
 
-    def uncommitted(self, root: str) -> list[dict[str, Any]]:
+    def uncommitted(self, root: str, nodes: int) -> list[dict[str, Any]]:
+        """`missing_nodes`: the known nodes with no part of the save; `unseen_nodes`: how many
+        of the root's `nodes` this daemon cannot name (no part, in no commit it has seen),
+        each of them missing too."""
         with self._lock:
-            return [{"step": step, "missing_nodes": list(missing)}
-                    for (r, step), (_n, missing, _s) in sorted(self._steps.items()) if r == root]
+            known = self._known.get(root, set())
+            out = []
+            for (r, step), (_n, missing, states) in sorted(self._steps.items()):
+                if r == root:
+                    seen = len(known | set(states) | set(missing))
+                    out.append({"step": step, "missing_nodes": list(missing),
+                                "unseen_nodes": max(0, nodes - seen)})
+            return out
 
     def node_states(self, root: str, step: int) -> dict[str, str] | None:
         with self._lock:

@@ -291,8 +291,8 @@ class Workers:
     def _tick(self, worker: str) -> None:
         self.progress[worker] = time.time()
 
-    def uncommitted(self, root: str) -> list[dict[str, Any]]:
-        return self.waiting.uncommitted(root)
+    def uncommitted(self, root: str, nodes: int) -> list[dict[str, Any]]:
+        return self.waiting.uncommitted(root, nodes)
 
     def part_states(self, root: RootConfig, rec: Any) -> dict[str, str]:
         """Each node's part state of one step of a multi-node root, as this node knows it:
