@@ -16,7 +16,7 @@ from ckptd.config import RootConfig
 from ckptd.errors import DiskFull
 from ckptd.lifecycle.table import Policy
 from ckptd.log import get_logger
-from ckptd.manifest import StoredFile
+from ckptd.manifest import Manifest, StoredFile
 from ckptd.model import Candidate, ValidationResult
 from ckptd.stages import compress, parts
 from ckptd.stages.parts import NotCommitted as NotCommitted
@@ -124,6 +124,17 @@ class CopyMissing(Exception):
     """The local compressed copy the store counts on is gone or is not this row's content."""
 
 
+def _local_copy(root: RootConfig, step: int, expected: Sequence[StoredFile]) -> Manifest:
+    """The local compressed copy's manifest, when it holds exactly the validated files."""
+    manifest = compress.read_local_manifest(root.path, step)
+    if manifest is None:
+        raise CopyMissing(f"no local compressed copy of step {step} to upload")
+    if {(f.path, f.size, f.hash) for f in manifest.files} != {
+            (f.path, f.size, f.hash) for f in expected}:
+        raise CopyMissing(f"the local copy of step {step} does not match its validated files")
+    return manifest
+
+
 def run_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
                expected: Sequence[StoredFile], replace_remote: bool = False) -> UploadResult:
     """Upload the local compressed copy. `expected` are the row's validated files: a copy
@@ -132,12 +143,7 @@ def run_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
     so a different remote copy of the step is that earlier save and may be replaced. Without
     it, a step committed remotely by someone else is never touched (the upload refuses)."""
     step = job.checkpoint.step
-    manifest = compress.read_local_manifest(root.path, step)
-    if manifest is None:
-        raise CopyMissing(f"no local compressed copy of step {step} to upload")
-    if {(f.path, f.size, f.hash) for f in manifest.files} != {
-            (f.path, f.size, f.hash) for f in expected}:
-        raise CopyMissing(f"the local copy of step {step} does not match its validated files")
+    manifest = _local_copy(root, step, expected)
     if replace_remote:
         _replace_older_remote(backend, root.name, manifest)
     progress.total = manifest.stored_size
@@ -151,12 +157,7 @@ def run_share_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
     """A multi-node root: this node's share of the step (docs/MULTINODE.md). Raises
     NotCommitted while the step waits for other nodes' parts. Never replaces a remote step."""
     step = job.checkpoint.step
-    manifest = compress.read_local_manifest(root.path, step)
-    if manifest is None:
-        raise CopyMissing(f"no local compressed copy of step {step} to upload")
-    if {(f.path, f.size, f.hash) for f in manifest.files} != {
-            (f.path, f.size, f.hash) for f in expected}:
-        raise CopyMissing(f"the local copy of step {step} does not match its validated files")
+    manifest = _local_copy(root, step, expected)
     mtimes = {f.path: fileio.safe_join(root.path, f.path).stat().st_mtime_ns / 1e9
               for f in manifest.files}
     reader = {"dcp": parts.dcp_record, "megatron": parts.dcp_record,  # torch_dist is DCP
