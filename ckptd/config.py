@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import difflib
+import hashlib
 import ipaddress
 import json
 import math
@@ -183,6 +184,16 @@ def _node(value: Any) -> str:
         raise ValueError("must be 1 to 64 letters, digits, '.', '_' or '-' (starting with a"
                          f" letter or digit), or \"\" for the hostname; got {_show(value)}")
     return value
+
+
+def node_of_host(host: str) -> str:
+    """A hostname as a node id (1 to 64 of `[A-Za-z0-9._-]`, starting with a letter or digit):
+    other characters become `-`; a longer name keeps 53 characters and a hash of the whole."""
+    node = re.sub(r"[^A-Za-z0-9._-]", "-", host).lstrip("._-") or "node"
+    if len(node) > 64:
+        digest = hashlib.blake2b(host.encode(errors="replace"), digest_size=5).hexdigest()
+        node = f"{node[:53]}-{digest}"
+    return node
 
 
 def _optional_duration(value: Any) -> float | None:
@@ -366,8 +377,8 @@ class DaemonConfig(_Model):
 
     @property
     def node_id(self) -> str:
-        """This node's id: `node`, else the hostname."""
-        return self.node or socket.gethostname()
+        """This node's id: `node`, else the hostname as a node id (see `node_of_host`)."""
+        return self.node or node_of_host(socket.gethostname())
 
 
 class MetricsConfig(_Model):

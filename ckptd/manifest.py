@@ -81,8 +81,10 @@ def for_node(manifest: Manifest, node: str) -> Manifest:
         raise ValueError(f"step {manifest.step} was committed by nodes {sorted(parts)},"
                          f" not {node!r}")
     records = {r for _n, _a, r in manifest.nodes if r}
-    mine = f"{node}.{parts[node]}/"
-    files = tuple(f for f in manifest.files if f.key.startswith(mine) or f.path in records)
+    # A node's keys are under `<node>.<attempt>/` (its part's attempt, or an earlier one's
+    # where the same file was sent before).
+    files = tuple(f for f in manifest.files
+                  if f.key.split("/", 1)[0].rpartition(".")[0] == node or f.path in records)
     return Manifest(root=manifest.root, step=manifest.step, layout=manifest.layout,
                     files=files, created=manifest.created, metrics=dict(manifest.metrics),
                     nodes=manifest.nodes)

@@ -568,3 +568,16 @@ def _leaf_keys_of(table: dict[str, object], prefix: str = "") -> list[str]:
         else:
             out.append(prefix + key)
     return out
+
+
+def test_a_hostname_becomes_a_node_id_the_parts_accept() -> None:
+    from ckptd.cluster.commit import valid_ids
+    from ckptd.config import node_of_host
+
+    assert node_of_host("gpu-017") == "gpu-017"
+    long = "worker-" + "x" * 200 + ".cluster.example.com"
+    for host in (long, "_odd host!", "....", "ä-node", "a" * 64):
+        node = node_of_host(host)
+        assert valid_ids(node, "1-ab"), node
+    assert node_of_host(long) != node_of_host(long[:-1] + "n")  # the hash keeps them apart
+    assert len(node_of_host(long)) == 64 and node_of_host("a" * 64) == "a" * 64

@@ -111,3 +111,32 @@ def test_status_counts_the_nodes_it_cannot_name() -> None:
     assert waiting.uncommitted("job", 3)[1] == {"step": 5, "missing_nodes": ["n2"],
                                                 "unseen_nodes": 0}
     assert waiting.uncommitted("other", 3) == []
+
+
+def test_a_share_that_grew_sends_only_its_new_files(tmp_path: Path) -> None:
+    """The coordinator's shard settles before `.metadata` comes: its first part (no record)
+    holds the shard; the part with the record reuses that object instead of sending it again,
+    and `restore --node` still finds every file of the node."""
+    store = LocalBackend(tmp_path / "remote")
+    t = 1_700_000_000.0
+    shard = {"step-7/__0_0.distcp": b"zero" * 100}
+    o_dir, o_man, o_share = _share(tmp_path, "n0", shard, t)
+    with pytest.raises(parts.NotCommitted):
+        parts.upload_share(store, "job", o_dir, o_man, o_share, now=t + 5)
+    (first,) = parts.read_parts(store, "job", 7)
+    record = cc.Record("step-7/.metadata", t, {"step-7/__0_0.distcp": 400})
+    c_dir, c_man, c_share = _share(tmp_path, "n0", {**shard, "step-7/.metadata": b"meta"}, t,
+                                   record)
+    done = parts.upload_share(store, "job", c_dir, c_man, c_share, now=t + 6)
+    assert (done.sent_bytes, done.skipped_objects) == (4, 1)
+    commit = read_manifest(store, "job", 7)
+    keys = {f.path: f.key for f in commit.files}
+    assert keys["step-7/__0_0.distcp"] == f"n0.{first.attempt}/step-7/__0_0.distcp"
+    assert [a for n, a, _r in commit.nodes] != [first.attempt]  # committed under the second
+    assert sorted(f.path for f in for_node(commit, "n0").files) == [
+        "step-7/.metadata", "step-7/__0_0.distcp"]
+    for bad in ("n1.x/step-7/a", "n0/step-7/a", "n0.x.y/a"):  # keys of another node, or none
+        doc = cc.Part("n0", "b", "dcp", (cc.PartFile("step-7/a", 1, t, "h", "x", "none", 1,
+                                                     bad),)).to_bytes()
+        with pytest.raises(cc.BadPart):
+            cc.parse_part(doc, "p")

@@ -124,17 +124,20 @@ def parse_part(data: bytes, where: str, written: float = 0.0) -> Part:
         node, attempt = str(doc["node"]), str(doc["attempt"])
         if not valid_ids(node, attempt):
             raise ValueError(f"bad node or attempt id {node!r}.{attempt!r}")
-        files = tuple(_part_file(f, f"{node}.{attempt}/") for f in doc["files"])
+        files = tuple(_part_file(f, node) for f in doc["files"])
         return Part(node=node, attempt=attempt, layout=str(doc["layout"]), files=files,
                     record=_record(doc.get("record")), written=written)
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise BadPart(f"{where}: malformed part ({exc})") from None
 
 
-def _part_file(f: Any, prefix: str) -> PartFile:
+def _part_file(f: Any, node: str) -> PartFile:
+    """A file of `node`'s part; its key is under one of that node's attempts (this part's, or
+    an earlier part's where the same file was sent before)."""
     path, key = _safe(str(f["path"])), _safe(str(f["key"]))
-    if not key.startswith(prefix):
-        raise ValueError(f"key {key!r} outside {prefix!r}")
+    owner, _dot, attempt = key.split("/", 1)[0].rpartition(".")
+    if "/" not in key or owner != node or not _ATTEMPT.match(attempt):
+        raise ValueError(f"key {key!r} is not under one of {node!r}'s attempts")
     size, stored, mtime = int(f["size"]), int(f["stored_size"]), float(f["mtime"])
     if size < 0 or stored < 0 or not math.isfinite(mtime):
         raise ValueError(f"bad size or mtime for {path!r}")

@@ -11,7 +11,7 @@ import posixpath
 import re
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +78,8 @@ def upload_share(backend: Backend, root_name: str, objects_dir: Path, manifest: 
     Returns once the step is committed with this node's part; NotCommitted while it waits;
     PermanentError when the step was committed without this node's files of this save."""
     require_create_only(backend, root_name)
-    part = part_of(manifest, share)
+    earlier = [p for p in read_parts(backend, root_name, manifest.step) if p.node == share.node]
+    part = part_of(manifest, share, earlier)
     sent, skipped = _send(backend, root_name, objects_dir, manifest, part, concurrency,
                           progress)
     _write_part(backend, root_name, manifest.step, part)
@@ -97,15 +98,24 @@ def upload_share(backend: Backend, root_name: str, objects_dir: Path, manifest: 
                        nodes=tuple(n for n, _a, _r in committed.nodes))
 
 
-def part_of(manifest: Manifest, share: Share) -> cc.Part:
-    """This node's part: its files under `<node>.<attempt>/`, the attempt from their stats."""
+def part_of(manifest: Manifest, share: Share, earlier: Sequence[cc.Part] = ()) -> cc.Part:
+    """This node's part: its files under `<node>.<attempt>/`, the attempt from their stats. A
+    file this node already sent unchanged in an earlier part of the step (the same path, size,
+    hash, codec and mtime: a share that grew, e.g. the coordinator's shard before `.metadata`
+    came) keeps that part's key, so it is not sent twice."""
     stats = [(f.path, f.size, int(share.mtimes[f.path] * 1e9)) for f in manifest.files]
     attempt = cc.attempt_id(stats)
-    files = tuple(cc.PartFile(path=f.path, size=f.size, mtime=share.mtimes[f.path], hash=f.hash,
-                              hash_alg=f.hash_alg, codec=f.codec, stored_size=f.stored_size,
-                              key=f"{share.node}.{attempt}/{f.key}")
-                  for f in manifest.files)
-    return cc.Part(share.node, attempt, manifest.layout, files, share.record)
+    sent = {(pf.path, pf.size, pf.hash, pf.codec, pf.stored_size, pf.mtime): pf.key
+            for p in earlier for pf in p.files}
+    files = []
+    for f in manifest.files:
+        mtime = share.mtimes[f.path]
+        key = sent.get((f.path, f.size, f.hash, f.codec, f.stored_size, mtime),
+                       f"{share.node}.{attempt}/{f.key}")
+        files.append(cc.PartFile(path=f.path, size=f.size, mtime=mtime, hash=f.hash,
+                                 hash_alg=f.hash_alg, codec=f.codec,
+                                 stored_size=f.stored_size, key=key))
+    return cc.Part(share.node, attempt, manifest.layout, tuple(files), share.record)
 
 
 def dcp_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
