@@ -341,6 +341,33 @@ def test_a_deepspeed_save_split_over_nodes_commits_and_restores_whole(
 
 
 
+def test_a_deepspeed_zero3_save_split_over_nodes_commits(nodes: Any, tmp_path: Path) -> None:
+    """ZeRO-3: every data-parallel rank writes its own model states and optimizer states on
+    its node; rank 0's model states record `dp_world_size`, and `latest` is on its node."""
+    cluster = nodes()
+    cluster.start()
+    homes = {}
+    for r in range(WORLD):
+        d = cluster.root(r) / "global_step9"
+        d.mkdir()
+        common = {"dp_world_size": WORLD, "mp_world_size": 1, "ds_version": "0.16.4",
+                  "global_steps": 9}
+        torch.save({"module": {"w": torch.zeros(0)}, **common},
+                   d / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+        torch.save({"optimizer_state_dict": {"shard": torch.full((8,), float(r))}},
+                   d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        homes.update({f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt": r
+                      for kind in ("model", "optim")})
+    (cluster.root(0) / "latest").write_text("global_step9")
+    cluster.wait_committed(9)
+    doc = _manifest(tmp_path, 9)
+    assert doc["layout"] == "deepspeed"
+    assert [n.get("record") for n in doc["nodes"] if n["node"] == "n0"] == [
+        "global_step9/zero_pp_rank_0_mp_rank_00_model_states.pt"]
+    assert sorted(f["path"] for f in doc["files"]) == sorted(
+        f"global_step9/{name}" for name in homes)
+
+
 def test_a_megatron_torch_dist_save_split_over_nodes_commits(nodes: Any, tmp_path: Path) -> None:
     """megatron-core's torch_dist: `common.pt`, the DCP save of every rank into `iter_N/` on
     its own node, `metadata.json`, then the tracker, on rank 0's node only."""

@@ -114,7 +114,8 @@ def _node_share(snap: Snapshot, opts: RootOptions, now: float, directory: str, s
     ranks' optimizer states are on other nodes: the commit, not this node, requires them."""
     problems = [common.unfinished_problem(snap, directory, under),
                 common.settle_problem(snap, under, opts, now)]
-    if any(_MODEL.match(n) for n in top):
+    if any((m := _MODEL.match(n)) and m.group(1) in (None, "0") for n in top):
+        # The coordinator: mp ranks' model states, or ZeRO-3's data-parallel rank 0's.
         problems.append(_latest_problem(snap, directory, step))
     cand = common.make(NAME, step, directory, files, problems)
     return dataclasses.replace(cand, node_share=True)

@@ -166,16 +166,23 @@ def _validated_bytes(root_dir: Path, path: str, size: int, digest: str) -> bytes
 
 
 _DS_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$", re.ASCII)
+_DS_ZERO3 = re.compile(r"^zero_pp_rank_0_mp_rank_(\d+)_model_states\.pt$", re.ASCII)
 _DS_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$", re.ASCII)
 
 
 def deepspeed_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
                      ) -> cc.Record | None:
-    """The commit record of a DeepSpeed share that holds the model states (ZeRO-1/2): the
-    model states of every model-parallel rank here and, when the save has optimizer shards,
-    one per data-parallel rank as `dp_world_size` in the model states records."""
+    """The commit record of a DeepSpeed share that holds the model states: ZeRO-1/2's
+    `mp_rank_<MP>_model_states.pt` (every model-parallel rank's here) or ZeRO-3's data-parallel
+    rank 0's `zero_pp_rank_0_mp_rank_<MP>_model_states.pt`. Expected: those, every
+    data-parallel rank's ZeRO-3 model states (`dp_world_size` as the file records it) and,
+    when the save has optimizer shards, one per data-parallel rank."""
     names = {posixpath.basename(f.path): f.path for f in manifest.files}
     models = {int(m.group(1)): path for n, path in names.items() if (m := _DS_MODEL.match(n))}
+    zero3 = not models
+    if zero3:
+        models = {int(m.group(1)): path for n, path in names.items()
+                  if (m := _DS_ZERO3.match(n))}
     if not models:
         return None
     record = models[min(models)]
@@ -184,10 +191,14 @@ def deepspeed_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, fl
         fields = leading_fields(fh.read(HEAD_BYTES), record) or {}
     dp = fields.get("dp_world_size")
     if type(dp) is not int or not 0 < dp <= 1 << 20:
-        raise PermanentError(f"{record} records no dp_world_size: the optimizer shards this"
-                             " save needs from other nodes are unknown")
+        raise PermanentError(f"{record} records no dp_world_size: the shards this save needs"
+                             " from other nodes are unknown")
     base = posixpath.dirname(record)
     expected = {path: 0 for path in models.values()}
+    if zero3:
+        expected.update({posixpath.join(base, f"zero_pp_rank_{r}_mp_rank_{mp:02d}"
+                                              "_model_states.pt"): 0
+                         for r in range(dp) for mp in models})
     optims = [n for n in names if _DS_OPTIM.match(n)]
     prefix = "bf16_" if any(n.startswith("bf16_") for n in optims) else ""
     if optims:
