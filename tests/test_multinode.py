@@ -239,6 +239,11 @@ def test_a_node_down_holds_the_commit_and_retention_keeps_the_uncommitted_steps(
     wait_until(lambda: waiting.status()["roots"][0]["uncommitted"] == want, 30,
                "steps 2 and 3 listed as waiting for n2's parts",
                detail=lambda: str(waiting.status()["roots"][0]["uncommitted"]))
+    cluster.handles[0].stop()  # a restart rebuilds the list from the store's parts
+    cluster.start(0)
+    wait_until(lambda: waiting.status()["roots"][0]["uncommitted"] == want, 30,
+               "steps 2 and 3 listed again after a restart",
+               detail=lambda: str(waiting.status()["roots"][0]["uncommitted"]))
     status = waiting.status()["roots"][0]
     assert status["latest"] == 1
     assert (cluster.row(0, 2) or {})["nodes"] == {"n0": "uploaded", "n1": "uploaded",
