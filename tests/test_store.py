@@ -146,6 +146,21 @@ def test_registration_metrics_merge_and_best(store: Store) -> None:
     assert store.best("r", "", "min") is None
 
 
+def test_a_multi_node_roots_best_and_latest_are_committed_steps(store: Store) -> None:
+    store.sync_root("r", [found(1, metrics={"val_loss": 2.0}),
+                          found(2, metrics={"val_loss": 1.0})], 1.0)
+    for _ in range(2):
+        validate_ok(store, copy=True)
+    store.set_policies({"r": Policy(uploads=True, committed_only=True)})
+    assert store.best("r", "val_loss", "min") is None and store.latest("r") is None
+    uploaded(store, "r", 1)
+    store.set_policies({"r": Policy(uploads=True, committed_only=True)})
+    assert store.best("r", "val_loss", "min").step == 1  # type: ignore[union-attr]
+    assert store.latest("r").step == 1  # type: ignore[union-attr]
+    store.set_policies({"r": Policy(uploads=True)})  # one node: step 2 is both
+    assert store.best("r", "val_loss", "min").step == 2  # type: ignore[union-attr]
+
+
 def test_backoff_after_failure(store: Store) -> None:
     store.sync_root("r", [found(1)], 1.0)
     job = store.claim("me", 10.0, 60)

@@ -101,10 +101,12 @@ class Reads:
     def best(self, root: str, metric: str, mode: str) -> CheckpointRecord | None:
         if not metric:
             return None
+        committed_only = self._policies.get(root, Policy()).committed_only
         candidates = [
             c for c in self.checkpoints(root)
             if c.state is State.VALID and metric in c.metrics
             and (c.local is not Local.PRUNED or c.remote is Remote.UPLOADED)
+            and (c.remote is Remote.UPLOADED or not committed_only)  # multi-node: committed
         ]
         if not candidates:
             return None
