@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ckptd import fileio
@@ -159,8 +160,11 @@ def run_share_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
         raise CopyMissing(f"the local copy of step {step} does not match its validated files")
     mtimes = {f.path: fileio.safe_join(root.path, f.path).stat().st_mtime_ns / 1e9
               for f in manifest.files}
-    reader = {"dcp": parts.dcp_record, "megatron": parts.dcp_record,  # torch_dist is DCP
-              "deepspeed": parts.deepspeed_record}.get(manifest.layout)
+    readers: dict[str, parts.RecordReader] = {
+        "dcp": parts.dcp_record, "megatron": parts.dcp_record,  # torch_dist is DCP
+        "deepspeed": parts.deepspeed_record,
+        "ranked": partial(parts.ranked_record, world_size=root.world_size)}
+    reader = readers.get(manifest.layout)
     record = reader(root.path, manifest, mtimes) if reader is not None else None
     share = parts.Share(node=node, commit_timeout=root.commit_timeout, mtimes=mtimes,
                         record=record, known_nodes=known_nodes)

@@ -5,6 +5,7 @@ the coordinator's save. Decisions are `ckptd.cluster.commit`'s; never imports th
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
@@ -31,12 +32,15 @@ from ckptd.errors import (
 )
 from ckptd.formats.dcpmeta import parse_dcp_metadata
 from ckptd.formats.torchhead import HEAD_BYTES, leading_fields
+from ckptd.layouts import ranked
 from ckptd.log import get_logger
 from ckptd.manifest import Manifest, StoredFile, step_prefix
 from ckptd.remote import advance_latest, manifest_key, read_manifest, step_objects
 from ckptd.stages.upload import UploadResult
 
 Progress = Callable[[int], None]
+# A layout's commit record of this node's share (None: the share holds none).
+RecordReader = Callable[[Path, Manifest, Mapping[str, float]], "cc.Record | None"]
 PROBE_DIR = "_probe"
 MAX_PARTS = 100_000
 
@@ -159,6 +163,42 @@ def deepspeed_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, fl
                                               "_optim_states.pt"): 0
                          for r in range(dp) for mp in models})
     return cc.Record(path=record, mtime=mtimes[record], expected=expected, after=cc.SPREAD_S)
+
+
+def ranked_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float],
+                  world_size: int = 0) -> cc.Record | None:
+    """The commit record of a `ranked` share that holds `meta_<N>.json` (the coordinator's):
+    `model_<N>.pt`, the meta and `optim_<N>_rank<R>.pt` for every rank below the world_size
+    the meta records (else the root's `world_size`). The meta is read again and must be the
+    validated bytes. The ranks write their shards after it, so `after` is SPREAD_S."""
+    metas = [f for f in manifest.files if ranked.is_meta(posixpath.basename(f.path))]
+    if len(metas) != 1:
+        return None
+    f = metas[0]
+    if f.size > ranked.META_MAX_BYTES:
+        raise PermanentError(f"{f.path} has {f.size} bytes, more than the"
+                             f" {ranked.META_MAX_BYTES} a commit record may")
+    fd = fileio.open_beneath(root_dir, f.path)
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(f.size + 1)
+    if len(data) != f.size or xxhash.xxh3_128_hexdigest(data) != f.hash:
+        raise TransientError(f"{f.path} changed since it was validated; rescanning")
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise PermanentError(f"{f.path} is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise PermanentError(f"{f.path} is not a JSON object")
+    recorded = doc.get("world_size")
+    world = recorded if type(recorded) is int and 0 < recorded <= 1 << 20 else world_size
+    if world <= 0:
+        raise PermanentError(f"{f.path} records no world_size and the root sets none: the"
+                             " optimizer shards this save needs from other nodes are unknown")
+    base, name = posixpath.split(f.path)
+    step = name.removeprefix("meta_").removesuffix(".json")
+    expected = {posixpath.join(base, n): 0 for n in (
+        f"model_{step}.pt", name, *(f"optim_{step}_rank{r}.pt" for r in range(world)))}
+    return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected, after=cc.SPREAD_S)
 
 
 # -- the probe -------------------------------------------------------------------------------
