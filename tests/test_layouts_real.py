@@ -35,11 +35,11 @@ def snapshot(root: Path) -> Snapshot:
 
 
 def detect(root: Path, world_size: int = 0, after: float = SETTLE + 1,
-           layout: str = "auto") -> list[Candidate]:
+           layout: str = "auto", multi_node: bool = False) -> list[Candidate]:
     """Candidates as a scan `after` seconds past the newest write would see them."""
     snap = snapshot(root)
     newest = max((f.mtime for f in snap.files.values()), default=0.0)
-    opts = RootOptions(settle=SETTLE, world_size=world_size)
+    opts = RootOptions(settle=SETTLE, world_size=world_size, multi_node=multi_node)
     return layouts.detect(snap, opts, newest + after, layout)
 
 
@@ -289,3 +289,61 @@ def test_torch_fields_are_read_once_and_not_while_a_file_changes(tmp_path: Path)
     w.write_deepspeed(tmp_path, 100, world_size=3)  # rewritten since the last scan
     assert model not in scanner.scan(now + 1)[0].torch_fields
     assert scanner.scan(now + 2)[0].torch_fields[model]["dp_world_size"] == 3
+
+
+# --- ranked split over nodes (a multi-node root, docs/MULTINODE.md) ---------------------------
+
+RANKED_HOMES = {"model_5.pt": 0, "meta_5.json": 0, "optim_5_rank0.pt": 0,
+                "optim_5_rank1.pt": 1, "optim_5_rank2.pt": 2}
+
+
+def _ranked_over_nodes(tmp: Path, homes: dict[str, int] = RANKED_HOMES) -> list[Path]:
+    """A real 3-rank ranked save, each file moved to the disk of the node that wrote it."""
+    staged = tmp / "staging"
+    w.write_ranked(staged, 5, world_size=3)
+    nodes = [tmp / f"n{n}" for n in range(3)]
+    for n in nodes:
+        n.mkdir()
+    for name, node in homes.items():
+        (staged / name).rename(nodes[node] / name)
+    return nodes
+
+
+def test_ranked_split_over_nodes_each_node_holds_a_share(tmp_path: Path) -> None:
+    n0, n1, n2 = _ranked_over_nodes(tmp_path)
+    [coord] = detect(n0, multi_node=True)
+    assert (coord.layout, coord.step, coord.path, coord.complete, coord.node_share) == (
+        "ranked", 5, "model_5.pt", True, True), coord
+    assert coord.files == ("meta_5.json", "model_5.pt", "optim_5_rank0.pt")
+    assert coord.metrics == {"loss": 2.5} and not coord.invalid_reason
+    for node, rank in ((n1, 1), (n2, 2)):  # another node's ranks, with no model or meta
+        [share] = detect(node, multi_node=True)
+        assert (share.layout, share.path, share.complete, share.node_share) == (
+            "ranked", f"optim_5_rank{rank}.pt", True, True), share
+        assert share.files == (f"optim_5_rank{rank}.pt",)
+    [alone] = detect(n1)  # the same files on a single-node root: other ranks missing
+    assert not alone.complete and "model_5.pt" in alone.waiting_for
+    [early] = detect(n1, after=1, multi_node=True)
+    assert not early.complete and "unchanged" in early.waiting_for
+
+
+def test_ranked_coordinator_share_holds_model_and_meta(tmp_path: Path) -> None:
+    homes = {**RANKED_HOMES, "model_5.pt": 1}  # the model went elsewhere: not a ranked save's
+    n0, n1, _ = _ranked_over_nodes(tmp_path, homes)
+    [coord] = detect(n0, multi_node=True)
+    assert not coord.complete and coord.waiting_for == "model_5.pt", coord
+    [share] = detect(n1, multi_node=True)  # the model without its meta: the meta is waited for
+    assert share.path == "model_5.pt" and not share.complete
+    assert share.waiting_for == "meta_5.json", share
+    w.write_ranked(tmp_path / "first", 7, stop="meta")  # a lone model_<N>.pt stays single
+    [single] = detect(tmp_path / "first", multi_node=True)
+    assert (single.layout, single.complete, single.node_share) == ("single", True, False)
+
+
+@pytest.mark.parametrize("meta", [b"{", b"[1]", b'{"pad": "' + b"x" * (1 << 20) + b'"}'])
+def test_ranked_coordinator_bad_meta_is_invalid(meta: bytes, tmp_path: Path) -> None:
+    n0, _, _ = _ranked_over_nodes(tmp_path)
+    (n0 / "meta_5.json").write_bytes(meta)
+    [coord] = detect(n0, multi_node=True)
+    assert (coord.complete, coord.invalid_reason) == (True, "bad_metadata"), coord
+    assert coord.invalid_message.startswith("meta_5.json")

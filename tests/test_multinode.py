@@ -373,6 +373,41 @@ def test_a_deepspeed_zero3_save_split_over_nodes_commits(nodes: Any, tmp_path: P
         f"global_step9/{name}" for name in homes)
 
 
+def test_a_ranked_save_split_over_nodes_commits_and_restores_whole(
+        nodes: Any, tmp_path: Path) -> None:
+    """The `ranked` layout on node-local disks: rank 0's node holds `model_<N>.pt`,
+    `meta_<N>.json` (the record, naming world_size 3) and its optimizer shard; each other node
+    only its rank's shard."""
+    from layout_writers import write_ranked
+
+    staged = tmp_path / "staging"
+    write_ranked(staged, 5, world_size=WORLD)
+    cluster = nodes()
+    homes = {"model_5.pt": 0, "meta_5.json": 0,
+             **{f"optim_5_rank{r}.pt": r for r in range(WORLD)}}
+    for name, node in homes.items():
+        (staged / name).rename(cluster.root(node) / name)
+    cluster.start()
+    cluster.wait_committed(5)
+    for n in range(WORLD):  # `ls`: every node's part state, as each node saw the commit
+        assert (cluster.row(n, 5) or {})["nodes"] == dict.fromkeys(["n0", "n1", "n2"],
+                                                                  "committed")
+    doc = _manifest(tmp_path, 5)
+    assert doc["layout"] == "ranked"
+    assert [n.get("record") for n in doc["nodes"] if n["node"] == "n0"] == ["meta_5.json"]
+    assert sorted(f["path"] for f in doc["files"]) == sorted(homes)
+    committed = [e for h in cluster.handles for e in h.events("step_committed")]
+    assert len(committed) == 1, committed
+    out = tmp_path / "restored"
+    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "5", "--to", str(out),
+                        "--all", "--config", str(cluster.handles[1].config)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(homes)
+    for name, node in homes.items():
+        assert (out / name).read_bytes() == (cluster.root(node) / name).read_bytes()
+
+
 def test_a_megatron_torch_dist_save_split_over_nodes_commits(nodes: Any, tmp_path: Path) -> None:
     """megatron-core's torch_dist: `common.pt`, the DCP save of every rank into `iter_N/` on
     its own node, `metadata.json`, then the tracker, on rank 0's node only."""

@@ -12,10 +12,10 @@ import pytest
 
 from ckptd.backends.local import LocalBackend
 from ckptd.cluster import commit as cc
-from ckptd.errors import PermanentError
+from ckptd.errors import PermanentError, TransientError
 from ckptd.manifest import Manifest, StoredFile, for_node
 from ckptd.remote import read_manifest
-from ckptd.stages import parts
+from ckptd.stages import parts, records
 
 
 class IgnoresCreateOnly:
@@ -140,3 +140,86 @@ def test_a_share_that_grew_sends_only_its_new_files(tmp_path: Path) -> None:
                                                      bad),)).to_bytes()
         with pytest.raises(cc.BadPart):
             cc.parse_part(doc, "p")
+
+
+# -- the ranked layout's record --------------------------------------------------------------
+
+
+def _ranked_share(root: Path, meta: bytes | None, ranks: tuple[int, ...] = (0,)) -> Manifest:
+    """The coordinator's (or, without meta, another node's) validated files of a ranked save,
+    written under `root/run/` by torch.save, as the manifest of its share."""
+    import torch
+    import xxhash
+
+    d = root / "run"
+    d.mkdir(parents=True, exist_ok=True)
+    names = [f"optim_5_rank{r}.pt" for r in ranks]
+    for name in names:
+        torch.save({"state": {0: torch.ones(3)}}, d / name)
+    if meta is not None:
+        torch.save({"w": torch.zeros(2)}, d / "model_5.pt")
+        (d / "meta_5.json").write_bytes(meta)
+        names += ["model_5.pt", "meta_5.json"]
+    stored = []
+    for name in sorted(names):
+        data = (d / name).read_bytes()
+        stored.append(StoredFile(f"run/{name}", len(data), xxhash.xxh3_128_hexdigest(data),
+                                 "xxh3-128", "none", len(data), f"run/{name}"))
+    return Manifest("job", 5, "ranked", tuple(stored))
+
+
+def _mtimes(manifest: Manifest) -> dict[str, float]:
+    return {f.path: 1_700_000_000.0 + i for i, f in enumerate(manifest.files)}
+
+
+def test_ranked_record_expects_every_rank_of_the_meta(tmp_path: Path) -> None:
+    manifest = _ranked_share(tmp_path, b'{"step": 5, "world_size": 3}')
+    mtimes = _mtimes(manifest)
+    record = records.ranked_record(tmp_path, manifest, mtimes, world_size=7)  # the meta's wins
+    assert record is not None
+    assert (record.path, record.mtime, record.after) == (
+        "run/meta_5.json", mtimes["run/meta_5.json"], cc.SPREAD_S)
+    assert record.expected == {"run/model_5.pt": 0, "run/meta_5.json": 0,
+                               **{f"run/optim_5_rank{r}.pt": 0 for r in range(3)}}
+    other = _ranked_share(tmp_path / "n1", None, ranks=(1, 2))  # no meta: no record
+    assert records.ranked_record(tmp_path / "n1", other, _mtimes(other)) is None
+
+
+@pytest.mark.parametrize("meta", [b'{"step": 5}', b'{"world_size": 0}', b'{"world_size": true}',
+                                  b'{"world_size": "3"}', b'{"world_size": 1048577}'])
+def test_ranked_record_without_a_world_size(meta: bytes, tmp_path: Path) -> None:
+    """No usable count in the meta: the root's `world_size`, else the shards are unknown."""
+    manifest = _ranked_share(tmp_path, meta)
+    record = records.ranked_record(tmp_path, manifest, _mtimes(manifest), world_size=2)
+    assert record is not None
+    assert sorted(p for p in record.expected if "optim" in p) == [
+        "run/optim_5_rank0.pt", "run/optim_5_rank1.pt"]
+    with pytest.raises(PermanentError, match="records no world_size and the root sets none"):
+        records.ranked_record(tmp_path, manifest, _mtimes(manifest))
+
+
+@pytest.mark.parametrize(("meta", "why"), [(b"{", "not valid JSON"),
+                                           (b"\xff\xfe", "not valid JSON"),
+                                           (b"[" * 100_000, "not valid JSON"),
+                                           (b"[3]", "not a JSON object")])
+def test_ranked_record_bad_meta_is_permanent(meta: bytes, why: str, tmp_path: Path) -> None:
+    manifest = _ranked_share(tmp_path, meta)
+    with pytest.raises(PermanentError, match=why):
+        records.ranked_record(tmp_path, manifest, _mtimes(manifest), world_size=2)
+
+
+def test_ranked_record_refuses_a_huge_meta_unread(tmp_path: Path) -> None:
+    pad = b'{"world_size": 1, "pad": "' + b"x" * (1 << 20) + b'"}'
+    manifest = _ranked_share(tmp_path, pad)
+    (tmp_path / "run" / "meta_5.json").unlink()  # never opened: the size alone refuses it
+    with pytest.raises(PermanentError, match="more than the 1048576"):
+        records.ranked_record(tmp_path, manifest, _mtimes(manifest))
+
+
+@pytest.mark.parametrize("now", [b'{"world_size": 4}', b'{"world_size": 3} '])
+def test_ranked_record_changed_since_validation(now: bytes, tmp_path: Path) -> None:
+    """Other bytes (same size or not) than the validated ones: rescanned, never recorded."""
+    manifest = _ranked_share(tmp_path, b'{"world_size": 3}')
+    (tmp_path / "run" / "meta_5.json").write_bytes(now)
+    with pytest.raises(TransientError, match="changed since it was validated"):
+        records.ranked_record(tmp_path, manifest, _mtimes(manifest))

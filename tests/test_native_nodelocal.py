@@ -18,7 +18,7 @@ from ckptd import layouts
 from ckptd.errors import CkptdError, PermanentError, TransientError
 from ckptd.manifest import Manifest, StoredFile
 from ckptd.model import RootOptions
-from ckptd.stages import parts
+from ckptd.stages import records
 from ckptd.torch._nodelocal import groups_of
 
 SETTLE = 5.0
@@ -114,14 +114,14 @@ def test_the_record_is_every_file_meta_lists(tmp_path: Path) -> None:
            [("model.pt", 10), ("optim.rank0.pt", 4), ("optim.rank1.pt", 9)])
     manifest = _manifest(tmp_path, ["step-7/meta.json", "step-7/model.pt"])
     mtimes = {"step-7/meta.json": 50.0, "step-7/model.pt": 40.0}
-    record = parts.native_record(tmp_path, manifest, mtimes)
+    record = records.native_record(tmp_path, manifest, mtimes)
     assert record is not None
     assert (record.path, record.mtime, record.after, record.exact) == (
         "step-7/meta.json", 50.0, 0.0, True)
     assert dict(record.expected) == {"step-7/model.pt": 10, "step-7/optim.rank0.pt": 4,
                                      "step-7/optim.rank1.pt": 9}
     share = _manifest(tmp_path, ["step-7/model.pt"])  # no meta.json: another node's share
-    assert parts.native_record(tmp_path, share, mtimes) is None
+    assert records.native_record(tmp_path, share, mtimes) is None
 
 
 def test_a_meta_changed_since_validation_or_unreadable_gives_no_record(tmp_path: Path) -> None:
@@ -130,10 +130,10 @@ def test_a_meta_changed_since_validation_or_unreadable_gives_no_record(tmp_path:
     meta = tmp_path / "step-7" / "meta.json"
     meta.write_text(meta.read_text().replace('"size": 1', '"size": 2'))
     with pytest.raises(TransientError, match="changed since it was validated"):
-        parts.native_record(tmp_path, manifest, {"step-7/meta.json": 1.0})
+        records.native_record(tmp_path, manifest, {"step-7/meta.json": 1.0})
     meta.write_text('{"files": [{"path": "model.pt"}]}')
     with pytest.raises(PermanentError, match="no file listing"):
-        parts.native_record(tmp_path, _manifest(tmp_path, ["step-7/meta.json"]),
+        records.native_record(tmp_path, _manifest(tmp_path, ["step-7/meta.json"]),
                             {"step-7/meta.json": 1.0})
 
 

@@ -1,9 +1,11 @@
 """The `ranked` layout: `model_<N>.pt` once, `meta_<N>.json`, `optim_<N>_rank<R>.pt` per rank.
 No commit marker: complete when model, meta and ranks 0..W-1 are present and settled (W from
-the root's world_size, else meta's, else the contiguous ranks seen)."""
+the root's world_size, else meta's, else the contiguous ranks seen). On a multi-node root each
+node's files of a step are its share (docs/MULTINODE.md). Pure: reads only the snapshot."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +17,14 @@ NAME = "ranked"
 _MODEL = re.compile(r"^model_(\d+)\.pt$", re.ASCII)
 _META = re.compile(r"^meta_(\d+)\.json$", re.ASCII)
 _OPTIM = re.compile(r"^optim_(\d+)_rank(\d+)\.pt$", re.ASCII)
+# The most a `meta_<N>.json` may hold on a multi-node root: its commit record is read again
+# whole at upload (ckptd.stages.records.ranked_record).
+META_MAX_BYTES = 1 << 20
+
+
+def is_meta(name: str) -> bool:
+    """`meta_<N>.json`: the commit record of a ranked save split over nodes."""
+    return _META.match(name) is not None
 
 
 @dataclass
@@ -43,7 +53,10 @@ class RankedLayout:
         for (directory, step), group in sorted(groups.items()):
             if directory not in ranked_dirs or common.touches(group.files(), claimed):
                 continue
-            out.append(_candidate(snap, opts, now, directory, step, group))
+            if opts.multi_node:
+                out.append(_node_share(snap, opts, now, directory, step, group))
+            else:
+                out.append(_candidate(snap, opts, now, directory, step, group))
         return out
 
 
@@ -82,6 +95,37 @@ def _candidate(snap: Snapshot, opts: RootOptions, now: float, directory: str, st
     if bad:
         extra.update(invalid_reason=str(Reason.BAD_METADATA), invalid_message=bad)
     return common.make(NAME, step, model, group.files(), problems, **extra)
+
+
+def _node_share(snap: Snapshot, opts: RootOptions, now: float, directory: str, step: int,
+                group: _Group) -> Candidate:
+    """A multi-node root (docs/MULTINODE.md): this node's files of the step, once settled and
+    closed. The coordinator writes the model and `meta_<N>.json` (the commit record): a share
+    holding either holds both, and its meta must parse. Ranks not here are other nodes'. A
+    share of ranks only is anchored at its lowest rank's file, which is on this node."""
+    model = group.model or common.join(directory, f"model_{step}.pt")
+    problems = [common.unfinished_problem(snap, model),
+                common.settle_problem(snap, group.files(), opts, now)]
+    extra: dict[str, Any] = {}
+    anchor = model
+    if not (group.model or group.meta):
+        anchor = group.ranks[min(group.ranks)]
+    else:
+        if not group.model:
+            problems.append(model)
+        if not group.meta:
+            problems.append(common.join(directory, f"meta_{step}.json"))
+        meta, bad = _meta(snap, group.meta)
+        size = snap.files[group.meta].size if group.meta else 0
+        if size > META_MAX_BYTES:
+            bad = f"{group.meta} has {size} bytes, more than the {META_MAX_BYTES} a record may"
+        elif group.meta and group.meta not in snap.contents:
+            problems.append(f"{group.meta} to be readable")
+        extra["metrics"] = common.numeric_metrics(meta.get("metrics"))
+        if bad:
+            extra.update(invalid_reason=str(Reason.BAD_METADATA), invalid_message=bad)
+    cand = common.make(NAME, step, anchor, group.files(), problems, **extra)
+    return dataclasses.replace(cand, node_share=True)
 
 
 def _meta(snap: Snapshot, rel: str) -> tuple[dict[str, Any], str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ckptd import fileio
@@ -18,7 +19,7 @@ from ckptd.lifecycle.table import Policy
 from ckptd.log import get_logger
 from ckptd.manifest import Manifest, StoredFile
 from ckptd.model import Candidate, ValidationResult
-from ckptd.stages import compress, parts
+from ckptd.stages import compress, parts, records
 from ckptd.stages.parts import NotCommitted as NotCommitted
 from ckptd.stages.upload import UploadResult, upload_step
 from ckptd.stages.validate import validate
@@ -160,9 +161,11 @@ def run_share_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
     manifest = _local_copy(root, step, expected)
     mtimes = {f.path: fileio.safe_join(root.path, f.path).stat().st_mtime_ns / 1e9
               for f in manifest.files}
-    reader = {"dcp": parts.dcp_record, "megatron": parts.dcp_record,  # torch_dist is DCP
-              "deepspeed": parts.deepspeed_record,
-              "native": parts.native_record}.get(manifest.layout)
+    readers: dict[str, records.RecordReader] = {
+        "dcp": records.dcp_record, "megatron": records.dcp_record,  # torch_dist is DCP
+        "deepspeed": records.deepspeed_record, "native": records.native_record,
+        "ranked": partial(records.ranked_record, world_size=root.world_size)}
+    reader = readers.get(manifest.layout)
     record = reader(root.path, manifest, mtimes) if reader is not None else None
     share = parts.Share(node=node, commit_timeout=root.commit_timeout, mtimes=mtimes,
                         record=record, known_nodes=known_nodes)

@@ -5,18 +5,12 @@ the coordinator's save. Decisions are `ckptd.cluster.commit`'s; never imports th
 
 from __future__ import annotations
 
-import json
-import os
-import posixpath
-import re
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-import xxhash
 
 from ckptd import fileio
 from ckptd.backends.base import Backend, ObjectMeta
@@ -28,16 +22,14 @@ from ckptd.errors import (
     PermanentError,
     StorageError,
     TransientError,
-    ValidationFailed,
 )
-from ckptd.formats.dcpmeta import parse_dcp_metadata
-from ckptd.formats.torchhead import HEAD_BYTES, leading_fields
 from ckptd.log import get_logger
 from ckptd.manifest import Manifest, StoredFile, step_prefix
 from ckptd.remote import advance_latest, manifest_key, read_manifest, step_objects
 from ckptd.stages.upload import UploadResult
 
 Progress = Callable[[int], None]
+# A layout's commit record of this node's share (None: the share holds none).
 PROBE_DIR = "_probe"
 MAX_PARTS = 100_000
 
@@ -116,96 +108,6 @@ def part_of(manifest: Manifest, share: Share, earlier: Sequence[cc.Part] = ()) -
                                  hash_alg=f.hash_alg, codec=f.codec,
                                  stored_size=f.stored_size, key=key))
     return cc.Part(share.node, attempt, manifest.layout, tuple(files), share.record)
-
-
-def dcp_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
-               ) -> cc.Record | None:
-    """The commit record of a DCP share, when it holds `.metadata`: every storage file it
-    references with the least size. The file is read again and must be the validated bytes."""
-    metas = [f for f in manifest.files if posixpath.basename(f.path) == ".metadata"]
-    if len(metas) != 1:
-        return None
-    f = metas[0]
-    data = _validated_bytes(root_dir, f.path, f.size, f.hash)
-    try:
-        meta = parse_dcp_metadata(data, f.path)
-    except ValidationFailed as exc:
-        raise PermanentError(str(exc)) from None
-    base = posixpath.dirname(f.path)
-    expected = {posixpath.join(base, name): least for name, least in meta.references.items()}
-    return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected)
-
-
-def native_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
-                  ) -> cc.Record | None:
-    """The commit record of a native share that holds `meta.json` (rank 0's node of a
-    `node_local` save): every file it lists, at its listed size. Written after every rank's
-    files (the ranks' write results are gathered first), like DCP's `.metadata`."""
-    metas = [f for f in manifest.files if posixpath.basename(f.path) == "meta.json"]
-    if len(metas) != 1:
-        return None
-    f = metas[0]
-    data = _validated_bytes(root_dir, f.path, f.size, f.hash)
-    try:
-        listing = json.loads(data).get("files")
-        base = posixpath.dirname(f.path)
-        expected = {posixpath.join(base, e["path"]): int(e["size"]) for e in listing}
-    except (ValueError, TypeError, KeyError, AttributeError):
-        raise PermanentError(f"{f.path}: no file listing the commit can read") from None
-    return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected, exact=True)
-
-
-def _validated_bytes(root_dir: Path, path: str, size: int, digest: str) -> bytes:
-    """A record file read again beneath the root; it must still be the validated bytes."""
-    fd = fileio.open_beneath(root_dir, path)
-    with os.fdopen(fd, "rb") as fh:
-        data = fh.read(size + 1)
-    if len(data) != size or xxhash.xxh3_128_hexdigest(data) != digest:
-        raise TransientError(f"{path} changed since it was validated; rescanning")
-    return data
-
-
-_DS_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$", re.ASCII)
-_DS_ZERO3 = re.compile(r"^zero_pp_rank_0_mp_rank_(\d+)_model_states\.pt$", re.ASCII)
-_DS_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$", re.ASCII)
-
-
-def deepspeed_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
-                     ) -> cc.Record | None:
-    """The commit record of a DeepSpeed share that holds the model states: ZeRO-1/2's
-    `mp_rank_<MP>_model_states.pt` (every model-parallel rank's here) or ZeRO-3's data-parallel
-    rank 0's `zero_pp_rank_0_mp_rank_<MP>_model_states.pt`. Expected: those, every
-    data-parallel rank's ZeRO-3 model states (`dp_world_size` as the file records it) and,
-    when the save has optimizer shards, one per data-parallel rank."""
-    names = {posixpath.basename(f.path): f.path for f in manifest.files}
-    models = {int(m.group(1)): path for n, path in names.items() if (m := _DS_MODEL.match(n))}
-    zero3 = not models
-    if zero3:
-        models = {int(m.group(1)): path for n, path in names.items()
-                  if (m := _DS_ZERO3.match(n))}
-    if not models:
-        return None
-    record = models[min(models)]
-    fd = fileio.open_beneath(root_dir, record)
-    with os.fdopen(fd, "rb") as fh:
-        fields = leading_fields(fh.read(HEAD_BYTES), record) or {}
-    dp = fields.get("dp_world_size")
-    if type(dp) is not int or not 0 < dp <= 1 << 20:
-        raise PermanentError(f"{record} records no dp_world_size: the shards this save needs"
-                             " from other nodes are unknown")
-    base = posixpath.dirname(record)
-    expected = {path: 0 for path in models.values()}
-    if zero3:
-        expected.update({posixpath.join(base, f"zero_pp_rank_{r}_mp_rank_{mp:02d}"
-                                              "_model_states.pt"): 0
-                         for r in range(dp) for mp in models})
-    optims = [n for n in names if _DS_OPTIM.match(n)]
-    prefix = "bf16_" if any(n.startswith("bf16_") for n in optims) else ""
-    if optims:
-        expected.update({posixpath.join(base, f"{prefix}zero_pp_rank_{r}_mp_rank_{mp:02d}"
-                                              "_optim_states.pt"): 0
-                         for r in range(dp) for mp in models})
-    return cc.Record(path=record, mtime=mtimes[record], expected=expected, after=cc.SPREAD_S)
 
 
 # -- the probe -------------------------------------------------------------------------------
