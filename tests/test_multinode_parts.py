@@ -175,12 +175,14 @@ def _mtimes(manifest: Manifest) -> dict[str, float]:
 def test_ranked_record_expects_every_rank_of_the_meta(tmp_path: Path) -> None:
     manifest = _ranked_share(tmp_path, b'{"step": 5, "world_size": 3}')
     mtimes = _mtimes(manifest)
-    record = records.ranked_record(tmp_path, manifest, mtimes, world_size=7)  # the meta's wins
+    record = records.ranked_record(tmp_path, manifest, mtimes)
     assert record is not None
     assert (record.path, record.mtime, record.after) == (
         "run/meta_5.json", mtimes["run/meta_5.json"], cc.SPREAD_S)
     assert record.expected == {"run/model_5.pt": 0, "run/meta_5.json": 0,
                                **{f"run/optim_5_rank{r}.pt": 0 for r in range(3)}}
+    wider = records.ranked_record(tmp_path, manifest, mtimes, world_size=4)  # the root's wins
+    assert wider is not None and "run/optim_5_rank3.pt" in wider.expected
     other = _ranked_share(tmp_path / "n1", None, ranks=(1, 2))  # no meta: no record
     assert records.ranked_record(tmp_path / "n1", other, _mtimes(other)) is None
 

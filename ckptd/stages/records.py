@@ -117,9 +117,10 @@ def deepspeed_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, fl
 def ranked_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float],
                   world_size: int = 0) -> cc.Record | None:
     """The commit record of a `ranked` share that holds `meta_<N>.json` (the coordinator's):
-    `model_<N>.pt`, the meta and `optim_<N>_rank<R>.pt` for every rank below the world_size
-    the meta records (else the root's `world_size`). The meta is read again and must be the
-    validated bytes. The ranks write their shards after it, so `after` is SPREAD_S."""
+    `model_<N>.pt`, the meta and `optim_<N>_rank<R>.pt` for every rank below the root's
+    `world_size` (else the one the meta records), the order the single-node rule uses. The
+    meta is read again and must be the validated bytes. The ranks write their shards after
+    it, so `after` is SPREAD_S."""
     metas = [f for f in manifest.files if ranked.is_meta(posixpath.basename(f.path))]
     if len(metas) != 1:
         return None
@@ -135,7 +136,8 @@ def ranked_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float
     if not isinstance(doc, dict):
         raise PermanentError(f"{f.path} is not a JSON object")
     recorded = doc.get("world_size")
-    world = recorded if type(recorded) is int and 0 < recorded <= 1 << 20 else world_size
+    world = world_size or (recorded if type(recorded) is int and 0 < recorded <= 1 << 20
+                           else 0)  # the root's, else the meta's, as on one node
     if world <= 0:
         raise PermanentError(f"{f.path} records no world_size and the root sets none: the"
                              " optimizer shards this save needs from other nodes are unknown")
