@@ -96,6 +96,7 @@ class Leases(Protocol):
 class Persist(Protocol):
     def accept(self, fd: int, body: Any, peer: tuple[int, int, int]) -> dict[str, Any]: ...
     def outcome(self, job_id: str, timeout: float) -> dict[str, Any] | None: ...
+    def in_flight(self) -> list[dict[str, Any]]: ...
 
 
 class NoPersist:
@@ -108,6 +109,9 @@ class NoPersist:
 
     def outcome(self, job_id: str, timeout: float) -> dict[str, Any] | None:
         return None
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        return []
 
 
 class HoldsAll:
@@ -166,7 +170,8 @@ class ApiContext:
     def status(self) -> dict[str, Any]:
         roots = [self.root_status(r) for r in self.roots().values()]
         return {"status": self.state(), "version": __version__, "uptime_s": self.uptime(),
-                "roots": roots, "in_flight": self.workers.in_flight(),
+                "roots": roots,
+                "in_flight": self.workers.in_flight() + self.persist.in_flight(),
                 "flushing": [{"root": r, "step": s}
                              for r, s in self.workers.flushing().items()],
                 "services": self.services.health(), "problem": self.problem}

@@ -162,6 +162,10 @@ def test_daemon_killed_mid_save_never_yields_a_valid_step(daemon_factory: Any) -
                   client=d.client, blocking=False)
     wait_until(lambda: (root / "step-3.tmp" / ".done.rank0").exists(), 30,
                "rank 0's files written")
+    (flight,) = d.client.status()["in_flight"]  # written, waiting for rank 1
+    assert {k: flight[k] for k in ("root", "step", "stage", "rank")} == {
+        "root": "r1", "step": 3, "stage": "persist", "rank": 0}
+    assert flight["done_bytes"] == flight["total_bytes"] > 0
     d.kill9()
     assert h.wait(30) is False and h.done()
     assert h.error is not None and "ckptd went away" in h.error

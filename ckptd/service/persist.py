@@ -40,6 +40,7 @@ class _Job:
     size: int
     peer_pid: int
     done: threading.Event = field(default_factory=threading.Event)
+    cancel: stage.Cancel = field(default_factory=stage.Cancel)
     outcome: dict[str, Any] = field(default_factory=lambda: {"state": "running"})
     thread: threading.Thread | None = None
 
@@ -54,7 +55,7 @@ class PersistService:
         self._socket_path, self._socket_group = socket_path, socket_group
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
         self._lock = threading.Lock()
-        self._cancel = threading.Event()
+        self._stopping = False
         self.grace = STOP_GRACE_S
         self.log = get_logger()
 
@@ -69,6 +70,9 @@ class PersistService:
             raise
         with self._lock:
             running = sum(1 for j in self._jobs.values() if not j.done.is_set())
+            if self._stopping:
+                os.close(fd)
+                raise HttpError(503, "stopping", "the daemon is stopping")
             if running >= MAX_IN_FLIGHT:
                 os.close(fd)
                 raise HttpError(503, "busy", f"{running} async saves are being written")
@@ -130,6 +134,14 @@ class PersistService:
         job.done.wait(min(max(timeout, 0.0), MAX_WAIT_S))
         return dict(job.outcome)
 
+    def in_flight(self) -> list[dict[str, Any]]:
+        """The saves being written, for `status` (stage `persist`)."""
+        with self._lock:
+            running = [j for j in self._jobs.values() if not j.done.is_set()]
+        return [{"root": j.req.root, "step": j.req.step, "stage": "persist", "rank": j.req.rank,
+                 "done_bytes": j.cancel.written,
+                 "total_bytes": sum(f.size for f in j.req.files)} for j in running]
+
     def _forget_old(self) -> None:
         while len(self._jobs) > MAX_OUTCOMES:
             oldest = next((k for k, j in self._jobs.items() if j.done.is_set()), None)
@@ -168,7 +180,7 @@ class PersistService:
         # Not `with memoryview(...)`: on a failure the traceback still holds slices of it, and
         # releasing it then would replace the save's error with a BufferError.
         view = memoryview(mm)
-        written = stage.persist(view, job.fd, req, str(root.path), self._cancel)
+        written = stage.persist(view, job.fd, req, str(root.path), job.cancel)
         view.release()
         self.log.info("async_save_written", root=req.root, step=req.step, rank=req.rank,
                       files=len(written.files), job=job.id)
@@ -200,7 +212,11 @@ class PersistService:
         deadline = time.monotonic() + self.grace
         for job in list(self._jobs.values()):
             job.done.wait(max(0.0, deadline - time.monotonic()))
-        self._cancel.set()
+        with self._lock:
+            self._stopping = True  # no save is taken from here on
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            job.cancel.set()
         for job in list(self._jobs.values()):
             if job.thread is not None:
                 job.thread.join(2.0)

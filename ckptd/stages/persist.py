@@ -40,6 +40,15 @@ class Cancelled(CkptdError):
     """The daemon is stopping: the save is abandoned before its commit."""
 
 
+class Cancel(threading.Event):
+    """One save's stop flag (set when the daemon stops: the save is abandoned before its
+    commit), which also counts the bytes written so far (`status`'s in-flight progress)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = 0
+
+
 @dataclass(frozen=True)
 class Written:
     path: str  # the committed step dir (rank 0), or the tmp dir this rank wrote into
@@ -47,7 +56,7 @@ class Written:
 
 
 def persist(view: memoryview, fd: int, req: Request, root_path: str,
-            cancel: threading.Event) -> Written:
+            cancel: Cancel) -> Written:
     """Write this rank's files from the arena `fd` (mapped as `view`); rank 0 also waits for
     every rank and commits `step-<N>/`. Each file is a torch.save archive whose CRC fields
     the trainer left empty: they are filled in here first."""
@@ -64,7 +73,7 @@ def persist(view: memoryview, fd: int, req: Request, root_path: str,
 
 
 def _persist_rank0(view: memoryview, req: Request, root_fd: int, deadline: float,
-                   cancel: threading.Event) -> Written:
+                   cancel: Cancel) -> Written:
     tmp, final = f"step-{req.step}.tmp", f"step-{req.step}"
     token = secrets.token_hex(16)
     _fresh_dir(root_fd, tmp)
@@ -78,7 +87,7 @@ def _persist_rank0(view: memoryview, req: Request, root_fd: int, deadline: float
 
 
 def _persist_rank(view: memoryview, req: Request, root_fd: int, deadline: float,
-                  cancel: threading.Event) -> Written:
+                  cancel: Cancel) -> Written:
     tmp, final = f"step-{req.step}.tmp", f"step-{req.step}"
     while True:
         token = _wait(lambda: _token(root_fd, tmp), deadline, cancel,
@@ -108,7 +117,7 @@ def _committed(root_fd: int, final: str, tmp: str, token: str) -> str | None:
 
 
 def _write_files(view: memoryview, req: Request, tmp_fd: int,
-                 cancel: threading.Event) -> list[Entry]:
+                 cancel: Cancel) -> list[Entry]:
     entries = []
     for f in req.files:
         size, digest = _write_one(view, f, tmp_fd, cancel)
@@ -121,7 +130,7 @@ def _write_files(view: memoryview, req: Request, tmp_fd: int,
 
 
 def _write_one(view: memoryview, f: FileRange, tmp_fd: int,
-               cancel: threading.Event) -> tuple[int, str]:
+               cancel: Cancel) -> tuple[int, str]:
     """Write, hash, fdatasync and drop the cached pages of one file; (size, xxh3-128 hex)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(f.path, dir_fd=tmp_fd)  # a retry under a new token writes the file again
@@ -134,6 +143,7 @@ def _write_one(view: memoryview, f: FileRange, tmp_fd: int,
                 raise Cancelled(f"stopped while writing {f.path}")
             chunk = view[f.offset + done:f.offset + min(f.size, done + CHUNK_SIZE)]
             h.update(chunk)
+            cancel.written += len(chunk)
             while chunk:
                 chunk = chunk[os.write(fd, chunk):]
             done = min(f.size, done + CHUNK_SIZE)
@@ -148,7 +158,7 @@ def _write_one(view: memoryview, f: FileRange, tmp_fd: int,
 
 
 def _collect(tmp_fd: int, world: int, token: str, deadline: float,
-             cancel: threading.Event) -> list[Entry]:
+             cancel: Cancel) -> list[Entry]:
     """Every rank's entries from their markers; each file must still have its listed size."""
     entries: list[Entry] = []
     for r in range(world):
@@ -257,7 +267,7 @@ def _token(root_fd: int, tmp: str) -> str | None:
     return None if ready is None else str(ready.get("token"))
 
 
-def _wait(probe: Callable[[], Any], deadline: float, cancel: threading.Event, what: str) -> Any:
+def _wait(probe: Callable[[], Any], deadline: float, cancel: Cancel, what: str) -> Any:
     delay = 0.01
     while True:
         found = probe()

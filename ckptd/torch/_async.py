@@ -348,7 +348,7 @@ def _write_here(arena: _Arena, body: dict[str, Any], root: Path, handle: SaveHan
     req = layout.parse_request(body, len(arena.mm))
     try:
         view = memoryview(arena.mm)  # (released on success; a failure's traceback holds it)
-        written = persist.persist(view, arena.fd, req, str(root), threading.Event())
+        written = persist.persist(view, arena.fd, req, str(root), persist.Cancel())
         view.release()
     except Exception as exc:
         handle._finish(f"{type(exc).__name__}: {exc}")
