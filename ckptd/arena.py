@@ -149,6 +149,7 @@ class Request:
     timeout: float
     files: tuple[FileRange, ...]
     head: dict[str, Any]
+    register: bool = True  # rank 0's save registers the step once committed
 
 
 def parse_request(body: Any, arena_size: int) -> Request:
@@ -174,7 +175,11 @@ def parse_request(body: Any, arena_size: int) -> Request:
     if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS or not all(
             isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()):
         raise ValueError(f"head's metrics must be at most {MAX_METRICS} numbers")
-    return Request(root, where, step, rank, world, generation, float(timeout), files, head)
+    register = body.get("register", True)
+    if not isinstance(register, bool):
+        raise ValueError("register must be true or false")
+    return Request(root, where, step, rank, world, generation, float(timeout), files, head,
+                   register)
 
 
 def _files(listing: Any, rank: int, arena_size: int) -> tuple[FileRange, ...]:

@@ -249,6 +249,7 @@ def sealed_arena(files: int = 1) -> tuple[int, dict[str, Any]]:
     ({"dir": "/tmp"}, 422, "outside_root"),
     ({"head": {"format": "ckptd-native/1", "step": 1, "world_size": 1,
                "metrics": {"loss": "low"}}}, 400, "bad_arena"),
+    ({"register": "yes"}, 400, "bad_arena"),
 ])
 def test_bad_requests_are_refused(inproc_daemon: Any, change: dict[str, Any], status: int,
                                   code: str) -> None:

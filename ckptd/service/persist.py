@@ -184,7 +184,7 @@ class PersistService:
         view.release()
         self.log.info("async_save_written", root=req.root, step=req.step, rank=req.rank,
                       files=len(written.files), job=job.id)
-        if req.rank == 0:
+        if req.rank == 0 and req.register:
             metrics = req.head.get("metrics")
             self.store.register(req.root, req.step, [],
                                 metrics if isinstance(metrics, dict) else {}, time.time())

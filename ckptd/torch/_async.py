@@ -242,7 +242,7 @@ def save_async(root: Path, step: int, rank: int, world: int, parts: list[_native
     files = arena.fill(parts)
     body = {"root": name, "dir": str(root.resolve()), "step": step, "rank": rank,
             "world_size": world, "generation": arena.generation, "timeout": timeout,
-            "files": files, "head": head}
+            "files": files, "head": head, "register": register}
     sock = str(getattr(client, "socket", None) or default_socket())
     handle = SaveHandle(step, final)
     try:
