@@ -152,3 +152,47 @@ def test_an_exact_record_refuses_a_longer_file() -> None:
     plan = cc.choose([coord(True), longer])
     assert not plan.covered and "needs 10" in plan.problems[0]
     assert cc.parse_part(coord(True).to_bytes(), "p").record == coord(True).record
+
+
+LINKED = """
+import os, sys, torch, torch.distributed as dist
+import ckptd.torch
+from ckptd.errors import CkptdError
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0,
+                        world_size=1)
+root = sys.argv[1]
+os.symlink(os.path.join(root, "..", "elsewhere"), os.path.join(root, "step-5.tmp"))
+try:
+    ckptd.torch.save(root, 5, model=torch.nn.Linear(2, 2), node_local=True, register=False)
+except CkptdError as exc:
+    print("REFUSED", exc)
+ckptd.torch.save(root, 6, model=torch.nn.Linear(2, 2), node_local=True, register=False)
+print(sorted(os.listdir(os.path.join(root, "step-6"))))
+"""
+
+
+def test_one_node_saves_whole_and_a_linked_tmp_dir_is_refused(tmp_path: Path) -> None:
+    """World size 1 (one node): the save is an ordinary native checkpoint. A `step-N.tmp`
+    that is a symlink is refused, and nothing where it points is touched."""
+    import socket
+    import subprocess
+    import sys
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    root = tmp_path / "root"
+    root.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-c", LINKED, str(root), str(port)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REFUSED" in done.stdout and "not a directory of this root" in done.stdout
+    assert (elsewhere / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["keep.txt"]
+    assert "['meta.json', 'model.pt', 'rng.rank0.pt']" in done.stdout
+    meta = json.loads((root / "step-6" / "meta.json").read_text())
+    assert meta["nodes"] == 1 and [f["path"] for f in meta["files"]] == ["model.pt",
+                                                                         "rng.rank0.pt"]

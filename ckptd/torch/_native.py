@@ -84,7 +84,7 @@ def save(
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
     head = _meta_head(step, world, metrics, config)  # fail on bad metrics before writing
     parts = _parts(rank, model, optimizer, scheduler, scaler, ema, extra)
-    if node_local and not _dist_matches(world):
+    if node_local and not _dist_up(world):
         raise ValueError("node_local=True needs torch.distributed initialised with every rank:"
                          " the nodes share no directory to meet in")
     try:
@@ -319,7 +319,11 @@ def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
 
 def _dist_matches(world: int) -> bool:
     """Use torch.distributed barriers only when it is up and describes the same ranks."""
-    return (world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+    return world > 1 and _dist_up(world)
+
+
+def _dist_up(world: int) -> bool:
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() == world)
 
 

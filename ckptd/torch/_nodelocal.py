@@ -29,6 +29,8 @@ def save(tmp: Path, final: Path, rank: int, world: int, parts: list[_native.Part
     dist.broadcast_object_list(token_box, src=0)
     token = str(token_box[0])
     tmp.mkdir(exist_ok=True)
+    if tmp.is_symlink() or not tmp.is_dir():  # its leftovers are cleared: never follow a link
+        raise CkptdError(f"ckptd.torch.save: {tmp} is not a directory of this root")
     _native._write_json_atomic(tmp / f"{HERE}{rank}", {"token": token})
     dist.barrier()
     views: list[Any] = [None] * world
