@@ -11,7 +11,6 @@ import io
 import json
 import os
 import re
-import shutil
 import socket
 import socketserver
 import stat
@@ -19,24 +18,20 @@ import struct
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ckptd import __version__
 from ckptd import api_input as checks
+from ckptd.api_context import ApiContext
 from ckptd.api_fds import Prefixed, recv_first
 from ckptd.api_input import HttpError
-from ckptd.changes import Changes
-from ckptd.client import read_latest_file
 from ckptd.config import RootConfig
 from ckptd.errors import ConfigError, ServiceUnavailable
 from ckptd.log import get_logger
-from ckptd.model import CheckpointRecord, Remote, State, Tier
+from ckptd.model import CheckpointRecord, Remote, State
 from ckptd.pins import write_pins
-from ckptd.store import Store
 
 MAX_BODY = 1024 * 1024
 MAX_WAIT_S = 3600.0
@@ -45,216 +40,6 @@ LISTEN_BACKLOG = 1024
 # Connection threads at once, and how long an idle keep-alive connection is kept.
 MAX_CONNECTIONS = 512
 IDLE_TIMEOUT_S = 5.0
-
-
-class Wakeable(Protocol):
-    def wake(self) -> None: ...
-
-
-class Scan(Wakeable, Protocol):
-    def unrecognised(self, root: str) -> list[str]: ...
-
-
-class Workers(Protocol):
-    def flush(self) -> dict[str, int]: ...
-    def flushing(self) -> dict[str, int]: ...
-    def in_flight(self) -> list[dict[str, Any]]: ...
-    def part_states(self, root: RootConfig, rec: Any) -> dict[str, str]: ...
-    def uncommitted(self, root: str, nodes: int) -> list[dict[str, Any]]: ...
-
-
-class Retention(Protocol):
-    # Held by retention while it deletes locally: a pin or a reader's lease waits for the
-    # deletes to end, so the safety nets a run checked are never out of date while it acts.
-    # Scans take another lock: a slow scan never holds up a pin.
-    nets: Any
-
-    def plan_json(self, root: RootConfig) -> dict[str, Any]: ...
-    def apply_now(self, root: RootConfig) -> list[dict[str, Any]]: ...
-    def adopted_json(self, root: RootConfig) -> dict[str, Any] | None: ...
-    def health_json(self, name: str) -> dict[str, Any] | None: ...
-
-
-class Discovery(Protocol):
-    def refresh(self, name: str, max_age: float = ...) -> None: ...
-
-
-class Services(Protocol):
-    def alive(self) -> bool: ...
-    def health(self) -> list[dict[str, Any]]: ...
-
-
-class MetricsText(Protocol):
-    def render(self) -> str: ...
-
-
-class Leases(Protocol):
-    def holds(self, name: str) -> bool: ...
-    def holder_json(self, name: str) -> dict[str, Any] | None: ...
-
-
-class Persist(Protocol):
-    def accept(self, fd: int, body: Any, peer: tuple[int, int, int]) -> dict[str, Any]: ...
-    def outcome(self, job_id: str, timeout: float) -> dict[str, Any] | None: ...
-    def in_flight(self) -> list[dict[str, Any]]: ...
-
-
-class NoPersist:
-    """No persist service (a bare context in tests): async saves are refused, the trainer
-    writes in-process."""
-
-    def accept(self, fd: int, body: Any, peer: tuple[int, int, int]) -> dict[str, Any]:
-        os.close(fd)
-        raise HttpError(503, "no_persist", "this daemon takes no async saves")
-
-    def outcome(self, job_id: str, timeout: float) -> dict[str, Any] | None:
-        return None
-
-    def in_flight(self) -> list[dict[str, Any]]:
-        return []
-
-
-class HoldsAll:
-    """Every root is this daemon's (no lease service: a bare context in tests)."""
-
-    def holds(self, name: str) -> bool:
-        return True
-
-    def holder_json(self, name: str) -> dict[str, Any] | None:
-        return None
-
-
-class ApiContext:
-    """Everything a request handler may touch: the store, and the daemon's services."""
-
-    def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
-                 changes: Changes, scan: Scan, workers: Workers, retention: Retention,
-                 discovery: Discovery, services: Services, metrics: MetricsText,
-                 leases: Leases | None = None, persist: Persist | None = None) -> None:
-        self.store = store
-        self.roots = roots
-        self.changes = changes
-        self.scan = scan
-        self.workers = workers
-        self.retention = retention
-        self.discovery = discovery
-        self.services = services
-        self.metrics = metrics
-        self.leases: Leases = leases if leases is not None else HoldsAll()
-        self.persist: Persist = persist if persist is not None else NoPersist()
-        self.started = time.monotonic()
-        self.stopping = threading.Event()
-        self.problem: str | None = None  # why the daemon stopped acting (set by the daemon)
-
-    def uptime(self) -> float:
-        return round(time.monotonic() - self.started, 3)
-
-    def root(self, name: str) -> RootConfig:
-        root = self.roots().get(name)
-        if root is None:
-            raise HttpError(404, "no_root", f"no root named {name!r} in the config")
-        return root
-
-    # -- views -------------------------------------------------------------------------------
-
-    def state(self) -> str:
-        """ok, degraded (a service crashed and is being restarted) or stopping."""
-        if self.stopping.is_set():
-            return "stopping"
-        return "ok" if self.services.alive() and self.problem is None else "degraded"
-
-    def health(self) -> dict[str, Any]:
-        return {"status": self.state(), "version": __version__, "uptime_s": self.uptime(),
-                "services": self.services.health(), "problem": self.problem}
-
-    def status(self) -> dict[str, Any]:
-        roots = [self.root_status(r) for r in self.roots().values()]
-        return {"status": self.state(), "version": __version__, "uptime_s": self.uptime(),
-                "roots": roots,
-                "in_flight": self.workers.in_flight() + self.persist.in_flight(),
-                "flushing": [{"root": r, "step": s}
-                             for r, s in self.workers.flushing().items()],
-                "services": self.services.health(), "problem": self.problem}
-
-    def root_status(self, root: RootConfig) -> dict[str, Any]:
-        info = self.store.root_info(root.name)
-        latest = self.store.latest(root.name)
-        best = self.store.best(root.name, root.metric, root.metric_mode)
-        return {
-            "name": root.name, "path": str(root.path),
-            "latest": latest.step if latest else None,
-            "best": best.step if best else None,
-            "counts": self.store.counts(root.name),
-            "queue": self.store.queue_length(root.name),
-            "disk_free_bytes": disk_free(root.path),
-            "last_error": info["last_error"] or None,
-            "last_error_at": _rfc3339(info["last_error_at"]) if info["last_error"] else None,
-            "preflight": self.retention.health_json(root.name),
-            "adopted": self.retention.adopted_json(root),
-            "unrecognised": self.scan.unrecognised(root.name)[:100],
-            "holder": self.leases.holder_json(root.name),
-            "acting": self.leases.holds(root.name),
-            "uncommitted": (self.workers.uncommitted(root.name, root.nodes) if root.multi_node
-                            else None),
-        }
-
-    def acting(self, root: RootConfig) -> None:
-        """Refuse a change to a root another daemon acts on (this one stands by)."""
-        if not self.leases.holds(root.name):
-            h = self.leases.holder_json(root.name)
-            who = (f"the daemon of node {h['node']!r} (pid {h['pid']} on {h['host']})"
-                   if h else "another daemon, or none yet")
-            raise HttpError(409, "standby", f"root {root.name!r} is acted on by {who}; this"
-                            " daemon stands by (see `ckptd status`): run this there")
-
-    def listing(self, root: RootConfig) -> dict[str, Any]:
-        self.discovery.refresh(root.name)
-        rows = self.store.checkpoints(root.name)
-        if not root.multi_node:
-            return {"root": root.name, "checkpoints": [c.as_json() for c in rows]}
-        return {"root": root.name, "checkpoints": [
-            {**c.as_json(), "nodes": self.workers.part_states(root, c)} for c in rows]}
-
-    def latest(self, root: RootConfig, tier: Tier) -> dict[str, Any]:
-        if not self.leases.holds(root.name):
-            return self._published_latest(root, tier)
-        rec = self.store.latest(root.name, tier)
-        if rec is None:
-            raise HttpError(404, "no_checkpoint", f"root {root.name!r} has no valid checkpoint"
-                            f" in tier {tier.value!r}")
-        return latest_json(root, rec)
-
-
-    def _published_latest(self, root: RootConfig, tier: Tier) -> dict[str, Any]:
-        """A standby answers what the acting daemon published beside the root."""
-        doc = read_latest_file(root.path)
-        wanted = {Tier.ANY: True, Tier.LOCAL: doc and doc.get("local") == "present",
-                  Tier.REMOTE: doc and doc.get("remote") == "uploaded"}[tier]
-        if doc is None or not wanted:
-            raise HttpError(404, "no_checkpoint", f"root {root.name!r} has no valid checkpoint"
-                            f" in tier {tier.value!r} (as published by the daemon acting on"
-                            " it; this one stands by)")
-        return {"root": root.name, "step": doc["step"], "path": doc["path"], "state": "valid",
-                "local": str(doc.get("local", "")), "remote": str(doc.get("remote", "")),
-                "layout": str(doc.get("layout", "")), "metrics": {},
-                "holder": self.leases.holder_json(root.name)}
-
-
-def latest_json(root: RootConfig, rec: CheckpointRecord) -> dict[str, Any]:
-    return {"root": root.name, "step": rec.step, "path": str(root.path / rec.path),
-            "state": str(rec.state), "local": str(rec.local), "remote": str(rec.remote),
-            "layout": rec.layout, "metrics": rec.metrics}
-
-
-def _rfc3339(t: float | None) -> str | None:
-    return None if t is None else datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds")
-
-
-def disk_free(path: Path) -> int | None:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
 
 
 # -- routing -----------------------------------------------------------------------------------

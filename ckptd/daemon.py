@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from ckptd import sdnotify
-from ckptd.api import ApiContext, UnixHttpServer
+from ckptd.api import UnixHttpServer
+from ckptd.api_context import ApiContext
 from ckptd.backends import BackendCache
 from ckptd.changes import Changes
 from ckptd.config import Config, RootConfig, load_config

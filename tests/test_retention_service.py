@@ -15,7 +15,8 @@ from typing import BinaryIO
 
 import pytest
 
-from ckptd.api import ApiContext, UnixHttpServer, bind_socket
+from ckptd.api import UnixHttpServer, bind_socket
+from ckptd.api_context import ApiContext
 from ckptd.backends import Backend, LocalBackend
 from ckptd.backends.base import ObjectMeta, Source
 from ckptd.changes import Changes
