@@ -19,7 +19,7 @@ from ckptd.errors import PermanentError, TransientError, ValidationFailed
 from ckptd.formats.dcpmeta import parse_dcp_metadata
 from ckptd.formats.torchhead import HEAD_BYTES, leading_fields
 from ckptd.layouts import ranked
-from ckptd.manifest import Manifest
+from ckptd.manifest import Manifest, StoredFile
 
 RecordReader = Callable[[Path, Manifest, Mapping[str, float]], "cc.Record | None"]
 
@@ -28,10 +28,9 @@ def dcp_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
                ) -> cc.Record | None:
     """The commit record of a DCP share, when it holds `.metadata`: every storage file it
     references with the least size. The file is read again and must be the validated bytes."""
-    metas = [f for f in manifest.files if posixpath.basename(f.path) == ".metadata"]
-    if len(metas) != 1:
+    f = _one_file(manifest, lambda name: name == ".metadata")
+    if f is None:
         return None
-    f = metas[0]
     data = _validated_bytes(root_dir, f.path, f.size, f.hash)
     try:
         meta = parse_dcp_metadata(data, f.path)
@@ -47,10 +46,9 @@ def native_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float
     """The commit record of a native share that holds `meta.json` (rank 0's node of a
     `node_local` save): every file it lists, at its listed size. Written after every rank's
     files (the ranks' write results are gathered first), like DCP's `.metadata`."""
-    metas = [f for f in manifest.files if posixpath.basename(f.path) == "meta.json"]
-    if len(metas) != 1:
+    f = _one_file(manifest, lambda name: name == "meta.json")
+    if f is None:
         return None
-    f = metas[0]
     data = _validated_bytes(root_dir, f.path, f.size, f.hash)
     try:
         listing = json.loads(data).get("files")
@@ -59,6 +57,12 @@ def native_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float
     except (ValueError, TypeError, KeyError, AttributeError):
         raise PermanentError(f"{f.path}: no file listing the commit can read") from None
     return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected, exact=True)
+
+
+def _one_file(manifest: Manifest, named: Callable[[str], bool]) -> StoredFile | None:
+    """The share's one record file (by its name), or None (none, or several: no record)."""
+    found = [f for f in manifest.files if named(posixpath.basename(f.path))]
+    return found[0] if len(found) == 1 else None
 
 
 def _validated_bytes(root_dir: Path, path: str, size: int, digest: str) -> bytes:
@@ -121,10 +125,9 @@ def ranked_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float
     `world_size` (else the one the meta records), the order the single-node rule uses. The
     meta is read again and must be the validated bytes. The ranks write their shards after
     it, so `after` is SPREAD_S."""
-    metas = [f for f in manifest.files if ranked.is_meta(posixpath.basename(f.path))]
-    if len(metas) != 1:
+    f = _one_file(manifest, ranked.is_meta)
+    if f is None:
         return None
-    f = metas[0]
     if f.size > ranked.META_MAX_BYTES:
         raise PermanentError(f"{f.path} has {f.size} bytes, more than the"
                              f" {ranked.META_MAX_BYTES} a commit record may")
