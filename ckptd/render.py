@@ -63,6 +63,9 @@ def render_status(doc: dict[str, Any]) -> str:
                         " when that lease goes stale"]
         if r.get("adopted"):
             out += ["", f"{r['name']}: {r['adopted']['message']}"]
+        for u in (r.get("uncommitted") or [])[:10]:
+            out += ["", f"{r['name']}: step {u['step']} waits for its commit: "
+                        + _waiting_for(u)]
         if r.get("unrecognised"):
             names = ", ".join(r["unrecognised"][:5])
             more = f" and {len(r['unrecognised']) - 5} more" if len(r["unrecognised"]) > 5 else ""
@@ -78,6 +81,16 @@ def render_status(doc: dict[str, Any]) -> str:
                        f"{progress_bar(w.get('done_bytes', 0), w.get('total_bytes', 0))} "
                        f"{human_bytes(w.get('done_bytes'))}/{human_bytes(w.get('total_bytes'))}")
     return "\n".join(out)
+
+
+def _waiting_for(u: dict[str, Any]) -> str:
+    """Which nodes' parts a multi-node step lacks, in words."""
+    names = list(u.get("missing_nodes") or [])
+    unseen = int(u.get("unseen_nodes") or 0)
+    if unseen:
+        names.append(f"{unseen} node{'s' if unseen > 1 else ''} not seen yet")
+    return ("parts missing from " + ", ".join(names) if names
+            else "the coordinator's commit")
 
 
 def _since(at: str | None) -> str:

@@ -96,9 +96,17 @@ def test_two_shares_commit_once_with_both_parts(tmp_path: Path) -> None:
         parts.upload_share(store, "job", r_dir, r_man, r_share, now=t + 700)
 
 
+def _status_doc(uncommitted: list[dict[str, Any]]) -> dict[str, Any]:
+    """A `status` document of one multi-node root, as the daemon answers it."""
+    return {"version": "x", "status": "ok", "uptime_s": 1, "in_flight": [], "roots": [
+        {"name": "job", "latest": None, "best": None, "counts": {}, "queue": 0,
+         "disk_free_bytes": None, "last_error": None, "uncommitted": uncommitted}]}
+
+
 def test_status_counts_the_nodes_it_cannot_name() -> None:
     """Before any commit, a node that wrote no part is known to no one: `status` still says
     how many of the root's nodes it cannot name."""
+    from ckptd.render import render_status
     from ckptd.service.commits import Waiting
 
     waiting = Waiting()
@@ -106,11 +114,18 @@ def test_status_counts_the_nodes_it_cannot_name() -> None:
     waiting.wait("job", 4, parts.NotCommitted(4, plan, {"n0": "uploaded", "n1": "uploaded"}))
     assert waiting.uncommitted("job", 3) == [
         {"step": 4, "missing_nodes": [], "unseen_nodes": 1}]
+    assert "job: step 4 waits for its commit: parts missing from 1 node not seen yet" in (
+        render_status(_status_doc(waiting.uncommitted("job", 3))))
     plan = cc.Plan("n0", (), covered=False, missing_nodes=("n2",))
-    waiting.wait("job", 5, parts.NotCommitted(5, plan, {"n0": "uploaded", "n2": "missing"}))
+    waiting.wait("job", 5, parts.NotCommitted(5, plan, {"n0": "uploaded", "n1": "uploaded",
+                                                        "n2": "missing"}))
     assert waiting.uncommitted("job", 3)[1] == {"step": 5, "missing_nodes": ["n2"],
                                                 "unseen_nodes": 0}
     assert waiting.uncommitted("other", 3) == []
+    # n2, learned of from step 5, has no part of step 4 either
+    text = render_status(_status_doc(waiting.uncommitted("job", 3)))
+    assert "job: step 4 waits for its commit: parts missing from n2" in text
+    assert "job: step 5 waits for its commit: parts missing from n2" in text
 
 
 def test_a_share_that_grew_sends_only_its_new_files(tmp_path: Path) -> None:

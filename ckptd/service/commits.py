@@ -78,8 +78,11 @@ class Waiting:
             out = []
             for (r, step), (_n, missing, states) in sorted(self._steps.items()):
                 if r == root:
+                    # Missing at the step's last look, and nodes learned of since (from other
+                    # steps) that have no part of this one.
+                    gone = sorted(set(missing) | (known - set(states)))
                     seen = len(known | set(states) | set(missing))
-                    out.append({"step": step, "missing_nodes": list(missing),
+                    out.append({"step": step, "missing_nodes": gone,
                                 "unseen_nodes": max(0, nodes - seen)})
             return out
 
