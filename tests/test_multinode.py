@@ -412,6 +412,22 @@ def test_a_ranked_save_split_over_nodes_commits_and_restores_whole(
         assert (out / name).read_bytes() == (cluster.root(node) / name).read_bytes()
 
 
+def test_a_layout_without_a_record_is_refused_not_left_waiting(
+        nodes: Any, tmp_path: Path) -> None:
+    """A single-file checkpoint on a multi-node root: no node can ever commit it, so its upload
+    fails for good with the reason, sends nothing, and the step is never latest."""
+    cluster = nodes()
+    cluster.start(0)
+    torch.save({"w": torch.ones(4)}, cluster.root(0) / "model_step_9.pt")
+    client = cluster.handles[0].client
+    wait_until(lambda: "no commit record" in (client.status()["roots"][0]["last_error"] or ""),
+               30, "the upload refused", detail=lambda: cluster.handles[0].log_text()[-3000:])
+    assert "nodes = 1" in client.status()["roots"][0]["last_error"]
+    assert (cluster.row(0, 9) or {})["state"] == "valid"
+    assert client.status()["roots"][0]["latest"] is None
+    assert not list((tmp_path / "remote").rglob("*model_step_9*"))
+
+
 def test_a_megatron_torch_dist_save_split_over_nodes_commits(nodes: Any, tmp_path: Path) -> None:
     """megatron-core's torch_dist: `common.pt`, the DCP save of every rank into `iter_N/` on
     its own node, `metadata.json`, then the tracker, on rank 0's node only."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptd import fileio
 from ckptd.config import RootConfig
-from ckptd.errors import DiskFull
+from ckptd.errors import DiskFull, PermanentError
 from ckptd.lifecycle.table import Policy
 from ckptd.log import get_logger
 from ckptd.manifest import Manifest, StoredFile
@@ -166,7 +166,12 @@ def run_share_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
         "deepspeed": records.deepspeed_record, "native": records.native_record,
         "ranked": partial(records.ranked_record, world_size=root.world_size)}
     reader = readers.get(manifest.layout)
-    record = reader(root.path, manifest, mtimes) if reader is not None else None
+    if reader is None:
+        raise PermanentError(
+            f"a {manifest.layout} checkpoint has no commit record a multi-node root understands"
+            f" (docs/LAYOUTS.md); root {root.name!r} has nodes = {root.nodes}: it would never be"
+            " committed. Use nodes = 1 for it (on a shared file system, with the lease)")
+    record = reader(root.path, manifest, mtimes)
     share = parts.Share(node=node, commit_timeout=root.commit_timeout, mtimes=mtimes,
                         record=record, known_nodes=known_nodes)
     progress.total = manifest.stored_size
