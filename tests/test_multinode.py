@@ -426,6 +426,14 @@ def test_a_layout_without_a_record_is_refused_not_left_waiting(
     assert (cluster.row(0, 9) or {})["state"] == "valid"
     assert client.status()["roots"][0]["latest"] is None
     assert not list((tmp_path / "remote").rglob("*model_step_9*"))
+    from layout_writers import write_megatron  # the legacy format: the same, for its reason
+
+    write_megatron(cluster.root(0), 100)
+    wait_until(lambda: "Megatron's legacy format" in cluster.handles[0].log_text(), 30,
+               "the legacy Megatron upload refused",
+               detail=lambda: cluster.handles[0].log_text()[-3000:])
+    assert (cluster.row(0, 100) or {})["state"] == "valid"
+    assert not list((tmp_path / "remote").rglob("*model_optim_rng*"))
 
 
 def test_a_megatron_torch_dist_save_split_over_nodes_commits(nodes: Any, tmp_path: Path) -> None:

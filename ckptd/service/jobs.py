@@ -162,7 +162,7 @@ def run_share_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
     mtimes = {f.path: fileio.safe_join(root.path, f.path).stat().st_mtime_ns / 1e9
               for f in manifest.files}
     readers: dict[str, records.RecordReader] = {
-        "dcp": records.dcp_record, "megatron": records.dcp_record,  # torch_dist is DCP
+        "dcp": records.dcp_record, "megatron": records.megatron_record,
         "deepspeed": records.deepspeed_record, "native": records.native_record,
         "ranked": partial(records.ranked_record, world_size=root.world_size)}
     reader = readers.get(manifest.layout)

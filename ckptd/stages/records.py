@@ -41,6 +41,17 @@ def dcp_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
     return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected)
 
 
+def megatron_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
+                    ) -> cc.Record | None:
+    """Megatron's torch_dist save is DCP's (`.metadata` in `iter_N/`). Its legacy format
+    (`mp_rank_XX/model_optim_rng.pt`) records the parallel sizes only in the pickled `args`:
+    no expected set can be read, so it is refused rather than left waiting."""
+    if any(posixpath.basename(f.path) == "model_optim_rng.pt" for f in manifest.files):
+        raise PermanentError("Megatron's legacy format (mp_rank_XX/model_optim_rng.pt) has no"
+                             " commit record a multi-node root understands; use nodes = 1")
+    return dcp_record(root_dir, manifest, mtimes)
+
+
 def native_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
                   ) -> cc.Record | None:
     """The commit record of a native share that holds `meta.json` (rank 0's node of a
