@@ -12,7 +12,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -230,14 +230,25 @@ def fingerprint(cand: Candidate, seen: dict[str, Any]) -> str:
 
 def file_fingerprint(root: Path, files: tuple[str, ...]) -> str:
     """The same digest computed from the files on disk now (to detect change during a stage)."""
-    seen: dict[str, _Seen] = {}
+    return stats_fingerprint(files, member_stats(root, files))
+
+
+def member_stats(root: Path, files: Iterable[str]) -> dict[str, os.stat_result]:
+    """Each member's stat now, by the scanner's rule; members that are gone are left out."""
+    out: dict[str, os.stat_result] = {}
     real_root = os.path.realpath(root)
     for rel in files:
         try:
-            st, _ = stat_member(real_root, os.path.join(root, rel))
+            out[rel], _ = stat_member(real_root, os.path.join(root, rel))
         except OSError:
             continue
-        seen[rel] = _Seen(st.st_size, st.st_mtime_ns, 0.0, 0.0, st.st_mtime_ns)
+    return out
+
+
+def stats_fingerprint(files: tuple[str, ...], stats: Mapping[str, os.stat_result]) -> str:
+    """`fingerprint` of `files` from stats already taken (one stat pass for two uses)."""
+    seen = {rel: _Seen(st.st_size, st.st_mtime_ns, 0.0, 0.0, st.st_mtime_ns)
+            for rel, st in stats.items()}
     return fingerprint(Candidate("", 0, "", files, False), seen)
 
 

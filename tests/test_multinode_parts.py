@@ -240,3 +240,37 @@ def test_ranked_record_changed_since_validation(now: bytes, tmp_path: Path) -> N
     (tmp_path / "run" / "meta_5.json").write_bytes(now)
     with pytest.raises(TransientError, match="changed since it was validated"):
         records.ranked_record(tmp_path, manifest, _mtimes(manifest))
+
+
+def test_a_share_rewritten_since_validation_is_rescanned_not_sent(tmp_path: Path) -> None:
+    """The mtimes that tie a part to its save attempt are read with the same stat pass that
+    checks the files are still the validated ones: a re-save that rewrote them since (a new
+    mtime) defers the upload, instead of naming the re-save's attempt for the old bytes."""
+    import os
+
+    from ckptd.config import RootConfig
+    from ckptd.model import CheckpointRecord, Local, Remote, State
+    from ckptd.service import jobs
+    from ckptd.store import Job
+    from ckptd.watch import file_fingerprint
+
+    root = tmp_path / "root"
+    (root / "step-7").mkdir(parents=True)
+    shard = root / "step-7" / "__1_0.distcp"
+    shard.write_bytes(b"one!" * 10)
+    files = ("step-7/__1_0.distcp",)
+    rec = CheckpointRecord(1, "job", 7, "dcp", "step-7", State.VALID, Local.COMPRESSED,
+                           Remote.NONE, 40, 40, {}, "", "", False, 0.0, 0.0,
+                           file_fingerprint(root, files))
+    job = Job(rec, "upload", files, {}, {}, "", "")
+    _dir, manifest, _share_ = _share(tmp_path, "n1", {files[0]: b"one!" * 10}, 0.0)
+    cfg = RootConfig(name="job", path=root)
+    mtimes = jobs._validated_mtimes(cfg, job, manifest)
+    assert mtimes == {files[0]: shard.stat().st_mtime_ns / 1e9}
+    shard.write_bytes(b"TWO!" * 10)  # the re-save: the same size, new bytes, a new mtime
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1_000_000))
+    with pytest.raises(jobs.FilesChanged, match="changed since they were validated"):
+        jobs._validated_mtimes(cfg, job, manifest)
+    shard.unlink()
+    with pytest.raises(jobs.FilesChanged):
+        jobs._validated_mtimes(cfg, job, manifest)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ckptd import fileio
 from ckptd.config import RootConfig
 from ckptd.errors import DiskFull, PermanentError
 from ckptd.lifecycle.table import Policy
@@ -24,6 +23,7 @@ from ckptd.stages.parts import NotCommitted as NotCommitted
 from ckptd.stages.upload import UploadResult, upload_step
 from ckptd.stages.validate import validate
 from ckptd.store import Job
+from ckptd.watch import member_stats, stats_fingerprint
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,11 @@ class StageCancelled(BaseException):
     which removes its staging dir) still runs."""
 
 
+class FilesChanged(Exception):
+    """The files on disk are no longer the ones the row was validated from (a re-save under
+    way): the stage is put off and the root rescanned."""
+
+
 class NoLongerValid(Exception):
     """A later read pass over a valid checkpoint found it damaged (bit rot, an edit)."""
 
@@ -159,8 +164,7 @@ def run_share_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
     NotCommitted while the step waits for other nodes' parts. Never replaces a remote step."""
     step = job.checkpoint.step
     manifest = _local_copy(root, step, expected)
-    mtimes = {f.path: fileio.safe_join(root.path, f.path).stat().st_mtime_ns / 1e9
-              for f in manifest.files}
+    mtimes = _validated_mtimes(root, job, manifest)
     readers: dict[str, records.RecordReader] = {
         "dcp": records.dcp_record, "megatron": records.megatron_record,
         "deepspeed": records.deepspeed_record, "native": records.native_record,
@@ -178,6 +182,19 @@ def run_share_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
     return parts.upload_share(backend, root.name, compress.objects_dir(root.path, step),
                               manifest, share, time.time(), progress=progress.advance,
                               concurrency=root.upload.concurrency)
+
+
+def _validated_mtimes(root: RootConfig, job: Job, manifest: Manifest) -> dict[str, float]:
+    """Each file's mtime (this node's clock), from the same stat pass that checks the files
+    are still the ones validated (the row's fingerprint). The mtimes tie the part to its save
+    attempt: read from files a re-save has rewritten since, they would name the re-save's
+    attempt for the earlier save's bytes."""
+    stats = member_stats(root.path, dict.fromkeys([*job.files, *(f.path for f in manifest.files)]))
+    if (stats_fingerprint(job.files, stats) != job.checkpoint.fingerprint
+            or any(f.path not in stats for f in manifest.files)):
+        raise FilesChanged(f"the files of step {job.checkpoint.step} changed since they were"
+                           " validated; rescanning")
+    return {f.path: stats[f.path].st_mtime_ns / 1e9 for f in manifest.files}
 
 
 def known_nodes(backend: Any, root_name: str) -> set[str]:

@@ -188,6 +188,9 @@ class Workers:
             except jobs.NoLongerValid as exc:
                 self._no_longer_valid(root, job, fp, exc, log)
                 return
+            except jobs.FilesChanged as exc:
+                self._changed(job, log, str(exc))
+                return
             except jobs.NotCommitted as exc:
                 delay = self.waiting.wait(rec.root, rec.step, exc)
                 log.info("commit_waiting", error=str(exc), missing_nodes=exc.missing_nodes,
