@@ -194,12 +194,26 @@ def reap() -> None:
     """End whatever the current test's ranks left running (by their groups) and forget them."""
     while LIVE:
         p = LIVE.pop()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
+        if p.returncode is None or not _exists(p.pid):
+            # Not reaped yet, its pid is still ours; reaped and no process has the pid, the
+            # group (if any is left) is the rank's. A live process with a reaped rank's pid
+            # is another process that got the pid again: its group is not ours to kill.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
         if p.poll() is None:
             p.kill()
         p.wait()
         p.log.close()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def kill_tree_when(procs: list[Rank], cond: Callable[[], bool],
