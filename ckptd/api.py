@@ -31,7 +31,6 @@ from ckptd.config import RootConfig
 from ckptd.errors import ConfigError, ServiceUnavailable
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Remote, State
-from ckptd.pins import write_pins
 
 MAX_BODY = 1024 * 1024
 MAX_WAIT_S = 3600.0
@@ -261,37 +260,10 @@ class Handler(BaseHTTPRequestHandler):
         return 202, {"root": r.name, "step": step, "accepted": True}
 
     def h_pin(self, root: str, step: str, **_: Any) -> tuple[int, Any]:
-        return self._set_pin(root, step, True)
+        return 200, self.ctx.set_pin(root, step, True)
 
     def h_unpin(self, root: str, step: str, **_: Any) -> tuple[int, Any]:
-        return self._set_pin(root, step, False)
-
-    def _set_pin(self, root: str, step: str, pinned: bool) -> tuple[int, Any]:
-        r = self.ctx.root(root)
-        self.ctx.acting(r)
-        n = checks.step(step)
-        rec = self.ctx.store.checkpoint(r.name, n)
-        if (pinned and rec is not None and rec.local.value == "pruned"
-                and rec.remote is not Remote.UPLOADED):
-            raise HttpError(409, "gone", f"step {n} of {r.name!r} has no copy left to keep")
-        with self.ctx.retention.nets:
-            done = self.ctx.store.set_pinned(r.name, n, pinned)
-            if not done:
-                raise HttpError(404, "no_checkpoint", f"root {r.name!r} has no step {n}")
-            beside = self._keep_pins_beside(r)
-        get_logger().info("checkpoint_pinned" if pinned else "checkpoint_unpinned",
-                          root=r.name, step=n, kept_beside_root=beside)
-        self.ctx.changes.notify()
-        return 200, {"root": r.name, "step": n, "pinned": pinned, "kept_beside_root": beside}
-
-    def _keep_pins_beside(self, r: RootConfig) -> bool:
-        """The root's pins file follows the store, so a lost state database keeps them."""
-        try:
-            write_pins(r.path, self.ctx.store.pinned_steps(r.name))
-        except OSError as exc:
-            get_logger().warning("pins_write_failed", root=r.name, error=str(exc))
-            return False
-        return True
+        return 200, self.ctx.set_pin(root, step, False)
 
     def h_lease(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         """A reader (a resume, a restore) holds `step`: retention never deletes it meanwhile."""

@@ -15,11 +15,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckptd import __version__
+from ckptd import api_input as checks
 from ckptd.api_input import HttpError
 from ckptd.changes import Changes
 from ckptd.client import read_latest_file
 from ckptd.config import RootConfig
-from ckptd.model import CheckpointRecord, Tier
+from ckptd.log import get_logger
+from ckptd.model import CheckpointRecord, Remote, Tier
+from ckptd.pins import write_pins
 from ckptd.store import Store
 
 
@@ -214,6 +217,34 @@ class ApiContext:
                 "local": str(doc.get("local", "")), "remote": str(doc.get("remote", "")),
                 "layout": str(doc.get("layout", "")), "metrics": {},
                 "holder": self.leases.holder_json(root.name)}
+
+    def set_pin(self, root: str, step: str, pinned: bool) -> dict[str, Any]:
+        """Pin or unpin a step (HttpError 404/409), keeping the pins file beside the root."""
+        r = self.root(root)
+        self.acting(r)
+        n = checks.step(step)
+        rec = self.store.checkpoint(r.name, n)
+        if (pinned and rec is not None and rec.local.value == "pruned"
+                and rec.remote is not Remote.UPLOADED):
+            raise HttpError(409, "gone", f"step {n} of {r.name!r} has no copy left to keep")
+        with self.retention.nets:
+            done = self.store.set_pinned(r.name, n, pinned)
+            if not done:
+                raise HttpError(404, "no_checkpoint", f"root {r.name!r} has no step {n}")
+            beside = self._keep_pins_beside(r)
+        get_logger().info("checkpoint_pinned" if pinned else "checkpoint_unpinned",
+                          root=r.name, step=n, kept_beside_root=beside)
+        self.changes.notify()
+        return {"root": r.name, "step": n, "pinned": pinned, "kept_beside_root": beside}
+
+    def _keep_pins_beside(self, r: RootConfig) -> bool:
+        """The root's pins file follows the store, so a lost state database keeps them."""
+        try:
+            write_pins(r.path, self.store.pinned_steps(r.name))
+        except OSError as exc:
+            get_logger().warning("pins_write_failed", root=r.name, error=str(exc))
+            return False
+        return True
 
 
 def latest_json(root: RootConfig, rec: CheckpointRecord) -> dict[str, Any]:

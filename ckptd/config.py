@@ -91,6 +91,7 @@ __all__ = [
     "UploadConfig",
     "load_config",
     "check_trusted_globals",
+    "needs_restart",
     "node_of_host",
     "parse_config",
     "render_toml",
@@ -263,6 +264,13 @@ class Config(_Model):
             "metrics": _plain(self.metrics),
             "roots": [_plain(root) for root in self.roots],
         }
+
+
+def needs_restart(old: Config, new: Config) -> list[str]:
+    """The keys whose change a reload cannot apply (they take effect at the next start)."""
+    keys = [f"daemon.{k}" for k in ("state_dir", "socket", "socket_group")
+            if getattr(old.daemon, k) != getattr(new.daemon, k)]
+    return keys + (["metrics.listen"] if old.metrics != new.metrics else [])
 
 
 def _plain(model: BaseModel) -> dict[str, Any]:

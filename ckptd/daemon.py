@@ -7,6 +7,7 @@ signal/watchdog beat: every other thread is a service under the supervisor.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -19,7 +20,7 @@ from ckptd.api import UnixHttpServer
 from ckptd.api_context import ApiContext
 from ckptd.backends import BackendCache
 from ckptd.changes import Changes
-from ckptd.config import Config, RootConfig, load_config
+from ckptd.config import Config, RootConfig, load_config, needs_restart
 from ckptd.errors import ConfigError
 from ckptd.log import get_logger
 from ckptd.metrics import Metrics, MetricsServer
@@ -209,11 +210,8 @@ class Daemon:
 
     def _apply(self, new: Config) -> None:
         old = self.config
-        for key in ("state_dir", "socket", "socket_group"):
-            if getattr(old.daemon, key) != getattr(new.daemon, key):
-                self.log.warning("config_needs_restart", key=f"daemon.{key}")
-        if old.metrics != new.metrics:
-            self.log.warning("config_needs_restart", key="metrics.listen")
+        for key in needs_restart(old, new):
+            self.log.warning("config_needs_restart", key=key)
         old_roots = {r.name for r in old.roots}
         self.config = new
         for name in old_roots - set(self.roots()):
@@ -249,10 +247,8 @@ class Daemon:
         assert self.server is not None
         self.server.server_close()
         if not self._socket_inherited:  # an inherited socket belongs to systemd's unit
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.config.daemon.socket)
-            except OSError:
-                pass
         if finished:
             self.store.close()
         self.lock.release()

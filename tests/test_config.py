@@ -581,3 +581,15 @@ def test_a_hostname_becomes_a_node_id_the_parts_accept() -> None:
         assert valid_ids(node, "1-ab"), node
     assert node_of_host(long) != node_of_host(long[:-1] + "n")  # the hash keeps them apart
     assert len(node_of_host(long)) == 64 and node_of_host("a" * 64) == "a" * 64
+
+
+def test_what_a_reload_cannot_apply(tmp_path: Path) -> None:
+    from ckptd.config import needs_restart, parse_config
+
+    base = {"daemon": {"state_dir": str(tmp_path / "s")}, "roots": [{"name": "r", "path": "r"}]}
+    old = parse_config(base, tmp_path)
+    assert needs_restart(old, old) == []
+    moved = parse_config({**base, "daemon": {"state_dir": str(tmp_path / "t"),
+                                             "socket": str(tmp_path / "x.sock")},
+                          "metrics": {"listen": "127.0.0.1:9101"}}, tmp_path)
+    assert needs_restart(old, moved) == ["daemon.state_dir", "daemon.socket", "metrics.listen"]

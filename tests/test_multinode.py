@@ -141,6 +141,13 @@ class Nodes:
                        timeout, f"node n{n} to record step {step} committed",
                        detail=lambda n=n: self.handles[n].log_text()[-4000:])
 
+    def restore(self, n: int, step: int, to: Path, *how: str) -> None:
+        """`ckptd restore job STEP --to TO HOW...` with node n's config (no daemon needed)."""
+        r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", str(step), "--to",
+                            str(to), *how, "--config", str(self.handles[n].config)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
     def latest_json(self, n: int) -> int | None:
         try:
             return int(json.loads((self.root(n) / ".ckptd" / "latest.json").read_text())["step"])
@@ -203,10 +210,7 @@ def test_a_three_node_dcp_save_is_committed_once_and_restores_whole(
     print(f"commit after save: {time.monotonic() - started:.2f}s")
 
     out = tmp_path / "restored"
-    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "10", "--to", str(out),
-                        "--all", "--config", str(cluster.handles[1].config)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
+    cluster.restore(1, 10, out, "--all")
     import torch.distributed.checkpoint as dcp
 
     want = full_state(10)
@@ -216,10 +220,7 @@ def test_a_three_node_dcp_save_is_committed_once_and_restores_whole(
     assert got["step"] == 10
 
     one = tmp_path / "one-node"
-    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "10", "--to", str(one),
-                        "--node", "n2", "--config", str(cluster.handles[0].config)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
+    cluster.restore(0, 10, one, "--node", "n2")
     assert sorted(p.name for p in (one / "step-10").iterdir()) == [".metadata", "__2_0.distcp"]
     assert (one / "step-10" / "__2_0.distcp").read_bytes() == (
         cluster.root(2) / "step-10" / "__2_0.distcp").read_bytes()
@@ -339,10 +340,7 @@ def test_a_deepspeed_save_split_over_nodes_commits_and_restores_whole(
     assert sorted(f["path"] for f in doc["files"]) == sorted(
         f"global_step5/{name}" for name in homes)
     out = tmp_path / "restored"
-    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "5", "--to", str(out),
-                        "--all", "--config", str(cluster.handles[2].config)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
+    cluster.restore(2, 5, out, "--all")
     assert (out / "latest").read_text() == "global_step5"
     for name, node in homes.items():
         assert (out / "global_step5" / name).read_bytes() == (
@@ -403,10 +401,7 @@ def test_a_ranked_save_split_over_nodes_commits_and_restores_whole(
     committed = [e for h in cluster.handles for e in h.events("step_committed")]
     assert len(committed) == 1, committed
     out = tmp_path / "restored"
-    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "5", "--to", str(out),
-                        "--all", "--config", str(cluster.handles[1].config)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
+    cluster.restore(1, 5, out, "--all")
     assert sorted(p.name for p in out.iterdir()) == sorted(homes)
     for name, node in homes.items():
         assert (out / name).read_bytes() == (cluster.root(node) / name).read_bytes()
@@ -454,10 +449,7 @@ def test_a_megatron_torch_dist_save_split_over_nodes_commits(nodes: Any, tmp_pat
         ["iter_0000100/.metadata", "iter_0000100/common.pt", "iter_0000100/metadata.json",
          *(f"iter_0000100/__{r}_0.distcp" for r in range(WORLD))])
     out = tmp_path / "restored"
-    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "100", "--to",
-                        str(out), "--all", "--config", str(cluster.handles[1].config)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
+    cluster.restore(1, 100, out, "--all")
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "100"
     import torch.distributed.checkpoint as dcp
 
@@ -492,10 +484,7 @@ def test_a_native_node_local_save_commits_and_loads_every_rank(
     assert doc["layout"] == "native"
     assert [n.get("record") for n in doc["nodes"] if n["node"] == "n0"] == ["step-7/meta.json"]
     out = tmp_path / "restored"
-    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "job", "7", "--to", str(out),
-                        "--all", "--config", str(cluster.handles[1].config)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
+    cluster.restore(1, 7, out, "--all")
     import ckptd.torch
 
     saved_model = _native_state(7, 0)[0]  # rank 0 writes the model

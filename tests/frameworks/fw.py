@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ckptd.service.lease import pid_alive
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
@@ -194,7 +196,7 @@ def reap() -> None:
     """End whatever the current test's ranks left running (by their groups) and forget them."""
     while LIVE:
         p = LIVE.pop()
-        if p.returncode is None or not _exists(p.pid):
+        if p.returncode is None or not pid_alive(p.pid):
             # Not reaped yet, its pid is still ours; reaped and no process has the pid, the
             # group (if any is left) is the rank's. A live process with a reaped rank's pid
             # is another process that got the pid again: its group is not ours to kill.
@@ -204,16 +206,6 @@ def reap() -> None:
             p.kill()
         p.wait()
         p.log.close()
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def kill_tree_when(procs: list[Rank], cond: Callable[[], bool],
