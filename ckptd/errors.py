@@ -98,6 +98,12 @@ class CorruptData(CkptdError):
     """Stored data does not match its recorded hash, size or framing."""
 
 
+class BadInput(CorruptData):
+    """An input from outside the daemon's own state (a remote object, a root's metadata file,
+    an arena header) is not what it must be: not a regular file, over its size cap, not strict
+    JSON, a number out of range. The message names the item; the item alone is set aside."""
+
+
 class DiskFull(CkptdError):
     """No space left while writing (ENOSPC/EDQUOT)."""
 
