@@ -172,7 +172,7 @@ class Handler(BaseHTTPRequestHandler):
         if length > MAX_BODY:
             self.close_connection = True
             raise HttpError(413, "too_large", f"request body over {MAX_BODY} bytes")
-        raw = self.rfile.read(length) if length else b""
+        raw = self._read_body(length) if length else b""
         if not raw:
             return None
         try:
@@ -180,6 +180,25 @@ class Handler(BaseHTTPRequestHandler):
                               parse_float=checks.finite_float)
         except (ValueError, RecursionError) as exc:
             raise HttpError(400, "bad_json", f"request body is not valid JSON: {exc}") from exc
+
+    def _read_body(self, length: int) -> bytes:
+        """The body's `length` bytes, within the connection's read timeout: a body that never
+        comes is 408, one cut short is 400 (never a 500); the connection is closed after."""
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            self.close_connection = True
+            raise HttpError(408, "request_timeout", f"the request body ({length} bytes) did"
+                            f" not arrive within {self.timeout} s") from None
+        except OSError as exc:
+            self.close_connection = True
+            raise HttpError(400, "bad_request", f"the request body could not be read:"
+                            f" {exc.strerror or exc}") from None
+        if len(raw) != length:
+            self.close_connection = True
+            raise HttpError(400, "bad_request", f"the request body ended after {len(raw)} of"
+                            f" its {length} bytes (Content-Length)")
+        return raw
 
     def _send(self, status: int, payload: Any) -> None:
         if isinstance(payload, str):

@@ -131,3 +131,25 @@ def test_a_good_request_after_bad_ones_is_served(d: Any) -> None:
     status, doc = answer(d, "GET", "/v1/roots/r1/checkpoints/3/wait?timeout=5")
     assert status == 200 and doc["step"] == 3
     assert answer(d, "GET", "/v1/health")[1]["status"] == "ok"
+
+
+def test_a_body_that_never_comes_or_is_cut_short_is_4xx(d: Any) -> None:
+    """A Content-Length and then nothing: 408 after the read timeout; a body cut short by
+    the client closing its side: 400. Never a 500; the daemon answers the next request."""
+    import socket
+
+    for sent, want in ((b"", 408), (b'{"step"', 400)):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30)
+            s.connect(str(d.socket))
+            s.sendall(b"POST /v1/roots/r1/checkpoints HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Length: 100\r\n\r\n" + sent)
+            if sent:
+                s.shutdown(socket.SHUT_WR)
+            raw = b""
+            while chunk := s.recv(65536):
+                raw += chunk
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        assert int(head.split()[1]) == want, raw
+        assert json.loads(rest)["message"]
+    assert answer(d, "GET", "/v1/health")[0] == 200

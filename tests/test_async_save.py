@@ -421,3 +421,47 @@ def test_arena_bytes_are_torch_saves_bytes(kind: str) -> None:
     loaded = torch.load(io.BytesIO(raw), weights_only=True)
     assert torch.equal(loaded["view"], state["view"]) and loaded["view"].data_ptr() == (
         loaded["base"].data_ptr() + (3 * 48 + 5) * 4)
+
+
+def test_an_arena_reopened_write_only_or_read_only_is_refused(inproc_daemon: Any) -> None:
+    """The memfd reopened write-only (or read-only) through /proc: a 400 naming the access
+    mode, never a 500 at mmap; the descriptor is closed and the daemon goes on."""
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    fd, body = sealed_arena()
+    body["dir"] = str(d.roots["r1"])
+    try:
+        for flags, how in ((os.O_WRONLY, "write-only"), (os.O_RDONLY, "read-only")):
+            other = os.open(f"/proc/self/fd/{fd}", flags)
+            try:
+                status, doc = post_persist(d.socket, body, other)
+            finally:
+                os.close(other)
+            assert (status, doc["error"]) == (400, "bad_arena"), doc
+            assert how in doc["message"], doc
+    finally:
+        os.close(fd)
+    assert [p.name for p in d.roots["r1"].iterdir()] == [".ckptd"]
+    assert d.client.request("GET", "/v1/health")[0] == 200
+
+
+def test_a_persist_body_that_never_comes_is_408(inproc_daemon: Any) -> None:
+    """Headers with a Content-Length, the arena's descriptor, then no body: 408 once the read
+    timeout passes (not a 500), the descriptor is closed, the daemon answers the next one."""
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    fd, _ = sealed_arena()
+    head = (b"POST /v1/persist HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 300\r\n\r\n")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30)
+            s.connect(str(d.socket))
+            s.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            raw = b""
+            while chunk := s.recv(65536):
+                raw += chunk
+    finally:
+        os.close(fd)
+    status_line, _, rest = raw.partition(b"\r\n\r\n")
+    assert int(status_line.split()[1]) == 408, raw
+    assert json.loads(rest)["error"] == "request_timeout"
+    assert d.client.request("GET", "/v1/health")[0] == 200

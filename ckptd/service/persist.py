@@ -8,6 +8,7 @@ handles ask for. Decides nothing about checkpoints beyond the door's checks.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
@@ -94,6 +95,7 @@ class PersistService:
                             " the socket's group: it may not hand over an arena")
         try:
             size = arena.check_memfd(fd)
+            _check_access(fd)
             req = arena.parse_request(body, size)
         except ValueError as exc:
             raise HttpError(400, "bad_arena", str(exc)) from None
@@ -103,7 +105,12 @@ class PersistService:
         if os.path.realpath(req.dir) != os.path.realpath(root.path):
             raise HttpError(422, "outside_root", f"{req.dir!r} is not root {req.root!r}'s"
                             f" directory ({root.path})")
-        with mmap.mmap(fd, arena.DATA_OFFSET, mmap.MAP_SHARED, mmap.PROT_READ) as head:
+        try:
+            head = mmap.mmap(fd, arena.DATA_OFFSET, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError as exc:  # the access check passed, yet it cannot be mapped
+            raise HttpError(400, "bad_arena", f"the arena cannot be mapped:"
+                            f" {exc.strerror or exc}") from None
+        with head:
             try:
                 h = arena.read_header(head)
             except ValueError as exc:
@@ -220,6 +227,16 @@ class PersistService:
         for job in list(self._jobs.values()):
             if job.thread is not None:
                 job.thread.join(2.0)
+
+
+def _check_access(fd: int) -> None:
+    """The arena is mapped for reading and writing (the daemon marks it persisted or failed):
+    a descriptor reopened read-only or write-only is refused here, not a 500 at mmap."""
+    mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    if mode != os.O_RDWR:
+        how = {os.O_RDONLY: "read-only", os.O_WRONLY: "write-only"}.get(mode, f"mode {mode}")
+        raise ValueError(f"the arena descriptor is open {how}; pass the memfd itself (open"
+                         " for reading and writing)")
 
 
 def _idle_priority() -> None:
