@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from ckptd import sdnotify
@@ -34,18 +35,21 @@ from ckptd.service.observe import root_samples, summary
 from ckptd.service.persist import PersistService
 from ckptd.service.recovery import StateDirLock
 from ckptd.service.scan import Scanner
-from ckptd.service.supervisor import Supervisor
+from ckptd.service.supervisor import Call, Supervisor
 from ckptd.service.workers import Workers
 from ckptd.store import Store
 
 STOP_GRACE_S, CANCEL_WAIT_S = 20.0, 5.0  # in-flight stages finish, then are cancelled
-STALL_LIMIT_S = 300.0  # a worker that read no byte for this long is stuck (no watchdog)
 STATUS_EVERY_S = 10.0
 
 
 class Daemon:
     def __init__(self, config: Config, config_path: Path | None = None,
-                 store_factory: type[Store] = Store) -> None:
+                 store_factory: type[Store] = Store, backends: BackendCache | None = None,
+                 stage_bounds: Mapping[str, float] | None = None) -> None:
+        """`backends` gives each root its backend (a BackendCache by default); `stage_bounds`
+        how long a stage call may go without progress before it is stuck (stage -> seconds;
+        `workers.STAGE_BOUNDS_S` for the others)."""
         self.config = config
         self.config_path = config_path
         self.log = get_logger()
@@ -53,8 +57,10 @@ class Daemon:
         self._store_factory = store_factory
         self.changes = Changes()
         self.metrics = Metrics()
-        self.backends = BackendCache()
-        self.supervisor = Supervisor(on_crash=lambda name: self.metrics.error(f"service:{name}"))
+        self.backends = backends if backends is not None else BackendCache()
+        self._stage_bounds = stage_bounds
+        self.supervisor = Supervisor(on_crash=lambda name: self.metrics.error(f"service:{name}"),
+                                     on_stuck=self._stuck)
         self._stop = threading.Event()
         self.signals = recovery.SignalInbox(self._stop)
         self.notifier = sdnotify.Notifier.from_env(
@@ -89,17 +95,21 @@ class Daemon:
                                cfg.daemon.polling, self.metrics, self.retention.exclusive,
                                may_adopt=leases.fresh)
         self.workers = Workers(store, acting, cfg.daemon.workers, self.scanner.wake,
-                               self.backends.get, self.metrics, node=cfg.daemon.node_id)
+                               self.backends.get, self.metrics, node=cfg.daemon.node_id,
+                               calls=self.supervisor.calls, bounds=self._stage_bounds)
         self.discovery = Discovery(store, acting, self.backends.get)
         self.effects = Effects(store, acting, self.changes, self.workers, self.retention,
                                self.scanner)
         self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention))
+        self.metrics.set_health(lambda: (self.ctx.state() == "degraded",
+                                         self.supervisor.calls.stuck()))
         store.set_on_commit(self.effects)
         self.scanner.set_roots(self.roots())
         leases.tick()  # takes what is free, then scans and publishes only those
         self.persist = PersistService(store, self.roots, self.scanner.wake,
                                       lambda: self.config.daemon.socket,
-                                      lambda: self.config.daemon.socket_group)
+                                      lambda: self.config.daemon.socket_group,
+                                      calls=self.supervisor.calls)
         self.ctx = ApiContext(store, self.roots, self.changes, self.scanner, self.workers,
                               self.retention, self.discovery, self.supervisor, self.metrics,
                               leases, self.persist)
@@ -175,13 +185,18 @@ class Daemon:
                              *self.workers.names, timeout=STOP_GRACE_S)
 
     def healthy(self) -> bool:
-        """Every service is up, the scan loop turns and no stage worker is stuck: what the
-        watchdog vouches for."""
-        stalled = self.workers.stalled(time.time(), STALL_LIMIT_S)
-        if stalled:
-            self.log.warning("worker_stalled", workers=stalled)
-        return (self.supervisor.alive() and not stalled
+        """The daemon as a whole can make progress: every service is up, the scan loop turns
+        and at least one stage worker is free of a stuck call. What the watchdog vouches for:
+        one stuck item is degraded health (`ctx.state`), set aside, never a restart."""
+        stuck = self.workers.stuck()
+        if len(stuck) >= len(self.workers.names):
+            self.log.error("all_workers_stuck", workers=stuck)
+        return (self.supervisor.running() and len(stuck) < len(self.workers.names)
                 and self.scanner.healthy(self.config.daemon.scan_interval))
+
+    def _stuck(self, call: Call, stuck: bool) -> None:
+        """A call went past its bound (or moved again): set its item aside."""
+        self.workers.set_aside(call, stuck)
 
     def summary(self) -> str:
         return summary(self.store, list(self.roots()))
@@ -241,6 +256,7 @@ class Daemon:
             self.log.warning("daemon_stop_incomplete",
                              message="in-flight stages left to resume after restart")
         sup.stop("lease", "api", *(["metrics"] if self.metrics_tcp is not None else []))
+        sup.stop_watch()
         self.leases.release()
         if self.metrics_tcp is not None:
             self.metrics_tcp.close()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import platform
 import socket
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -47,7 +48,9 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._roots: set[str] = set()
         self._samples: Callable[[], Iterable[RootSample]] = lambda: ()
+        self._health: Callable[[], tuple[bool, Sequence[Any]]] = lambda: (False, ())
         self.registry.register(_RootCollector(lambda: self._samples()))
+        self.registry.register(_HealthCollector(lambda: self._health()))
         self._define_activity()
         self._define_daemon(version)
         if process:  # process_resident_memory_bytes etc.: the bounded-memory promise, visible
@@ -103,6 +106,11 @@ class Metrics:
     def set_samples(self, samples: Callable[[], Iterable[RootSample]]) -> None:
         """Where the per-root facts come from (read at each scrape)."""
         self._samples = samples
+
+    def set_health(self, health: Callable[[], tuple[bool, Sequence[Any]]]) -> None:
+        """Where health comes from at each scrape: (degraded, the calls past their bound,
+        each with who, stage, root, step and `quiet_s(now)` as `supervisor.Call` has)."""
+        self._health = health
 
     def remove_root(self, root: str) -> None:
         """Drop a root's counters (it left the config on reload): a root that comes back
@@ -186,6 +194,35 @@ class _RootCollector(Collector):
                 if value is not None:
                     family.add_metric([s.root], float(value))
             yield family
+
+
+class _HealthCollector(Collector):
+    """`ckptd_degraded` and one `ckptd_stuck_call_seconds` series per call past its bound,
+    read at scrape time: a stall shows at the next scrape, not after a loop turns."""
+
+    def __init__(self, health: Callable[[], tuple[bool, Sequence[Any]]]) -> None:
+        self._health = health
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("ckptd_degraded", _DEGRADED_DOC)
+        yield GaugeMetricFamily("ckptd_stuck_call_seconds", _STUCK_DOC,
+                                labels=["who", "stage", "root", "step"])
+
+    def collect(self) -> Iterator[Metric]:
+        degraded, stuck = self._health()
+        yield GaugeMetricFamily("ckptd_degraded", _DEGRADED_DOC, value=1.0 if degraded else 0.0)
+        family = GaugeMetricFamily("ckptd_stuck_call_seconds", _STUCK_DOC,
+                                   labels=["who", "stage", "root", "step"])
+        now = time.monotonic()
+        for c in stuck:
+            family.add_metric([c.who, c.stage, c.root, str(c.step)], c.quiet_s(now))
+        yield family
+
+
+_DEGRADED_DOC = ("1 while health is degraded (a service down or restarting, a call past its"
+                 " bound, the state database lost), else 0.")
+_STUCK_DOC = ("Seconds a call past its bound has gone without progress, by who makes it, its"
+              " stage and its item (root, step).")
 
 
 class MetricsServer:

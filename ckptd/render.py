@@ -51,6 +51,12 @@ def render_status(doc: dict[str, Any]) -> str:
         out += ["", f"PROBLEM: {doc['problem']}"]
     troubled = [s for s in doc.get("services", []) if s["state"] != "running" or s["restarts"]]
     for svc in troubled:
+        if svc.get("stuck"):
+            c = svc["stuck"]
+            out += ["", f"service {svc['name']} STUCK: {c['stage']} of {c['root']} step"
+                        f" {c['step']}: no progress for {c['quiet_s']:.0f} s (bound"
+                        f" {c['bound_s']:g} s); set aside"]
+            continue
         when = "" if svc["state"] == "running" else f" ({svc['state']})"
         out += ["", f"service {svc['name']}{when}: restarted {svc['restarts']}x,"
                     f" last error: {svc['last_error']}"]

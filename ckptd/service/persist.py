@@ -24,6 +24,7 @@ from ckptd import arena
 from ckptd.api_input import HttpError
 from ckptd.config import RootConfig
 from ckptd.log import get_logger
+from ckptd.service.supervisor import Calls
 from ckptd.stages import persist as stage
 from ckptd.store import Store
 
@@ -31,6 +32,8 @@ MAX_IN_FLIGHT = 32
 MAX_OUTCOMES = 1024
 MAX_WAIT_S = 60.0
 STOP_GRACE_S = 20.0
+# An async save that writes no byte for this long is stuck (degraded health, naming it).
+STALL_BOUND_S = 300.0
 
 
 @dataclass
@@ -51,8 +54,11 @@ class PersistService:
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  wake_scan: Callable[[], None], socket_path: Callable[[], Path],
-                 socket_group: Callable[[], str]) -> None:
+                 socket_group: Callable[[], str], calls: Calls | None = None) -> None:
+        """`calls`: the supervisor's call board, where each save's write says what it is
+        busy with; its bytes written are its progress."""
         self.store, self.roots, self.wake_scan = store, roots, wake_scan
+        self.calls = calls if calls is not None else Calls()
         self._socket_path, self._socket_group = socket_path, socket_group
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
         self._lock = threading.Lock()
@@ -162,6 +168,9 @@ class PersistService:
         _idle_priority()
         started = time.monotonic()
         mm: mmap.mmap | None = None
+        who = f"persist-{job.id[:8]}"
+        self.calls.begin(who, "persist", job.req.root, job.req.step, STALL_BOUND_S,
+                         progress=lambda: job.cancel.written)
         try:
             mm = mmap.mmap(job.fd, job.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             written = self._write(job, mm)
@@ -177,6 +186,7 @@ class PersistService:
             if mm is not None:
                 self._release(mm, job.req.generation, arena_state)
             os.close(job.fd)
+            self.calls.end(who)
             job.done.set()
 
     def _write(self, job: _Job, mm: mmap.mmap) -> stage.Written:

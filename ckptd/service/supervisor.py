@@ -1,8 +1,11 @@
-"""Runs every long-lived thread of the daemon as a supervised service.
+"""Runs every long-lived thread of the daemon as a supervised service, and watches the calls
+they make.
 
 Owns the service threads: a service that raises is logged with its traceback, reported in
-health, and restarted with backoff; the watchdog is fed only while every service is up.
-Knows nothing of what the services do.
+health, and restarted with backoff. Owns the call board (`Calls`): a service (or a job's own
+thread) says "busy with (stage, root, step) since T" and beats while it makes progress; one
+quiet past its bound is stuck, which health shows at once as degraded, naming the stage and
+the item (docs/OPERATIONS.md, "Health"). Knows nothing of what the services do.
 """
 
 from __future__ import annotations
@@ -21,7 +24,88 @@ BACKOFF_MAX_S = 30.0
 # A service that ran this long since its last start counts as recovered: backoff starts over.
 HEALTHY_AFTER_S = 60.0
 
+# How often the supervisor looks for calls that went past their bound (and back).
+WATCH_EVERY_S = 0.5
+
 Run = Callable[[threading.Event], None]
+
+
+@dataclass
+class Call:
+    """One call a service (or a job's thread) is in: a stage on one item, and when it last
+    showed progress."""
+
+    who: str
+    stage: str
+    root: str
+    step: int
+    bound_s: float
+    since: float  # wall clock, when the call began
+    beat: float  # monotonic, the last sign of progress
+    progress: Callable[[], int] | None = None  # a counter that moves while it works
+    seen: int = 0
+    reported: bool = False  # on_stuck was told it is stuck
+
+    def quiet_s(self, now: float) -> float:
+        return max(0.0, now - self.beat)
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        return {"stage": self.stage, "root": self.root, "step": self.step,
+                "since": round(self.since, 3), "quiet_s": round(self.quiet_s(now), 3),
+                "bound_s": self.bound_s}
+
+    def words(self, now: float) -> str:
+        return (f"{self.stage} of {self.root} step {self.step}: no progress for"
+                f" {self.quiet_s(now):.0f} s (bound {self.bound_s:g} s)")
+
+
+class Calls:
+    """The call board: who is busy with what, since when, and who went quiet past its bound.
+    Thread-safe; `beat` is cheap (called for every chunk a stage reads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: dict[str, Call] = {}
+
+    def begin(self, who: str, stage: str, root: str, step: int, bound_s: float,
+              progress: Callable[[], int] | None = None) -> None:
+        """`who` is busy with `stage` on (root, step) from now; quiet for `bound_s` seconds
+        (no `beat`, no move of `progress`) it is stuck."""
+        call = Call(who, stage, root, step, bound_s, time.time(), time.monotonic(), progress)
+        with self._lock:
+            self._calls[who] = call
+
+    def beat(self, who: str) -> None:
+        call = self._calls.get(who)
+        if call is not None:
+            call.beat = time.monotonic()
+
+    def end(self, who: str) -> None:
+        with self._lock:
+            self._calls.pop(who, None)
+
+    def busy(self, who: str) -> Call | None:
+        return self._calls.get(who)
+
+    def all(self) -> list[Call]:
+        """Every call in flight, progress counters read (a moved counter is a beat)."""
+        now = time.monotonic()
+        with self._lock:
+            calls = list(self._calls.values())
+        for call in calls:
+            if call.progress is not None:
+                try:
+                    seen = call.progress()
+                except Exception:  # noqa: BLE001 - a counter that fails shows no progress
+                    continue
+                if seen != call.seen:
+                    call.seen, call.beat = seen, now
+        return calls
+
+    def stuck(self) -> list[Call]:
+        """The calls quiet for longer than their bound."""
+        now = time.monotonic()
+        return [c for c in self.all() if c.quiet_s(now) > c.bound_s]
 
 
 @dataclass
@@ -41,7 +125,14 @@ class Supervisor:
     """Starts services, restarts the ones that fail, stops them in reverse order."""
 
     def __init__(self, on_crash: Callable[[str], None] | None = None,
-                 backoff_base: float = BACKOFF_BASE_S, backoff_max: float = BACKOFF_MAX_S) -> None:
+                 backoff_base: float = BACKOFF_BASE_S, backoff_max: float = BACKOFF_MAX_S,
+                 on_stuck: Callable[[Call, bool], None] | None = None) -> None:
+        """`on_stuck(call, True)` once when a call goes past its bound, `(call, False)` when
+        it moves again or ends."""
+        self.calls = Calls()
+        self._on_stuck = on_stuck
+        self._reported: dict[int, Call] = {}
+        self._watcher: threading.Thread | None = None
         self._services: dict[str, _Service] = {}
         self._stop = threading.Event()
         self._stops: dict[str, threading.Event] = {}
@@ -57,6 +148,10 @@ class Supervisor:
         self._stops[name] = threading.Event()
 
     def start(self, *names: str) -> None:
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                             name="ckptd-supervisor")
+            self._watcher.start()
         for name in names or tuple(self._services):
             svc = self._services[name]
             if svc.thread is None:
@@ -68,6 +163,8 @@ class Supervisor:
         """Stop the named services (all, newest first, when none named); True if all ended
         within `timeout` seconds."""
         chosen = [self._services[n] for n in (names or reversed(tuple(self._services)))]
+        if not names:
+            self._stop.set()  # the call watcher too
         for svc in chosen:
             self._stops[svc.name].set()
             if svc.halt is not None:
@@ -80,6 +177,10 @@ class Supervisor:
             if svc.thread is not None:
                 svc.thread.join(max(0.0, deadline - time.monotonic()))
         return not any(s.thread is not None and s.thread.is_alive() for s in chosen)
+
+    def stop_watch(self) -> None:
+        """No more call reports (the daemon is closing what they would be written to)."""
+        self._stop.set()
 
     def _keep(self, svc: _Service) -> None:
         stop = self._stops[svc.name]
@@ -117,15 +218,65 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - a metrics hiccup must not stop the restart
                 pass
 
+    # -- calls past their bound ---------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Tell `on_stuck` of each call that went past its bound (once) and of each that moved
+        again or ended; log both."""
+        while not self._stop.wait(WATCH_EVERY_S):
+            self.check_calls()
+
+    def check_calls(self) -> None:
+        now = time.monotonic()
+        stuck = {id(c): c for c in self.calls.stuck()}
+        for key, call in stuck.items():
+            if key not in self._reported:
+                self._reported[key] = call
+                self.log.error("call_stuck", who=call.who, stage=call.stage, root=call.root,
+                               step=call.step, quiet_s=round(call.quiet_s(now), 1),
+                               bound_s=call.bound_s)
+                self._tell(call, True)
+        for key in [k for k in self._reported if k not in stuck]:
+            call = self._reported.pop(key)
+            self.log.info("call_resumed", who=call.who, stage=call.stage, root=call.root,
+                          step=call.step)
+            self._tell(call, False)
+
+    def _tell(self, call: Call, stuck: bool) -> None:
+        if self._on_stuck is None:
+            return
+        try:
+            self._on_stuck(call, stuck)
+        except Exception as exc:  # noqa: BLE001 - a report that fails must not stop the watch
+            self.log.warning("stuck_report_failed", who=call.who, error=str(exc))
+
     # -- health ------------------------------------------------------------------------------
 
-    def alive(self) -> bool:
+    def running(self) -> bool:
         """Every started service is running (none dead, none waiting to restart)."""
         return all(s.state == "running" and s.thread is not None and s.thread.is_alive()
                    for s in self._services.values() if s.thread is not None)
 
+    def alive(self) -> bool:
+        """Nothing degraded: every started service is running and no call is past its bound."""
+        return self.running() and not self.calls.stuck()
+
     def health(self) -> list[dict[str, Any]]:
+        """Each service's state ("stuck" while a call of it is past its bound, with `stuck`
+        naming the stage and the item), then each stuck call of a job's own thread."""
+        now = time.monotonic()
+        stuck = {c.who: c for c in self.calls.stuck()}
         with self._lock:
-            return [{"name": s.name, "state": s.state if s.thread is not None else "idle",
-                     "restarts": s.restarts, "last_error": s.last_error or None,
-                     "last_crash": s.last_crash} for s in self._services.values()]
+            out = []
+            for s in self._services.values():
+                state = s.state if s.thread is not None else "idle"
+                call = stuck.pop(s.name, None)
+                entry = {"name": s.name, "state": "stuck" if call and state == "running"
+                         else state, "restarts": s.restarts, "last_error": s.last_error or None,
+                         "last_crash": s.last_crash}
+                if call is not None:
+                    entry["stuck"] = call.as_json(now)
+                out.append(entry)
+        out += [{"name": c.who, "state": "stuck", "restarts": 0, "last_error": None,
+                 "last_crash": None, "stuck": c.as_json(now)} for c in stuck.values()]
+        return out

@@ -24,6 +24,7 @@ from ckptd.metrics import Metrics
 from ckptd.model import State, Tier
 from ckptd.service import jobs
 from ckptd.service.commits import Waiting, newest_local
+from ckptd.service.supervisor import Calls
 from ckptd.store import Job, Store
 from ckptd.watch import file_fingerprint
 
@@ -36,6 +37,13 @@ CONTENT_REASONS = frozenset({"crc_mismatch", "size_mismatch", "truncated", "bad_
                              "bad_metadata", "nan", "unsafe_pickle", "empty_file"})
 NICE = 10
 IDLE_WAIT_S = 1.0
+# How long one stage call may go without progress (no byte read, hashed or sent) before it is
+# stuck (docs/OPERATIONS.md, "Health"). A read pass moves every few milliseconds; an upload's
+# slowest quiet stretch is one request, which the backend bounds by its request timeout
+# (600 s), or verifying a step's objects one stat at a time.
+STAGE_BOUNDS_S: Mapping[str, float] = {Stage.VALIDATE.value: 300.0,
+                                       Stage.COMPRESS.value: 300.0,
+                                       Stage.UPLOAD.value: 900.0}
 
 
 class Workers:
@@ -44,7 +52,11 @@ class Workers:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  count: int, rescan: Callable[[], None],
                  backend_for: Callable[[RootConfig], Any], metrics: Metrics,
-                 node: str = "") -> None:
+                 node: str = "", calls: Calls | None = None,
+                 bounds: Mapping[str, float] | None = None) -> None:
+        """`calls`: the supervisor's call board, where each worker says what it is busy with
+        and beats while it makes progress; `bounds`: how long a stage may go quiet (stage ->
+        seconds; `STAGE_BOUNDS_S` for the ones not given)."""
         self.store = store
         self.node = node  # daemon.node: this node's id on multi-node roots
         self.roots = roots
@@ -57,8 +69,8 @@ class Workers:
         self._cancel = threading.Event()  # set when a stop's grace ran out
         self._lock = threading.Lock()
         self._flushing: dict[str, int] = {}  # root -> step being flushed to the remote first
-        self.progress: dict[str, float] = {}  # worker -> last time it made progress
-        self.busy: dict[str, bool] = {}
+        self.calls = calls if calls is not None else Calls()
+        self.bounds = {**STAGE_BOUNDS_S, **(bounds or {})}
         self.inflight: dict[int, Progress] = {}
         self.log = get_logger()
         # Multi-node roots: steps whose part is written and wait for the commit.
@@ -131,10 +143,19 @@ class Workers:
             self._flushing.pop(root, None)
         log.warning("flush_abandoned", error=error)
 
-    def stalled(self, now: float, limit: float) -> list[str]:
-        """Workers busy on one job without progress for longer than `limit` seconds."""
-        return [w for w, t in list(self.progress.items())
-                if self.busy.get(w) and now - t > limit]
+    def stuck(self) -> list[str]:
+        """Workers in a stage call quiet for longer than its bound."""
+        names = set(self.names)
+        return [c.who for c in self.calls.stuck() if c.who in names]
+
+    def _held_back(self) -> frozenset[tuple[str, str]]:
+        """(root, "upload") for each root with a stuck upload: that root's other uploads wait
+        (they talk to the same remote, and would most likely stall the same way) so that one
+        stalled remote never takes every worker; validation, copies and other roots go on.
+        A stuck local stage holds nothing back: the next checkpoint's files are others."""
+        names = set(self.names)
+        return frozenset((c.root, c.stage) for c in self.calls.stuck()
+                         if c.who in names and c.stage == Stage.UPLOAD.value)
 
     # -- one worker --------------------------------------------------------------------------
 
@@ -143,15 +164,16 @@ class Workers:
         recording is given back (retried after backoff) before the worker crashes."""
         lower_priority()
         while not stop.is_set():
-            self.progress[name] = time.time()
             job = self.store.claim(f"{self.owner}/{name}/{uuid.uuid4().hex[:8]}", time.time(),
                                    LEASE_S, only=self._flush_targets(),
-                                   roots=frozenset(self.roots()))
+                                   roots=frozenset(self.roots()), hold=self._held_back())
             if job is None:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
                 continue
-            self.busy[name] = True
+            rec = job.checkpoint
+            self.calls.begin(name, job.stage, rec.root, rec.step,
+                             self.bounds.get(job.stage, max(STAGE_BOUNDS_S.values())))
             try:
                 self._run(job, name)
             except BaseException as exc:
@@ -159,7 +181,8 @@ class Workers:
                                         f" {exc}", time.time())
                 raise
             finally:
-                self.busy[name] = False
+                self.calls.end(name)
+                self.wake()  # a (root, stage) held back behind this call may go on
 
     def _run(self, job: Job, worker: str) -> None:
         root = self.roots().get(job.checkpoint.root)
@@ -223,7 +246,8 @@ class Workers:
             self.waiting.done(rec.root, rec.step, result.nodes)
             return result
         return jobs.run_upload(root, job, progress, backend, self.store.stored_files(rec.id),
-                               replace_remote=self.store.replaced_upload(rec.root, rec.step))
+                               replace_remote=self.store.replaced_upload(rec.root, rec.step),
+                               in_use=self.store.in_use(rec.root, time.time()))
 
     def _record(self, root: RootConfig, job: Job, fp: str, outcome: Any, log: Any,
                 elapsed: float, size: int) -> None:
@@ -292,7 +316,24 @@ class Workers:
                   exc_info=not permanent and not isinstance(exc, OSError | CkptdError))
 
     def _tick(self, worker: str) -> None:
-        self.progress[worker] = time.time()
+        self.calls.beat(worker)
+
+    def set_aside(self, call: Any, stuck: bool) -> None:
+        """The supervisor saw a worker's call go past its bound (or move again): say so where
+        an operator looks (the root's last error, the error count). The item stays claimed by
+        the stuck call, so no second worker runs into the same stall or races it; a stuck
+        upload holds back its root's other uploads (`_held_back`); every other item goes on.
+        When the call returns, its outcome is recorded as any other (a failure backs off)."""
+        if call.who not in self.names:
+            return
+        if stuck:
+            self.metrics.error(f"stuck:{call.stage}")
+            words = call.words(time.monotonic())
+            self.store.set_root_error(call.root, f"{call.stage}: stuck: {words}; set aside",
+                                      time.time())
+        else:
+            self.store.clear_root_error(call.root, f"{call.stage}: stuck:")
+        self.wake()
 
     def uncommitted(self, root: str, nodes: int) -> list[dict[str, Any]]:
         return self.waiting.uncommitted(root, nodes)
@@ -315,8 +356,8 @@ class Workers:
 
 
 class Progress:
-    """A read-pass sink that counts bytes a stage has processed (status, and the watchdog's
-    notion of a worker making progress)."""
+    """A read-pass sink that counts bytes a stage has processed (status, and the beat on the
+    call board that tells a working stage from a stuck one)."""
 
     def __init__(self, root: str, step: int, stage: str, total: int,
                  tick: Callable[[], Any], cancelled: Callable[[], bool] = lambda: False

@@ -38,12 +38,14 @@ class Work(Core):
 
     def claim(self, owner: str, now: float, lease_s: float,
               only: frozenset[tuple[str, int]] | None = None,
-              roots: Collection[str] | None = None) -> Job | None:
+              roots: Collection[str] | None = None,
+              hold: Collection[tuple[str, str]] = ()) -> Job | None:
         """Claim the next piece of work: the stage the lifecycle table left due on a row,
         validation first (newest step first, so the resume point moves soonest), then a
         missing compressed copy, then an upload. `only` (a flush) restricts copies and
         uploads to its steps; validation never yields to a flush. `roots`, when given, are
-        the only roots whose work may be claimed (those this daemon acts on)."""
+        the only roots whose work may be claimed (those this daemon acts on). `hold`:
+        (root, stage) pairs not claimed now (a call of that stage on that root is stuck)."""
         with self._tx() as db:
             rows = db.execute(
                 "SELECT * FROM checkpoints WHERE stage IS NOT NULL AND superseded=0"
@@ -51,7 +53,8 @@ class Work(Core):
                 (now, now)).fetchall()
             due = [r for r in rows if (roots is None or r["root"] in roots) and (
                 only is None or r["stage"] == Stage.VALIDATE.value
-                or (r["root"], int(r["step"])) in only)]
+                or (r["root"], int(r["step"])) in only)
+                and (r["root"], r["stage"]) not in hold]
             if not due:
                 return None
             row = min(due, key=lambda r: (STAGE_PRIORITY[Stage(r["stage"])], -int(r["step"])))

@@ -1,0 +1,142 @@
+"""Health tells the truth: a stage call quiet past its bound shows as `degraded` in
+`GET /v1/health`, `ckptd status` and the metrics at once, naming the stage and the item; the
+item is set aside and the rest of the pipeline goes on; the watchdog stops being fed only when
+no worker is free. A real daemon, a real file:// remote behind a wrapper that implements the
+Backend protocol and blocks one step's object writes until the test lets them go."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import wait_until
+from support.config import render_config
+from writers import save_torch
+
+from ckptd.backends import BackendCache
+from ckptd.client import Client
+from ckptd.config import RootConfig, load_config
+from ckptd.daemon import Daemon
+from ckptd.manifest import step_prefix
+
+
+class Stalling:
+    """A Backend that forwards everything to `inner`, except that a put of an object of
+    `step` blocks (a stalled server) until `release` is set."""
+
+    def __init__(self, inner: Any, root: str, step: int) -> None:
+        self.inner = inner
+        self.prefix = step_prefix(root, step) + "/"
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def put(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        if key.startswith(self.prefix) and not self.release.is_set():
+            self.entered.set()
+            self.release.wait(120)
+        return self.inner.put(key, *args, **kwargs)
+
+
+class StallingCache(BackendCache):
+    """Each root's usual backend, wrapped in `Stalling` for step 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wrapped: dict[str, Stalling] = {}
+
+    def get(self, root: RootConfig) -> Any:
+        inner = super().get(root)
+        if inner is None:
+            return None
+        if root.name not in self.wrapped:
+            self.wrapped[root.name] = Stalling(inner, root.name, 1)
+        return self.wrapped[root.name]
+
+
+@pytest.fixture
+def stalled(tmp_path: Path, short_dir: Path) -> Iterator[Any]:
+    def make(workers: int) -> tuple[Daemon, Path, Stalling]:
+        ckpt = tmp_path / "ckpt"
+        ckpt.mkdir()
+        cfg = tmp_path / "ckptd.toml"
+        cfg.write_text(render_config(
+            {"state_dir": str(tmp_path / "state"), "socket": str(short_dir / "s.sock"),
+             "scan_interval": "1s", "workers": workers},
+            [{"name": "r", "path": str(ckpt), "settle": "200ms",
+              "upload": {"url": f"file://{tmp_path / 'remote'}"}}]))
+        cache = StallingCache()
+        d = Daemon(load_config(cfg), cfg, backends=cache, stage_bounds={"upload": 1.0})
+        made.append(d)
+        d.start()
+        root = d.roots()["r"]
+        cache.get(root)
+        return d, ckpt, cache.wrapped["r"]
+
+    made: list[Daemon] = []
+    try:
+        yield make
+    finally:
+        for d in made:
+            for w in getattr(d.backends, "wrapped", {}).values():
+                w.release.set()
+            d.stop(grace=5)
+
+
+def _stuck_of(health: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s["stuck"] for s in health["services"] if s.get("stuck")]
+
+
+def test_a_stuck_upload_is_degraded_named_and_set_aside(stalled: Any) -> None:
+    d, ckpt, stall = stalled(workers=2)
+    c = Client(d.config.daemon.socket, timeout=10, strict=True)
+    save_torch(ckpt / "model_step_1.pt")
+    assert stall.entered.wait(60), "the upload of step 1 never reached the stalled put"
+    health = wait_until(lambda: (h := c.health()) and h["status"] == "degraded" and h,
+                        timeout=30, what="health degraded")
+    (stuck,) = _stuck_of(health)
+    assert (stuck["stage"], stuck["root"], stuck["step"]) == ("upload", "r", 1), health
+    assert stuck["bound_s"] == 1.0 and stuck["quiet_s"] > 1.0
+    # `ckptd status` names the stage and the item; the metrics too.
+    shown = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket",
+                            str(d.config.daemon.socket)], capture_output=True, text=True,
+                           timeout=60)
+    assert "degraded" in shown.stdout.splitlines()[0], shown.stdout
+    assert "STUCK: upload of r step 1" in shown.stdout, shown.stdout
+    text = c.request_json("GET", "/metrics")
+    assert "ckptd_degraded 1.0" in text
+    assert any(line.startswith("ckptd_stuck_call_seconds{") and 'stage="upload"' in line
+               and 'root="r"' in line and 'step="1"' in line for line in text.splitlines()), text
+    # The rest goes on: a second checkpoint is validated while step 1's upload is stuck, and
+    # the watchdog is still fed (a worker is free).
+    save_torch(ckpt / "model_step_2.pt")
+    wait_until(lambda: (c.latest("r") or {}).get("step") == 2, timeout=60,
+               what="step 2 valid meanwhile")
+    assert d.healthy()
+    assert "stuck" in (c.status()["roots"][0]["last_error"] or "")
+    assert not stall.release.is_set()
+    # Released: step 1 and step 2 are uploaded and health is ok again.
+    stall.release.set()
+    for step in (1, 2):
+        wait_until(lambda s=step: (c.checkpoint("r", s) or {}).get("remote") == "uploaded",
+                   timeout=60, what=f"step {step} uploaded after the release")
+    wait_until(lambda: c.health()["status"] == "ok", timeout=30, what="health ok again")
+    assert "ckptd_degraded 0.0" in c.request_json("GET", "/metrics")
+
+
+def test_the_watchdog_is_starved_only_when_no_worker_is_free(stalled: Any) -> None:
+    d, ckpt, stall = stalled(workers=1)
+    c = Client(d.config.daemon.socket, timeout=10, strict=True)
+    save_torch(ckpt / "model_step_1.pt")
+    assert stall.entered.wait(60)
+    wait_until(lambda: c.health()["status"] == "degraded", timeout=30, what="degraded")
+    assert not d.healthy()  # its only worker is stuck: the daemon cannot make progress
+    stall.release.set()
+    wait_until(d.healthy, timeout=60, what="healthy once the call moves")
