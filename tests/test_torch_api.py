@@ -447,3 +447,23 @@ def test_non_finite_metrics_are_left_out_of_meta(tmp_path: Path) -> None:
     ckpt.save(tmp_path, 1, model=net(), metrics={"nan": float("nan"), "ok": 2})
     meta = json.loads((tmp_path / "step-1" / "meta.json").read_text())
     assert meta["metrics"] == {"ok": 2.0}  # JSON has no NaN; a bad metric must not cost the save
+
+
+@pytest.mark.parametrize("kind", ["fifo", "huge", "nan"])
+def test_hostile_meta_json_is_a_clear_error_not_a_hang(tmp_path: Path, kind: str) -> None:
+    model = torch.nn.Linear(2, 2)
+    ckpt.save(tmp_path, 5, model=model)
+    meta = tmp_path / "step-5" / "meta.json"
+    meta.unlink()
+    if kind == "fifo":
+        os.mkfifo(meta)  # a plain open() would wait for a writer forever
+    elif kind == "huge":
+        meta.write_bytes(b'{"step": 5, "pad": "' + b"x" * (2 << 20) + b'"}')
+    else:
+        meta.write_bytes(b'{"step": NaN}')
+    t0 = time.monotonic()
+    with pytest.raises(CkptdError, match="step-5"):  # never a complete checkpoint
+        ckpt.load(tmp_path / "step-5", model=model)
+    with pytest.raises(CkptdError, match="step-5"):
+        ckpt.load(tmp_path, 5, model=model)
+    assert time.monotonic() - t0 < 30

@@ -24,7 +24,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ckptd.errors import CkptdError, ValidationFailed
+from ckptd import inputs
+from ckptd.errors import BadInput, CkptdError, ValidationFailed
 
 __all__ = ["FORMAT", "Stateful", "save"]  # the blocking writer; ckptd.torch re-exports
 
@@ -406,8 +407,12 @@ def _write_json_atomic(path: Path, data: Any) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    with open(path) as f:
-        data = json.load(f)
+    """A metadata file of a checkpoint (meta.json, latest.json, markers) through the bounded
+    reader: a regular file, not a link, at most 1 MiB, strict JSON."""
+    try:
+        data = inputs.read_json(path, inputs.ROOT_META)
+    except BadInput as exc:
+        raise ValidationFailed("bad_metadata", str(exc), str(path)) from None
     if not isinstance(data, dict):
         raise ValidationFailed("bad_metadata", f"{path}: not a JSON object", str(path))
     return data
