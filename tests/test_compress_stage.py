@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import layout_writers as w
@@ -24,17 +25,17 @@ from ckptd import fileio
 from ckptd.codec import BLOCK_SIZE
 from ckptd.errors import CkptdError, CorruptData, DiskFull, UnsafePath
 from ckptd.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from ckptd.model import Candidate
+from ckptd.model import Candidate, Local, Remote
 from ckptd.restore import restore_from_dir
+from ckptd.retention import executor
 from ckptd.stages.compress import (
     Stager,
+    check_replaceable,
     local_steps,
     objects_dir,
     objects_root,
     read_local_manifest,
-    remove_copy,
     remove_stale_staging,
-    replace_originals,
     verify_copy,
 )
 from ckptd.stages.validate import validate
@@ -44,7 +45,37 @@ HERE = Path(__file__).resolve().parent
 
 
 def stager(root: Path, cand: Candidate, codec: str = "auto", threads: int = 1) -> Stager:
-    return Stager(root, "r", cand.step, cand.layout, codec, 3, threads, 0.03)
+    """As the daemon builds it: the executor installs the copy (over a superseded one)."""
+    return Stager(root, "r", cand.step, cand.layout, codec, 3, threads, 0.03,
+                  install=partial(executor.install_copy, root, cand.step))
+
+
+NO_NETS = executor.Guards(latest_step=None, best_step=None, pinned=frozenset(),
+                          in_use=frozenset(), remote_verified=frozenset(),
+                          upload_configured=False)
+
+
+def replace_originals(root: Path, manifest: Manifest, paths: list[str],
+                      anchor: str | None = None) -> list[str]:
+    """Compress-in-place as the retention service does it: the executor deletes, after
+    `check_replaceable`; a failed check raises its error here, as it did before."""
+    errors: list[Exception] = []
+
+    def check() -> None:
+        try:
+            check_replaceable(root, manifest, paths)
+        except Exception as exc:
+            errors.append(exc)
+            raise
+
+    present = [p for p in paths if (root / p).exists() or (root / p).is_symlink()]
+    target = executor.Target(manifest.step, anchor or "", tuple(paths), Local.PRESENT,
+                             Remote.NONE, False)
+    out = executor.replace_originals(root, target, NO_NETS, check)
+    if errors:
+        raise errors[0]
+    assert out.action == "deleted", out
+    return present
 
 
 def stage(root: Path, cand: Candidate, codec: str = "auto", threads: int = 1) -> Manifest:
@@ -246,6 +277,7 @@ def test_rerun_replaces_an_existing_copy(tmp_path: Path) -> None:
     assert read_local_manifest(root, 3) == second != first
     assert os.listdir(objects_root(root)) == ["step-3"]
     assert not (objects_dir(root, 3) / "odd" / "random.dat").exists()  # old objects are gone
+    assert os.listdir(executor.trash_dir_for(root)) == []  # through the trash, and purged
     restore_from_dir(objects_dir(root, 3), second, tmp_path / "out")
     assert_restored(root, tmp_path / "out", second)
 
@@ -292,13 +324,28 @@ def test_remove_stale_staging_keeps_committed_copies(tmp_path: Path) -> None:
     assert remove_stale_staging(tmp_path / "nothing-here") == 0
 
 
-def test_remove_copy_goes_all_at_once(tmp_path: Path) -> None:
+def test_release_copy_goes_all_at_once(tmp_path: Path) -> None:
     root = tmp_path / "root"
     cand = odd_files(root)
     stage(root, cand, "zstd")
-    assert remove_copy(root, 3) and local_steps(root) == [] and staging_dirs(root) == []
-    assert not remove_copy(root, 3)
+    target = executor.Target(3, ".ckptd/objects/step-3", (), Local.PRESENT, Remote.NONE, True)
+    out = executor.release_copy(root, target, NO_NETS)
+    assert out.action == "deleted" and out.bytes_freed > 0
+    assert local_steps(root) == [] and staging_dirs(root) == []
+    assert os.listdir(executor.trash_dir_for(root)) == []
+    assert executor.release_copy(root, target, NO_NETS).reason == "already gone"
     assert all((root / rel).exists() for rel in cand.files)
+
+
+def test_a_bare_stager_never_replaces_an_existing_copy(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    cand = odd_files(root)
+    first = stage(root, cand, "none")
+    bare = Stager(root, "r", cand.step, cand.layout, "zstd", 3, 1, 0.03)
+    result = validate(root, cand, extra_sinks=bare.sinks_for)
+    with pytest.raises(CkptdError, match="only the retention executor replaces"):
+        bare.commit(result.files, result.metrics)
+    assert read_local_manifest(root, 3) == first and staging_dirs(root) == []
 
 
 def test_copies_do_not_stay_in_the_page_cache(tmp_path: Path) -> None:

@@ -786,7 +786,26 @@ def no_metric_no_upload() -> tuple[list[CheckpointView], dict[str, Any]]:
     return views, {"local": rules, "remote": OFF_REMOTE}
 
 
+def copies(compress_older: bool) -> tuple[list[CheckpointView], dict[str, Any]]:
+    """Local compressed copies beside their originals (made for the upload and for
+    compress_older): released once neither needs them, deleted with their checkpoint."""
+    views = [
+        cp(100, copy=True, remote=Remote.UPLOADED),  # not kept locally: goes with the local copy
+        cp(200, copy=True, remote=Remote.UPLOADED, pinned=True),  # kept; upload done
+        cp(300, copy=True, remote=Remote.UPLOADED, in_use=True),
+        cp(400, local=Local.COMPRESSED, copy=True, remote=Remote.UPLOADED),  # the copy IS local
+        cp(500, copy=True, remote=Remote.UPLOADED),
+        cp(600, copy=True, remote=Remote.UPLOADING),  # the upload still needs it
+        cp(700, copy=True, remote=Remote.NONE),
+        cp(800, remote=Remote.UPLOADED),  # no copy: no copy decision
+    ]
+    local = LocalRules(keep_last=4, keep_best=0, compress_older=compress_older)
+    return views, {"local": local, "remote": RemoteRules(keep_last=10), "upload": True}
+
+
 SCENARIOS = {
+    "copies_released": lambda: copies(False),
+    "copies_compress_older": lambda: copies(True),
     "long_run": long_run,
     "disk_pressure": disk_pressure,
     "stuck_disk": stuck_disk,
@@ -830,6 +849,13 @@ def test_golden_scenarios_exercise_what_they_claim() -> None:
     assert not pressure.min_free_unmet
     assert any("local:min_free" in i.reasons for i in pressure.items)
     assert Action.COMPRESS in {i.local for i in scenario_plan("no_metric_no_upload").items}
+    released = {i.step: (i.copy, i.reasons) for i in scenario_plan("copies_released").items}
+    assert released[100][0] is Action.DELETE and "copy:with_local" in released[100][1]
+    assert released[500][0] is Action.DELETE and "copy:released" in released[500][1]
+    assert released[600][0] is Action.KEEP and "copy:not_uploaded" in released[600][1]
+    assert released[400][0] is Action.NONE and released[800][0] is Action.NONE
+    kept = {i.step: i.copy for i in scenario_plan("copies_compress_older").items}
+    assert kept[500] is Action.KEEP and kept[100] is Action.DELETE
 
 
 # ---------------------------------------------------------------- randomized invariants
@@ -848,6 +874,7 @@ def random_case(rng: random.Random) -> dict[str, Any]:
             metric=rng.choice([None, float(rng.randint(0, 9)), rng.random()]),
             pinned=rng.random() < 0.1,
             in_use=rng.random() < 0.1,
+            copy=rng.random() < 0.5,
         )
         for s in steps
     ]
@@ -909,7 +936,7 @@ def check_invariants(case: dict[str, Any], p: Plan) -> None:
         assert i.reasons, i
         for r in i.reasons:
             tier, tag, _ = parse_reason(r)
-            assert tier in ("local", "remote") and tag in set(Tag), r
+            assert tier in ("local", "remote", "copy") and tag in set(Tag), r
         assert (i.local is Action.NONE) == (v.local is Local.PRUNED)
         assert (i.remote is Action.NONE) == (v.remote is not Remote.UPLOADED)
         assert i.remote is not Action.COMPRESS
@@ -922,6 +949,15 @@ def check_invariants(case: dict[str, Any], p: Plan) -> None:
             assert i.local is not Action.DELETE, i
         if case["upload"] and v.state is State.VALID and v.remote is not Remote.UPLOADED:
             assert i.local is not Action.DELETE, i
+        # The copy beside the originals: released only once the upload is done, compress_older
+        # does not want it and no reader holds it; always deleted with its local copy.
+        assert (i.copy is Action.NONE) == (not v.copy or v.local is not Local.PRESENT
+                                           and v.local is not Local.PRUNED)
+        if i.copy is Action.DELETE and i.local is not Action.DELETE and v.local is Local.PRESENT:
+            assert v.remote is Remote.UPLOADED and not v.in_use, i
+            assert not case["local"].compress_older, i
+        if v.copy and v.local is Local.PRESENT and i.local is Action.DELETE:
+            assert i.copy is Action.DELETE, i
     for tier_views, tier in ((on_disk, "local"), (uploaded, "remote")):
         latest = newest_valid(tier_views)
         if latest is not None:

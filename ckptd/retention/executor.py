@@ -1,8 +1,20 @@
-"""The retention executor: carries out a plan's deletes after re-checking the safety nets.
+"""The retention executor: the only code in the daemon that deletes checkpoint bytes.
 
-Owns crash-safe local deletion (rename into `<root>/.ckptd/trash`, then removal) and remote deletes
-through a function it is given. Never imports the store, the scheduler or a stage; never follows
-a symlink; never compresses (compress items come back as `deferred`).
+Every destructive act is one of its entry points, each behind the safety nets of `_NETS`
+(re-checked from `Guards` read just before) and, locally, crash-safe through the trash
+(rename into `<root>/.ckptd/trash` under a journal, then removal):
+
+- `execute_local`: a plan's local deletes; `execute_remote`: a plan's remote deletes;
+- `replace_originals`: compress-in-place, the originals go once their copy is verified;
+- `release_copy`: a local compressed copy that is not needed any more (after upload, after
+  its checkpoint was pruned, or one a crash left behind);
+- `install_copy`: a re-save's new compressed copy takes the place of the superseded one;
+- `replace_remote`: a re-save's earlier upload of the same step, before the new one goes up;
+- `purge_trash`: start-up recovery, finishing (or undoing) what a crash left in the trash.
+
+Remote deletes go through a function it is given. Never imports the store, the scheduler or
+a stage; never follows a symlink; never decides what to delete (the planner and the lifecycle
+table do) and never compresses (compress items come back as `deferred`).
 """
 
 from __future__ import annotations
@@ -12,7 +24,7 @@ import os
 import posixpath
 import shutil
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISDIR, S_ISLNK, S_ISREG
@@ -20,7 +32,7 @@ from typing import Any, Literal
 
 from ckptd import fileio
 from ckptd.backends import Backend
-from ckptd.errors import StorageError
+from ckptd.errors import CkptdError, StorageError
 from ckptd.log import get_logger
 from ckptd.manifest import step_prefix
 from ckptd.model import CKPTD_DIR, Local, Remote
@@ -32,7 +44,7 @@ DATA_NAME = "data"  # <entry>/data/<root-relative path> of every moved name
 _FORMAT = "ckptd-trash/1"
 _MOVING, _TRASHED = "moving", "trashed"
 
-TierName = Literal["local", "remote"]
+TierName = Literal["local", "remote", "copy"]  # "copy": a local compressed copy beside originals
 OutcomeAction = Literal["deleted", "trashed", "refused", "deferred", "failed"]
 DeleteStep = Callable[[Backend, str, int], object]  # its result is ignored
 OnTrashed = Callable[[int, Path], None]
@@ -43,6 +55,7 @@ SYMLINK = "symlink"  # a symlinked checkpoint directory, or a parent link leavin
 NOT_ON_DISK = "not_on_disk"  # the store says the local copy is already gone
 NO_TARGET = "no_target"  # the caller passed no (or a mismatched) Target for a planned step
 SHARED = "shared_files"  # its files are also another checkpoint's
+COMPRESSED = "compressed"  # the copy is the checkpoint's only local form
 
 
 @dataclass(frozen=True)
@@ -160,6 +173,32 @@ def execute_remote(
     return out
 
 
+def execute_copies(
+    root_dir: Path,
+    plan: Plan,
+    targets: Mapping[int, Target],
+    guards: Guards,
+    *,
+    root: str | None = None,
+) -> list[Outcome]:
+    """Every copy release of `plan` whose checkpoint's local copy stays (a copy that goes with
+    its checkpoint's local delete is released after that delete is recorded), through
+    `release_copy`; `targets` are the copies (`scheduler.copy_target`). Outcomes of tier
+    "copy": the caller records a `deleted` one (`copy_dropped`)."""
+    out: list[Outcome] = []
+    for item in plan.items:
+        if item.copy is not Action.DELETE or item.local is Action.DELETE:
+            continue
+        target = targets.get(item.step)
+        if target is None or target.step != item.step:
+            log = get_logger(root=root or Path(root_dir).name)
+            out.append(_refused(log, item.step, "copy", _Refusal(NO_TARGET, "no copy recorded")))
+            continue
+        got = release_copy(root_dir, target, guards, root=root)
+        out.append(Outcome(got.step, "copy", got.action, got.reason, got.bytes_freed))
+    return out
+
+
 def _delete_local(
     root_dir: Path,
     item: PlanItem,
@@ -232,27 +271,62 @@ def _remote_bytes(backend: Backend, root_name: str, step: int) -> int:
 # --- safety nets -----------------------------------------------------------------------------
 
 
+Act = Literal["prune_local", "prune_remote", "compress", "release_copy", "release_last",
+              "replace_remote"]
+
+# The nets that guard each act, checked in this order; the first that holds refuses the act.
+# A net an act does not list cannot be hurt by it (docs/RETENTION.md, "Where deletion happens"):
+# compress keeps the checkpoint whole and verified on disk (pinned and best ones are compressed
+# like the others, a policy decision); a spare copy beside its originals loses nothing; a
+# re-save's earlier upload is replaced by the same step's newer save.
+_NETS: dict[str, tuple[str, ...]] = {
+    "prune_local": ("latest", "best", "pinned", "in_use", "not_uploaded", "shared", "adopted"),
+    "prune_remote": ("latest", "best", "pinned", "in_use", "remote_latest", "not_verified"),
+    "compress": ("latest", "in_use", "invalid", "shared"),
+    "release_copy": ("in_use",),  # the originals are on disk: the copy is a spare
+    "release_last": ("latest", "best", "pinned", "in_use", "not_uploaded", "adopted"),
+    "replace_remote": ("in_use",),
+}
+
+
+def _net_holds(net: str, step: int, g: Guards) -> bool:
+    if net == "latest":
+        return step == g.latest_step
+    if net == "best":
+        return step == g.best_step
+    if net == "pinned":
+        return step in g.pinned
+    if net == "in_use":
+        return step in g.in_use
+    if net == "not_uploaded":
+        return g.upload_configured and step not in g.remote_verified and step not in g.invalid
+    if net == "shared":
+        return step in g.shared
+    if net == "adopted":
+        return step in g.adopted
+    if net == "remote_latest":
+        return step == max(g.remote_verified, default=None)
+    if net == "not_verified":  # not committed and verified: an upload may be writing it now
+        return step not in g.remote_verified
+    if net == "invalid":
+        return step in g.invalid
+    raise ValueError(f"unknown net {net!r}")
+
+
+_NET_TAGS = {"remote_latest": str(Tag.LATEST), "not_verified": str(Tag.NOT_UPLOADED),
+             "shared": SHARED}
+
+
+def _check_nets(step: int, act: Act, g: Guards) -> None:
+    """Raise _Refusal naming the first net that forbids `act` on `step`."""
+    for net in _NETS[act]:
+        if _net_holds(net, step, g):
+            raise _Refusal(_NET_TAGS.get(net, net))
+
+
 def _check_guards(step: int, tier: TierName, g: Guards) -> None:
     """Raise _Refusal naming the first net that forbids deleting `step` in `tier`."""
-    nets: list[tuple[bool, str]] = [
-        (step == g.latest_step, Tag.LATEST),
-        (step == g.best_step, Tag.BEST),
-        (step in g.pinned, Tag.PINNED),
-        (step in g.in_use, Tag.IN_USE),
-    ]
-    if tier == "local":
-        unsafe = g.upload_configured and step not in g.remote_verified and step not in g.invalid
-        nets.append((unsafe, Tag.NOT_UPLOADED))
-        nets.append((step in g.shared, SHARED))
-        nets.append((step in g.adopted, Tag.ADOPTED))
-    else:
-        newest_remote = max(g.remote_verified, default=None)
-        nets.append((step == newest_remote, Tag.LATEST))
-        # Not committed and verified: an upload may be writing it right now.
-        nets.append((step not in g.remote_verified, Tag.NOT_UPLOADED))
-    for hit, tag in nets:
-        if hit:
-            raise _Refusal(str(tag))
+    _check_nets(step, "prune_local" if tier == "local" else "prune_remote", g)
 
 
 def _relative(rel: str) -> str:
@@ -424,6 +498,173 @@ def purge_trash(trash_dir: Path, root_dir: Path | None = None) -> int:
     if purged:
         log.info("trash_purged", entries=purged)
     return purged
+
+
+# --- the other destructive acts ---------------------------------------------------------------
+
+
+def replace_originals(
+    root_dir: Path,
+    target: Target,
+    guards: Guards,
+    check: Callable[[], object],
+    *,
+    root: str | None = None,
+) -> Outcome:
+    """Compress-in-place: delete a checkpoint's original files, its verified local compressed
+    copy staying the checkpoint's only local form.
+
+    The nets of "compress" first; then `check()`, which must raise unless the copy is verified
+    and durable and every original is still the file it holds (CorruptData, UnsafePath); then
+    each member file moves into the trash (a directory never moves whole: files that are not
+    the checkpoint's stay), the directories this emptied at and below `target.path` (or below
+    the members' common directory) are removed, and the entry is purged. Returns `deleted`
+    (bytes freed), `refused` (a net, a path), or `failed` (the check, a move)."""
+    log = get_logger(root=root or Path(root_dir).name)
+    real_root = Path(root_dir).resolve()
+    trash_real = _trash_location(real_root, trash_dir_for(real_root))
+    try:
+        _check_nets(target.step, "compress", guards)
+        members = list(dict.fromkeys(_relative(f) for f in target.files))
+        moves = _file_moves(real_root, members)
+    except _Refusal as refusal:
+        return _refused(log, target.step, "local", refusal)
+    try:
+        check()
+    except (CkptdError, OSError) as exc:
+        return _failed(log, target.step, "local", f"originals kept: {exc}")
+    if not moves:
+        return Outcome(target.step, "local", "deleted", "already gone")
+    try:
+        record = _move_into_trash(real_root, target.step, moves, trash_real)
+    except OSError as exc:
+        return _failed(log, target.step, "local", f"moving into the trash: {exc}")
+    _remove_emptied_dirs(real_root, target.path, [src for _, src in moves])
+    freed = _purge_or_leave(log, record)
+    log.info("originals_deleted", step=target.step, files=len(moves), bytes_freed=freed)
+    return Outcome(target.step, "local", "deleted", "compress", freed)
+
+
+def release_copy(
+    root_dir: Path, target: Target, guards: Guards, *, root: str | None = None
+) -> Outcome:
+    """Delete a local compressed copy the lifecycle no longer counts on (`target.path` is its
+    directory, `.ckptd/objects/step-<N>`). With the originals on disk (`target.local` present)
+    it is a spare and only a reader holds it ("release_copy"); without them it is the last
+    local form of the checkpoint and every prune net holds it ("release_last"). A copy that is
+    the checkpoint (`compressed`) is never released. Through the trash, like every delete."""
+    log = get_logger(root=root or Path(root_dir).name)
+    if target.local is Local.COMPRESSED:
+        why = _Refusal(COMPRESSED, "the copy is the checkpoint's local form")
+        return _refused(log, target.step, "local", why)
+    act: Act = "release_copy" if target.local is Local.PRESENT else "release_last"
+    real_root = Path(root_dir).resolve()
+    trash_real = _trash_location(real_root, trash_dir_for(real_root))
+    try:
+        _check_nets(target.step, act, guards)
+        anchor = _relative(target.path)
+        if not anchor.startswith(f"{CKPTD_DIR}/") or not target.is_dir:
+            raise _Refusal(UNSAFE_PATH, f"{anchor!r} is not a compressed copy")
+        moves = _dir_move(real_root, anchor, [], trash_real)
+    except _Refusal as refusal:
+        return _refused(log, target.step, "local", refusal)
+    if not moves:
+        return Outcome(target.step, "local", "deleted", "already gone")
+    try:
+        record = _move_into_trash(real_root, target.step, moves, trash_real)
+    except OSError as exc:
+        return _failed(log, target.step, "local", f"moving into the trash: {exc}")
+    freed = _purge_or_leave(log, record)
+    log.info("copy_released", step=target.step, bytes_freed=freed)
+    return Outcome(target.step, "local", "deleted", act, freed)
+
+
+def install_copy(root_dir: Path, step: int, staging: Path, final: Path) -> None:
+    """Make the staged compressed copy `staging` the copy `final` of `step`. A copy already
+    there is a superseded save's (a re-save of the step): it moves into the trash under a
+    journal, the new one is renamed in, and the old one is purged. Plain renames only: an
+    exchange of two watched directories confuses inotify watchers (watchdog loses track of
+    both and its thread dies on the next delete). A crash between the two renames leaves no
+    `final`: the copy is made again (the store then has no copy of the re-save yet)."""
+    real_root = Path(root_dir).resolve()
+    trash_real = _trash_location(real_root, trash_dir_for(real_root))
+    rel = posixpath.relpath(Path(final).resolve(strict=False).as_posix(), real_root.as_posix())
+    if not rel.startswith(f"{CKPTD_DIR}/"):
+        raise ValueError(f"{final} is not a compressed copy inside {real_root}")
+    record: TrashRecord | None = None
+    if _lstat(Path(final)) is not None:
+        moves = _dir_move(real_root, _relative(rel), [], trash_real)
+        record = _move_into_trash(real_root, step, moves, trash_real)
+    os.rename(staging, final)
+    fileio.fsync_dir(Path(final).parent)
+    if record is not None:
+        _purge_or_leave(get_logger(root=real_root.name), record)
+
+
+def replace_remote(
+    backend: Backend, root_name: str, step: int, guards: Guards, delete_step: DeleteStep
+) -> Outcome:
+    """Delete the remote copy of `step` that an earlier save of it left, before a re-save of
+    the step is uploaded in its place (manifest first, through `delete_step`). Refused while
+    a client reads the step ("replace_remote" nets)."""
+    log = get_logger(root=root_name)
+    try:
+        _check_nets(step, "replace_remote", guards)
+    except _Refusal as refusal:
+        return _refused(log, step, "remote", refusal)
+    size = _remote_bytes(backend, root_name, step)
+    try:
+        delete_step(backend, root_name, step)
+    except (StorageError, OSError) as exc:
+        return _failed(log, step, "remote", str(exc))
+    log.warning("remote_step_replaced", step=step, bytes_freed=size)
+    return Outcome(step, "remote", "deleted", "replace_remote", size)
+
+
+def _purge_or_leave(log: Any, record: TrashRecord) -> int:
+    """Purge a trash entry; a failure leaves it for purge_trash at the next start."""
+    try:
+        return purge(record)
+    except OSError as exc:
+        log.error("purge_failed", step=record.step, entry=str(record.entry), error=str(exc))
+        return 0
+
+
+def _remove_emptied_dirs(real_root: Path, anchor: str, moved: Sequence[Path]) -> None:
+    """Remove the directories that moving `moved` away left empty: the anchor directory and
+    below when it is a real directory inside the root, else only below the moved files'
+    common directory (never the root or a directory around other checkpoints)."""
+    top: Path | None = None
+    try:
+        top = _locate(real_root, _relative(anchor))
+    except _Refusal:
+        top = None
+    st = _lstat(top) if top is not None else None
+    if top is not None and st is not None and S_ISDIR(st.st_mode) and top != real_root:
+        inside = top
+
+        def removable(d: Path) -> bool:
+            return d == inside or inside in d.parents
+    else:
+        common = Path(os.path.commonpath([str(p.parent) for p in moved])) if moved else real_root
+
+        def removable(d: Path) -> bool:
+            return common in d.parents
+    dirs: set[Path] = set()
+    for path in moved:
+        parent = path.parent
+        while parent != real_root and removable(parent):
+            dirs.add(parent)
+            parent = parent.parent
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        try:
+            os.rmdir(d)
+        except OSError:  # not empty: other data lives there; keep it
+            pass
+    for d in sorted({d.parent for d in dirs} | {p.parent for p in moved},
+                    key=lambda p: len(p.parts), reverse=True):
+        if _lstat(d) is not None:
+            fileio.fsync_dir(d)
 
 
 def _move_into_trash(

@@ -48,6 +48,8 @@ class Tag(StrEnum):
     DELETE_INVALID = "delete_invalid"
     MIN_FREE = "min_free"  # deleted to bring free space back to min_free
     UPLOADING = "uploading"  # remote copy not committed yet
+    RELEASED = "released"  # copy: a spare local compressed copy, its upload done
+    WITH_LOCAL = "with_local"  # copy: goes with its checkpoint's local delete
     MIN_FREE_UNMET = "min_free_unmet"  # plan note: bytes still missing after every allowed delete
 
 
@@ -77,6 +79,7 @@ class CheckpointView:
     pinned: bool = False
     in_use: bool = False
     adopted: bool = False  # on disk before ckptd watched the root: kept until uploaded
+    copy: bool = False  # a local compressed copy lies beside the originals (or the pruned row)
 
 
 @dataclass(frozen=True)
@@ -133,14 +136,17 @@ class PlanItem:
     local: Action
     remote: Action
     reasons: tuple[str, ...]
+    # The local compressed copy beside the originals (the `copy` tier; a compressed-in-place
+    # checkpoint's copy is its local copy and is decided by `local`): NONE when there is none.
+    copy: Action = Action.NONE
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "local": str(self.local),
-            "remote": str(self.remote),
-            "reasons": list(self.reasons),
-        }
+        doc: dict[str, Any] = {"step": self.step, "local": str(self.local),
+                               "remote": str(self.remote)}
+        if self.copy is not Action.NONE:
+            doc["copy"] = str(self.copy)
+        doc["reasons"] = list(self.reasons)
+        return doc
 
 
 @dataclass(frozen=True)
@@ -223,7 +229,8 @@ def plan(
     local = _decide_local(views, local_rules, ctx, upload_configured, delete_adopted)
     local, freed, reclaimable, shortfall = _apply_min_free(views, local, disk)
     remote = _decide_remote(views, remote_rules, ctx)
-    items = tuple(_item(v, local, remote) for v in views if _listed(v))
+    items = tuple(_item(v, local, remote, local_rules.compress_older)
+                  for v in views if _listed(v))
     notes = (f"local:{Tag.MIN_FREE_UNMET}={shortfall}",) if shortfall else ()
     return Plan(items, freed, reclaimable, shortfall > 0, shortfall, notes)
 
@@ -420,11 +427,31 @@ def _listed(v: CheckpointView) -> bool:
     return v.local in _ON_DISK or v.remote in (Remote.UPLOADED, Remote.UPLOADING)
 
 
-def _item(v: CheckpointView, local: dict[int, _Decision], remote: dict[int, _Decision]) -> PlanItem:
+def _item(v: CheckpointView, local: dict[int, _Decision], remote: dict[int, _Decision],
+          compress_older: bool = False) -> PlanItem:
     here = local.get(v.step, _ABSENT)
     there = remote.get(v.step, _UPLOADING if v.remote is Remote.UPLOADING else _ABSENT)
-    reasons = tuple(f"local:{t}" for t in here.tags) + tuple(f"remote:{t}" for t in there.tags)
-    return PlanItem(v.step, here.action, there.action, reasons)
+    spare = _copy_decision(v, here.action, compress_older)
+    reasons = (tuple(f"local:{t}" for t in here.tags) + tuple(f"remote:{t}" for t in there.tags)
+               + tuple(f"copy:{t}" for t in spare.tags))
+    return PlanItem(v.step, here.action, there.action, reasons, spare.action)
+
+
+def _copy_decision(v: CheckpointView, local: Action, compress_older: bool) -> _Decision:
+    """The local compressed copy beside the originals. It is made for an upload and for
+    compress_older: kept while either may still need it, released once neither does, and
+    deleted with its checkpoint's local copy. The same rule the lifecycle applies after an
+    upload (Effect.RELEASE_COPY), so a release that was refused then is planned again."""
+    if not v.copy or v.local is Local.COMPRESSED:
+        return _ABSENT
+    if local is Action.DELETE or v.local is Local.PRUNED:
+        return _Decision(Action.DELETE, (Tag.WITH_LOCAL,))
+    keep = [tag for hit, tag in ((v.in_use, Tag.IN_USE),
+                                 (v.remote is not Remote.UPLOADED, Tag.NOT_UPLOADED),
+                                 (compress_older, Tag.COMPRESS_OLDER)) if hit]
+    if keep:
+        return _Decision(Action.KEEP, tuple(keep))
+    return _Decision(Action.DELETE, (Tag.RELEASED,))
 
 
 def _fmt_duration(seconds: float) -> str:

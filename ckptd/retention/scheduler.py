@@ -1,9 +1,10 @@
 """The retention service: one thread runs every retention run, for every root, one at a time.
 
 Owns when retention runs (after stages, on a timer, under disk pressure, on `run_now`), the
-translation between store records and the planner's/executor's plain types, and recording the
-outcomes (compress_older in place included). Decides nothing (`planner`) and deletes nothing
-(`executor`) itself.
+translation between store records and the planner's/executor's plain types (`guards_for`:
+the nets every destructive act is checked against), and recording the outcomes
+(compress_older in place included). Decides nothing (`planner`) and deletes nothing: every
+delete is an executor entry point (`execute_local`, `execute_remote`, `replace_originals`).
 """
 
 from __future__ import annotations
@@ -291,11 +292,16 @@ class _Runner:
     def _plan(self, root: RootConfig, records: list[CheckpointRecord],
               now: float, delete_adopted: bool = False) -> planner.Plan:
         in_use = self.store.in_use(root.name, now)
-        views = [view_of(r, root.metric, r.step in in_use) for r in records]
+        views = [view_of(r, root.metric, r.step in in_use, self._has_copy(root, r))
+                 for r in records]
         disk = disk_of(root) or planner.Disk(0, 0, 0)
         return planner.plan(views, local_rules(root), remote_rules(root), disk, now,
                             metric_mode=root.metric_mode, upload_configured=root.upload.enabled,
                             delete_adopted=delete_adopted)
+
+    def _has_copy(self, root: RootConfig, r: CheckpointRecord) -> bool:
+        status = self.store.status(root.name, r.step)
+        return status is not None and status.copy
 
     def run(self, root: RootConfig, delete_adopted: bool = False) -> list[executor.Outcome]:
         # Only the local deletes hold the lock (with the guards they check, read inside it):
@@ -321,6 +327,8 @@ class _Runner:
             root.path, plan, targets, guards, executor.trash_dir_for(root.path),
             on_trashed=lambda step, _entry: self._pruned(root.name, step),
             root=root.name)
+        copies = {r.step: copy_target(r.step, r.local, r.remote) for r in records}
+        outcomes += executor.execute_copies(root.path, plan, copies, guards, root=root.name)
         return plan, outcomes
 
     def _pruned(self, name: str, step: int) -> None:
@@ -362,38 +370,7 @@ class _Runner:
 
     def _guards(self, root: RootConfig, now: float,
                 delete_adopted: bool = False) -> executor.Guards:
-        records = self.store.checkpoints(root.name)
-        latest = self.store.latest(root.name, Tier.ANY)
-        best = self.store.best(root.name, root.metric, root.metric_mode)
-        return executor.Guards(
-            latest_step=latest.step if latest else None,
-            best_step=best.step if best else None,
-            pinned=frozenset(r.step for r in records if r.pinned),
-            in_use=self.store.in_use(root.name, now),
-            remote_verified=frozenset(r.step for r in records if r.remote is Remote.UPLOADED),
-            upload_configured=root.upload.enabled,
-            invalid=frozenset(r.step for r in records if r.state is State.INVALID),
-            shared=self._shared(root, records),
-            adopted=frozenset() if delete_adopted else frozenset(
-                r.step for r in records if r.adopted and r.remote is not Remote.UPLOADED),
-        )
-
-    def _shared(self, root: RootConfig, records: list[CheckpointRecord]) -> frozenset[int]:
-        """Steps on disk whose files, or whose directory, hold another on-disk checkpoint's
-        file: a file belongs to one checkpoint, so a delete never reaches past its own."""
-        present = [r for r in records if r.local is Local.PRESENT]
-        owners: dict[str, set[int]] = {}
-        for r in present:
-            for f in self.store.members(r.id):
-                owners.setdefault(f, set()).add(r.step)
-        shared = {s for steps in owners.values() if len(steps) > 1 for s in steps}
-        for r in present:
-            if _real_dir(root.path / r.path):
-                prefix = r.path.rstrip("/") + "/"
-                if any(f.startswith(prefix) and steps - {r.step}
-                       for f, steps in owners.items()):
-                    shared.add(r.step)
-        return frozenset(shared)
+        return guards_for(self.store, root, now, delete_adopted)
 
     def _record(self, root: RootConfig, outcomes: list[executor.Outcome]) -> None:
         """Record what was done as lifecycle events; their effects (a released compressed
@@ -403,6 +380,8 @@ class _Runner:
                 self.store.record(root.name, o.step, Event.PRUNED_LOCAL, time.time())
             elif o.action == "deleted" and o.tier == "remote":
                 self.store.record(root.name, o.step, Event.PRUNED_REMOTE, time.time())
+            elif o.action == "deleted" and o.tier == "copy":
+                self.store.record(root.name, o.step, Event.COPY_DROPPED, time.time())
             elif o.action == "deferred" and o.reason == "compress":
                 self._compress_in_place(root, o.step)
 
@@ -431,20 +410,37 @@ class _Runner:
         return True
 
     def _replace(self, root: RootConfig, step: int, cid: int, anchor: str) -> bool:
+        """The originals go through the executor's `replace_originals`: the long checks (the
+        copy decoded, every original re-hashed) first, without the locks; then, holding them
+        like any local delete, the nets and a quick re-check of the originals' sizes."""
         if time.monotonic() < self._compress_backoff.get((root.name, step), 0.0):
             return False
-        manifest = compress.read_local_manifest(root.path, step)
+        members = list(self.store.members(cid))
         try:
+            manifest = compress.read_local_manifest(root.path, step)
             if manifest is None:
                 raise FileNotFoundError(f"no local compressed copy of step {step}")
-            compress.replace_originals(root.path, manifest, list(self.store.members(cid)),
-                                       anchor=anchor)
+            compress.check_replaceable(root.path, manifest, members)
         except Exception as exc:
-            self._compress_backoff[(root.name, step)] = time.monotonic() + COMPRESS_RETRY_S
-            self.log.error("compress_older_failed", root=root.name, step=step, error=str(exc),
-                           retry_in_s=COMPRESS_RETRY_S)
-            return False
-        return True
+            return self._replace_failed(root, step, str(exc))
+        rec = self.store.checkpoint(root.name, step)
+        target = executor.Target(step, anchor, tuple(members), Local.PRESENT,
+                                 rec.remote if rec else Remote.NONE, False)
+        with self.exclusive, self.nets:
+            out = executor.replace_originals(
+                root.path, target, self._guards(root, time.time()),
+                lambda: compress.check_replaceable(root.path, manifest, members, verify=False,
+                                                   rehash=False),
+                root=root.name)
+        if out.action == "failed":
+            return self._replace_failed(root, step, out.reason)
+        return out.action == "deleted"
+
+    def _replace_failed(self, root: RootConfig, step: int, error: str) -> bool:
+        self._compress_backoff[(root.name, step)] = time.monotonic() + COMPRESS_RETRY_S
+        self.log.error("compress_older_failed", root=root.name, step=step, error=error,
+                       retry_in_s=COMPRESS_RETRY_S)
+        return False
 
     def _check_preflight(self, root: RootConfig, records: list[CheckpointRecord],
                          plan: planner.Plan) -> None:
@@ -462,12 +458,56 @@ class _Runner:
                              projected_free=pre.projected_free)
 
 
-def view_of(r: CheckpointRecord, metric: str, in_use: bool) -> planner.CheckpointView:
+def guards_for(store: Store, root: RootConfig, now: float,
+               delete_adopted: bool = False) -> executor.Guards:
+    """The nets, read from the store now: what every executor entry point checks."""
+    records = store.checkpoints(root.name)
+    latest = store.latest(root.name, Tier.ANY)
+    best = store.best(root.name, root.metric, root.metric_mode)
+    return executor.Guards(
+        latest_step=latest.step if latest else None,
+        best_step=best.step if best else None,
+        pinned=frozenset(r.step for r in records if r.pinned),
+        in_use=store.in_use(root.name, now),
+        remote_verified=frozenset(r.step for r in records if r.remote is Remote.UPLOADED),
+        upload_configured=root.upload.enabled,
+        invalid=frozenset(r.step for r in records if r.state is State.INVALID),
+        shared=_shared(store, root, records),
+        adopted=frozenset() if delete_adopted else frozenset(
+            r.step for r in records if r.adopted and r.remote is not Remote.UPLOADED),
+    )
+
+
+def _shared(store: Store, root: RootConfig, records: list[CheckpointRecord]) -> frozenset[int]:
+    """Steps on disk whose files, or whose directory, hold another on-disk checkpoint's
+    file: a file belongs to one checkpoint, so a delete never reaches past its own."""
+    present = [r for r in records if r.local is Local.PRESENT]
+    owners: dict[str, set[int]] = {}
+    for r in present:
+        for f in store.members(r.id):
+            owners.setdefault(f, set()).add(r.step)
+    shared = {s for steps in owners.values() if len(steps) > 1 for s in steps}
+    for r in present:
+        if _real_dir(root.path / r.path):
+            prefix = r.path.rstrip("/") + "/"
+            if any(f.startswith(prefix) and steps - {r.step}
+                   for f, steps in owners.items()):
+                shared.add(r.step)
+    return frozenset(shared)
+
+
+def copy_target(step: int, local: Local, remote: Remote) -> executor.Target:
+    """A step's local compressed copy as the executor's Target (`release_copy`)."""
+    return executor.Target(step, f"{CKPTD_DIR}/objects/step-{step}", (), local, remote, True)
+
+
+def view_of(r: CheckpointRecord, metric: str, in_use: bool,
+            copy: bool = False) -> planner.CheckpointView:
     return planner.CheckpointView(
         step=r.step, state=r.state, local=r.local, remote=r.remote,
         completed=r.completed if r.completed is not None else r.created, bytes=r.bytes,
         metric=r.metrics.get(metric) if metric else None, pinned=r.pinned, in_use=in_use,
-        adopted=r.adopted)
+        adopted=r.adopted, copy=copy)
 
 
 def local_rules(root: RootConfig) -> planner.LocalRules:
@@ -496,8 +536,7 @@ def disk_of(root: RootConfig) -> planner.Disk | None:
 def target_of(root: RootConfig, r: CheckpointRecord, members: tuple[str, ...]
               ) -> executor.Target:
     if r.local is Local.COMPRESSED:
-        return executor.Target(r.step, f"{CKPTD_DIR}/objects/step-{r.step}", (), r.local,
-                               r.remote, True)
+        return copy_target(r.step, r.local, r.remote)
     anchor = root.path / r.path
     is_dir = _real_dir(anchor)
     return executor.Target(r.step, r.path, members, r.local, r.remote, is_dir)

@@ -1,14 +1,18 @@
-"""The one hook after a transition commits: publish latest.json, remove a released compressed
-copy, wake the workers, retention and scanner, and wake long-polls.
+"""The one hook after a transition commits: publish latest.json, have the retention executor
+release a compressed copy the transition dropped, wake the workers, retention and scanner, and
+wake long-polls.
 
-Owns every consequence of a transition; nothing else writes latest.json or deletes a local
-compressed copy. Decides nothing about checkpoints: the table said which effects follow.
+Owns every consequence of a transition; nothing else writes latest.json. Deletes nothing
+itself: a copy is released by `executor.release_copy`, behind its nets (a copy a net holds
+stays, and retention's plan releases it later). Decides nothing about checkpoints: the table
+said which effects follow.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -18,8 +22,8 @@ from ckptd.changes import Changes
 from ckptd.config import RootConfig
 from ckptd.lifecycle.table import Effect, Event
 from ckptd.log import get_logger
-from ckptd.model import CKPTD_DIR, Local, Tier
-from ckptd.stages import compress
+from ckptd.model import CKPTD_DIR, Local, Remote, Tier
+from ckptd.retention import executor, scheduler
 from ckptd.store import Applied, Store
 
 
@@ -134,12 +138,20 @@ class Effects:
             self.log.warning("latest_write_failed", root=root.name, error=str(exc))
 
     def _copies(self, root: RootConfig, a: Applied) -> None:
+        local = a.target.local if a.target is not None else Local.PRUNED
+        remote = a.target.remote if a.target is not None else Remote.NONE
         if Effect.REMOVE_COPY in a.effects:
-            compress.remove_copy(root.path, a.step)  # renamed aside first: never half a copy
+            self._release(root, a.step, local, remote)
         if Effect.RELEASE_COPY in a.effects and a.target is not None and (
                 a.target.local is Local.PRUNED or a.target.local is Local.PRESENT
                 and not root.retention.local.compress_older):
             # The copy was made for the upload: kept only where retention keeps compressed
             # copies of checkpoints still on disk.
-            compress.remove_copy(root.path, a.step)
-            self.store.record(a.root, a.step, Event.COPY_DROPPED)
+            if self._release(root, a.step, local, remote):
+                self.store.record(a.root, a.step, Event.COPY_DROPPED)
+
+    def _release(self, root: RootConfig, step: int, local: Local, remote: Remote) -> bool:
+        guards = scheduler.guards_for(self.store, root, time.time())
+        out = executor.release_copy(root.path, scheduler.copy_target(step, local, remote),
+                                    guards, root=root.name)
+        return out.action == "deleted"

@@ -18,6 +18,7 @@ from ckptd.lifecycle.table import Policy
 from ckptd.log import get_logger
 from ckptd.manifest import Manifest, StoredFile
 from ckptd.model import Candidate, ValidationResult
+from ckptd.retention import executor
 from ckptd.stages import compress, parts, records
 from ckptd.stages.parts import NotCommitted as NotCommitted
 from ckptd.stages.upload import UploadResult, upload_step
@@ -55,9 +56,13 @@ def policy_of(root: RootConfig) -> Policy:
 
 
 def stager_for(root: RootConfig, job: Job) -> compress.Stager:
+    """A Stager whose finished copy is installed by the executor (`install_copy`): a re-save's
+    copy replaces the superseded save's through the trash."""
     c = root.compress
-    return compress.Stager(root.path, root.name, job.checkpoint.step, job.checkpoint.layout,
-                           c.codec, c.level, c.threads, c.min_saving)
+    step = job.checkpoint.step
+    return compress.Stager(root.path, root.name, step, job.checkpoint.layout,
+                           c.codec, c.level, c.threads, c.min_saving,
+                           install=partial(executor.install_copy, root.path, step))
 
 
 def run_validate(root: RootConfig, job: Job, progress: Any) -> Validated:
@@ -142,16 +147,19 @@ def _local_copy(root: RootConfig, step: int, expected: Sequence[StoredFile]) -> 
 
 
 def run_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
-               expected: Sequence[StoredFile], replace_remote: bool = False) -> UploadResult:
+               expected: Sequence[StoredFile], replace_remote: bool = False,
+               in_use: frozenset[int] = frozenset()) -> UploadResult:
     """Upload the local compressed copy. `expected` are the row's validated files: a copy
     that does not hold exactly those (an older save's, a damaged one) is never uploaded.
     `replace_remote`: this node uploaded an earlier save of the step that a re-save replaced,
     so a different remote copy of the step is that earlier save and may be replaced. Without
-    it, a step committed remotely by someone else is never touched (the upload refuses)."""
+    it, a step committed remotely by someone else is never touched (the upload refuses).
+    The replacement is the executor's `replace_remote`: refused (TransientError, the upload
+    retries later) while a client reads the step (`in_use`: the root's leased steps)."""
     step = job.checkpoint.step
     manifest = _local_copy(root, step, expected)
     if replace_remote:
-        _replace_older_remote(backend, root.name, manifest)
+        _replace_older_remote(backend, root.name, manifest, in_use)
     progress.total = manifest.stored_size
     return upload_step(backend, root.name, compress.objects_dir(root.path, step), manifest,
                        progress=progress.advance, concurrency=root.upload.concurrency)
@@ -211,11 +219,12 @@ def known_nodes(backend: Any, root_name: str) -> set[str]:
         return set()
 
 
-def _replace_older_remote(backend: Any, root_name: str, manifest: Any) -> None:
+def _replace_older_remote(backend: Any, root_name: str, manifest: Any,
+                          in_use: frozenset[int] = frozenset()) -> None:
     """A step re-saved after an earlier save of it was uploaded: the later save wins remotely
-    too. The old step is deleted (manifest first) before the new one is sent."""
+    too. The old step is deleted (manifest first, by the executor) before the new one is sent."""
     from ckptd import remote
-    from ckptd.errors import CorruptData, ObjectNotFound
+    from ckptd.errors import CorruptData, ObjectNotFound, TransientError
     from ckptd.stages.upload import delete_step
 
     try:
@@ -226,5 +235,9 @@ def _replace_older_remote(backend: Any, root_name: str, manifest: Any) -> None:
         there = None
     if there is not None and set(there.files) == set(manifest.files):
         return  # the same content: a re-run, which the upload stage makes idempotent
-    get_logger().warning("remote_step_replaced", root=root_name, step=manifest.step)
-    delete_step(backend, root_name, manifest.step)
+    guards = executor.Guards(latest_step=None, best_step=None, pinned=frozenset(),
+                             in_use=in_use, remote_verified=frozenset(), upload_configured=True)
+    out = executor.replace_remote(backend, root_name, manifest.step, guards, delete_step)
+    if out.action != "deleted":
+        raise TransientError(f"the earlier upload of step {manifest.step} was not replaced:"
+                             f" {out.reason}")

@@ -1,9 +1,11 @@
 """Start-up: the state-dir lock, recovery, and the daemon's listening socket.
 
 Owns what a restart after a crash cleans up: every lease dropped (one daemon per state dir),
-ckptd's own temp files and staging dirs, deletes half done in the trash, and compressed copies
-whose transition to "no copy" committed before their files went; and the pins kept beside each
-root. Never removes anything that is not ckptd's own, nor a copy the store does not know.
+ckptd's own temp files and staging dirs; and the pins kept beside each root. Checkpoint bytes
+go only through the retention executor: deletes half done in the trash (`purge_trash`) and
+compressed copies whose transition to "no copy" committed before their files went
+(`release_copy`, behind its nets). Never removes anything that is not ckptd's own, nor a copy
+the store does not know.
 """
 
 from __future__ import annotations
@@ -13,18 +15,19 @@ import os
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import IO
 
 from ckptd import fileio, sdnotify
 from ckptd.api import bind_socket
-from ckptd.config import Config, DaemonConfig
+from ckptd.config import Config, DaemonConfig, RootConfig
 from ckptd.errors import ConfigError, StateLocked
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local
 from ckptd.pins import read_pins
-from ckptd.retention import executor
+from ckptd.retention import executor, scheduler
 from ckptd.stages import compress
 from ckptd.store import Store
 
@@ -42,17 +45,21 @@ def recover(store: Store, cfg: Config) -> None:
             # Deletes interrupted between the rename into the trash and the removal.
             purged += executor.purge_trash(executor.trash_dir_for(r.path), r.path)
             removed += compress.remove_stale_staging(r.path)
-            orphans += _remove_released_copies(store, r.name, r.path)
+            orphans += _remove_released_copies(store, r)
     get_logger().info("daemon_recovered", leases_released=released, temp_files_removed=removed,
                       trash_purged=purged, released_copies_removed=orphans)
 
 
-def _remove_released_copies(store: Store, root: str, path: Path) -> int:
+def _remove_released_copies(store: Store, root: RootConfig) -> int:
     n = 0
-    for step in compress.local_steps(path):
-        status = store.status(root, step)
+    guards: executor.Guards | None = None
+    for step in compress.local_steps(root.path):
+        status = store.status(root.name, step)
         if status is not None and not status.copy and status.local is not Local.COMPRESSED:
-            n += compress.remove_copy(path, step)
+            guards = guards or scheduler.guards_for(store, root, time.time())
+            target = scheduler.copy_target(step, status.local, status.remote)
+            out = executor.release_copy(root.path, target, guards, root=root.name)
+            n += out.action == "deleted"
     return n
 
 

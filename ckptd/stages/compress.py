@@ -1,13 +1,15 @@
 """The compress stage: local compressed copies under `<root>/.ckptd/objects/step-<N>/`, encoded
 inside validation's single read pass, then verified before any original is replaced.
 
-Owns the staging, commit, verification and replacement of those copies; never imports the
-store, the pipeline or another stage, and never holds a whole file in memory.
+Owns the staging, commit and verification of those copies, and the checks that must pass
+before originals may be replaced by one; never imports the store, the pipeline or another
+stage, and never holds a whole file in memory. Deletes nothing but its own staging: the
+retention executor (`ckptd/retention/executor.py`) installs a copy over a superseded one,
+releases copies and deletes originals.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import io
 import os
@@ -30,8 +32,6 @@ OBJECTS_DIR = "objects"
 # Written data is pushed to disk and dropped from the page cache in steps of this size, so a
 # compressed copy never sits in memory that the training job's data needs.
 WRITEBACK_STEP = 32 << 20
-_RENAME_EXCHANGE = 2  # linux/fs.h
-_AT_FDCWD = -100
 
 Progress = Callable[[int], None]
 
@@ -68,21 +68,6 @@ def local_steps(root_dir: Path) -> list[int]:
     nums = [n.removeprefix("step-") for n in names if n.startswith("step-")]
     steps = [int(n) for n in nums if n.isdigit() and str(int(n)) == n]
     return sorted(s for s in steps if (objects_dir(root_dir, s) / MANIFEST_NAME).exists())
-
-
-def remove_copy(root_dir: Path, step: int) -> bool:
-    """Delete a step's local compressed copy; returns whether there was one. It is renamed to a
-    temp name first, so a crash never leaves a `step-<N>/` holding a manifest but not all its
-    objects (start-up's `remove_stale_staging` finishes the job)."""
-    final = objects_dir(root_dir, step)
-    aside = fileio.temp_name(final)
-    try:
-        os.rename(final, aside)
-    except FileNotFoundError:
-        return False
-    fileio.fsync_dir(final.parent)
-    shutil.rmtree(aside, ignore_errors=True)
-    return True
 
 
 def remove_stale_staging(root_dir: Path) -> int:
@@ -212,6 +197,9 @@ class Stager:
     Usage: `validate(root, cand, extra_sinks=stager.sinks_for)`, then `commit(result.files,
     result.metrics)` if valid, else (or on any error) `abort()`. The staging dir starts with
     `fileio.TEMP_PREFIX`, so what a crash leaves is removed by `remove_stale_staging`.
+    `install(staging, final)` moves the finished copy into place; the daemon passes the
+    executor's `install_copy`, the one that may replace a superseded copy. Without it a copy
+    already at `step-<N>/` is an error (CkptdError) and nothing is replaced.
     """
 
     def __init__(
@@ -224,8 +212,10 @@ class Stager:
         level: int,
         threads: int,
         min_saving: float,
+        install: Callable[[Path, Path], None] | None = None,
     ) -> None:
         self.root_dir, self.root_name = Path(root_dir), root_name
+        self._install = install or _install_new
         self.step, self.layout = step, layout
         self.final = objects_dir(self.root_dir, step)
         self.staging = fileio.temp_name(self.final)
@@ -250,7 +240,7 @@ class Stager:
 
     def commit(self, records: Sequence[FileRecord], metrics: Mapping[str, float]) -> Manifest:
         """Name each object by its codec, write MANIFEST.json, make it all durable, and move the
-        staging dir to `step-<N>/` (replacing an older copy atomically). Aborts on failure."""
+        staging dir to `step-<N>/` through `install`. Aborts on failure."""
         try:
             files = [self._stored_file(rec) for rec in records]
             _check_keys(files)
@@ -258,7 +248,7 @@ class Stager:
                                 metrics=dict(metrics))
             self._name_objects(files)
             fileio.atomic_write_bytes(self.staging / MANIFEST_NAME, manifest.to_bytes())
-            _install(self.staging, self.final)
+            self._install(self.staging, self.final)
         except OSError as exc:
             self.abort()
             raise write_error(exc, f"the compressed copy of step {self.step}") from exc
@@ -314,45 +304,16 @@ def _check_keys(files: Sequence[StoredFile]) -> None:
                 raise CkptdError(f"object {key!r} would sit inside object {'/'.join(parts[:i])!r}")
 
 
-def _install(staging: Path, final: Path) -> None:
-    """Make `staging` the directory `final`: at every instant `final` is the old copy or the
-    new one, never missing or half."""
+def _install_new(staging: Path, final: Path) -> None:
+    """Rename `staging` to `final`, which must not exist (an empty directory is replaced)."""
     try:
-        os.rename(staging, final)  # atomic when there is no copy yet (or an empty dir)
+        os.rename(staging, final)
     except OSError as exc:
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
-        _replace(staging, final)
+        raise CkptdError(f"{final} holds an older compressed copy; only the retention "
+                         "executor replaces one (executor.install_copy)") from None
     fileio.fsync_dir(final.parent)
-
-
-def _replace(staging: Path, final: Path) -> None:
-    if _exchange(staging, final):
-        fileio.fsync_dir(final.parent)
-        shutil.rmtree(staging)  # holds the old copy now
-        return
-    # Without an atomic exchange, move the old copy aside under a temp name (removed at
-    # start-up if a crash comes between the two renames), then move the new one in.
-    aside = fileio.temp_name(final)
-    os.rename(final, aside)
-    os.rename(staging, final)
-    fileio.fsync_dir(final.parent)
-    shutil.rmtree(aside)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
 
 
 # --- reading objects back --------------------------------------------------------------------
@@ -463,36 +424,31 @@ def verify_copy(objects_dir: Path, manifest: Manifest) -> None:
 # --- replacing originals ---------------------------------------------------------------------
 
 
-def replace_originals(
+def check_replaceable(
     root_dir: Path,
     manifest: Manifest,
     original_paths: Sequence[str],
     *,
-    anchor: str | None = None,
+    verify: bool = True,
     rehash: bool = True,
 ) -> list[str]:
-    """Delete a step's original files, keeping only its local compressed copy.
+    """Check that a step's originals may be replaced by its local compressed copy; deletes
+    nothing (the executor's `replace_originals` does, calling this first).
 
-    Order, so that a crash at any point loses nothing: the copy is verified and made durable;
-    then every original is checked against the manifest (size, and with `rehash` its content:
-    a re-save in place must not be deleted); only then are originals unlinked. Files already
-    gone are skipped, so a re-run after a crash finishes the job. Paths are relative to
-    `root_dir`; none may pass through a symlink. Emptied directories are removed only inside
-    the checkpoint: `anchor` (the checkpoint's path, e.g. `step-5`) and below when it is a
-    directory, else below the originals' common directory. Returns the paths deleted.
+    With `verify`, the copy is decoded against its manifest and made durable; then every
+    original still there is checked against the manifest: a regular file not reached through
+    a symlink, its size, and with `rehash` its content (a re-save in place must not be
+    deleted). Raises CorruptData or UnsafePath naming the file; returns the originals present.
     """
     root_dir = Path(root_dir)
-    copy = objects_dir(root_dir, manifest.step)
-    verify_copy(copy, manifest)
-    _fsync_copy(copy, manifest)
+    if verify:
+        copy = objects_dir(root_dir, manifest.step)
+        verify_copy(copy, manifest)
+        _fsync_copy(copy, manifest)
     by_path = {f.path: f for f in manifest.files}
     present = [(rel, p) for rel in original_paths if (p := _original(root_dir, rel, by_path))]
     for rel, path in present:
         _check_original(path, by_path[rel], rehash)
-    for _, path in present:
-        path.unlink(missing_ok=True)
-    removable = _removable(root_dir, original_paths, anchor)
-    _sync_and_prune_dirs(root_dir, removable, [p for _, p in present])
     return [rel for rel, _ in present]
 
 
@@ -531,39 +487,3 @@ def _check_original(path: Path, f: StoredFile, rehash: bool) -> None:
         if hasher.digest != f.hash:
             raise CorruptData(f"{f.path} differs from its compressed copy (changed after "
                               "compression); not deleting it")
-
-
-def _removable(
-    root_dir: Path, paths: Sequence[str], anchor: str | None
-) -> Callable[[Path], bool]:
-    """Which directories may go once empty: the anchor dir and below, else only dirs strictly
-    below the originals' common directory (never the root or a directory around checkpoints)."""
-    if anchor is not None:
-        top = fileio.safe_join(root_dir, anchor)
-        if top != root_dir and top.is_dir() and not top.is_symlink():
-            return lambda d: d == top or top in d.parents
-    parents = [os.path.dirname(os.path.normpath(p)) for p in paths]
-    below = root_dir / os.path.commonpath(parents) if parents else root_dir
-    return lambda d: below in d.parents
-
-
-def _sync_and_prune_dirs(
-    root_dir: Path, removable: Callable[[Path], bool], deleted: Sequence[Path]
-) -> None:
-    """Remove the removable directories the deletions left empty, deepest first; fsync every
-    directory whose entries changed."""
-    dirs: set[Path] = set()
-    for path in deleted:
-        parent = path.parent
-        while removable(parent):
-            dirs.add(parent)
-            parent = parent.parent
-    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
-        try:
-            d.rmdir()
-        except OSError:  # not empty: other data lives there; keep it
-            pass
-    touched = {p.parent for p in deleted} | {d.parent for d in dirs} | {root_dir}
-    for d in sorted(touched, key=lambda p: len(p.parts), reverse=True):
-        if d.is_dir():
-            fileio.fsync_dir(d)
