@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ckptd import inputs
+from ckptd.errors import BadInput
 from ckptd.model import Tier
 
 MAX_STEP = 2**63
@@ -103,16 +105,18 @@ def parse_registration(body: Any, root_path: Path) -> tuple[int, list[str], dict
         raise HttpError(400, "bad_field", f"paths must be a list of at most {MAX_PATHS}"
                         " non-empty strings")
     metrics = body.get("metrics") or {}
-    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS or not all(
-        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
-        and math.isfinite(v) for k, v in metrics.items()
-    ):
+    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS:
         raise HttpError(400, "bad_field", f"metrics must map at most {MAX_METRICS} names to"
                         " finite numbers")
-    for k in metrics:
-        text(k, "a metric name", 256)
+    checked: dict[str, float] = {}
+    for k, v in metrics.items():
+        try:  # an integer of 400 digits is no float: refused here, never stored
+            checked[text(k, "a metric name", 256)] = inputs.check_float(v, f"metric {k[:40]!r}")
+        except BadInput as exc:
+            raise HttpError(400, "bad_field", f"metrics must map at most {MAX_METRICS} names"
+                            f" to finite numbers: {exc}") from None
     rel = [relative_inside(root_path, text(p, "a path")) for p in paths]
-    return step, rel, {k: float(v) for k, v in metrics.items()}
+    return step, rel, checked
 
 
 def relative_inside(root: Path, p: str) -> str:

@@ -1,20 +1,24 @@
 """The async-save arena both sides share (docs/ASYNC.md): a memfd with a small header (magic,
 state, generation), the persist request that names what is in it, and who may hand one over.
 
-Standard library only (training processes import it). Pure checks and header bytes; never
-writes a checkpoint file and never talks to the socket.
+Standard library and ckptd.inputs only (training processes import it). Pure checks and
+header bytes; never writes a checkpoint file and never talks to the socket.
 """
 
 from __future__ import annotations
 
 import enum
 import fcntl
+import json
 import os
 import re
 import stat
 import struct
 from dataclasses import dataclass
 from typing import Any
+
+from ckptd import inputs
+from ckptd.errors import BadInput
 
 MAGIC = b"CKPTDAR1"
 VERSION = 1
@@ -56,6 +60,8 @@ def read_header(buf: Any) -> Header:
     magic, version, state, generation, used = _HEADER.unpack_from(buf, 0)
     if magic != MAGIC or version != VERSION or state not in State._value2member_map_:
         raise ValueError("not a ckptd arena header")
+    if generation >= 2**63 or used > MAX_ARENA:  # what a request may name, what an arena holds
+        raise ValueError(f"arena header out of range (generation {generation}, used {used})")
     return Header(State(state), generation, used)
 
 
@@ -172,9 +178,16 @@ def parse_request(body: Any, arena_size: int) -> Request:
     if head.get("step") != step or head.get("world_size") != world:
         raise ValueError("head's step and world_size must match the request's")
     metrics = head.get("metrics", {})
-    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS or not all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()):
+    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS:
         raise ValueError(f"head's metrics must be at most {MAX_METRICS} numbers")
+    try:
+        for name, value in metrics.items():
+            inputs.check_float(value, f"head's metric {str(name)[:40]!r}")
+        # The head becomes meta.json, read back as strict JSON: integers within 2^63, finite
+        # floats, bounded nesting. Refused here rather than written and found bad later.
+        inputs.loads(json.dumps(head, allow_nan=False), "head")
+    except (BadInput, ValueError, RecursionError) as exc:
+        raise ValueError(f"head: {exc}") from None
     register = body.get("register", True)
     if not isinstance(register, bool):
         raise ValueError("register must be true or false")

@@ -43,10 +43,13 @@ LATEST = Kind("LATEST", 4 * KiB)
 MANIFEST = Kind("MANIFEST.json", 32 * MiB)
 PART = Kind("part", 32 * MiB)
 REMOTE_JSON = Kind("remote JSON", 1 * MiB)
-ROOT_META = Kind("metadata file", 1 * MiB)  # meta.json, meta_<N>.json, trainer_state.json
+ROOT_META = Kind("metadata file", 1 * MiB)  # meta.json, meta_<N>.json, Orbax's metadata
+TRAINER_STATE = Kind("trainer_state.json", 16 * MiB)  # HF Trainer's, with its log history
+DCP_METADATA = Kind("DCP .metadata", 64 * MiB)  # the whole save plan of a sharded checkpoint
 TRACKER = Kind("tracker file", 4 * KiB)  # DeepSpeed's latest, Megatron's tracker
 LEASE = Kind("lease", 64 * KiB)  # lease.json and its claims
 PINS = Kind("pins", 1 * MiB)
+MARKER = Kind("marker", 1 * MiB)  # an async save's markers in its step-N.tmp (.ready, results)
 ARENA_HEADER = Kind("arena header", 1 * MiB)
 LATEST_JSON = Kind("latest.json", 64 * KiB)
 

@@ -112,6 +112,9 @@ class Snapshot:
     contents: dict[str, bytes] = field(default_factory=dict)
     registrations: dict[int, tuple[str, ...]] = field(default_factory=dict)
     torch_fields: dict[str, dict[str, PlainValue]] = field(default_factory=dict)
+    # Files a layout asked for that the scanner refused to read (`ckptd.inputs`: not a regular
+    # file, a link, over its kind's cap), with why: a layout makes their checkpoint invalid.
+    bad_contents: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -6,15 +6,15 @@ Owns the file's format; the store holds the pins the daemon acts on.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from ckptd import fileio
+from ckptd import fileio, inputs
+from ckptd.errors import BadInput
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR
 
 FORMAT = "ckptd-pins/1"
-MAX_BYTES = 1024 * 1024
+MAX_BYTES = inputs.PINS.cap
 
 
 def pins_path(root: Path) -> Path:
@@ -25,19 +25,15 @@ def read_pins(root: Path) -> set[int]:
     """The steps pinned beside `root`; a missing file is no pins, a damaged one is logged and
     read as no pins (the store's pins still stand)."""
     path = pins_path(root)
-    try:
-        if path.stat().st_size > MAX_BYTES:
-            raise ValueError(f"over {MAX_BYTES} bytes")
-        doc = json.loads(path.read_bytes())
-        steps = doc["steps"] if doc.get("format") == FORMAT else None
-        if not isinstance(steps, list) or not all(
-                isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**63
-                for s in steps):
+    try:  # the bounded reader: a regular file (never a FIFO or a link), strict JSON
+        doc = inputs.read_json(path, inputs.PINS)
+        steps = doc.get("steps") if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+        if not isinstance(steps, list):
             raise ValueError("not a ckptd pins file")
-        return set(steps)
+        return {inputs.check_int(s, f"{path}: a pinned step") for s in steps}
     except FileNotFoundError:
         return set()
-    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+    except (OSError, ValueError, BadInput) as exc:
         get_logger().warning("pins_unreadable", path=str(path), error=str(exc))
         return set()
 

@@ -17,14 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptd import layouts
+from ckptd import inputs, layouts
+from ckptd.errors import BadInput
 from ckptd.formats import torchhead
 from ckptd.model import CKPTD_DIR, Candidate, FileInfo, PlainValue, RootOptions, Snapshot
 
 # ckptd's own transient names (temp files, a restore's staging directory): never checkpoint data.
 OWN_TEMP_PREFIX = ".ckptd-"
-# Small marker/metadata files a layout asked for are read into the snapshot up to this size.
-MAX_CONTENT_BYTES = 64 * 1024 * 1024
+# Small marker/metadata files a layout asked for are read into the snapshot through the bounded
+# reader, each up to the cap of its kind (`layouts.content_kind`, docs/SECURITY.md).
 # An "opened for writing" mark with no close event expires after this long without change:
 # inotify may never report the close of a file written into a just-created directory.
 OPEN_MARK_MIN_S = 30.0
@@ -77,7 +78,7 @@ class RootScanner:
         self.opts = opts
         self.open_files = open_files or OpenFiles()
         self._seen: dict[str, _Seen] = {}
-        self._contents: dict[str, tuple[int, int, bytes]] = {}
+        self._contents: dict[str, tuple[int, int, bytes | str]] = {}
         self._fields: dict[str, tuple[int, int, dict[str, PlainValue] | None]] = {}
         self._real_root = os.path.realpath(path)
         self._top = top  # which top-level entries (name, is_dir) to walk; None = all
@@ -111,9 +112,11 @@ class RootScanner:
                                   self.open_files.is_open(abspath, changed_at, now, expiry),
                                   seen_at, link, first_mtime_ns / 1e9)
         self._seen = seen
-        snap = Snapshot(files=files, dirs=frozenset(dirs), contents=self._read_contents(seen),
+        contents, refused = self._read_contents(seen)
+        snap = Snapshot(files=files, dirs=frozenset(dirs), contents=contents,
                         registrations=dict(registrations or {}),
-                        torch_fields=self._read_torch_fields(seen, changing))
+                        torch_fields=self._read_torch_fields(seen, changing),
+                        bad_contents=refused)
         cands, self.unrecognised = layouts.detect_all(snap, self.opts, now, self.layout)
         return snap, [(c, fingerprint(c, seen)) for c in cands]
 
@@ -151,24 +154,31 @@ class RootScanner:
                 elif stat.S_ISREG(st.st_mode):
                     yield rel, st.st_size, st.st_mtime_ns, entry.is_symlink()
 
-    def _read_contents(self, seen: dict[str, _Seen]) -> dict[str, bytes]:
+    def _read_contents(self, seen: dict[str, _Seen]) -> tuple[dict[str, bytes], dict[str, str]]:
+        """The bytes of the small files layouts asked for, read through the bounded reader
+        once per size and mtime; and the ones it refused (a link, over the cap of their kind),
+        with why, so their checkpoint is judged bad instead of waiting for them."""
         out: dict[str, bytes] = {}
-        cache: dict[str, tuple[int, int, bytes]] = {}
+        refused: dict[str, str] = {}
+        cache: dict[str, tuple[int, int, bytes | str]] = {}
         for rel, s in seen.items():
-            if s.size > MAX_CONTENT_BYTES or not layouts.wants_content(rel, self.layout):
+            if not layouts.wants_content(rel, self.layout):
                 continue
             hit = self._contents.get(rel)
-            data: bytes | None
+            data: bytes | str | None
             if hit and hit[0] == s.size and hit[1] == s.mtime_ns:
                 data = hit[2]
             else:
-                data = _read_small(os.path.join(self.path, rel), self._real_root)
+                data = _read_small(self.path, rel, layouts.content_kind(rel))
             if data is None:
                 continue
             cache[rel] = (s.size, s.mtime_ns, data)
-            out[rel] = data
+            if isinstance(data, str):
+                refused[rel] = data
+            else:
+                out[rel] = data
         self._contents = cache
-        return out
+        return out, refused
 
 
     def _read_torch_fields(self, seen: dict[str, _Seen], changing: set[str]
@@ -207,15 +217,23 @@ def stat_member(real_root: str, path: str) -> tuple[os.stat_result, bool]:
     return st, True
 
 
-def _read_small(path: str, real_root: str) -> bytes | None:
-    real = os.path.realpath(path)
-    if not (real == real_root or real.startswith(real_root + os.sep)):
-        return None
+def _read_small(root: Path, rel: str, kind: inputs.Kind) -> bytes | str | None:
+    """A metadata file's bytes (`ckptd.inputs`: a regular file, never through a link, at most
+    its kind's cap); why it was refused (str); None when it could not be read now (gone,
+    EACCES: the next scan tries again). The walk never descends a linked directory, so only
+    the last component can be a link, and O_NOFOLLOW refuses it."""
     try:
-        with open(real, "rb") as f:
-            return f.read(MAX_CONTENT_BYTES + 1)[:MAX_CONTENT_BYTES]
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        return inputs.read_file(rel, kind, dir_fd=root_fd)  # messages name `rel`
+    except BadInput as exc:
+        return str(exc)
+    except OSError:
+        return None
+    finally:
+        os.close(root_fd)
 
 
 def fingerprint(cand: Candidate, seen: dict[str, Any]) -> str:

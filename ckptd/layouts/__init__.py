@@ -4,6 +4,7 @@ Pure: functions of a `Snapshot`, `RootOptions` and `now`; no I/O, no clock."""
 
 from __future__ import annotations
 
+from ckptd import inputs
 from ckptd.layouts import (
     common,
     dcp,
@@ -21,8 +22,8 @@ from ckptd.layouts.base import Layout, ReadsTorchFields, TrustsGlobals, WritesPo
 from ckptd.model import MAX_STEP, Candidate, RootOptions, Snapshot
 
 __all__ = [
-    "NAMES", "Layout", "detect", "get", "pointer_files", "trusted_globals", "wants_content",
-    "wants_torch_fields",
+    "NAMES", "Layout", "content_kind", "detect", "get", "pointer_files", "trusted_globals",
+    "wants_content", "wants_torch_fields",
 ]
 
 # docs/LAYOUTS.md's table order; also the accepted values of a root's `layout` (besides "auto").
@@ -93,6 +94,21 @@ def wants_content(rel: str, layout: str = "auto") -> bool:
     return any(lay.wants_content(rel) for lay in _plan(layout))
 
 
+def content_kind(rel: str) -> inputs.Kind:
+    """The bounded reader's kind (its size cap) for a file some layout wants the bytes of:
+    DeepSpeed's `latest` and Megatron's tracker are a line; DCP's `.metadata` is a pickle of
+    the whole plan; HF's `trainer_state.json` holds the whole log history; the rest (meta.json,
+    meta_<N>.json, Orbax's metadata) are small JSON documents."""
+    name = common.name_of(rel)
+    if name in (deepspeed.LATEST, megatron.TRACKER):
+        return inputs.TRACKER
+    if name == dcp.METADATA:
+        return inputs.DCP_METADATA
+    if name == hf.STATE:
+        return inputs.TRAINER_STATE
+    return inputs.ROOT_META
+
+
 def wants_torch_fields(rel: str, layout: str = "auto") -> bool:
     """True when some layout run for this root needs the plain values of `rel`'s pickle."""
     return any(isinstance(lay, ReadsTorchFields) and lay.wants_torch_fields(rel)
@@ -121,8 +137,9 @@ def detect(snap: Snapshot, opts: RootOptions, now: float, layout: str = "auto") 
 def detect_all(snap: Snapshot, opts: RootOptions, now: float, layout: str = "auto"
                ) -> tuple[list[Candidate], list[str]]:
     """Every checkpoint in `snap`, complete or pending, sorted by step; and the paths that look
-    like checkpoints but carry a step no checkpoint can have (2^63 or more): unrecognised,
-    reported, and never allowed to stop the rest of the root.
+    like checkpoints but carry a step no checkpoint can have (2^63 or more), or metadata the
+    scanner refused to read that made no checkpoint invalid: unrecognised, reported, and never
+    allowed to stop the rest of the root.
 
     Two candidates with the same step are both returned, the earlier-written one first (by the
     newest mtime among their files, then by layout order): the store keeps the last one and
@@ -138,6 +155,10 @@ def detect_all(snap: Snapshot, opts: RootOptions, now: float, layout: str = "aut
     bad = {c.path for _, c in found if not 0 <= c.step < MAX_STEP}
     found = [(r, c) for r, c in found if 0 <= c.step < MAX_STEP]
     bad.update(_look_alikes(snap, claimed, [c.path for _, c in found]))
+    # Metadata the scanner refused to read (a link, not a regular file, over its cap) that
+    # made no checkpoint invalid (a framework's `latest`, a tracker): reported here.
+    judged = {f for _, c in found if c.invalid_reason for f in c.files}
+    bad.update(rel for rel in snap.bad_contents if rel not in judged)
     found.sort(key=lambda rc: (rc[1].step, common.written_at(snap, rc[1]), rc[0], rc[1].path))
     return [cand for _, cand in found], sorted(bad)
 

@@ -6,13 +6,13 @@ Pure functions of a `Snapshot` and plain values; no filesystem access, no clock.
 from __future__ import annotations
 
 import bisect
-import json
-import math
 import re
 from collections.abc import Callable, Iterable
 from functools import lru_cache
 from typing import Any
 
+from ckptd import inputs
+from ckptd.errors import BadInput
 from ckptd.model import TEMP_MARKERS, TEMP_SUFFIXES, Candidate, RootOptions, Snapshot
 
 UNFINISHED_SUFFIX = "-unfinished"  # NeMo's marker: `<checkpoint name>-unfinished` beside it
@@ -27,6 +27,9 @@ _KEYED_STEP = re.compile(r"(?:^|[^A-Za-z0-9])step=(\d+)", re.ASCII)
 # File names: step_N, step=N, step-N, iter_N anywhere in the name, else `_N.` (model_100.pt).
 _FILE_STEP = re.compile(r"(?:^|[^A-Za-z0-9])(?:step[-_=]|iter_)(\d+)", re.ASCII)
 _FILE_UNDERSCORE_STEP = re.compile(r"_(\d+)\.", re.ASCII)
+# The most ranks a job may have (a world size, a rank in a file name, a count in a record):
+# beyond this it is no real job's, and no per-rank list is built for it.
+MAX_RANKS = 1 << 20
 
 
 def name_of(rel: str) -> str:
@@ -193,33 +196,55 @@ def unfinished_problem(snap: Snapshot, anchor: str, under: Iterable[str] = ()) -
     return ""
 
 
-def load_json(data: bytes | None) -> Any:
-    """Parsed JSON, or raise ValueError (bad bytes, bad UTF-8, bad JSON)."""
+def load_json(data: bytes | None, what: str = "") -> Any:
+    """Parsed strict JSON (`ckptd.inputs.loads`: integers within 2^63, finite floats, bounded
+    nesting), or raise ValueError (bad bytes, bad UTF-8, bad JSON), naming `what` if given."""
     if data is None:
         raise ValueError("no content")
     try:
-        return json.loads(data.decode("utf-8"))
-    except RecursionError:  # hostile nesting: bad JSON like any other, never a crash
-        raise ValueError("JSON nested too deeply") from None
+        return inputs.loads(data, what or "-")
+    except BadInput as exc:
+        raise ValueError(str(exc) if what else str(exc).removeprefix("-: ")) from None
 
 
 def numeric_metrics(obj: object, keep: Callable[[str], bool] = lambda _k: True) -> dict[str, float]:
-    """The finite numbers of a JSON object (bools and NaN/Inf dropped: they cannot rank)."""
+    """The finite numbers of a JSON object (bools, NaN/Inf and integers past a float's range
+    dropped: they cannot rank)."""
     if not isinstance(obj, dict):
         return {}
     out: dict[str, float] = {}
     for key, value in obj.items():
-        if isinstance(key, str) and keep(key) and _is_number(value):
-            out[key] = float(value)
+        if isinstance(key, str) and keep(key):
+            try:
+                out[key] = inputs.check_float(value, key)
+            except BadInput:
+                continue
     return out
 
 
-def _is_number(value: object) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
+def bad_content(snap: Snapshot, rel: str) -> str:
+    """Why the scanner refused to read `rel`, a file some layout asked for ("" when it did
+    not): not a regular file, a link, over its kind's cap (`ckptd.inputs`)."""
+    return snap.bad_contents.get(rel, "") if rel else ""
+
+
+def rank_problem(ranks: Iterable[int], what: str) -> str:
+    """A rank or world size past MAX_RANKS ("" when none): no real job's, never expanded into
+    a per-rank list (a 40-byte file claiming 2*10^7 ranks would take gigabytes)."""
+    big = max(ranks, default=0)
+    return f"{what} {big} is past the {MAX_RANKS} ranks ckptd accepts" if big > MAX_RANKS else ""
+
+
+def missing_ranks(have: Iterable[int], size: int, limit: int = 8) -> list[int]:
+    """Up to `limit` ranks of 0..size-1 not in `have`, found without listing every rank."""
+    present = set(have)
+    out: list[int] = []
+    for r in range(size):
+        if r not in present:
+            out.append(r)
+            if len(out) >= limit:
+                break
+    return out
 
 
 def make(layout: str, step: int, path: str, files: Iterable[str], problems: list[str],
@@ -251,6 +276,8 @@ def pointer_problem(snap: Snapshot, directory: str, pointer: str, wanted: str,
     rel = join(parent_of(directory), pointer)
     if rel not in snap.files:
         return f"{rel} naming {wanted}"
+    if bad := bad_content(snap, rel):
+        return f"{rel} to be a readable regular file ({bad})"
     data = snap.contents.get(rel)
     if data is None:
         return f"{rel} to be readable"

@@ -7,11 +7,12 @@ Pure: reads only the snapshot."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Callable
 
 from ckptd.layouts import common
-from ckptd.model import Candidate, RankFiles, RootOptions, Snapshot
+from ckptd.model import Candidate, RankFiles, Reason, RootOptions, Snapshot
 
 NAME = "deepspeed"
 LATEST = "latest"
@@ -24,7 +25,7 @@ _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.
 # Where DeepSpeed records the data-parallel size in every model states file (its engine's
 # `_common_checkpoint_state`); one optimizer shard per rank of it under ZeRO.
 DP_KEY = "dp_world_size"
-MAX_RANKS = 1 << 20  # a recorded size beyond this is not a real job's: not trusted
+MAX_RANKS = common.MAX_RANKS  # a recorded size beyond this is not a real job's: not trusted
 
 # What DeepSpeed 0.19.8's ZeRO optimizer states pickle besides tensors, found by scanning files
 # the library wrote (ZeRO-2, fp32/bf16/fp16, tests/frameworks/test_deepspeed.py). Each is
@@ -96,6 +97,11 @@ class DeepSpeedLayout:
                 continue
             ranks = _Ranks(directory, top, common.parent_of(directory) in zero_dirs,
                            _recorded_dp(snap, directory, top))
+            if bad := ranks.too_many(opts.world_size):
+                out.append(common.make(NAME, step, directory, files, [],
+                                       invalid_reason=str(Reason.BAD_METADATA),
+                                       invalid_message=bad))
+                continue
             problems = [
                 common.unfinished_problem(snap, directory, under),
                 _latest_problem(snap, directory, step),
@@ -169,6 +175,15 @@ class _Ranks:
         self.recorded_dp = recorded_dp
         self.bf16 = any(n.startswith("bf16_") and _OPTIM.match(n) for n in names)
 
+    def too_many(self, world_size: int) -> str:
+        """A rank in a file name, or the ranks expected, past MAX_RANKS ("" when none): no
+        real job's, and never expanded into a per-rank list."""
+        cells = self.optim | self.zero3
+        return (common.rank_problem([mp for _, mp in cells] + list(self.plain_mp),
+                                    f"{self.directory}: mp rank")
+                or common.rank_problem([dp for dp, _ in cells], f"{self.directory}: dp rank")
+                or common.rank_problem([world_size], f"{self.directory}: world_size"))
+
     def problems(self, world_size: int) -> list[str]:
         """Every (dp, mp) cell must have its optimizer states (and, for ZeRO-3, model states)."""
         problems = (_missing("model states for mp rank", self.plain_mp, self.mp_size)
@@ -221,12 +236,15 @@ class _Ranks:
 
     def _missing_cells(self, what: str, have: set[Cell], dp_size: int,
                        name: _Namer) -> list[str]:
-        gone = [(dp, mp) for mp in range(self.mp_size) for dp in range(dp_size)
-                if (dp, mp) not in have]
-        if not gone:
+        # Counted, not listed: dp_size * mp_size may be large, the files present are few.
+        present = sum(1 for dp, mp in have if dp < dp_size and mp < self.mp_size)
+        count = dp_size * self.mp_size - present
+        if count <= 0:
             return []
-        shown = ", ".join(f"dp {dp}/mp {mp} ({name(dp, mp)})" for dp, mp in gone[:8])
-        more = f" and {len(gone) - 8} more" if len(gone) > 8 else ""
+        cells = ((dp, mp) for mp in range(self.mp_size) for dp in range(dp_size))
+        gone = list(itertools.islice(((dp, mp) for dp, mp in cells if (dp, mp) not in have), 8))
+        shown = ", ".join(f"dp {dp}/mp {mp} ({name(dp, mp)})" for dp, mp in gone)
+        more = f" and {count - len(gone)} more" if count > len(gone) else ""
         return [f"{what} for {shown}{more}"]
 
 
@@ -248,8 +266,10 @@ def _cells(pattern: re.Pattern[str], names: list[str], zero3: bool = False) -> s
 
 
 def _missing(what: str, have: set[int], size: int) -> list[str]:
-    gone = [r for r in range(size) if r not in have]
-    return [f"{what} {', '.join(map(str, gone))}"] if gone else []
+    gone = common.missing_ranks(have, size)
+    more = size - sum(1 for r in have if r < size) - len(gone)
+    return [f"{what} {', '.join(map(str, gone))}" + (f" and {more} more" if more > 0 else "")
+            ] if gone else []
 
 
 LAYOUT = DeepSpeedLayout()

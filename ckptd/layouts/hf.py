@@ -59,7 +59,9 @@ def _candidate(snap: Snapshot, opts: RootOptions, now: float, directory: str, st
     problems.append(common.settle_problem(snap, under, opts, now))
     # Trainer pickles its TrainingArguments object here and never loads it on resume.
     extra: dict[str, Any] = {"opaque": tuple(f for f in files if f.endswith("/" + ARGS))}
-    if not any(problems) and state_rel in snap.contents:
+    if bad := common.bad_content(snap, state_rel):
+        extra.update(invalid_reason=str(Reason.BAD_METADATA), invalid_message=bad)
+    elif not any(problems) and state_rel in snap.contents:
         try:
             extra["metrics"] = metrics_of(common.load_json(snap.contents[state_rel]))
         except ValueError as exc:

@@ -90,7 +90,8 @@ def _tracker_problem(snap: Snapshot, directory: str, step: int) -> str:
     """The tracker sits in the save dir beside the iter dirs; "release" names no iteration."""
     return common.pointer_problem(
         snap, directory, TRACKER, str(step),
-        lambda text: text.isascii() and text.isdigit() and int(text) >= step)
+        lambda text: (text.isascii() and text.isdigit() and len(text) <= 19
+                      and int(text) >= step))
 
 
 def restored_tracker(paths: Iterable[str]) -> dict[str, bytes]:

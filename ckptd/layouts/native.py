@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ckptd import inputs
+from ckptd.errors import BadInput
 from ckptd.layouts import common
 from ckptd.model import Candidate, Reason, RootOptions, Snapshot
 
@@ -86,6 +88,9 @@ def _committed(snap: Snapshot, directory: str, step: int, files: list[str],
     other nodes' (the commit, not this node, requires them)."""
     meta_rel = common.join(directory, META)
     problems = [common.open_problem(snap, files), common.unfinished_problem(snap, directory, under)]
+    if bad := common.bad_content(snap, meta_rel):
+        return common.make(NAME, step, directory, files, problems,
+                           invalid_reason=str(Reason.BAD_METADATA), invalid_message=bad)
     if meta_rel not in snap.contents:
         problems.append(f"{meta_rel} to be readable")
         return common.make(NAME, step, directory, files, problems)
@@ -138,9 +143,10 @@ def _listed_sizes(listing: Any, directory: str) -> dict[str, int]:
         size = entry.get("size") if isinstance(entry, dict) else None
         if not isinstance(path, str) or not _safe_relative(path):
             raise ValueError(f"bad file path {path!r}")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ValueError(f"bad size {size!r} for {path!r}")
-        sizes[common.join(directory, path)] = size
+        try:
+            sizes[common.join(directory, path)] = inputs.check_int(size, f"size of {path!r}")
+        except BadInput as exc:
+            raise ValueError(str(exc)) from None
     return sizes
 
 

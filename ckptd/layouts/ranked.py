@@ -83,12 +83,16 @@ def _candidate(snap: Snapshot, opts: RootOptions, now: float, directory: str, st
     if not group.meta:
         problems.append(common.join(directory, f"meta_{step}.json"))
     meta, bad = _meta(snap, group.meta)
-    if group.meta and group.meta not in snap.contents and not opts.world_size:
+    if group.meta and group.meta not in snap.contents and not opts.world_size and not bad:
         problems.append(f"{group.meta} to be readable")
-    world = opts.world_size or _meta_world(meta) or 1 + max(group.ranks, default=-1)
-    missing = [r for r in range(max(world, 1)) if r not in group.ranks]
-    if missing:
-        problems.append(f"optimizer shards for ranks {', '.join(map(str, missing))}")
+    bad = bad or _ranks_problem(group, meta)
+    if not bad:
+        world = opts.world_size or _meta_world(meta) or 1 + max(group.ranks, default=-1)
+        missing = common.missing_ranks(group.ranks, max(world, 1))
+        if missing:
+            more = world - sum(1 for r in group.ranks if r < world) - len(missing)
+            problems.append(f"optimizer shards for ranks {', '.join(map(str, missing))}"
+                            + (f" and {more} more" if more > 0 else ""))
     problems.append(common.unfinished_problem(snap, model))
     problems.append(common.settle_problem(snap, group.files(), opts, now))
     extra: dict[str, Any] = {"metrics": common.numeric_metrics(meta.get("metrics"))}
@@ -119,8 +123,9 @@ def _node_share(snap: Snapshot, opts: RootOptions, now: float, directory: str, s
         size = snap.files[group.meta].size if group.meta else 0
         if size > META_MAX_BYTES:
             bad = f"{group.meta} has {size} bytes, more than the {META_MAX_BYTES} a record may"
-        elif group.meta and group.meta not in snap.contents:
+        elif group.meta and group.meta not in snap.contents and not bad:
             problems.append(f"{group.meta} to be readable")
+        bad = bad or _ranks_problem(group, meta)
         extra["metrics"] = common.numeric_metrics(meta.get("metrics"))
         if bad:
             extra.update(invalid_reason=str(Reason.BAD_METADATA), invalid_message=bad)
@@ -130,18 +135,28 @@ def _node_share(snap: Snapshot, opts: RootOptions, now: float, directory: str, s
 
 def _meta(snap: Snapshot, rel: str) -> tuple[dict[str, Any], str]:
     """meta_<N>.json as a dict, and why it is bad ("" when fine or not there yet)."""
+    if bad := common.bad_content(snap, rel):
+        return {}, bad
     if not rel or rel not in snap.contents:
         return {}, ""
     try:
-        obj = common.load_json(snap.contents[rel])
+        obj = common.load_json(snap.contents[rel], rel)
     except ValueError as exc:
-        return {}, f"{rel}: {exc}"
+        return {}, str(exc)
     return (obj, "") if isinstance(obj, dict) else ({}, f"{rel}: not a JSON object")
 
 
 def _meta_world(meta: dict[str, Any]) -> int:
     w = meta.get("world_size")
     return w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else 0
+
+
+def _ranks_problem(group: _Group, meta: dict[str, Any]) -> str:
+    """A world size in meta_<N>.json or a rank in a file name past MAX_RANKS: the step is
+    invalid (bad_metadata), never expanded into a list of that many ranks."""
+    top = max(group.ranks, default=0)
+    return (common.rank_problem([_meta_world(meta)], f"{group.meta}: world_size")
+            or common.rank_problem(group.ranks, f"{group.ranks.get(top, '')}: rank"))
 
 
 LAYOUT = RankedLayout()

@@ -23,13 +23,14 @@ from typing import Any
 
 import xxhash
 
+from ckptd import inputs
 from ckptd.arena import FileRange, Request
-from ckptd.errors import CkptdError
+from ckptd.errors import BadInput, CkptdError
 from ckptd.fileio import CHUNK_SIZE, HASH_ALG
 from ckptd.formats.zipcrc import fill_crcs
 
 META = "meta.json"
-MAX_MARKER = 1 << 20
+MAX_MARKER = inputs.MARKER.cap
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _DROP_EVERY = 64 << 20  # start writeback and forget written pages in steps of this many bytes
 
@@ -251,13 +252,8 @@ def _read_json(dir_fd: int, rel: str) -> dict[str, Any] | None:
             base = dir_fd
             if parent:
                 base = stack.enter_context(_opendir(dir_fd, parent))
-            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=base)
-            try:
-                raw = os.read(fd, MAX_MARKER + 1)
-            finally:
-                os.close(fd)
-        data = json.loads(raw) if len(raw) <= MAX_MARKER else None
-    except (OSError, ValueError, RecursionError):
+            data = inputs.read_json(name, inputs.MARKER, dir_fd=base)
+    except (OSError, BadInput):  # the bounded reader: a regular file, no link, strict JSON
         return None
     return data if isinstance(data, dict) else None
 

@@ -4,7 +4,6 @@ the expected set of the save it commits. A share without the record gives None."
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import re
@@ -13,9 +12,9 @@ from pathlib import Path
 
 import xxhash
 
-from ckptd import fileio
+from ckptd import fileio, inputs
 from ckptd.cluster import commit as cc
-from ckptd.errors import PermanentError, TransientError, ValidationFailed
+from ckptd.errors import BadInput, PermanentError, TransientError, ValidationFailed
 from ckptd.formats.dcpmeta import parse_dcp_metadata
 from ckptd.formats.torchhead import HEAD_BYTES, leading_fields
 from ckptd.layouts import ranked
@@ -60,12 +59,16 @@ def native_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float
     f = _one_file(manifest, lambda name: name == "meta.json")
     if f is None:
         return None
+    if f.size > inputs.ROOT_META.cap:
+        raise PermanentError(f"{f.path} has {f.size} bytes, over the {inputs.ROOT_META.cap}"
+                             " a metadata file may")
     data = _validated_bytes(root_dir, f.path, f.size, f.hash)
     try:
-        listing = json.loads(data).get("files")
+        listing = inputs.loads(data, f.path).get("files")
         base = posixpath.dirname(f.path)
-        expected = {posixpath.join(base, e["path"]): int(e["size"]) for e in listing}
-    except (ValueError, TypeError, KeyError, AttributeError):
+        expected = {posixpath.join(base, e["path"]): inputs.check_int(e["size"], e["path"])
+                    for e in listing}
+    except (BadInput, ValueError, TypeError, KeyError, AttributeError):
         raise PermanentError(f"{f.path}: no file listing the commit can read") from None
     return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected, exact=True)
 
@@ -144,9 +147,9 @@ def ranked_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float
                              f" {ranked.META_MAX_BYTES} a commit record may")
     data = _validated_bytes(root_dir, f.path, f.size, f.hash)
     try:
-        doc = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError):
-        raise PermanentError(f"{f.path} is not valid JSON") from None
+        doc = inputs.loads(data, f.path)
+    except BadInput as exc:
+        raise PermanentError(f"{f.path} is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise PermanentError(f"{f.path} is not a JSON object")
     recorded = doc.get("world_size")

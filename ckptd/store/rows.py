@@ -6,12 +6,13 @@ Owns the mapping between SQLite rows and ckptd's types; holds no connection and 
 from __future__ import annotations
 
 import json
-import math
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckptd import inputs
+from ckptd.errors import BadInput
 from ckptd.lifecycle.table import Effect, Event, Stage, Status
 from ckptd.model import Candidate, CheckpointRecord, Local, RankFiles, Remote, State
 
@@ -104,13 +105,14 @@ def expected_json(c: Candidate) -> str:
 
 def metrics_json(*sources: dict[str, Any]) -> str:
     """Merge metric maps (later wins) into strict JSON: a value that is not a finite number
-    (a NaN loss in trainer_state.json) is dropped, never stored as `NaN` nor ranked as best."""
+    (a NaN loss in trainer_state.json, an integer of 400 digits) is dropped, never stored as
+    `NaN` nor ranked as best."""
     merged: dict[str, float] = {}
     for source in sources:
         for k, v in source.items():
-            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-                merged[str(k)] = float(v)
-            else:
+            try:  # an integer past a float's range (10^400) is no metric either, never a crash
+                merged[str(k)] = inputs.check_float(v, "a metric")
+            except BadInput:
                 merged.pop(str(k), None)
     return json.dumps(merged, allow_nan=False)
 

@@ -1,0 +1,219 @@
+"""Numbers and metadata from outside, bounded where they enter: a metric of 400 digits at the
+socket or in an async save's head, a world size or a rank of tens of millions in a root's file
+names or metadata, metadata that is a link, a FIFO or over its cap. Each is refused or set aside
+as one bad item; the root's other checkpoints carry on. Against the real daemon (in-process,
+real socket, real SQLite), real files and the pure layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import Harness, raw
+from support.wait import wait_until
+from test_async_save import post_persist, sealed_arena
+from writers import save_torch
+
+from ckptd import layouts, pins
+from ckptd.model import FileInfo, RootOptions, Snapshot
+
+HUGE = "9" * 400  # an integer no float holds: float(10**400) raises OverflowError
+
+
+@pytest.fixture
+def h(tmp_path: Path, short_dir: Path) -> Any:
+    harness = Harness(tmp_path, short_dir)
+    harness.daemon.start()
+    try:
+        yield harness
+    finally:
+        harness.daemon.stop(grace=5)
+
+
+def checkpoints(h: Harness) -> dict[int, dict[str, Any]]:
+    status, doc = h.client.request("GET", "/v1/roots/r/checkpoints")
+    assert status == 200, doc
+    return {c["step"]: c for c in doc["checkpoints"]}
+
+
+def message(h: Harness, step: int) -> str:
+    rec = h.daemon.store.checkpoint("r", step)
+    assert rec is not None
+    return rec.message
+
+
+def native_step(root: Path, step: int, metrics_json: str = "{}") -> Path:
+    """A `step-N/` dir as `ckptd.torch.save` leaves it, its meta.json written by hand."""
+    d = root / f"step-{step}"
+    save_torch(d / "model.pt")
+    size = (d / "model.pt").stat().st_size
+    (d / "meta.json").write_text(
+        '{"format": "ckptd-native/1", "step": %d, "world_size": 1, "files": [{"path":'
+        ' "model.pt", "size": %d}], "metrics": %s}' % (step, size, metrics_json))
+    return d
+
+
+# -- at the socket --------------------------------------------------------------------------
+
+
+def test_a_400_digit_metric_in_a_registration_is_a_400_and_scans_go_on(h: Harness) -> None:
+    save_torch(h.root / "model_step_1.pt")
+    body = b'{"step": 1, "metrics": {"loss": %s}}' % HUGE.encode()
+    status, doc = raw(h.daemon.config.daemon.socket, "POST", "/v1/roots/r/checkpoints", body)
+    assert status == 400 and doc["error"] == "bad_field", doc
+    assert "metric 'loss'" in doc["message"]
+    save_torch(h.root / "model_step_2.pt")
+    assert h.client.wait("r", 2, until="valid", timeout=30)
+    assert h.client.wait("r", 1, until="valid", timeout=30)
+    assert checkpoints(h)[1]["metrics"] == {}
+    assert h.client.health()["status"] == "ok"  # type: ignore[index]
+
+
+def test_a_400_digit_metric_in_an_async_saves_head_is_refused(inproc_daemon: Any) -> None:
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    fd, body = sealed_arena()
+    body["dir"] = str(d.roots["r1"])
+    body["head"]["metrics"] = {"loss": 10**400}
+    try:
+        got = post_persist(d.socket, body, fd)
+    finally:
+        os.close(fd)
+    assert got[0] == 400 and got[1]["error"] == "bad_arena", got
+    assert "loss" in got[1]["message"]
+    assert [p.name for p in d.roots["r1"].iterdir()] == [".ckptd"]
+
+
+def test_a_huge_integer_anywhere_in_an_async_saves_head_is_refused(inproc_daemon: Any) -> None:
+    """The head becomes meta.json, read back as strict JSON: refused at the door, not later."""
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    fd, body = sealed_arena()
+    body["dir"] = str(d.roots["r1"])
+    body["head"]["config"] = {"lr_steps": [1, 2**70]}
+    try:
+        got = post_persist(d.socket, body, fd)
+    finally:
+        os.close(fd)
+    assert got[0] == 400 and got[1]["error"] == "bad_arena", got
+
+
+# -- on disk ----------------------------------------------------------------------------------
+
+
+def test_a_400_digit_metric_in_a_meta_json_is_one_bad_step(h: Harness) -> None:
+    native_step(h.root, 5, '{"loss": %s}' % HUGE)
+    native_step(h.root, 6, '{"loss": 0.5}')
+    assert h.client.wait("r", 6, until="valid", timeout=30)
+    wait_until(lambda: checkpoints(h).get(5, {}).get("state") == "invalid", 30)
+    rec = checkpoints(h)
+    assert rec[5]["state"] == "invalid" and rec[5]["reason"] == "bad_metadata", rec[5]
+    assert "400 digits" in message(h, 5)
+    assert rec[6]["metrics"] == {"loss": 0.5}
+    save_torch(h.root / "model_step_7.pt")  # later scans go on
+    assert h.client.wait("r", 7, until="valid", timeout=30)
+    assert h.client.status()["roots"][0]["last_error"] is None  # type: ignore[index]
+
+
+def test_a_meta_json_that_is_a_link_or_over_its_cap_is_a_bad_step(h: Harness) -> None:
+    d = native_step(h.root, 5)
+    real = d / "real-meta"
+    (d / "meta.json").rename(real)
+    (d / "meta.json").symlink_to(real.name)  # inside the root, still never read through
+    big = native_step(h.root, 6)
+    with (big / "meta.json").open("a") as f:
+        f.write(" " * (1024 * 1024))
+    native_step(h.root, 7)
+    assert h.client.wait("r", 7, until="valid", timeout=30)
+    for step, words in ((5, "symlink"), (6, "cap")):
+        wait_until(lambda s=step: checkpoints(h).get(s, {}).get("state") == "invalid", 30)
+        assert checkpoints(h)[step]["reason"] == "bad_metadata"
+        assert words in message(h, step)
+
+
+def test_a_pointer_file_over_its_cap_is_reported_and_the_root_goes_on(h: Harness) -> None:
+    """DeepSpeed's `latest` of 10 KiB: the tag waits for a readable one, `latest` is listed as
+    unrecognised in status, the root's other checkpoints carry on."""
+    tag = h.root / "ds" / "global_step5"
+    save_torch(tag / "mp_rank_00_model_states.pt")
+    (h.root / "ds" / "latest").write_text("global_step5" + " " * 10_000)
+    save_torch(h.root / "model_step_9.pt")
+    assert h.client.wait("r", 9, until="valid", timeout=30)
+    root = h.client.status()["roots"][0]  # type: ignore[index]
+    assert "ds/latest" in root["unrecognised"], root
+    assert checkpoints(h)[5]["state"] == "pending"
+
+
+def test_a_pins_file_that_is_a_fifo_never_blocks(tmp_path: Path) -> None:
+    (tmp_path / ".ckptd").mkdir()
+    os.mkfifo(pins.pins_path(tmp_path))
+    got: list[set[int]] = []
+    t = threading.Thread(target=lambda: got.append(pins.read_pins(tmp_path)), daemon=True)
+    t.start()
+    t.join(10)
+    assert got == [set()]  # the old read_bytes() waited for a writer forever
+
+
+def test_a_pins_file_with_a_huge_step_is_read_as_no_pins(tmp_path: Path) -> None:
+    (tmp_path / ".ckptd").mkdir()
+    pins.pins_path(tmp_path).write_text('{"format": "ckptd-pins/1", "steps": [1, %s]}' % HUGE)
+    assert pins.read_pins(tmp_path) == set()
+
+
+# -- world sizes and ranks ----------------------------------------------------------------------
+
+
+def _snap(files: dict[str, int], contents: dict[str, bytes] | None = None) -> Snapshot:
+    infos = {rel: FileInfo(rel, size, 0.0, 0.0, False) for rel, size in files.items()}
+    return Snapshot(files=infos, contents=contents or {})
+
+
+def _detect_bounded(snap: Snapshot, opts: RootOptions | None = None) -> list[Any]:
+    """Detect, and assert it took well under a second and 16 MiB at peak."""
+    tracemalloc.start()
+    t0 = time.monotonic()
+    try:
+        found = layouts.detect(snap, opts or RootOptions(settle=1.0), now=1e6)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert time.monotonic() - t0 < 2.0
+    assert peak < 16 * 1024 * 1024, f"{peak} bytes at peak"
+    return found
+
+
+@pytest.mark.parametrize("multi_node", [False, True])
+def test_a_40_byte_meta_claiming_2e7_ranks_is_bad_metadata(multi_node: bool) -> None:
+    meta = json.dumps({"world_size": 2 * 10**7}).encode()
+    snap = _snap({"model_5.pt": 100, "meta_5.json": len(meta), "optim_5_rank0.pt": 100},
+                 {"meta_5.json": meta})
+    (cand,) = _detect_bounded(snap, RootOptions(settle=1.0, multi_node=multi_node))
+    assert cand.invalid_reason == "bad_metadata"
+    assert "world_size 20000000" in cand.invalid_message
+
+
+def test_a_large_but_possible_world_size_lists_a_few_missing_ranks() -> None:
+    meta = json.dumps({"world_size": 1 << 20}).encode()
+    snap = _snap({"model_5.pt": 100, "meta_5.json": len(meta), "optim_5_rank0.pt": 100},
+                 {"meta_5.json": meta})
+    (cand,) = _detect_bounded(snap)
+    assert not cand.complete and not cand.invalid_reason
+    assert "ranks 1, 2, 3, 4, 5, 6, 7, 8 and 1048567 more" in cand.waiting_for
+
+
+@pytest.mark.parametrize("files", [
+    {"model_5.pt": 100, "meta_5.json": 2, "optim_5_rank0.pt": 1, "optim_5_rank99999999.pt": 1},
+    {"global_step5/mp_rank_00_model_states.pt": 1,
+     "global_step5/zero_pp_rank_99999999_mp_rank_00_optim_states.pt": 1, "latest": 12},
+    {"global_step5/mp_rank_99999999_model_states.pt": 1,
+     "global_step5/mp_rank_00_model_states.pt": 1, "latest": 12},
+], ids=["ranked", "deepspeed dp", "deepspeed mp"])
+def test_a_rank_of_1e8_in_a_file_name_is_bad_metadata(files: dict[str, int]) -> None:
+    snap = _snap(files, {"meta_5.json": b"{}", "latest": b"global_step5"})
+    (cand,) = _detect_bounded(snap)
+    assert cand.invalid_reason == "bad_metadata", cand
+    assert "99999999" in cand.invalid_message
