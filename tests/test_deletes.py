@@ -10,7 +10,27 @@ real files; and the re-save of a step held as a compressed copy, on a real daemo
 from __future__ import annotations
 
 import ast
+import json
+import os
+import threading
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
+from typing import Any
+
+import pytest
+from support.ckpts import save_single
+from support.wait import wait_until
+from support.wire import cli
+
+from ckptd import remote
+from ckptd.backends.local import LocalBackend
+from ckptd.manifest import Manifest
+from ckptd.model import Candidate, Local, Remote
+from ckptd.retention import executor
+from ckptd.stages import compress
+from ckptd.stages.upload import delete_step, upload_step
+from ckptd.stages.validate import validate
 
 CKPTD = Path(__file__).resolve().parent.parent / "ckptd"
 
@@ -122,3 +142,229 @@ def test_the_walk_catches_each_kind_of_delete() -> None:
     found = [_deleting(n) for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call)]
     assert sorted(w for w in found if w) == sorted(
         ["unlink", "os.remove", "rmdir", "rmtree", "unlink", "rmdir", "delete"])
+
+
+def test_executor_delete_calls_are_its_only_callers_of_delete_step() -> None:
+    """`delete_step` is the remote delete protocol: outside its module it is only ever handed
+    to an executor entry point (which calls what it is given), never called."""
+    for path in sorted(CKPTD.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                allowed = path.name in ("upload.py", "executor.py")
+                assert node.func.id != "delete_step" or allowed, path
+
+
+# --- the executor's entry points, behind their nets -------------------------------------------
+
+
+def nets(**kw: Any) -> executor.Guards:
+    base: dict[str, Any] = {"latest_step": None, "best_step": None, "pinned": frozenset(),
+                            "in_use": frozenset(), "remote_verified": frozenset(),
+                            "upload_configured": False}
+    base.update(kw)
+    return executor.Guards(**base)
+
+
+def staged(root: Path, step: int, n: int = 64) -> tuple[Path, Manifest]:
+    """A real torch checkpoint and its verified local compressed copy, as the daemon makes it."""
+    path = save_single(root, step, n=n)
+    rel = path.name
+    cand = Candidate("single", step, rel, (rel,), complete=True)
+    st = compress.Stager(root, "r", step, "single", "zstd", 3, 1, 0.03,
+                         install=partial(executor.install_copy, root, step))
+    result = validate(root, cand, extra_sinks=st.sinks_for)
+    assert result.valid, result
+    return path, st.commit(result.files, result.metrics)
+
+
+def copy_of(step: int, local: Local = Local.PRESENT) -> executor.Target:
+    return executor.Target(step, f".ckptd/objects/step-{step}", (), local, Remote.UPLOADED, True)
+
+
+def test_release_copy_nets(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    staged(root, 1)
+    copy = compress.objects_dir(root, 1)
+    # A reader holds the step: its copy stays, whether or not the originals are there.
+    for local in (Local.PRESENT, Local.PRUNED):
+        out = executor.release_copy(root, copy_of(1, local), nets(in_use=frozenset({1})))
+        assert (out.action, out.reason) == ("refused", "in_use") and copy.is_dir()
+    # The copy that is the checkpoint's local form is never released.
+    out = executor.release_copy(root, copy_of(1, Local.COMPRESSED), nets())
+    assert out.action == "refused" and out.reason.startswith("compressed:") and copy.is_dir()
+    # With the originals gone it is the last local form: every prune net holds it.
+    for kw, why in (({"latest_step": 1}, "latest"), ({"best_step": 1}, "best"),
+                    ({"pinned": frozenset({1})}, "pinned"),
+                    ({"upload_configured": True}, "not_uploaded")):
+        out = executor.release_copy(root, copy_of(1, Local.PRUNED), nets(**kw))
+        assert (out.action, out.reason) == ("refused", why) and copy.is_dir()
+    # Beside its originals it is a spare: latest, best or pinned lose nothing by it.
+    g = nets(latest_step=1, best_step=1, pinned=frozenset({1}), upload_configured=True)
+    out = executor.release_copy(root, copy_of(1), g)
+    assert out.action == "deleted" and out.bytes_freed > 0 and not copy.exists()
+    assert os.listdir(executor.trash_dir_for(root)) == []
+    assert (root / "model_step_1.pt").is_file()
+
+
+def test_release_copy_refuses_anything_but_a_copy(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    path, _ = staged(root, 1)
+    bad = executor.Target(1, path.name, (), Local.PRESENT, Remote.UPLOADED, True)
+    out = executor.release_copy(root, bad, nets())
+    assert out.action == "refused" and "not a compressed copy" in out.reason and path.is_file()
+
+
+def test_replace_originals_nets(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    path, manifest = staged(root, 1)
+    target = executor.Target(1, path.name, (path.name,), Local.PRESENT, Remote.NONE, False)
+    checked: list[int] = []
+
+    def check() -> None:
+        checked.append(1)
+        compress.check_replaceable(root, manifest, [path.name])
+
+    for kw, why in (({"latest_step": 1}, "latest"), ({"in_use": frozenset({1})}, "in_use"),
+                    ({"invalid": frozenset({1})}, "invalid"),
+                    ({"shared": frozenset({1})}, executor.SHARED)):
+        out = executor.replace_originals(root, target, nets(**kw), check)
+        assert (out.action, out.reason) == ("refused", why) and path.is_file()
+    assert not checked  # a net refuses before anything is read
+    # A changed original fails the check: kept.
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    out = executor.replace_originals(root, target, nets(), check)
+    assert out.action == "failed" and "differs" in out.reason and path.is_file()
+    path.write_bytes(data)
+    # Pinned and best are compressed like the others (they stay restorable): a policy choice.
+    g = nets(best_step=1, pinned=frozenset({1}), upload_configured=True)
+    out = executor.replace_originals(root, target, g, check)
+    assert out.action == "deleted" and out.bytes_freed == len(data) and not path.exists()
+    assert os.listdir(executor.trash_dir_for(root)) == []
+    assert compress.local_steps(root) == [1]
+
+
+def test_replace_originals_cut_short_is_put_back_at_start(tmp_path: Path) -> None:
+    """A crash while the originals move into the trash (journal "moving"): start-up's
+    purge_trash puts them back beside the copy, and the next replace finishes the job."""
+    root = tmp_path / "root"
+    (root / "ck").mkdir(parents=True)
+    for name in ("a.dat", "b.dat"):
+        (root / "ck" / name).write_bytes(os.urandom(5000))
+    cand = Candidate("registered", 7, "ck", ("ck/a.dat", "ck/b.dat"), complete=True)
+    st = compress.Stager(root, "r", 7, "registered", "zstd", 3, 1, 0.03)
+    result = validate(root, cand, extra_sinks=st.sinks_for)
+    manifest = st.commit(result.files, result.metrics)
+    saved = {n: (root / n).read_bytes() for n in cand.files}
+    # What a crash after the first rename leaves: a "moving" entry holding a.dat only.
+    entry = executor.trash_dir_for(root) / "step-7.cut"
+    (entry / executor.DATA_NAME / "ck").mkdir(parents=True)
+    os.rename(root / "ck" / "a.dat", entry / executor.DATA_NAME / "ck" / "a.dat")
+    (entry / executor.JOURNAL_NAME).write_text(json.dumps(
+        {"format": "ckptd-trash/1", "step": 7, "state": "moving",
+         "names": ["ck/a.dat", "ck/b.dat"]}))
+    assert executor.purge_trash(executor.trash_dir_for(root), root) == 0
+    assert {n: (root / n).read_bytes() for n in cand.files} == saved
+    target = executor.Target(7, "ck", cand.files, Local.PRESENT, Remote.NONE, False)
+    out = executor.replace_originals(
+        root, target, nets(), lambda: compress.check_replaceable(root, manifest, cand.files))
+    assert out.action == "deleted" and not (root / "ck").exists()
+
+
+def test_replace_remote_nets(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    _, manifest = staged(root, 1)
+    backend = LocalBackend(tmp_path / "remote")
+    upload_step(backend, "r", compress.objects_dir(root, 1), manifest)
+    out = executor.replace_remote(backend, "r", 1, nets(in_use=frozenset({1})), delete_step)
+    assert (out.action, out.reason) == ("refused", "in_use")
+    assert remote.read_manifest(backend, "r", 1) == manifest
+    out = executor.replace_remote(backend, "r", 1, nets(pinned=frozenset({1})), delete_step)
+    assert out.action == "deleted" and not list(backend.list("r/"))
+
+
+def test_install_copy_replaces_the_superseded_copy_through_the_trash(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    _, first = staged(root, 1, n=64)
+    _, second = staged(root, 1, n=200)  # a re-save of the step
+    assert first != second and compress.read_local_manifest(root, 1) == second
+    assert os.listdir(compress.objects_root(root)) == ["step-1"]
+    assert os.listdir(executor.trash_dir_for(root)) == []
+    compress.verify_copy(compress.objects_dir(root, 1), second)
+
+
+# --- the re-save of a step held as a compressed copy, on a real daemon -----------------------
+
+
+@pytest.fixture
+def thread_errors() -> Iterator[list[BaseException]]:
+    """Exceptions that ended any thread while the test ran (watchdog's reader among them)."""
+    got: list[BaseException] = []
+    before = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_value is not None:
+            got.append(args.exc_value)
+        before(args)
+
+    threading.excepthook = hook
+    try:
+        yield got
+    finally:
+        threading.excepthook = before
+
+
+def inotify_readers() -> list[threading.Thread]:
+    from watchdog.observers import inotify_c
+
+    return [t for t in threading.enumerate() if type(t).__module__ == inotify_c.__name__]
+
+
+def test_resave_of_a_step_held_compressed(inproc_daemon: Any, tmp_path: Path,
+                                          thread_errors: list[BaseException]) -> None:
+    """The trainer saves a step again after ckptd replaced its originals by a compressed copy.
+    The re-save's copy used to be swapped in with RENAME_EXCHANGE; watchdog's inotify reader
+    lost track of both directories and died on the next delete with a KeyError naming
+    `.ckptd/objects/step-N` (the daemon then heard no inotify events at all)."""
+    d = inproc_daemon(roots=[{
+        "name": "r1", "upload": {"url": f"file://{tmp_path / 'remote'}"},
+        "retention": {"local": {"keep_last": 1, "keep_best": 0, "keep_within": "1h",
+                                "compress_older": True, "min_free": "0"}},
+    }])
+    root, c = d.roots["r1"], d.client
+    for step in (1, 2):
+        save_single(root, step, n=256)
+        assert d.wait_for("r1", step)["state"] == "valid"
+        assert c.wait("r1", step, until="uploaded", timeout=60)
+
+    def local_of() -> dict[int, tuple[str, str, int]]:
+        return {x["step"]: (x["local"], x["remote"], x["bytes"]) for x in c.checkpoints("r1")}
+
+    wait_until(lambda: local_of().get(1, ("",))[0] == "compressed", 30, "step 1 compressed",
+               detail=lambda: d.log_text()[-3000:])
+    old_bytes = local_of()[1][2]
+    readers = inotify_readers()
+    assert readers and all(t.is_alive() for t in readers)
+
+    resaved = save_single(root, 1, n=300).read_bytes()
+    wait_until(lambda: (lambda s: s[0] == "compressed" and s[1] == "uploaded"
+                        and s[2] != old_bytes)(local_of()[1]), 60,
+               "the re-save of step 1 validated, uploaded and compressed again",
+               detail=lambda: d.log_text()[-4000:])
+    save_single(root, 3, n=64)  # inotify events after the replacement are read too
+    assert d.wait_for("r1", 3)["state"] == "valid"
+    assert all(t.is_alive() for t in readers), "watchdog's inotify reader died"
+    assert not thread_errors, thread_errors
+    assert "KeyError" not in d.log_text() and "Traceback" not in d.log_text()
+    # Step 2 may be on its way through the trash (compressed in place now that 3 is here).
+    wait_until(lambda: os.listdir(executor.trash_dir_for(root)) == [], 30, "the trash empty")
+    out = tmp_path / "restored"
+    r = cli("restore", "r1", "1", "--to", str(out), config=d.config)
+    assert r.returncode == 0, r.stderr
+    assert (out / "model_step_1.pt").read_bytes() == resaved
