@@ -56,6 +56,7 @@ class Retention(Protocol):
 
 class Discovery(Protocol):
     def refresh(self, name: str, max_age: float = ...) -> None: ...
+    def bad_remote(self, name: str) -> list[dict[str, str]]: ...
 
 
 class Services(Protocol):
@@ -171,6 +172,7 @@ class ApiContext:
             "preflight": self.retention.health_json(root.name),
             "adopted": self.retention.adopted_json(root),
             "unrecognised": self.scan.unrecognised(root.name)[:100],
+            "bad_remote": self.discovery.bad_remote(root.name),
             "holder": self.leases.holder_json(root.name),
             "acting": self.leases.holds(root.name),
             "uncommitted": (self.workers.uncommitted(root.name, root.nodes) if root.multi_node
@@ -189,10 +191,13 @@ class ApiContext:
     def listing(self, root: RootConfig) -> dict[str, Any]:
         self.discovery.refresh(root.name)
         rows = self.store.checkpoints(root.name)
+        bad = self.discovery.bad_remote(root.name)
         if not root.multi_node:
-            return {"root": root.name, "checkpoints": [c.as_json() for c in rows]}
+            return {"root": root.name, "checkpoints": [c.as_json() for c in rows],
+                    "bad_remote": bad}
         return {"root": root.name, "checkpoints": [
-            {**c.as_json(), "nodes": self.workers.part_states(root, c)} for c in rows]}
+            {**c.as_json(), "nodes": self.workers.part_states(root, c)} for c in rows],
+            "bad_remote": bad}
 
     def latest(self, root: RootConfig, tier: Tier) -> dict[str, Any]:
         if not self.leases.holds(root.name):

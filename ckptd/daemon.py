@@ -97,7 +97,7 @@ class Daemon:
         self.workers = Workers(store, acting, cfg.daemon.workers, self.scanner.wake,
                                self.backends.get, self.metrics, node=cfg.daemon.node_id,
                                calls=self.supervisor.calls, bounds=self._stage_bounds)
-        self.discovery = Discovery(store, acting, self.backends.get)
+        self.discovery = Discovery(store, acting, self.backends.get, self.metrics)
         self.effects = Effects(store, acting, self.changes, self.workers, self.retention,
                                self.scanner)
         self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention))

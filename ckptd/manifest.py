@@ -8,10 +8,12 @@ restore needs neither the daemon nor its store. Pure data and JSON; no I/O.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from ckptd import inputs
 from ckptd.errors import CorruptData
 
 FORMAT = "ckptd-manifest/1"
@@ -59,7 +61,9 @@ class Manifest:
 
     def as_json(self) -> dict[str, Any]:
         doc = {"format": FORMAT, "root": self.root, "step": self.step, "layout": self.layout,
-               "created": self.created, "metrics": dict(self.metrics),
+               "created": self.created,
+               # Only finite numbers: a manifest is strict JSON (no NaN), read back by others.
+               "metrics": {k: v for k, v in self.metrics.items() if math.isfinite(v)},
                "files": [f.as_json() for f in self.files]}
         if self.nodes:
             doc["nodes"] = [{"node": n, "attempt": a, **({"record": r} if r else {})}
@@ -100,33 +104,59 @@ def rfc3339_now() -> str:
 
 
 def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
-    """Parse and check a manifest; raises CorruptData naming what is wrong."""
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise CorruptData(f"{where}: not JSON: {exc}") from exc
+    """Parse and check a manifest; raises CorruptData naming what is wrong (BadInput, a
+    CorruptData, when it is not strict JSON or a number is out of range).
+
+    Malformed too: a path or key that is absolute or holds an empty, "." or ".." part; a
+    path named twice; a path that is another's directory ("a" beside "a/b"). Restore relies on this:
+    every file lands at its own name, none through another.
+    """
+    doc = inputs.loads(data, where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptData(f"{where}: not a {FORMAT} manifest")
     try:
-        files = tuple(_file(f) for f in doc["files"])
-        step = doc["step"]
-        if not isinstance(step, int) or step < 0:
-            raise ValueError("step")
+        listed = doc["files"]
+        if not isinstance(listed, list):
+            raise ValueError("files is not a list")
+        files = tuple(_file(f) for f in listed)
+        _distinct(files)
+        step = inputs.check_int(doc["step"], "step")
+        metrics = doc.get("metrics") or {}
+        if not isinstance(metrics, dict):
+            raise ValueError("metrics is not an object")
         return Manifest(root=str(doc["root"]), step=step, layout=str(doc["layout"]),
                         files=files, created=str(doc["created"]),
-                        metrics={str(k): float(v) for k, v in (doc.get("metrics") or {}).items()},
+                        metrics={str(k): inputs.check_float(v, f"metric {k!r}")
+                                 for k, v in metrics.items()},
                         nodes=tuple((str(n["node"]), str(n["attempt"]), str(n.get("record", "")))
                                     for n in doc.get("nodes") or ()))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptData(f"{where}: malformed manifest ({exc})") from exc
+    except (KeyError, TypeError, ValueError, AttributeError, CorruptData) as exc:
+        raise CorruptData(f"{where}: malformed manifest ({exc})") from None
 
 
 def _file(f: Any) -> StoredFile:
     path, key = str(f["path"]), str(f["key"])
     for p in (path, key):
         parts = p.split("/")
-        if p.startswith("/") or any(x in ("", ".", "..") for x in parts):
-            raise ValueError(f"unsafe path {p!r}")
-    return StoredFile(path=path, size=int(f["size"]), hash=str(f["hash"]),
-                      hash_alg=str(f["hash_alg"]), codec=str(f["codec"]),
-                      stored_size=int(f["stored_size"]), key=key)
+        if p.startswith("/") or "\x00" in p or any(x in ("", ".", "..") for x in parts):
+            raise ValueError(f"unsafe path {p[:200]!r}")
+    return StoredFile(path=path, size=inputs.check_int(f["size"], f"size of {path[:200]!r}"),
+                      hash=str(f["hash"]), hash_alg=str(f["hash_alg"]), codec=str(f["codec"]),
+                      stored_size=inputs.check_int(f["stored_size"],
+                                                   f"stored_size of {path[:200]!r}"),
+                      key=key)
+
+
+def _distinct(files: tuple[StoredFile, ...]) -> None:
+    """No path twice, no path that is the directory of another."""
+    paths: set[str] = set()
+    for f in files:
+        if f.path in paths:
+            raise ValueError(f"path {f.path[:200]!r} is named twice")
+        paths.add(f.path)
+    for p in paths:
+        parts = p.split("/")
+        for i in range(1, len(parts)):
+            above = "/".join(parts[:i])
+            if above in paths:
+                raise ValueError(f"path {above[:200]!r} is also the directory of {p[:200]!r}")

@@ -67,6 +67,10 @@ class Metrics:
                       for kind in BYTE_KINDS}
         self.errors = Counter("ckptd_errors", "Errors by kind.", ("kind",),
                               registry=self.registry)
+        self.bad = Gauge("ckptd_bad_inputs", "Outside inputs set aside as bad at the last look"
+                         " (kind: remote = remote objects such as a MANIFEST.json).",
+                         ("root", "kind"), registry=self.registry)
+        self._bad_kinds: set[str] = set()
 
     def _define_daemon(self, version: str) -> None:
         self.up = Gauge("ckptd_up", "1 while the daemon runs.", registry=self.registry)
@@ -99,6 +103,12 @@ class Metrics:
         """Count an error; `kind` is a short fixed word (scan, stage, upload, notify, ...)."""
         self.errors.labels(kind).inc()
 
+    def bad_inputs(self, root: str, kind: str, n: int) -> None:
+        """How many bad inputs of `kind` the last look at `root` set aside."""
+        self._roots.add(root)
+        self._bad_kinds.add(kind)
+        self.bad.labels(root, kind).set(n)
+
     def reloaded(self, ok: bool, when: float) -> None:
         self.reload_ok.set(1 if ok else 0)
         self.reload_time.set(when)
@@ -118,6 +128,8 @@ class Metrics:
         self._roots.discard(root)
         for counter in self.bytes.values():
             _drop(counter, root)
+        for kind in self._bad_kinds:
+            _drop(self.bad, root, kind)
 
     def roots(self) -> set[str]:
         return set(self._roots)

@@ -11,8 +11,10 @@ import json
 import re
 from collections.abc import Iterable
 
+from ckptd import inputs
 from ckptd.backends.base import Backend, ObjectMeta
 from ckptd.errors import (
+    BadInput,
     CorruptData,
     ObjectExists,
     ObjectNotFound,
@@ -58,10 +60,11 @@ def _committed(metas: Iterable[ObjectMeta], root_name: str) -> Iterable[int]:
 
 def read_manifest(backend: Backend, root_name: str, step: int) -> Manifest:
     """The committed manifest of one step: ObjectNotFound if the step is not committed,
-    CorruptData if the document is malformed or describes another root or step."""
+    CorruptData if the document is malformed or describes another root or step (BadInput
+    when it is over `inputs.MANIFEST`'s cap: refused before its body is read)."""
     key = manifest_key(root_name, step)
     where = f"{backend.url.rstrip('/')}/{key}"
-    manifest = parse_manifest(backend.get_bytes(key), where)
+    manifest = parse_manifest(backend.get_bytes(key, inputs.MANIFEST.cap), where)
     if manifest.root != root_name or manifest.step != step:
         raise CorruptData(
             f"{where}: describes root {manifest.root!r} step {manifest.step}, "
@@ -77,29 +80,35 @@ def read_latest(backend: Backend, root_name: str) -> int | None:
     """
     key = latest_key(root_name)
     try:
-        data = backend.get_bytes(key)
+        data = backend.get_bytes(key, inputs.LATEST.cap)
     except ObjectNotFound:
         return None
     return _parse_latest(data, f"{backend.url}/{key}")
 
 
 def _parse_latest(data: bytes, where: str) -> int:
-    try:
-        step = json.loads(data)["step"]
-    except (ValueError, TypeError, KeyError, RecursionError) as exc:
-        raise CorruptData(f"{where}: not a LATEST document ({exc})") from exc
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CorruptData(f"{where}: bad step {step!r}")
-    return step
+    doc = inputs.loads(data, where)
+    if not isinstance(doc, dict) or "step" not in doc:
+        raise CorruptData(f"{where}: not a LATEST document")
+    return inputs.check_int(doc["step"], f"{where}: step")
+
+
+# The version `_read_pointer` gives a LATEST it cannot read at all (over its cap): no version
+# to swap against, so `_swap` deletes it and creates LATEST anew.
+_UNREADABLE = "\x00unreadable"
 
 
 def _read_pointer(backend: Backend, root_name: str) -> tuple[int | None, str | None]:
-    """LATEST's step (None when absent or damaged) and version (None only when absent)."""
+    """LATEST's step (None when absent or damaged) and version (None only when absent;
+    `_UNREADABLE` when it is over its cap)."""
     key = latest_key(root_name)
     try:
-        data, version = backend.get_versioned(key)
+        data, version = backend.get_versioned(key, inputs.LATEST.cap)
     except ObjectNotFound:
         return None, None
+    except BadInput as exc:
+        get_logger().warning("bad_remote_item", root=root_name, key=key, error=str(exc))
+        return None, _UNREADABLE
     try:
         return _parse_latest(data, f"{backend.url}/{key}"), version
     except CorruptData:
@@ -107,8 +116,12 @@ def _read_pointer(backend: Backend, root_name: str) -> tuple[int | None, str | N
 
 
 def _swap(backend: Backend, root_name: str, step: int, version: str | None) -> None:
-    """Write LATEST = step if it is still `version` (create-only when it was absent)."""
+    """Write LATEST = step if it is still `version` (create-only when it was absent; an
+    unreadable one is deleted first, then created: LATEST is a hint, `list_steps` the truth)."""
     body = json.dumps({"step": step}).encode() + b"\n"
+    if version == _UNREADABLE:
+        backend.delete(latest_key(root_name))
+        version = None
     if version is None:
         backend.put(latest_key(root_name), body, create_only=True)
     else:
@@ -137,7 +150,7 @@ def advance_latest(backend: Backend, root_name: str, step: int) -> bool:
             except (PreconditionFailed, ObjectExists):
                 continue  # another writer moved it in between: look again
         raise TransientError(f"LATEST kept changing for {LATEST_TRIES} rounds")
-    except StorageError as exc:
+    except (StorageError, CorruptData) as exc:
         log.warning("latest_update_failed", key=latest_key(root_name), error=str(exc))
         return False
 
@@ -163,7 +176,7 @@ def retreat_latest(backend: Backend, root_name: str, deleted: int) -> None:
         try:
             _swap(backend, root_name, max(remaining), version)
             return
-        except PreconditionFailed:
+        except (PreconditionFailed, ObjectExists):
             continue
     raise TransientError(f"LATEST of {root_name!r} kept changing for {LATEST_TRIES} rounds")
 

@@ -77,6 +77,8 @@ def render_status(doc: dict[str, Any]) -> str:
             more = f" and {len(r['unrecognised']) - 5} more" if len(r["unrecognised"]) > 5 else ""
             out += ["", f"{r['name']}: unrecognised (look like checkpoints, match no layout;"
                         f" see docs/LAYOUTS.md): {names}{more}"]
+        out += [line for b in (r.get("bad_remote") or [])[:5]
+                for line in ("", f"{r['name']}: {_bad_remote(b)}")]
     warnings = [r for r in doc["roots"] if r.get("preflight") and not r["preflight"]["ok"]]
     for r in warnings:
         out += ["", f"capacity warning for {r['name']}: {r['preflight']['message']}"]
@@ -110,10 +112,16 @@ def render_ls(doc: dict[str, Any]) -> str:
         rows.append([str(c["step"]), c["state"], c["local"], c["remote"], c["layout"],
                      human_bytes(c["bytes"]), human_bytes(c["stored_bytes"] or None),
                      "yes" if c["pinned"] else "", metrics or "-", c["reason"] or ""])
+    bad = [_bad_remote(b) for b in doc.get("bad_remote") or []]
     if not rows:
-        return f"{doc['root']}: no checkpoints"
-    return table(["STEP", "STATE", "LOCAL", "REMOTE", "LAYOUT", "BYTES", "STORED", "PINNED",
-                  "METRICS", "REASON"], rows)
+        return "\n".join([f"{doc['root']}: no checkpoints", *bad])
+    return "\n".join([table(["STEP", "STATE", "LOCAL", "REMOTE", "LAYOUT", "BYTES", "STORED",
+                             "PINNED", "METRICS", "REASON"], rows), *bad])
+
+
+def _bad_remote(b: dict[str, Any]) -> str:
+    """One remote item the listing skipped, in words."""
+    return f"skipped remote {b.get('key')}: {str(b.get('error'))[:200]}"
 
 
 def _step(v: Any) -> str:

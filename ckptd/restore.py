@@ -7,9 +7,9 @@ store or the daemon, and never holds a whole file in memory.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -19,10 +19,10 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TextIO
 
-from ckptd import fileio, layouts, remote, restore_pipe
+from ckptd import fileio, inputs, layouts, remote, restore_pipe
 from ckptd.backends import Backend, backend_for_upload
 from ckptd.config import Config, RootConfig
-from ckptd.errors import CorruptData, NotFound, ObjectNotFound
+from ckptd.errors import CorruptData, NotFound, ObjectNotFound, PermanentError, UnsafePath
 from ckptd.log import get_logger
 from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, for_node, step_prefix
 from ckptd.model import CKPTD_DIR
@@ -229,14 +229,40 @@ def resolve_step(
     if named is not None and named[0] in local:
         return named[0], "local"
     remote = set(list_remote_steps(backend, root_name)) if backend is not None else set()
-    if named is not None and named[0] in remote:
+    if named is not None and named[0] in remote and _readable(backend, root_name, named[0]):
         return named[0], "remote"
-    best = max(local | remote, default=None)
+    best = _best(local, remote, backend, root_name)
     if named is not None and (best is None or named[0] > best) and _on_disk(named):
         raise NotFound(_present(root_name, named))
     if best is None:
         raise NotFound(_nothing_for(root_dir, root_name, "latest", backend))
     return best, "local" if best in local else "remote"
+
+
+def _best(local: set[int], remote: set[int], backend: Backend | None,
+          root_name: str) -> int | None:
+    """The highest step with a copy: local preferred on a tie; a remote step counts only when
+    its manifest can be read (a bad one is skipped, logged as `bad_remote_item`, and the
+    next lower step tried), so one bad step never hides the others."""
+    for n in sorted(local | remote, reverse=True):
+        if n in local or (backend is not None and _readable(backend, root_name, n)):
+            return n
+    return None
+
+
+def _readable(backend: Backend | None, root_name: str, step: int) -> bool:
+    """Whether the remote step's MANIFEST.json can be read (a bad one is logged)."""
+    if backend is None:
+        return False
+    try:
+        remote.read_manifest(backend, root_name, step)
+    except ObjectNotFound:
+        return False
+    except (CorruptData, PermanentError) as exc:
+        get_logger().warning("bad_remote_item", root=root_name,
+                             key=remote.manifest_key(root_name, step), error=str(exc))
+        return False
+    return True
 
 
 def _remote_has(backend: Backend, root_name: str, step: int) -> bool:
@@ -248,11 +274,12 @@ def _remote_has(backend: Backend, root_name: str, step: int) -> bool:
 
 
 def _latest_named(root_dir: Path) -> tuple[int, Path | None] | None:
-    """(step, path) from latest.json, or None when it is missing or unreadable."""
+    """(step, path) from latest.json, or None when it is missing or unreadable (read with
+    `inputs.LATEST_JSON`'s bounds: a FIFO or a symlink there is unreadable)."""
     try:
-        doc = json.loads((Path(root_dir) / CKPTD_DIR / "latest.json").read_bytes())
+        doc = inputs.read_json(Path(root_dir) / CKPTD_DIR / "latest.json", inputs.LATEST_JSON)
         step, path = doc["step"], doc.get("path")
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+    except (OSError, CorruptData, TypeError, KeyError, AttributeError):
         return None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         return None
@@ -303,12 +330,14 @@ def restore(
         manifest = read_local_manifest(root.path, n)
         if manifest is None:  # removed between resolving and reading
             raise NotFound(f"the local copy of step {n} of {root_name!r} disappeared")
+        check_target(Path(to), [f.path for f in manifest.files])
         cb = _cumulative(progress, manifest.size)
         return n, all_or_nothing(Path(to), with_pointers(manifest, lambda staging:
                                  restore_from_dir(objects_dir(root.path, n), manifest,
                                                   staging, cb)))
     assert backend is not None
     remote = read_remote_manifest(backend, root.name, n)
+    check_target(Path(to), [f.path for f in remote.files])
     cb = _cumulative(progress, remote.size)
     return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging: _restore_remote(
         backend, remote, staging, root.upload.concurrency, cb)))
@@ -320,13 +349,15 @@ def _restore_nodes(root: RootConfig, backend: Backend | None, step: StepArg, to:
     if backend is None:
         raise NotFound(f"root {root.name!r} has no upload.url: a multi-node step is restored"
                        " from its commit")
-    n = step if step != "latest" else max(list_remote_steps(backend, root.name), default=None)
+    n = step if step != "latest" else _best(set(), set(list_remote_steps(backend, root.name)),
+                                            backend, root.name)
     if n is None:
         raise NotFound(f"no committed step of {root.name!r} at {backend.url}")
     try:
         remote = for_node(read_remote_manifest(backend, root.name, n), node)
     except ValueError as exc:
         raise NotFound(str(exc)) from None
+    check_target(Path(to), [f.path for f in remote.files])
     cb = _cumulative(progress, remote.size)
     return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging: _restore_remote(
         backend, remote, staging, root.upload.concurrency, cb)))
@@ -344,6 +375,7 @@ def all_or_nothing(to: Path, fill: Callable[[Path], list[Path]]) -> list[Path]:
         raise write_error(exc, str(to)) from exc
     try:
         done = fill(staging)
+        check_target(to, [p.relative_to(staging).as_posix() for p in done])
         final = []
         for p in done:
             dest = to / p.relative_to(staging)
@@ -359,6 +391,33 @@ def all_or_nothing(to: Path, fill: Callable[[Path], list[Path]]) -> list[Path]:
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_target(to: Path, paths: list[str]) -> None:
+    """Refuse (UnsafePath, naming it) a restore into `to` whose file would be placed through
+    a symlink or a non-directory already there ("a" a link or a file, restoring "a/b"), or
+    over a directory: checked for every file before any is placed."""
+    for rel in paths:
+        parts = rel.split("/")
+        at = to
+        for i, name in enumerate(parts):
+            at = at / name
+            try:
+                mode = os.lstat(at).st_mode
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                raise write_error(exc, str(at)) from exc
+            last = i == len(parts) - 1
+            if not last and stat.S_ISLNK(mode):
+                raise UnsafePath(f"{at} is a symlink: restoring {rel} would write through it;"
+                                 " nothing was restored")
+            if not last and not stat.S_ISDIR(mode):
+                raise UnsafePath(f"{at} is not a directory: cannot restore {rel} under it;"
+                                 " nothing was restored")
+            if last and stat.S_ISDIR(mode):
+                raise UnsafePath(f"{at} is a directory: cannot restore the file {rel} over"
+                                 " it; nothing was restored")
 
 
 def _cumulative(progress: TotalProgress | None, total: int) -> Progress | None:

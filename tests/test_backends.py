@@ -34,6 +34,7 @@ from ckptd.backends import (
     make_backend,
     wrap_backend,
 )
+from ckptd.backends.base import SMALL_OBJECT_MAX
 from ckptd.backends.local import TMP_MARK
 from ckptd.errors import (
     ObjectExists,
@@ -247,8 +248,8 @@ class AnotherNodeMovesLatest:
     def __init__(self, inner: Backend, theirs: int) -> None:
         self.inner, self.theirs, self.fired = inner, theirs, False
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        got = self.inner.get_versioned(key)
+    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
+        got = self.inner.get_versioned(key, limit)
         if not self.fired:
             self.fired = True
             self.inner.put(f"job/step-{self.theirs}/MANIFEST.json", b"{}", create_only=True)

@@ -21,7 +21,7 @@ from test_layouts_real import detect
 from writers import flip_byte
 
 from ckptd.backends import Backend, LocalBackend, ObjectMeta, ObstoreBackend, make_backend
-from ckptd.backends.base import Source
+from ckptd.backends.base import SMALL_OBJECT_MAX, Source
 from ckptd.config import Config, parse_config
 from ckptd.errors import CorruptData, NotFound, TransientError
 from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
@@ -86,11 +86,11 @@ class Counting:
             create_only: bool = False, if_match: str | None = None) -> ObjectMeta:
         return self.inner.put(key, src, size, create_only=create_only, if_match=if_match)
 
-    def get_bytes(self, key: str) -> bytes:
-        return self.inner.get_bytes(key)
+    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
+        return self.inner.get_bytes(key, limit)
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        return self.inner.get_versioned(key)
+    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
+        return self.inner.get_versioned(key, limit)
 
     def stat(self, key: str) -> ObjectMeta:
         return self.inner.stat(key)

@@ -18,7 +18,7 @@ import pytest
 from ckptd.api import UnixHttpServer, bind_socket
 from ckptd.api_context import ApiContext
 from ckptd.backends import Backend, LocalBackend
-from ckptd.backends.base import ObjectMeta, Source
+from ckptd.backends.base import SMALL_OBJECT_MAX, ObjectMeta, Source
 from ckptd.changes import Changes
 from ckptd.client import Client
 from ckptd.config import RootConfig, parse_config
@@ -62,11 +62,11 @@ class OverlapRecorder:
     def get(self, key: str, dst: BinaryIO) -> int:
         return self.inner.get(key, dst)
 
-    def get_bytes(self, key: str) -> bytes:
-        return self.inner.get_bytes(key)
+    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
+        return self.inner.get_bytes(key, limit)
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        return self.inner.get_versioned(key)
+    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
+        return self.inner.get_versioned(key, limit)
 
     def stat(self, key: str) -> ObjectMeta:
         return self.inner.stat(key)

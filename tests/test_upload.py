@@ -29,7 +29,7 @@ from support.wait import wait_until
 
 from ckptd import fileio
 from ckptd.backends import Backend, LocalBackend, ObjectMeta, ObstoreBackend, wrap_backend
-from ckptd.backends.base import Source
+from ckptd.backends.base import SMALL_OBJECT_MAX, Source
 from ckptd.codec import decode_stream, make_encoder
 from ckptd.errors import (
     CorruptData,
@@ -200,13 +200,13 @@ class Recording:
         self._call("get", key)
         return self.inner.get(key, dst)
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
         self._call("get_bytes", key)
-        return self.inner.get_bytes(key)
+        return self.inner.get_bytes(key, limit)
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
+    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
         self._call("get_versioned", key)
-        return self.inner.get_versioned(key)
+        return self.inner.get_versioned(key, limit)
 
     def stat(self, key: str) -> ObjectMeta:
         self._call("stat", key)

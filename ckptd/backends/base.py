@@ -10,10 +10,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, runtime_checkable
 
-from ckptd.errors import PermanentError, StorageError, TransientError
+from ckptd.errors import BadInput, PermanentError, StorageError, TransientError
 
 MiB = 1024 * 1024
 DEFAULT_PART_SIZE = 64 * MiB
+# The most bytes `get_bytes`/`get_versioned` return when the caller names no smaller limit.
+SMALL_OBJECT_MAX = 64 * MiB
 # Largest read or write handed to or taken from a caller's file object in one call.
 COPY_CHUNK = 1 * MiB
 MAX_KEY_BYTES = 1024  # S3's limit; applied everywhere so a key valid on one backend is on all
@@ -61,7 +63,13 @@ class Backend(Protocol):
       object is gone) and changes nothing. Sent in one request; not combined with
       `create_only` (which is the way to create such an object).
     - `get` streams the object into `dst` (bounded memory) and returns the byte count;
-      `get_bytes` is for small objects only.
+      `get_bytes` and `get_versioned` are for small objects only and take a `limit`: an object
+      over it is refused with `BadInput` naming the key, found from the size the store
+      reports (fstat, the GET's metadata) before the body is read, and no more than
+      `limit` + 1 bytes are ever read, whatever the object claims or grows to.
+    - Reading never blocks on what is not an object: file:// opens non-blocking and never
+      through a link, so a FIFO, device, directory or symlink under a key is refused at once
+      (`ObjectNotFound`, as `stat` and `list` do not show it either).
     - `stat` gives size, etag (where the store has one) and mtime.
     - `list(prefix)` yields every object under the directory-like `prefix` ("" = everything;
       "a/b" matches "a/b/c", not "a/bc"), recursively. Order is not part of the contract.
@@ -98,16 +106,18 @@ class Backend(Protocol):
         """Store `src` (bytes, or a binary file object read to EOF) under `key`, atomically."""
         ...
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        """A small object's bytes and the version tag `put(if_match=...)` compares."""
+    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
+        """A small object's bytes (at most `limit`, else BadInput) and the version tag
+        `put(if_match=...)` compares."""
         ...
 
     def get(self, key: str, dst: BinaryIO) -> int:
         """Write the object's bytes to `dst`; return how many were written."""
         ...
 
-    def get_bytes(self, key: str) -> bytes:
-        """The whole object in memory: for small objects (manifests, pointers)."""
+    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
+        """The whole object in memory: for small objects (manifests, pointers). An object
+        over `limit` bytes is BadInput naming the key, refused before its body is read."""
         ...
 
     def stat(self, key: str) -> ObjectMeta:
@@ -150,6 +160,11 @@ def check_put_mode(create_only: bool, if_match: str | None) -> None:
     """Refuse a put that is both create-only and conditional on a version."""
     if create_only and if_match is not None:
         raise PermanentError("a put is create-only or conditional on a version, not both")
+
+
+def too_large(where: str, size: int | str, limit: int) -> BadInput:
+    """The error of a small-object read over its limit."""
+    return BadInput(f"{where}: {size} bytes, over the limit of {limit} for this read")
 
 
 def join_url(url: str, key: str) -> str:

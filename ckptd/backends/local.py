@@ -17,9 +17,11 @@ from os import stat_result
 from stat import S_ISREG
 from typing import BinaryIO
 
+from ckptd import inputs
 from ckptd.backends.base import (
     COPY_CHUNK,
     DEFAULT_PART_SIZE,
+    SMALL_OBJECT_MAX,
     ObjectMeta,
     Source,
     check_key,
@@ -91,20 +93,12 @@ class LocalBackend:
                 total += len(chunk)
         return total
 
-    def get_bytes(self, key: str) -> bytes:
-        with self._open(key) as f:
-            try:
-                return f.read()
-            except OSError as exc:
-                raise os_error(exc, f"get {self._where(key)}") from None
+    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
+        return self._read_small(key, limit)[0]
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        with self._open(key) as f:
-            try:
-                # fstat of the descriptor read: the version of exactly these bytes.
-                return f.read(), _version(os.fstat(f.fileno()))
-            except OSError as exc:
-                raise os_error(exc, f"get {self._where(key)}") from None
+    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
+        data, st = self._read_small(key, limit)
+        return data, _version(st)
 
     def stat(self, key: str) -> ObjectMeta:
         path = self._path(key)
@@ -242,12 +236,15 @@ class LocalBackend:
             os.replace(tmp, path)
 
     def _open(self, key: str) -> BinaryIO:
-        """The object's file, opened for reading; symlinks and directories are not objects."""
+        """The object's file, opened for reading; symlinks, directories, FIFOs and devices are
+        not objects. Opened non-blocking (a FIFO's open would wait for a writer) and never
+        through a link; what is not a regular file is refused before anything is read."""
         path = self._path(key)
         missing = ObjectNotFound(f"no object {self._where(key)}")
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
         try:
             self._inside(os.path.dirname(path), key)
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, flags)
         except (FileNotFoundError, NotADirectoryError):
             raise missing from None
         except OSError as exc:
@@ -256,8 +253,20 @@ class LocalBackend:
             raise os_error(exc, f"get {self._where(key)}") from None
         if not S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise missing
+            raise ObjectNotFound(f"no object {self._where(key)} (not a regular file)")
         return os.fdopen(fd, "rb")
+
+    def _read_small(self, key: str, limit: int) -> tuple[bytes, stat_result]:
+        """At most `limit` bytes of the object (fstat says first; at most limit + 1 are read)
+        and the fstat of the descriptor read after reading: the version of exactly these
+        bytes."""
+        with self._open(key) as f:
+            try:
+                data = inputs.read_fd(f.fileno(), inputs.Kind("small object", limit),
+                                      self._where(key))
+                return data, os.fstat(f.fileno())
+            except OSError as exc:
+                raise os_error(exc, f"get {self._where(key)}") from None
 
     def _read(self, f: BinaryIO, key: str) -> bytes:
         try:

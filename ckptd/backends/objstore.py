@@ -24,6 +24,7 @@ from obstore.store import AzureStore, GCSStore, S3Store
 from ckptd.backends.base import (
     COPY_CHUNK,
     DEFAULT_PART_SIZE,
+    SMALL_OBJECT_MAX,
     ObjectMeta,
     Source,
     check_key,
@@ -31,6 +32,7 @@ from ckptd.backends.base import (
     check_put_mode,
     join_url,
     os_error,
+    too_large,
 )
 from ckptd.backends.credentials import Creds, s3_credential_provider
 from ckptd.backends.mapped import PutBody, close_body, open_body
@@ -175,24 +177,13 @@ class ObstoreBackend:
             raise TransientError(f"get {where}: got {written} bytes of {meta.size}")
         return written
 
-    def get_bytes(self, key: str) -> bytes:
-        check_key(key)
-        where = join_url(self.url, key)
-        result = _guard("get", where, lambda: obstore.get(self._store, key))
-        data = bytes(_guard("get", where, result.bytes))
-        if len(data) != result.meta["size"]:
-            raise TransientError(f"get {where}: got {len(data)} bytes of {result.meta['size']}")
-        return data
+    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
+        return self._get_small(key, limit)[0]
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        check_key(key)
-        where = join_url(self.url, key)
-        result = _guard("get", where, lambda: obstore.get(self._store, key))
-        data = bytes(_guard("get", where, result.bytes))
-        etag = result.meta["e_tag"]
-        if len(data) != result.meta["size"]:
-            raise TransientError(f"get {where}: got {len(data)} bytes of {result.meta['size']}")
+    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
+        data, etag = self._get_small(key, limit)
         if not etag:
+            where = join_url(self.url, key)
             raise PermanentError(f"get {where}: the store gave no ETag, so no conditional put")
         return data, etag
 
@@ -260,6 +251,28 @@ class ObstoreBackend:
         finally:
             for _ in pending:  # cancelled or finished by now: the pool has shut down
                 self._range_slots.release()
+
+    def _get_small(self, key: str, limit: int) -> tuple[bytes, str | None]:
+        """A small object's bytes and ETag. Its size comes with the GET's answer, before the
+        body: one over `limit` is refused unread; a body longer than announced is cut off
+        after `limit` + 1 bytes."""
+        check_key(key)
+        where = join_url(self.url, key)
+        result = _guard("get", where, lambda: obstore.get(self._store, key))
+        size = int(result.meta["size"])
+        if size > limit:
+            raise too_large(where, size, limit)  # the body is never read: dropped unread
+        stream = result.stream(min_chunk_size=min(COPY_CHUNK, limit + 1))
+        chunks: list[bytes] = []
+        got = 0
+        while (chunk := _guard("get", where, lambda: next(stream, None))) is not None:
+            got += len(chunk)
+            if got > limit:
+                raise too_large(where, f"more than {limit}", limit)
+            chunks.append(bytes(chunk))
+        if got != size:
+            raise TransientError(f"get {where}: got {got} bytes of {size}")
+        return b"".join(chunks), result.meta["e_tag"]
 
     def _get_into(self, key: str, where: str, options: GetOptions, dst: BinaryIO) -> int:
         result = _guard("get", where, lambda: obstore.get(self._store, key, options=options))

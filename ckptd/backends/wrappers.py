@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar, cast
 
-from ckptd.backends.base import Backend, ObjectMeta, Source, os_error
-from ckptd.errors import ObjectExists, TransientError
+from ckptd.backends.base import SMALL_OBJECT_MAX, Backend, ObjectMeta, Source, os_error
+from ckptd.errors import BadInput, ObjectExists, TransientError
 from ckptd.log import get_logger
 
 T = TypeVar("T")
@@ -113,11 +113,11 @@ class RetryingBackend(_Delegating):
 
         return self._run("get", key, attempt, can_retry=True, retry_ok=guard.can_reset)
 
-    def get_bytes(self, key: str) -> bytes:
-        return self._run("get", key, lambda _n: self.inner.get_bytes(key))
+    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
+        return self._run("get", key, lambda _n: self.inner.get_bytes(key, limit))
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        return self._run("get", key, lambda _n: self.inner.get_versioned(key))
+    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
+        return self._run("get", key, lambda _n: self.inner.get_versioned(key, limit))
 
     def stat(self, key: str) -> ObjectMeta:
         return self._run("stat", key, lambda _n: self.inner.stat(key))
@@ -171,8 +171,8 @@ class RetryingBackend(_Delegating):
         if len(mine) > _CONFIRM_LIMIT:
             return False
         try:
-            return self.inner.get_bytes(key) == mine
-        except TransientError:
+            return self.inner.get_bytes(key, _CONFIRM_LIMIT) == mine
+        except (TransientError, BadInput):
             return False  # cannot tell: report the conflict rather than guess
 
 
@@ -300,13 +300,13 @@ class ThrottledBackend(_Delegating):
     def get(self, key: str, dst: BinaryIO) -> int:
         return self.inner.get(key, cast(BinaryIO, _ThrottledWriter(dst, self.bucket)))
 
-    def get_bytes(self, key: str) -> bytes:
-        data = self.inner.get_bytes(key)
+    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
+        data = self.inner.get_bytes(key, limit)
         self.bucket.take(len(data))
         return data
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        data, version = self.inner.get_versioned(key)
+    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
+        data, version = self.inner.get_versioned(key, limit)
         self.bucket.take(len(data))
         return data, version
 
@@ -384,13 +384,13 @@ class LimitedBackend(_Delegating):
         with self._slots:
             return self.inner.get(key, dst)
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
         with self._slots:
-            return self.inner.get_bytes(key)
+            return self.inner.get_bytes(key, limit)
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
+    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
         with self._slots:
-            return self.inner.get_versioned(key)
+            return self.inner.get_versioned(key, limit)
 
     def stat(self, key: str) -> ObjectMeta:
         return self.inner.stat(key)

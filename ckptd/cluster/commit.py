@@ -13,9 +13,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptd import inputs
+from ckptd.errors import BadInput
+
 PART_FORMAT = "ckptd-part/1"
 PARTS_DIR = "_parts"
-MAX_PART_BYTES = 64 * 1024 * 1024
+MAX_PART_BYTES = inputs.PART.cap
 # Clocks of the nodes of one job agree within SKEW_S (NTP keeps them within milliseconds).
 SKEW_S = 30.0
 # The ranks of one save finish writing within SPREAD_S of the coordinator's first own file.
@@ -111,13 +114,14 @@ def attempt_id(stats: Iterable[tuple[str, int, int]]) -> str:
 
 
 def parse_part(data: bytes, where: str, written: float = 0.0) -> Part:
-    """Parse and check a part object; BadPart naming what is wrong."""
+    """Parse and check a part object (strict JSON, `inputs.PART`'s cap, bounded numbers);
+    BadPart naming what is wrong."""
     if len(data) > MAX_PART_BYTES:
         raise BadPart(f"{where}: larger than {MAX_PART_BYTES} bytes")
     try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise BadPart(f"{where}: not JSON: {exc}") from None
+        doc = inputs.loads(data, where)
+    except BadInput as exc:
+        raise BadPart(str(exc)) from None
     if not isinstance(doc, dict) or doc.get("format") != PART_FORMAT:
         raise BadPart(f"{where}: not a {PART_FORMAT} document")
     try:
@@ -127,7 +131,7 @@ def parse_part(data: bytes, where: str, written: float = 0.0) -> Part:
         files = tuple(_part_file(f, node) for f in doc["files"])
         return Part(node=node, attempt=attempt, layout=str(doc["layout"]), files=files,
                     record=_record(doc.get("record")), written=written)
-    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError, BadInput) as exc:
         raise BadPart(f"{where}: malformed part ({exc})") from None
 
 
@@ -138,9 +142,9 @@ def _part_file(f: Any, node: str) -> PartFile:
     owner, _dot, attempt = key.split("/", 1)[0].rpartition(".")
     if "/" not in key or owner != node or not _ATTEMPT.match(attempt):
         raise ValueError(f"key {key!r} is not under one of {node!r}'s attempts")
-    size, stored, mtime = int(f["size"]), int(f["stored_size"]), float(f["mtime"])
-    if size < 0 or stored < 0 or not math.isfinite(mtime):
-        raise ValueError(f"bad size or mtime for {path!r}")
+    size = inputs.check_int(f["size"], f"size of {path[:200]!r}")
+    stored = inputs.check_int(f["stored_size"], f"stored_size of {path[:200]!r}")
+    mtime = inputs.check_float(f["mtime"], f"mtime of {path[:200]!r}")
     return PartFile(path=path, size=size, mtime=mtime, hash=str(f["hash"]),
                     hash_alg=str(f["hash_alg"]), codec=str(f["codec"]), stored_size=stored,
                     key=key)
@@ -149,15 +153,10 @@ def _part_file(f: Any, node: str) -> PartFile:
 def _record(doc: Any) -> Record | None:
     if doc is None:
         return None
-    mtime = float(doc["mtime"])
-    if not math.isfinite(mtime):
-        raise ValueError("record mtime")
-    expected = {_safe(str(k)): int(v) for k, v in dict(doc["expected"]).items()}
-    if any(v < 0 for v in expected.values()):
-        raise ValueError("negative expected size")
-    after = float(doc.get("after", 0.0))
-    if not 0 <= after <= SPREAD_S:
-        raise ValueError("record after")
+    mtime = inputs.check_float(doc["mtime"], "record mtime")
+    expected = {_safe(str(k)): inputs.check_int(v, f"expected size of {str(k)[:200]!r}")
+                for k, v in dict(doc["expected"]).items()}
+    after = inputs.check_float(doc.get("after", 0.0), "record after", 0.0, SPREAD_S)
     exact = doc.get("exact", False)
     if not isinstance(exact, bool):
         raise ValueError("record exact")

@@ -2,7 +2,10 @@
 node, a lost state dir) and which recorded uploads are gone from it.
 
 Owns when each uploading root's remote is listed (at start, then periodically, and on demand
-before a listing, at most every few seconds). Records what it finds as lifecycle events.
+before a listing, at most every few seconds). Records what it finds as lifecycle events. A
+remote step whose MANIFEST.json cannot be read (over its cap, not strict JSON, malformed,
+refused by the store) costs only itself: it is skipped and reported (`bad_remote`, the log
+event `bad_remote_item`, the gauge `ckptd_bad_inputs{kind="remote"}`), the rest are added.
 """
 
 from __future__ import annotations
@@ -14,24 +17,34 @@ from typing import Any
 
 from ckptd import remote
 from ckptd.config import RootConfig
+from ckptd.errors import CkptdError, ObjectNotFound
 from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
+from ckptd.metrics import Metrics
 from ckptd.model import Remote
 from ckptd.store import Store
 
 INTERVAL_S = 300.0
 MIN_AGE_S = 15.0
 LOST_AFTER_S = 120.0
+# Bad remote items a root's status shows (the gauge counts them all); each error cut short.
+MAX_BAD_SHOWN = 20
+MAX_ERROR_CHARS = 300
 
 
 class Discovery:
     """Reconciles the store with each uploading root's committed remote steps."""
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
-                 backend_for: Callable[[RootConfig], Any]) -> None:
+                 backend_for: Callable[[RootConfig], Any],
+                 metrics: Metrics | None = None) -> None:
         self.store = store
         self.roots = roots
         self.backend_for = backend_for
+        self.metrics = metrics
+        # Per root: the remote items the last listing skipped (key, error), at most
+        # MAX_BAD_SHOWN of them, and how many there were.
+        self._bad: dict[str, tuple[list[dict[str, str]], int]] = {}
         self._seen: dict[str, float] = {}
         # Steps recorded uploaded but absent from the listings since (monotonic) time T.
         self._missing: dict[str, dict[int, float]] = {}
@@ -52,6 +65,11 @@ class Discovery:
     def wake(self) -> None:
         self._wake.set()
 
+    def bad_remote(self, name: str) -> list[dict[str, str]]:
+        """The root's remote items the last listing skipped: [{"key", "error"}], bounded."""
+        with self._lock:
+            return [dict(item) for item in self._bad.get(name, ([], 0))[0]]
+
     def refresh(self, name: str, max_age: float = MIN_AGE_S) -> None:
         """List the root's committed steps unless that was done in the last `max_age` s.
         The remote being down is logged and never breaks a listing or startup."""
@@ -68,10 +86,11 @@ class Discovery:
             if root is not None and root.multi_node:
                 self._probe(name, backend)
             steps = set(remote.list_steps(backend, name))
-            added = self._add_unknown(name, backend, steps)
+            added, bad = self._add_unknown(name, backend, steps)
         except Exception as exc:  # noqa: BLE001 - a down remote is a warning, not a crash
             self.log.warning("remote_list_failed", root=name, error=str(exc))
             return
+        self._report_bad(name, bad)
         lost = self._mark_lost(name, uploaded - steps)
         if added or lost:
             self.log.info("remote_checkpoints_found", root=name, added=added, lost=lost or None)
@@ -88,13 +107,32 @@ class Discovery:
             self.log.error("create_only_refused", root=name, error=str(exc))
             self.store.set_root_error(name, f"upload: {exc}", time.time())
 
-    def _add_unknown(self, name: str, backend: Any, steps: set[int]) -> int:
+    def _add_unknown(self, name: str, backend: Any,
+                     steps: set[int]) -> tuple[int, list[dict[str, str]]]:
+        """Add the committed steps the store does not know; a manifest that cannot be read is
+        skipped and returned as a bad item (one gone since the listing is simply skipped)."""
         added = 0
+        bad: list[dict[str, str]] = []
         for step in sorted(steps):
-            if self.store.checkpoint(name, step) is None:
-                added += self.store.add_remote_only(
-                    name, remote.read_manifest(backend, name, step), time.time())
-        return added
+            if self.store.checkpoint(name, step) is not None:
+                continue
+            try:
+                manifest = remote.read_manifest(backend, name, step)
+            except ObjectNotFound:
+                continue
+            except CkptdError as exc:
+                key = remote.manifest_key(name, step)
+                self.log.warning("bad_remote_item", root=name, key=key, error=str(exc))
+                bad.append({"key": key, "error": str(exc)[:MAX_ERROR_CHARS]})
+                continue
+            added += self.store.add_remote_only(name, manifest, time.time())
+        return added, bad
+
+    def _report_bad(self, name: str, bad: list[dict[str, str]]) -> None:
+        with self._lock:
+            self._bad[name] = (bad[:MAX_BAD_SHOWN], len(bad))
+        if self.metrics is not None:
+            self.metrics.bad_inputs(name, "remote", len(bad))
 
     def _mark_lost(self, name: str, absent: set[int]) -> list[int]:
         """Steps recorded uploaded (before the listing began) whose manifest has been absent

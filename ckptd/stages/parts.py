@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -185,7 +186,10 @@ def _write_part(backend: Backend, root_name: str, step: int, part: cc.Part) -> N
     try:
         backend.put(key, part.to_bytes(), create_only=True)
     except ObjectExists:
-        there = cc.parse_part(backend.get_bytes(key), key)
+        try:
+            there = cc.parse_part(backend.get_bytes(key, cc.MAX_PART_BYTES), key)
+        except (cc.BadPart, CorruptData) as exc:
+            raise PermanentError(f"{key} exists and is not this part ({exc})") from None
         if (there.files, there.record) != (part.files, part.record):
             raise PermanentError(f"{key} exists with other content") from None
 
@@ -202,29 +206,66 @@ def read_commit(backend: Backend, root_name: str, step: int) -> Manifest | None:
         raise PermanentError(f"step {step}: unreadable commit ({exc})") from None
 
 
-_PARTS: dict[tuple[str, str], cc.Part] = {}  # (url, key) -> part: parts never change
-_PARTS_LOCK = threading.Lock()
+class _PartCache:
+    """Parsed parts by (url, key), least recently used dropped first: parts never change, but
+    a bucket may hold any number of them, so at most `entries` parts and `size` bytes (of
+    their objects) are kept."""
+
+    def __init__(self, entries: int = 4096, size: int = 64 << 20) -> None:
+        self.entries, self.size = entries, size
+        self._items: OrderedDict[tuple[str, str], tuple[cc.Part, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str]) -> cc.Part | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
+
+    def put(self, key: tuple[str, str], part: cc.Part, nbytes: int) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+            self._items[key] = (part, nbytes)
+            self._bytes += nbytes
+            while self._items and (len(self._items) > self.entries or self._bytes > self.size):
+                _k, (_p, n) = self._items.popitem(last=False)
+                self._bytes -= n
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+
+_PARTS = _PartCache()
 
 
 def read_parts(backend: Backend, root_name: str, step: int) -> list[cc.Part]:
-    """Every part written at the step (any node, any attempt); unreadable ones are logged
-    and left out (they can cover nothing)."""
+    """Every part written at the step (any node, any attempt); unreadable ones (over
+    `inputs.PART`'s cap, not strict JSON, malformed) are logged and left out (they can cover
+    nothing)."""
     prefix = f"{step_prefix(root_name, step)}/{cc.PARTS_DIR}/"
     out = []
     for meta in list(backend.list(prefix))[:MAX_PARTS]:
-        with _PARTS_LOCK:
-            part = _PARTS.get((backend.url, meta.key))
+        part = _PARTS.get((backend.url, meta.key))
         if part is None:
             if meta.size > cc.MAX_PART_BYTES:
                 get_logger().warning("part_unreadable", key=meta.key, error="too large")
                 continue
             try:
-                part = cc.parse_part(backend.get_bytes(meta.key), meta.key, meta.mtime)
-            except (cc.BadPart, ObjectNotFound) as exc:
+                data = backend.get_bytes(meta.key, cc.MAX_PART_BYTES)
+                part = cc.parse_part(data, meta.key, meta.mtime)
+            except (cc.BadPart, CorruptData, ObjectNotFound) as exc:
                 get_logger().warning("part_unreadable", key=meta.key, error=str(exc))
                 continue
-            with _PARTS_LOCK:
-                _PARTS[(backend.url, meta.key)] = part
+            _PARTS.put((backend.url, meta.key), part, len(data))
         out.append(part)
     return out
 
