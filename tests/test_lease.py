@@ -302,18 +302,23 @@ def test_a_lease_json_that_is_a_directory_is_said_and_not_acted_on(tmp_path: Pat
     assert (root / ".ckptd" / "lease.json").is_dir()
 
 
-def test_the_last_generation_is_said_not_wrapped(tmp_path: Path) -> None:
-    """A claim of the highest generation there can be (put there by hand): a taker would need
-    one beyond it; it says so instead of claiming one no other daemon could see."""
+def test_the_last_generation_is_retired_once_stale_not_kept_for_good(tmp_path: Path) -> None:
+    """A claim of the highest generation there can be (put there by hand): once nobody renews
+    it, it is retired and the root taken at generation 1; it never keeps the root for good
+    (it used to: 'remove the lease.claim.* files by hand'), and only claims are removed."""
     root = tmp_path / "ckpt"
     (root / ".ckptd").mkdir(parents=True)
     (root / ".ckptd" / f"lease.claim.{2**62 - 1}").write_text(OTHER)
+    (root / ".ckptd" / "lease.claim.5").write_text(OTHER)
+    (root / ".ckptd" / "keep.me").write_text("not ckptd's")
     leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1", timeout=0.3)
     leases.tick()
-    time.sleep(0.35)
-    leases.tick()
-    assert not leases.holds("r") and "remove the lease.claim.*" in (leases.problem("r") or "")
-    assert sorted(p.name for p in (root / ".ckptd").iterdir()) == [f"lease.claim.{2**62 - 1}"]
+    assert not leases.holds("r")
+    wait_until(lambda: leases.tick() or leases.holds("r"), 10, "the stale claim retired")
+    assert leases.problem("r") is None
+    assert sorted(p.name for p in (root / ".ckptd").iterdir()) == [
+        "keep.me", "lease.claim.1", "lease.json"]
+    assert json.loads((root / ".ckptd" / "lease.json").read_text())["gen"] == 1
 
 
 def _acting(*leases: Leases) -> list[str]:

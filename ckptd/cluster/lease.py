@@ -12,7 +12,13 @@ The files (written by `ckptd.service.lease`), in `<root>/.ckptd/`:
 
 A standby judges the lease stale when nothing about `lease.json` or the top claim changed for
 `lease_timeout` of its own clock (no clock is compared across machines), at once when the holder
-marked it released, and at once when the holder ran on this machine and its process is gone.
+marked it released, and at once when the holder ran on this machine and its process is gone
+(a holder naming this daemon's own process with a token no lease service of this process has
+is a forgery: that holder is gone too, `ckptd.service.lease`). A claim is judged by what its
+holder shows over time, never by its generation alone: one nobody renews is stale after
+`lease_timeout` whatever its number, and a claim at the last generation there can be is
+retired (renamed away, which succeeds for one taker only) and numbering starts again at 1, so
+no claim written by hand keeps a root from every daemon for good.
 """
 
 from __future__ import annotations
@@ -22,10 +28,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from ckptd import inputs
+from ckptd.errors import BadInput
+
 FORMAT = "ckptd-lease/1"
 LEASE_FILE = "lease.json"
 CLAIM_PREFIX = "lease.claim."
-MAX_BYTES = 64 * 1024
+MAX_BYTES = inputs.LEASE.cap
 MAX_GENERATION = 2**62
 MAX_SINCE = 1e11  # seconds since the epoch (year 5138): NaN, infinities and overflows refused
 _CLAIM = re.compile(r"^lease\.claim\.([1-9][0-9]{0,18})$", re.ASCII)
@@ -69,22 +78,23 @@ class Holder:
         """Parse a lease.json body; ValueError names what is wrong."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} document")
-        fields = {"gen": int, "token": str, "node": str, "pid": int, "host": str, "boot": str,
-                  "since": float, "released": bool}
+        fields = {"token": str, "node": str, "host": str, "boot": str, "released": bool}
         out: dict[str, Any] = {}
         for key, kind in fields.items():
             value = doc.get(key)
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value) if abs(value) < MAX_SINCE else float("inf")
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            if not isinstance(value, kind):
                 raise ValueError(f"{key!r} is missing or not {kind.__name__}")
             if isinstance(value, str) and len(value) > 256:
                 raise ValueError(f"{key!r} is too long")
             out[key] = value
-        if not 1 <= out["gen"] < MAX_GENERATION or not 0 < out["pid"] < 2**31:
-            raise ValueError("'gen' or 'pid' is out of range")
-        if not valid_token(out["token"]) or not 0 <= out["since"] < MAX_SINCE:
-            raise ValueError("'token' or 'since' is not valid")
+        try:  # numbers bounded where they enter (`ckptd.inputs`): never a crash, never inf
+            out["gen"] = inputs.check_int(doc.get("gen"), "'gen'", 1, MAX_GENERATION - 1)
+            out["pid"] = inputs.check_int(doc.get("pid"), "'pid'", 1, 2**31 - 1)
+            out["since"] = inputs.check_float(doc.get("since"), "'since'", 0.0, MAX_SINCE)
+        except BadInput as exc:
+            raise ValueError(str(exc)) from None
+        if not valid_token(out["token"]):
+            raise ValueError("'token' is not valid")
         return cls(**out)
 
 

@@ -23,10 +23,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ckptd import inputs
 from ckptd.cluster.lease import (
     CLAIM_PREFIX,
     LEASE_FILE,
-    MAX_BYTES,
     MAX_GENERATION,
     Holder,
     Judgement,
@@ -40,6 +40,7 @@ from ckptd.cluster.lease import (
     valid_token,
 )
 from ckptd.config import RootConfig
+from ckptd.errors import BadInput
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR
 from ckptd.store import Store
@@ -62,6 +63,19 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True  # another user's process: alive
     return True
+
+
+# The tokens of this process's lease services: a lease.json naming this process with any
+# other token was not written by it (forged), and no live holder stands behind it.
+_PROCESS_TOKENS: set[str] = set()
+
+
+def holder_alive(holder: Holder) -> bool:
+    """Whether the holder (on this machine, this boot) is alive: its pid is, and where the pid
+    is this very process, the token is one of its own lease services'."""
+    if holder.pid == os.getpid():
+        return holder.token in _PROCESS_TOKENS
+    return pid_alive(holder.pid)
 
 
 @dataclass
@@ -93,6 +107,7 @@ class Leases:
         self.timeout = timeout
         self.on_change = on_change
         self.me = Me(token=secrets.token_hex(16), host=socket.gethostname(), boot=boot_id())
+        _PROCESS_TOKENS.add(self.me.token)
         self._lock = threading.Lock()
         self._state: dict[str, _RootLease] = {}
         self._wake = threading.Event()
@@ -223,7 +238,7 @@ class Leases:
             seen = _look(dfd)
             if seen.key != st.key:
                 st.key, st.changed_at = seen.key, now
-            alive = (pid_alive(seen.holder.pid) if seen.holder is not None
+            alive = (holder_alive(seen.holder) if seen.holder is not None
                      and same_machine(self.me, seen.holder) else None)
             j = judge(self.me, seen, st.changed_at, now, timeout, alive)
             if j.verdict is Verdict.TAKE:
@@ -243,9 +258,15 @@ class Leases:
               now: float) -> Judgement:
         gen = seen.top + 1
         if gen >= MAX_GENERATION:
-            raise LeaseProblem(f"lease: {root.path / CKPTD_DIR} has a claim of generation"
-                               f" {seen.top}, the last there can be; remove the"
-                               f" {CLAIM_PREFIX}* files there while no ckptd runs on the root")
+            # The last generation there can be (only a claim written by hand gets there): it is
+            # stale like any other, so it is retired and numbering starts again. Renaming it
+            # away succeeds for one taker only; the others look again.
+            if not _retire_claims(dfd, seen.top):
+                return Judgement(Verdict.STANDBY, "another daemon took it first")
+            self.log.warning("lease_claims_retired", root=root.name, top=seen.top,
+                             message="a claim of the last generation there can be, not"
+                                     " renewed: retired, generations start again at 1")
+            gen = 1
         doc = Holder(gen=gen, token=self.me.token, node=self.node(), pid=os.getpid(),
                      host=self.me.host, boot=self.me.boot, since=time.time())
         try:
@@ -273,7 +294,7 @@ class Leases:
         previous = seen.holder
         with self._lock:
             st.gen, st.holder, st.renewed_ok = gen, doc, now
-            st.fresh = gen == 1 and previous is None
+            st.fresh = seen.top == 0 and previous is None
         _drop_claims_below(dfd, gen)
         self.log.info("lease_acquired", root=root.name, gen=gen, why=why.why,
                       previous=_who(previous) if previous else None)
@@ -358,16 +379,18 @@ def _is_link(dir_fd: int, name: str) -> bool:
         return False
 
 
-def _read_small(dfd: int, name: str, limit: int) -> tuple[bytes, os.stat_result] | None:
+def _read_small(dfd: int, name: str) -> tuple[bytes, os.stat_result] | None:
+    """A lease file through the bounded reader (a regular file, never through a link, at most
+    the lease cap), with its stat; None when absent, refused or unreadable (then it is judged
+    by its claim and by time alone)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
                      dir_fd=dfd)
-    except (FileNotFoundError, OSError):
+    except OSError:
         return None
     try:
-        st = os.fstat(fd)
-        return os.read(fd, limit + 1), st
-    except OSError:
+        return inputs.read_fd(fd, inputs.LEASE, name), os.fstat(fd)
+    except (OSError, BadInput):
         return None
     finally:
         os.close(fd)
@@ -378,8 +401,8 @@ def _top_claim(dfd: int) -> tuple[int, str | None]:
     if not gens:
         return 0, None
     top = max(gens)
-    got = _read_small(dfd, claim_name(top), 128)
-    token = got[0].decode("ascii", "replace").strip() if got else None
+    got = _read_small(dfd, claim_name(top))
+    token = got[0][:128].decode("ascii", "replace").strip() if got else None
     return top, token if token and valid_token(token) else None
 
 
@@ -387,14 +410,20 @@ def _look(dfd: int) -> Seen:
     top, token = _top_claim(dfd)
     holder: Holder | None = None
     stat_key: tuple[Any, ...] = ()
-    got = _read_small(dfd, LEASE_FILE, MAX_BYTES)
+    got = _read_small(dfd, LEASE_FILE)
     if got is not None:
         data, st = got
         stat_key = (st.st_ino, st.st_mtime_ns, st.st_size)
         try:
-            holder = Holder.from_json(json.loads(data)) if len(data) <= MAX_BYTES else None
-        except (ValueError, RecursionError):
+            holder = Holder.from_json(inputs.loads(data, LEASE_FILE))
+        except (ValueError, BadInput):
             holder = None  # damaged: judged by its claim and by time alone
+    else:
+        try:  # refused (a FIFO, a link, over the cap): still seen to change, never read
+            st = os.stat(LEASE_FILE, dir_fd=dfd, follow_symlinks=False)
+            stat_key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            pass
     return Seen(top=top, top_token=token, holder=holder, key=(top, token, stat_key))
 
 
@@ -415,6 +444,23 @@ def _write_lease(dfd: int, doc: Holder) -> None:
         except OSError:
             pass
         raise
+
+
+def _retire_claims(dfd: int, top: int) -> bool:
+    """Retire every claim, the stale one at `top` first: renamed away (only one taker's rename
+    succeeds; False for the others), then every lower claim removed, so the next claim is
+    generation 1. Only a stale lease is retired: its claims are all outdated."""
+    retired = f".lease.retired.{secrets.token_hex(8)}"
+    try:
+        os.rename(claim_name(top), retired, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except FileNotFoundError:
+        return False
+    _drop_claims_below(dfd, top + 1)
+    try:
+        os.unlink(retired, dir_fd=dfd)
+    except OSError:
+        pass
+    return True
 
 
 def _drop_claims_below(dfd: int, gen: int) -> None:

@@ -1,0 +1,149 @@
+"""The root lease cannot be stolen for good: someone with write access to a root forges a claim
+(at the last generation, at the next one, naming this daemon's own process) and a lease.json to
+match. Two real lease services (`ckptd.service.lease.Leases`, real files, real SQLite) share one
+root; a forged claim that nobody renews costs the root at most `lease_timeout`, and the live
+daemons take it back. docs/MULTINODE.md says what such a writer can and cannot do."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.wait import wait_until
+
+from ckptd.cluster.lease import MAX_GENERATION, Holder
+from ckptd.config import RootConfig
+from ckptd.service.lease import Leases, boot_id
+from ckptd.store import Store
+
+FORGED = "f" * 32
+TIMEOUT = 0.5
+
+
+class _Roots:
+    def __init__(self, root: Path) -> None:
+        self.root = RootConfig(name="r", path=root)
+
+    def __call__(self) -> dict[str, RootConfig]:
+        return {"r": self.root}
+
+
+@pytest.fixture
+def two(tmp_path: Path) -> Iterator[tuple[Path, Leases, Leases]]:
+    """Two lease services on one root, `a` holding it, `b` standing by."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    stores = [Store(tmp_path / n / "state.db") for n in ("a", "b")]
+    a, b = (Leases(s, _Roots(root), lambda n=n: n, lambda: TIMEOUT)  # type: ignore[misc]
+            for s, n in zip(stores, ("a", "b"), strict=True))
+    a.tick()
+    b.tick()
+    assert a.holds("r") and not b.holds("r")
+    try:
+        yield root, a, b
+    finally:
+        for s in stores:
+            s.close()
+
+
+def forge(root: Path, gen: int, host: str = "elsewhere", pid: int = 4242,
+          boot: str = "another-boot") -> None:
+    """What a writer to the root can do: a claim and a lease.json that names it."""
+    own = root / ".ckptd"
+    (own / f"lease.claim.{gen}").write_text(FORGED)
+    doc = Holder(gen=gen, token=FORGED, node="forged", pid=pid, host=host, boot=boot,
+                 since=time.time())
+    (own / "lease.json").write_text(json.dumps(doc.as_json()))
+
+
+def acting(*leases: Leases) -> list[str]:
+    return [lz.node() for lz in leases if lz.holds("r")]
+
+
+def tick_until_one_acts(a: Leases, b: Leases, within: float) -> str:
+    def look() -> list[str]:
+        a.tick()
+        b.tick()
+        return acting(a, b)
+
+    (one,) = wait_until(look, within, "a live daemon to take the root back", interval=0.02)
+    for _ in range(5):  # and it stays the only one
+        a.tick()
+        b.tick()
+        assert acting(a, b) == [one]
+    return one
+
+
+def test_a_forged_claim_at_the_last_generation_is_taken_back(
+        two: tuple[Path, Leases, Leases]) -> None:
+    root, a, b = two
+    forge(root, MAX_GENERATION - 1)
+    a.tick()
+    b.tick()
+    assert acting(a, b) == []  # a claim it cannot yet judge: nobody acts meanwhile
+    started = time.monotonic()
+    tick_until_one_acts(a, b, 20 * TIMEOUT)
+    assert time.monotonic() - started < 10 * TIMEOUT
+    assert a.problem("r") is None and b.problem("r") is None
+    names = sorted(p.name for p in (root / ".ckptd").iterdir())
+    assert names == ["lease.claim.1", "lease.json"], names
+    doc = json.loads((root / ".ckptd" / "lease.json").read_text())
+    assert doc["gen"] == 1 and doc["token"] != FORGED
+
+
+def test_a_forged_claim_at_the_next_generation_is_taken_back(
+        two: tuple[Path, Leases, Leases]) -> None:
+    root, a, b = two
+    held = json.loads((root / ".ckptd" / "lease.json").read_text())["gen"]
+    forge(root, held + 1)
+    a.tick()
+    b.tick()
+    assert acting(a, b) == []
+    tick_until_one_acts(a, b, 20 * TIMEOUT)
+    doc = json.loads((root / ".ckptd" / "lease.json").read_text())
+    assert doc["gen"] == held + 2 and doc["token"] != FORGED
+
+
+def test_a_forged_claim_naming_the_holders_own_process_is_taken_back_at_once(
+        tmp_path: Path) -> None:
+    """A claim whose lease.json names this daemon's host, boot and pid but a token none of its
+    lease services has is a forgery (no live holder stands behind it): the holder takes the
+    root back at its next look, not after lease_timeout."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    store = Store(tmp_path / "a" / "state.db")
+    try:
+        a = Leases(store, _Roots(root), lambda: "a", lambda: 60.0)
+        a.tick()
+        assert a.holds("r")
+        held = json.loads((root / ".ckptd" / "lease.json").read_text())["gen"]
+        forge(root, held + 1, host=socket.gethostname(), pid=os.getpid(), boot=boot_id())
+        a.tick()
+        assert a.holds("r")
+        doc = json.loads((root / ".ckptd" / "lease.json").read_text())
+        assert doc["gen"] == held + 2 and doc["token"] == a.me.token
+    finally:
+        store.close()
+
+
+def test_a_forged_claim_that_keeps_being_renewed_keeps_the_root_standing_by(
+        two: tuple[Path, Leases, Leases]) -> None:
+    """The limit of the rule, said in docs/MULTINODE.md: a writer who keeps renewing a forged
+    lease keeps the daemons standing by (acting on nothing) for as long as it writes; the
+    moment it stops, they take the root back."""
+    root, a, b = two
+    forge(root, 100)
+    lease = root / ".ckptd" / "lease.json"
+    until = time.monotonic() + 4 * TIMEOUT
+    while time.monotonic() < until:
+        os.utime(lease)  # a renewal, as a holder makes it
+        a.tick()
+        b.tick()
+        assert acting(a, b) == []
+        time.sleep(TIMEOUT / 10)
+    tick_until_one_acts(a, b, 20 * TIMEOUT)
