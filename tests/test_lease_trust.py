@@ -14,7 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.ckpts import save_single
+from support.fixtures import short_tempdir
 from support.wait import wait_until
+from test_lease import _daemon, _root_status
 
 from ckptd.cluster.lease import MAX_GENERATION, Holder
 from ckptd.config import RootConfig
@@ -147,3 +150,32 @@ def test_a_forged_claim_that_keeps_being_renewed_keeps_the_root_standing_by(
         assert acting(a, b) == []
         time.sleep(TIMEOUT / 10)
     tick_until_one_acts(a, b, 20 * TIMEOUT)
+
+
+def test_two_real_daemons_take_a_root_back_from_a_forged_last_generation(
+        tmp_path: Path) -> None:
+    """Two `ckptd run` processes on one root; a writer to the root forges the last claim there
+    can be and a lease.json from another host. Both stand by while it may be live, then one
+    takes the root back and acts on it again (a checkpoint saved afterwards is validated)."""
+    root, remote = tmp_path / "ckpt", tmp_path / "remote"
+    root.mkdir()
+    with short_tempdir() as sock_dir:
+        a = _daemon(tmp_path / "a", sock_dir, root, remote, "node-a", lease_timeout="2s")
+        b = _daemon(tmp_path / "b", sock_dir, root, remote, "node-b", lease_timeout="2s")
+        try:
+            a.start()
+            b.start()
+            wait_until(lambda: _root_status(a)["acting"], 15, "node-a to act")
+            forge(root, MAX_GENERATION - 1)
+            wait_until(lambda: not _root_status(a)["acting"], 15, "node-a to stand down")
+            wait_until(lambda: _root_status(a)["acting"] or _root_status(b)["acting"], 30,
+                       "a daemon to take the root back")
+            holder = a if _root_status(a)["acting"] else b
+            assert holder.events("lease_claims_retired")
+            save_single(root, 30)
+            holder.wait_for("r", 30, "valid")
+            doc = json.loads((root / ".ckptd" / "lease.json").read_text())
+            assert doc["token"] != FORGED and doc["gen"] == 1
+        finally:
+            a.stop()
+            b.stop()
