@@ -2,7 +2,8 @@
 sends is checked by `ckptd.api_input`.
 
 Reads the store, records intents (registrations, pins) and wakes the scanner and pipeline.
-Never runs a stage itself and never blocks the accept loop (one thread per connection).
+Never runs a stage itself and never blocks the accept loop: connections are watched by
+`api_fds.ConnectionLoop`, and only one with a request to read takes a thread.
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ import json
 import os
 import re
 import socket
-import socketserver
 import stat
 import struct
-import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler
@@ -25,7 +24,7 @@ from typing import Any
 from ckptd import __version__
 from ckptd import api_input as checks
 from ckptd.api_context import ApiContext
-from ckptd.api_fds import Prefixed, recv_first
+from ckptd.api_fds import Conn, ConnectionLoop, Prefixed, Writer, recv_first
 from ckptd.api_input import HttpError
 from ckptd.config import RootConfig
 from ckptd.errors import ConfigError, ServiceUnavailable
@@ -36,8 +35,11 @@ MAX_BODY = 1024 * 1024
 MAX_WAIT_S = 3600.0
 # A burst of a few hundred clients at once is queued, not refused.
 LISTEN_BACKLOG = 1024
-# Connection threads at once, and how long an idle keep-alive connection is kept.
-MAX_CONNECTIONS = 512
+# Requests answered at once (threads; long-polls included); connections kept open (idle ones
+# cost a descriptor, not a thread: past this the longest idle are closed); how long an idle
+# connection is kept, and how long a request may take to arrive once it has begun.
+MAX_THREADS = 512
+MAX_OPEN = 4096
 IDLE_TIMEOUT_S = 5.0
 
 
@@ -76,24 +78,34 @@ class Handler(BaseHTTPRequestHandler):
     ctx: ApiContext  # set on the subclass the server builds
 
     def setup(self) -> None:
-        """The first bytes of a connection are read with recvmsg: an async save sends its
-        arena's descriptor with them (SCM_RIGHTS), which a plain read would drop."""
-        super().setup()
+        """Called when the connection (`self.request`, a `Conn`) has bytes to read. Its first
+        bytes are read with recvmsg: an async save sends its arena's descriptor with them
+        (SCM_RIGHTS), which a plain read would drop. The reader outlives this request."""
+        conn: Conn = self.request
+        self.connection = conn.sock
+        self.connection.settimeout(self.timeout)
         self.passed_fds: list[int] = []
-        try:
-            first, fds = recv_first(self.connection)
-        except OSError:
-            first = b""
-        else:
-            self.passed_fds = fds
-        self.rfile.close()  # the plain reader holds a reference that keeps the socket open
-        self.rfile = io.BufferedReader(Prefixed(first, self.connection))
+        if conn.rfile is None:
+            try:
+                first, fds = recv_first(self.connection)
+            except OSError:
+                first = b""
+            else:
+                self.passed_fds = fds
+            conn.rfile = io.BufferedReader(Prefixed(first, self.connection))
+        self.rfile = conn.rfile
+        self.wfile = Writer(self.connection)
+
+    def handle(self) -> None:
+        """The requests the client has sent: one, and more only if they are already here
+        (waiting for a next request is the connection loop's job, not a thread's)."""
+        self.close_connection = True
+        self.handle_one_request()
+        while not self.close_connection and self.request.more():
+            self.handle_one_request()
 
     def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            self._close_fds()
+        self._close_fds()
 
     def _close_fds(self) -> None:
         for fd in self.passed_fds:
@@ -372,43 +384,40 @@ def _reached(rec: CheckpointRecord, until: str) -> bool:
     return rec.state is State.VALID and rec.remote in (Remote.UPLOADED, Remote.PRUNED)
 
 
-class UnixHttpServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    """One thread per connection, at most MAX_CONNECTIONS at once: past that the accept loop
-    waits for a slot and new clients wait in the listen backlog (served, never refused)."""
-
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = False
+class UnixHttpServer:
+    """The API on a bound, listening Unix socket. One loop thread (`serve_forever`) watches
+    every connection; at most MAX_THREADS requests are answered at once; an idle connection
+    holds no thread, is closed after IDLE_TIMEOUT_S, and the longest idle go first when
+    MAX_OPEN are open or descriptors run out. A burst waits in the listen backlog."""
 
     def __init__(self, sock: socket.socket, ctx: ApiContext) -> None:
-        handler = type("BoundHandler", (Handler,), {"ctx": ctx})
-        super().__init__(str(sock.getsockname()), handler, bind_and_activate=False)
-        self.socket.close()
         self.socket = sock
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._handler = type("BoundHandler", (Handler,), {"ctx": ctx})
+        self._loop = ConnectionLoop(sock, self._answer, MAX_THREADS, MAX_OPEN, IDLE_TIMEOUT_S)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        self._slots.acquire()
+    def _answer(self, conn: Conn) -> bool:
+        """Answer what `conn` sent; True to keep the connection open for its next request."""
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+            handler = self._handler(conn, ("unix", 0), self)
+        except OSError:  # the client went away mid-request (reset, broken pipe)
+            return False
+        except Exception as exc:  # noqa: BLE001 - a bug answering one client ends its connection
+            get_logger().error("api_error", error=f"{type(exc).__name__}: {exc}", exc_info=True)
+            return False
+        return not handler.close_connection
 
     def serve_forever(self, poll_interval: float = 0.1) -> None:
-        # shutdown() waits for this loop to notice it: a short poll keeps a stop prompt
-        # (the default 0.5 s added half a second to every SIGTERM).
-        super().serve_forever(poll_interval)
+        # shutdown() waits for this loop to notice it: a short poll keeps a stop prompt.
+        self._loop.run(poll_interval)
 
-    def get_request(self) -> tuple[socket.socket, Any]:
-        conn, _ = self.socket.accept()
-        return conn, ("unix", 0)
+    def shutdown(self) -> None:
+        self._loop.stop()
+
+    def server_close(self) -> None:
+        self._loop.close()
+
+    def open_connections(self) -> int:
+        return self._loop.open_connections()
 
 
 def bind_socket(path: Path, group: str = "") -> socket.socket:

@@ -395,3 +395,43 @@ def test_a_pin_never_waits_on_a_scan(h: Harness) -> None:
         t0 = time.monotonic()
         assert Client(h.daemon.config.daemon.socket, timeout=5, strict=True).pin("r", 2)
         assert time.monotonic() - t0 < 2
+
+
+def test_2000_idle_connections_hold_no_thread_and_a_fresh_client_is_answered(h: Harness
+                                                                             ) -> None:
+    """2,000 real connections left open: 1,000 that never sent a byte and 1,000 that sent one
+    request, read its answer and stayed open (keep-alive). None holds a thread; a fresh
+    client (and the `ckptd latest` CLI) is answered at once, not after the idle ones."""
+    import resource
+
+    save_torch(h.root / "model_step_1.pt")
+    assert h.client.wait("r", 1, until="valid", timeout=30)
+    sock_path = str(h.daemon.config.daemon.socket)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 6000 if hard == resource.RLIM_INFINITY else min(hard, 6000)
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    threads_before = threading.active_count()
+    idle: list[socket.socket] = []
+    try:
+        for i in range(2000):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(30)
+            s.connect(sock_path)
+            idle.append(s)
+            if i % 2:
+                s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert s.recv(65536).startswith(b"HTTP/1.1 200"), i
+        t0 = time.monotonic()
+        got = Client(h.daemon.config.daemon.socket, timeout=30).latest("r")
+        took = time.monotonic() - t0
+        assert got is not None and got["step"] == 1
+        assert took < 5.0, f"a fresh client waited {took:.1f} s behind idle connections"
+        assert threading.active_count() - threads_before < 100  # idle ones hold no thread
+        shown = subprocess.run([sys.executable, "-m", "ckptd", "latest", "r", "--socket",
+                                sock_path], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0 and "1" in shown.stdout, shown.stderr
+    finally:
+        for s in idle:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
