@@ -141,3 +141,42 @@ def test_daemon_worker_crash_is_restarted_and_shown_in_health(daemon_with_faulty
     wait_until(lambda: (c.latest("r") or {}).get("step") == 5, timeout=30,
                what="step 5 valid after the restart")
     assert c.health()["status"] == "ok"
+
+
+def test_a_call_quiet_past_its_bound_is_stuck_named_and_reported_once() -> None:
+    """The call board: a call that beats (or whose progress counter moves) is not stuck; one
+    quiet past its bound is, at once: `alive` is False, its service shows `stuck` naming the
+    stage and item, `on_stuck` is told once, then again when the call ends."""
+    told: list[tuple[str, int, bool]] = []
+    sup = Supervisor(on_stuck=lambda c, stuck: told.append((c.stage, c.step, stuck)))
+    release = threading.Event()
+    sup.add("worker-0", lambda stop: release.wait())
+    sup.start()
+    try:
+        wait_until(sup.alive, what="the service up")
+        written = [0]
+        sup.calls.begin("worker-0", "upload", "r", 7, bound_s=0.3)
+        sup.calls.begin("persist-ab", "persist", "r", 8, bound_s=0.3,
+                        progress=lambda: written[0])
+        for _ in range(5):  # both make progress: neither is stuck
+            sup.calls.beat("worker-0")
+            written[0] += 1
+            release.wait(0.1)
+            assert not sup.calls.stuck() and sup.alive()
+        stuck = wait_until(lambda: {c.who for c in sup.calls.stuck()} == {"worker-0", "persist-ab"}
+                           and sup.health(), what="both stuck")
+        assert not sup.alive() and sup.running()
+        w0 = next(s for s in stuck if s["name"] == "worker-0")
+        assert w0["state"] == "stuck"
+        assert {k: w0["stuck"][k] for k in ("stage", "root", "step", "bound_s")} == {
+            "stage": "upload", "root": "r", "step": 7, "bound_s": 0.3}
+        assert next(s for s in stuck if s["name"] == "persist-ab")["stuck"]["step"] == 8
+        wait_until(lambda: sorted(told) == [("persist", 8, True), ("upload", 7, True)],
+                   what="on_stuck told once each")
+        sup.calls.end("worker-0")
+        sup.calls.end("persist-ab")
+        wait_until(lambda: len(told) == 4, what="resumed reported")
+        assert sup.alive() and told.count(("upload", 7, False)) == 1
+    finally:
+        release.set()
+        sup.stop(timeout=5)
