@@ -189,9 +189,10 @@ class Daemon:
         and at least one stage worker is free of a stuck call. What the watchdog vouches for:
         one stuck item is degraded health (`ctx.state`), set aside, never a restart."""
         stuck = self.workers.stuck()
-        if len(stuck) >= len(self.workers.names):
+        all_stuck = bool(stuck) and len(stuck) >= len(self.workers.names)
+        if all_stuck:
             self.log.error("all_workers_stuck", workers=stuck)
-        return (self.supervisor.running() and len(stuck) < len(self.workers.names)
+        return (self.supervisor.running() and not all_stuck
                 and self.scanner.healthy(self.config.daemon.scan_interval))
 
     def _stuck(self, call: Call, stuck: bool) -> None:
