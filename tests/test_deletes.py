@@ -408,3 +408,28 @@ def test_a_spare_copy_is_released_by_retention_and_never_under_a_reader(
     assert not copy.exists() and (root / "model_step_1.pt").is_file()
     assert os.listdir(executor.trash_dir_for(root)) == []
     assert "copy" not in plan_of_1()
+
+
+def test_recovery_releases_a_copy_the_store_dropped_through_the_executor(
+        inproc_daemon: Any, tmp_path: Path) -> None:
+    """A crash after `copy_dropped` committed but before the copy's files went: start-up
+    releases it (executor.release_copy, through the trash)."""
+    d = inproc_daemon(roots=[{"name": "r1", "upload": {"url": f"file://{tmp_path / 'remote'}"}}])
+    root, c = d.roots["r1"], d.client
+    save_single(root, 1, n=128)
+    assert d.wait_for("r1", 1)["state"] == "valid"
+    assert c.wait("r1", 1, until="uploaded", timeout=60)
+    copy = compress.objects_dir(root, 1)
+    wait_until(lambda: not copy.exists(), 30, "the copy released after the upload")
+    d.stop()
+    # What the crash left: the copy's files, which the store already counts as gone.
+    st = compress.Stager(root, "r1", 1, "single", "zstd", 3, 1, 0.03)
+    cand = Candidate("single", 1, "model_step_1.pt", ("model_step_1.pt",), complete=True)
+    result = validate(root, cand, extra_sinks=st.sinks_for)
+    st.commit(result.files, result.metrics)
+    assert copy.is_dir()
+    d.start()
+    recovered = d.events("daemon_recovered")[-1]
+    assert recovered["released_copies_removed"] == 1, recovered
+    assert not copy.exists() and (root / "model_step_1.pt").is_file()
+    assert os.listdir(executor.trash_dir_for(root)) == []
