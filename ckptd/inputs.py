@@ -100,12 +100,15 @@ def check_size(data: bytes, kind: Kind, what: str) -> bytes:
     return data
 
 
-def loads(data: bytes | str, what: str) -> Any:
+def loads(data: bytes | str, what: str, *, nan: bool = False) -> Any:
     """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, integers within ±2^63, floats
-    finite, nesting at most MAX_DEPTH. Anything else is BadInput naming `what`."""
+    finite, nesting at most MAX_DEPTH. Anything else is BadInput naming `what`. `nan=True`
+    lets the constants NaN and ±Infinity through as floats (a framework's metadata, written by
+    Python's json with a NaN loss: the caller treats them as no number)."""
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        doc = json.loads(text, parse_constant=_no_constant, parse_int=_bounded_int,
+        doc = json.loads(text, parse_constant=float if nan else _no_constant,
+                         parse_int=_bounded_int,
                          parse_float=_finite_float, object_pairs_hook=_unique_keys)
     except BadInput as exc:
         raise BadInput(f"{what}: {exc}") from None

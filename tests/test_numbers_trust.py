@@ -20,8 +20,9 @@ from support.wait import wait_until
 from test_async_save import post_persist, sealed_arena
 from writers import save_torch
 
-from ckptd import layouts, pins
+from ckptd import arena, layouts, pins
 from ckptd.model import FileInfo, RootOptions, Snapshot
+from ckptd.watch import RootScanner
 
 HUGE = "9" * 400  # an integer no float holds: float(10**400) raises OverflowError
 
@@ -54,8 +55,8 @@ def native_step(root: Path, step: int, metrics_json: str = "{}") -> Path:
     save_torch(d / "model.pt")
     size = (d / "model.pt").stat().st_size
     (d / "meta.json").write_text(
-        '{"format": "ckptd-native/1", "step": %d, "world_size": 1, "files": [{"path":'
-        ' "model.pt", "size": %d}], "metrics": %s}' % (step, size, metrics_json))
+        f'{{"format": "ckptd-native/1", "step": {step}, "world_size": 1, "files": [{{"path":'
+        f' "model.pt", "size": {size}}}], "metrics": {metrics_json}}}')
     return d
 
 
@@ -106,7 +107,7 @@ def test_a_huge_integer_anywhere_in_an_async_saves_head_is_refused(inproc_daemon
 
 
 def test_a_400_digit_metric_in_a_meta_json_is_one_bad_step(h: Harness) -> None:
-    native_step(h.root, 5, '{"loss": %s}' % HUGE)
+    native_step(h.root, 5, f'{{"loss": {HUGE}}}')
     native_step(h.root, 6, '{"loss": 0.5}')
     assert h.client.wait("r", 6, until="valid", timeout=30)
     wait_until(lambda: checkpoints(h).get(5, {}).get("state") == "invalid", 30)
@@ -160,7 +161,7 @@ def test_a_pins_file_that_is_a_fifo_never_blocks(tmp_path: Path) -> None:
 
 def test_a_pins_file_with_a_huge_step_is_read_as_no_pins(tmp_path: Path) -> None:
     (tmp_path / ".ckptd").mkdir()
-    pins.pins_path(tmp_path).write_text('{"format": "ckptd-pins/1", "steps": [1, %s]}' % HUGE)
+    pins.pins_path(tmp_path).write_text(f'{{"format": "ckptd-pins/1", "steps": [1, {HUGE}]}}')
     assert pins.read_pins(tmp_path) == set()
 
 
@@ -217,3 +218,44 @@ def test_a_rank_of_1e8_in_a_file_name_is_bad_metadata(files: dict[str, int]) -> 
     (cand,) = _detect_bounded(snap)
     assert cand.invalid_reason == "bad_metadata", cand
     assert "99999999" in cand.invalid_message
+
+
+# -- the scanner's reads of metadata: each kind's cap, never a FIFO ---------------------------
+
+
+@pytest.mark.parametrize(("rel", "cap"), [
+    ("step-5/meta.json", 1 << 20),
+    ("checkpoint-5/trainer_state.json", 16 << 20),
+    ("step-5/.metadata", 64 << 20),
+    ("latest", 4 << 10),
+    ("latest_checkpointed_iteration.txt", 4 << 10),
+    ("meta_5.json", 1 << 20),
+])
+def test_the_scanner_reads_each_metadata_kind_up_to_its_cap(tmp_path: Path, rel: str,
+                                                            cap: int) -> None:
+    """At the cap the file is read; one byte over (a sparse file: nothing is read to learn
+    it) it is refused, with why, and the snapshot says so; a FIFO at the name is never
+    waited on (the walk lists regular files only)."""
+    path = tmp_path / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as f:
+        f.truncate(cap)
+    scanner = RootScanner("r", tmp_path, "auto", RootOptions(settle=0.0))
+    snap, _ = scanner.scan(time.time())
+    assert len(snap.contents[rel]) == cap and rel not in snap.bad_contents
+    with path.open("ab") as f:
+        f.truncate(cap + 1)
+    snap, _ = scanner.scan(time.time())
+    assert rel not in snap.contents and "cap" in snap.bad_contents[rel]
+    path.unlink()
+    os.mkfifo(path)
+    t0 = time.monotonic()
+    snap, _ = scanner.scan(time.time())
+    assert time.monotonic() - t0 < 5 and rel not in snap.contents
+
+
+def test_an_arena_header_out_of_range_is_refused() -> None:
+    assert arena.read_header(arena.pack_header(arena.State.SEALED, 2**63 - 1, 8192))
+    for generation, used in ((2**63, 8192), (1, arena.MAX_ARENA + 1)):
+        with pytest.raises(ValueError, match="out of range"):
+            arena.read_header(arena.pack_header(arena.State.SEALED, generation, used))

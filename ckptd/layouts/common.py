@@ -197,12 +197,13 @@ def unfinished_problem(snap: Snapshot, anchor: str, under: Iterable[str] = ()) -
 
 
 def load_json(data: bytes | None, what: str = "") -> Any:
-    """Parsed strict JSON (`ckptd.inputs.loads`: integers within 2^63, finite floats, bounded
-    nesting), or raise ValueError (bad bytes, bad UTF-8, bad JSON), naming `what` if given."""
+    """Parsed strict JSON (`ckptd.inputs.loads`: integers within 2^63, bounded nesting; the
+    constants NaN and Infinity a framework writes for a NaN loss pass, as no number to
+    `numeric_metrics`), or raise ValueError (bad bytes, bad UTF-8, bad JSON), naming `what`."""
     if data is None:
         raise ValueError("no content")
     try:
-        return inputs.loads(data, what or "-")
+        return inputs.loads(data, what or "-", nan=True)
     except BadInput as exc:
         raise ValueError(str(exc) if what else str(exc).removeprefix("-: ")) from None
 

@@ -64,7 +64,7 @@ def native_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float
                              " a metadata file may")
     data = _validated_bytes(root_dir, f.path, f.size, f.hash)
     try:
-        listing = inputs.loads(data, f.path).get("files")
+        listing = inputs.loads(data, f.path, nan=True).get("files")
         base = posixpath.dirname(f.path)
         expected = {posixpath.join(base, e["path"]): inputs.check_int(e["size"], e["path"])
                     for e in listing}
@@ -147,7 +147,7 @@ def ranked_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float
                              f" {ranked.META_MAX_BYTES} a commit record may")
     data = _validated_bytes(root_dir, f.path, f.size, f.hash)
     try:
-        doc = inputs.loads(data, f.path)
+        doc = inputs.loads(data, f.path, nan=True)
     except BadInput as exc:
         raise PermanentError(f"{f.path} is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
