@@ -522,8 +522,8 @@ def replace_originals(
     (bytes freed), `refused` (a net, a path), or `failed` (the check, a move)."""
     log = get_logger(root=root or Path(root_dir).name)
     real_root = Path(root_dir).resolve()
-    trash_real = _trash_location(real_root, trash_dir_for(real_root))
     try:
+        trash_real = _own_trash(real_root)
         _check_nets(target.step, "compress", guards)
         members = list(dict.fromkeys(_relative(f) for f in target.files))
         moves = _file_moves(real_root, members)
@@ -559,8 +559,8 @@ def release_copy(
         return _refused(log, target.step, "local", why)
     act: Act = "release_copy" if target.local is Local.PRESENT else "release_last"
     real_root = Path(root_dir).resolve()
-    trash_real = _trash_location(real_root, trash_dir_for(real_root))
     try:
+        trash_real = _own_trash(real_root)
         _check_nets(target.step, act, guards)
         anchor = _relative(target.path)
         if not anchor.startswith(f"{CKPTD_DIR}/") or not target.is_dir:
@@ -587,13 +587,17 @@ def install_copy(root_dir: Path, step: int, staging: Path, final: Path) -> None:
     both and its thread dies on the next delete). A crash between the two renames leaves no
     `final`: the copy is made again (the store then has no copy of the re-save yet)."""
     real_root = Path(root_dir).resolve()
-    trash_real = _trash_location(real_root, trash_dir_for(real_root))
     rel = posixpath.relpath(Path(final).resolve(strict=False).as_posix(), real_root.as_posix())
-    if not rel.startswith(f"{CKPTD_DIR}/"):
-        raise ValueError(f"{final} is not a compressed copy inside {real_root}")
     record: TrashRecord | None = None
-    if _lstat(Path(final)) is not None:
+    try:
+        trash_real = _own_trash(real_root)
+        if not rel.startswith(f"{CKPTD_DIR}/"):
+            raise _Refusal(UNSAFE_PATH, f"{final} is not a compressed copy inside the root")
         moves = _dir_move(real_root, _relative(rel), [], trash_real)
+    except _Refusal as refusal:
+        raise CkptdError(f"cannot replace the compressed copy of step {step}: "
+                         f"{refusal.reason}") from None
+    if moves:
         record = _move_into_trash(real_root, step, moves, trash_real)
     os.rename(staging, final)
     fileio.fsync_dir(Path(final).parent)
@@ -619,6 +623,15 @@ def replace_remote(
         return _failed(log, step, "remote", str(exc))
     log.warning("remote_step_replaced", step=step, bytes_freed=size)
     return Outcome(step, "remote", "deleted", "replace_remote", size)
+
+
+def _own_trash(real_root: Path) -> Path:
+    """The root's trash, refused (not raised) when it would lie outside the root (a linked
+    `.ckptd`): one odd root must not stop a caller's other work."""
+    try:
+        return _trash_location(real_root, trash_dir_for(real_root))
+    except ValueError as exc:
+        raise _Refusal(UNSAFE_PATH, str(exc)) from None
 
 
 def _purge_or_leave(log: Any, record: TrashRecord) -> int:
