@@ -2,6 +2,8 @@
 (create-only: the commit), then LATEST; and `delete_step`, the same protocol in reverse.
 
 Never imports the store, the pipeline or another stage; never overwrites a committed step.
+Deletes nothing itself: `delete_step` is only ever handed to the retention executor
+(`execute_remote`, `replace_remote`), which calls it behind its nets.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def delete_step(backend: Backend, root_name: str, step: int) -> int:
     MANIFEST.json goes first, so a half-deleted step is never listed as committed; then every
     object under the step's prefix (stragglers of interrupted uploads included); then LATEST
     is moved to the highest remaining committed step (or removed) if it named this one.
-    Idempotent: re-run it after any failure.
+    Idempotent: re-run it after any failure. Called only by the retention executor.
     """
     backend.delete(manifest_key(root_name, step))
     objects = [m.key for m in backend.list(step_prefix(root_name, step))]
