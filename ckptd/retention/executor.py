@@ -5,6 +5,7 @@ Every destructive act is one of its entry points, each behind the safety nets of
 (rename into `<root>/.ckptd/trash` under a journal, then removal):
 
 - `execute_local`: a plan's local deletes; `execute_remote`: a plan's remote deletes;
+  `execute_copies`: a plan's copy releases (through `release_copy`);
 - `replace_originals`: compress-in-place, the originals go once their copy is verified;
 - `release_copy`: a local compressed copy that is not needed any more (after upload, after
   its checkpoint was pruned, or one a crash left behind);

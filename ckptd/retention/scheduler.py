@@ -4,7 +4,8 @@ Owns when retention runs (after stages, on a timer, under disk pressure, on `run
 translation between store records and the planner's/executor's plain types (`guards_for`:
 the nets every destructive act is checked against), and recording the outcomes
 (compress_older in place included). Decides nothing (`planner`) and deletes nothing: every
-delete is an executor entry point (`execute_local`, `execute_remote`, `replace_originals`).
+delete is an executor entry point (`execute_local`, `execute_copies`, `execute_remote`,
+`replace_originals`).
 """
 
 from __future__ import annotations
