@@ -78,7 +78,7 @@ class RootScanner:
         self.opts = opts
         self.open_files = open_files or OpenFiles()
         self._seen: dict[str, _Seen] = {}
-        self._contents: dict[str, tuple[int, int, bytes | str]] = {}
+        self._contents: dict[str, tuple[int, int, bool, bytes | str]] = {}
         self._fields: dict[str, tuple[int, int, dict[str, PlainValue] | None]] = {}
         self._real_root = os.path.realpath(path)
         self._top = top  # which top-level entries (name, is_dir) to walk; None = all
@@ -112,7 +112,7 @@ class RootScanner:
                                   self.open_files.is_open(abspath, changed_at, now, expiry),
                                   seen_at, link, first_mtime_ns / 1e9)
         self._seen = seen
-        contents, refused = self._read_contents(seen)
+        contents, refused = self._read_contents(seen, files)
         snap = Snapshot(files=files, dirs=frozenset(dirs), contents=contents,
                         registrations=dict(registrations or {}),
                         torch_fields=self._read_torch_fields(seen, changing),
@@ -154,25 +154,28 @@ class RootScanner:
                 elif stat.S_ISREG(st.st_mode):
                     yield rel, st.st_size, st.st_mtime_ns, entry.is_symlink()
 
-    def _read_contents(self, seen: dict[str, _Seen]) -> tuple[dict[str, bytes], dict[str, str]]:
+    def _read_contents(self, seen: dict[str, _Seen], files: Mapping[str, FileInfo]
+                       ) -> tuple[dict[str, bytes], dict[str, str]]:
         """The bytes of the small files layouts asked for, read through the bounded reader
-        once per size and mtime; and the ones it refused (a link, over the cap of their kind),
-        with why, so their checkpoint is judged bad instead of waiting for them."""
+        once per size, mtime and kind of entry (a link's stat is its target's); and the ones
+        it refused (a link, over the cap of their kind), with why, so their checkpoint is
+        judged bad instead of waiting for them."""
         out: dict[str, bytes] = {}
         refused: dict[str, str] = {}
-        cache: dict[str, tuple[int, int, bytes | str]] = {}
+        cache: dict[str, tuple[int, int, bool, bytes | str]] = {}
         for rel, s in seen.items():
             if not layouts.wants_content(rel, self.layout):
                 continue
+            link = files[rel].symlink
             hit = self._contents.get(rel)
             data: bytes | str | None
-            if hit and hit[0] == s.size and hit[1] == s.mtime_ns:
-                data = hit[2]
+            if hit and hit[:3] == (s.size, s.mtime_ns, link):
+                data = hit[3]
             else:
                 data = _read_small(self.path, rel, layouts.content_kind(rel))
             if data is None:
                 continue
-            cache[rel] = (s.size, s.mtime_ns, data)
+            cache[rel] = (s.size, s.mtime_ns, link, data)
             if isinstance(data, str):
                 refused[rel] = data
             else:

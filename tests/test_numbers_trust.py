@@ -134,6 +134,12 @@ def test_a_meta_json_that_is_a_link_or_over_its_cap_is_a_bad_step(h: Harness) ->
         wait_until(lambda s=step: checkpoints(h).get(s, {}).get("state") == "invalid", 30)
         assert checkpoints(h)[step]["reason"] == "bad_metadata"
         assert words in message(h, step)
+    # counted in the metric at every scan (two refused files), gone once they are fixed
+    sample = h.daemon.metrics.registry.get_sample_value
+    wait_until(lambda: sample("ckptd_bad_inputs", {"root": "r", "kind": "metadata"}) == 2, 30)
+    (d / "meta.json").unlink()
+    real.rename(d / "meta.json")
+    wait_until(lambda: sample("ckptd_bad_inputs", {"root": "r", "kind": "metadata"}) == 1, 30)
 
 
 def test_a_pointer_file_over_its_cap_is_reported_and_the_root_goes_on(h: Harness) -> None:

@@ -47,6 +47,7 @@ class Scanner:
         self._scanners: dict[str, RootScanner] = {}
         self._pending: set[str] = set()
         self._conflicts: set[tuple[str, int]] = set()
+        self._bad_logged: dict[str, set[str]] = {}  # per root: refused metadata already logged
         self.beat = time.monotonic()
         self.watcher = self._new_watcher()
         self.log = get_logger()
@@ -136,6 +137,7 @@ class Scanner:
                 root.name, [Found(c, fp, _newest(snap, c)) for c, fp in found], now,
                 unreadable=frozenset(scanner.unreadable), adopt=self.may_adopt(root.name))
         self._give_up_stale(root, snap, [c for c, _ in found if not c.complete], now)
+        self._report_bad(root.name, snap.bad_contents)
         if scanner.unreadable:
             self.store.set_root_error(root.name, f"could not read {sorted(scanner.unreadable)}"
                                       " (checkpoints there are not marked gone)", now)
@@ -148,6 +150,16 @@ class Scanner:
         for ch in changes:
             self.log.info(ch.event, root=root.name, step=ch.step, layout=ch.layout, path=ch.path,
                           detail=ch.detail or None)
+
+    def _report_bad(self, root: str, bad: Mapping[str, str]) -> None:
+        """Metadata the bounded reader refused (a link, a FIFO, over its cap): counted in the
+        `ckptd_bad_inputs` metric (kind `metadata`) at every scan, logged once each."""
+        self.metrics.bad_inputs(root, "metadata", len(bad))
+        seen = self._bad_logged.setdefault(root, set())
+        for rel in sorted(set(bad) - seen):
+            self.log.warning("bad_metadata_item", root=root, path=rel, error=bad[rel])
+        seen.intersection_update(bad)
+        seen.update(bad)
 
     def _give_up_stale(self, root: RootConfig, snap: Snapshot, pending: list[Candidate],
                        now: float) -> None:
