@@ -102,7 +102,7 @@ class Daemon:
                                self.scanner)
         self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention))
         self.metrics.set_health(lambda: (self.ctx.state() == "degraded",
-                                         self.supervisor.calls.stuck()))
+                                         self.supervisor.stuck()))
         store.set_on_commit(self.effects)
         self.scanner.set_roots(self.roots())
         leases.tick()  # takes what is free, then scans and publishes only those
@@ -116,6 +116,7 @@ class Daemon:
         self.server = UnixHttpServer(sock, self.ctx)
         self._add_services()
         self.supervisor.start()
+        self._watch_scan()
         self.log.info("daemon_ready", socket=str(cfg.daemon.socket), roots=sorted(self.roots()),
                       pid=os.getpid(), socket_activated=self._socket_inherited)
         self.notifier.ready(status=self.summary())
@@ -195,6 +196,14 @@ class Daemon:
         return (self.supervisor.running() and not all_stuck
                 and self.scanner.healthy(self.config.daemon.scan_interval))
 
+    def _watch_scan(self) -> None:
+        """The scan loop as one long call on the board: each turn is a beat; quiet for as long
+        as the watchdog allows (`scanner.healthy`) it is stuck, and health says so. Again at
+        each reload: the bound follows `scan_interval`."""
+        self.supervisor.calls.begin("scan", "scan", "", None,
+                                    2 * self.config.daemon.scan_interval + 60,
+                                    progress=lambda: self.scanner.beat)
+
     def _stuck(self, call: Call, stuck: bool) -> None:
         """A call went past its bound (or moved again): set its item aside."""
         self.workers.set_aside(call, stuck)
@@ -234,6 +243,7 @@ class Daemon:
             self.metrics.remove_root(name)
         self.store.set_policies({r.name: policy_of(r) for r in new.roots})
         self.scanner.set_roots(self.roots())
+        self._watch_scan()
         self.store.retry_now()
         self.log.info("config_reloaded", roots=sorted(self.roots()),
                       added=sorted(set(self.roots()) - old_roots),

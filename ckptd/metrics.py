@@ -227,7 +227,8 @@ class _HealthCollector(Collector):
                                    labels=["who", "stage", "root", "step"])
         now = time.monotonic()
         for c in stuck:
-            family.add_metric([c.who, c.stage, c.root, str(c.step)], c.quiet_s(now))
+            family.add_metric([c.who, c.stage, c.root, "" if c.step is None else str(c.step)],
+                              c.quiet_s(now))
         yield family
 
 

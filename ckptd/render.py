@@ -53,9 +53,11 @@ def render_status(doc: dict[str, Any]) -> str:
     for svc in troubled:
         if svc.get("stuck"):
             c = svc["stuck"]
-            out += ["", f"service {svc['name']} STUCK: {c['stage']} of {c['root']} step"
-                        f" {c['step']}: no progress for {c['quiet_s']:.0f} s (bound"
-                        f" {c['bound_s']:g} s); set aside"]
+            item = c["step"] is not None
+            what = f"{c['stage']} of {c['root']} step {c['step']}" if item else c["stage"]
+            out += ["", f"service {svc['name']} STUCK: {what}: no progress for"
+                        f" {c['quiet_s']:.0f} s (bound {c['bound_s']:g} s)"
+                        + ("; set aside" if item else "")]
             continue
         when = "" if svc["state"] == "running" else f" ({svc['state']})"
         out += ["", f"service {svc['name']}{when}: restarted {svc['restarts']}x,"

@@ -38,25 +38,28 @@ class Call:
     who: str
     stage: str
     root: str
-    step: int
+    step: int | None  # None: a loop over every root (the scan), not one item
     bound_s: float
     since: float  # wall clock, when the call began
     beat: float  # monotonic, the last sign of progress
-    progress: Callable[[], int] | None = None  # a counter that moves while it works
-    seen: int = 0
+    progress: Callable[[], object] | None = None  # a value that moves while it works
+    seen: object = None
     reported: bool = False  # on_stuck was told it is stuck
 
     def quiet_s(self, now: float) -> float:
         return max(0.0, now - self.beat)
 
     def as_json(self, now: float) -> dict[str, Any]:
-        return {"stage": self.stage, "root": self.root, "step": self.step,
+        return {"stage": self.stage, "root": self.root or None, "step": self.step,
                 "since": round(self.since, 3), "quiet_s": round(self.quiet_s(now), 3),
                 "bound_s": self.bound_s}
 
+    def item(self) -> str:
+        return self.stage if self.step is None else f"{self.stage} of {self.root} step {self.step}"
+
     def words(self, now: float) -> str:
-        return (f"{self.stage} of {self.root} step {self.step}: no progress for"
-                f" {self.quiet_s(now):.0f} s (bound {self.bound_s:g} s)")
+        return (f"{self.item()}: no progress for {self.quiet_s(now):.0f} s (bound"
+                f" {self.bound_s:g} s)")
 
 
 class Calls:
@@ -67,8 +70,8 @@ class Calls:
         self._lock = threading.Lock()
         self._calls: dict[str, Call] = {}
 
-    def begin(self, who: str, stage: str, root: str, step: int, bound_s: float,
-              progress: Callable[[], int] | None = None) -> None:
+    def begin(self, who: str, stage: str, root: str, step: int | None, bound_s: float,
+              progress: Callable[[], object] | None = None) -> None:
         """`who` is busy with `stage` on (root, step) from now; quiet for `bound_s` seconds
         (no `beat`, no move of `progress`) it is stuck."""
         call = Call(who, stage, root, step, bound_s, time.time(), time.monotonic(), progress)
@@ -226,9 +229,15 @@ class Supervisor:
         while not self._stop.wait(WATCH_EVERY_S):
             self.check_calls()
 
+    def stuck(self) -> list[Call]:
+        """Calls past their bound, but for those of a service that is not running (stopped,
+        restarting: its state says so already)."""
+        return [c for c in self.calls.stuck()
+                if c.who not in self._services or self._services[c.who].state == "running"]
+
     def check_calls(self) -> None:
         now = time.monotonic()
-        stuck = {id(c): c for c in self.calls.stuck()}
+        stuck = {id(c): c for c in self.stuck()}
         for key, call in stuck.items():
             if key not in self._reported:
                 self._reported[key] = call
@@ -259,20 +268,20 @@ class Supervisor:
 
     def alive(self) -> bool:
         """Nothing degraded: every started service is running and no call is past its bound."""
-        return self.running() and not self.calls.stuck()
+        return self.running() and not self.stuck()
 
     def health(self) -> list[dict[str, Any]]:
         """Each service's state ("stuck" while a call of it is past its bound, with `stuck`
         naming the stage and the item), then each stuck call of a job's own thread."""
         now = time.monotonic()
-        stuck = {c.who: c for c in self.calls.stuck()}
+        stuck = {c.who: c for c in self.stuck()}
         with self._lock:
             out = []
             for s in self._services.values():
                 state = s.state if s.thread is not None else "idle"
                 call = stuck.pop(s.name, None)
-                entry = {"name": s.name, "state": "stuck" if call and state == "running"
-                         else state, "restarts": s.restarts, "last_error": s.last_error or None,
+                entry = {"name": s.name, "state": "stuck" if call else state,
+                         "restarts": s.restarts, "last_error": s.last_error or None,
                          "last_crash": s.last_crash}
                 if call is not None:
                     entry["stuck"] = call.as_json(now)
