@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support import Harness, raw
 from support.wait import wait_until
 from test_async_save import post_persist, sealed_arena
@@ -265,3 +267,40 @@ def test_an_arena_header_out_of_range_is_refused() -> None:
     for generation, used in ((2**63, 8192), (1, arena.MAX_ARENA + 1)):
         with pytest.raises(ValueError, match="out of range"):
             arena.read_header(arena.pack_header(arena.State.SEALED, generation, used))
+
+
+# -- the layouts' metadata readers, fuzzed ------------------------------------------------------
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=5) | st.dictionaries(
+        st.sampled_from(["world_size", "step", "format", "files", "metrics", "path", "size",
+                         "log_history", "best_metric", "eval_loss", "global_step",
+                         "commit_timestamp_nsecs"]) | st.text(max_size=8), kids, max_size=6),
+    max_leaves=30)
+_DOC = (_JSON.map(lambda doc: json.dumps(doc).encode())
+        | st.binary(max_size=200)
+        | st.sampled_from([b"{" * 5000, b"[" * 5000, HUGE.encode(), b'{"a": 1, "a": 2}',
+                           b'{"world_size": 20000000}', b"\xff\xfe", b"global_step5", b"5"]))
+_METADATA = ["step-5/meta.json", "meta_5.json", "checkpoint-5/trainer_state.json",
+             "latest", "latest_checkpointed_iteration.txt", "5/_CHECKPOINT_METADATA",
+             "5/metrics/metrics"]
+
+
+@settings(max_examples=int(os.environ.get("CKPTD_FUZZ_EXAMPLES", "300")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(docs=st.dictionaries(st.sampled_from(_METADATA), _DOC, min_size=1),
+       multi_node=st.booleans())
+def test_the_layouts_metadata_readers_never_raise(docs: dict[str, bytes],
+                                                 multi_node: bool) -> None:
+    """Any bytes in any metadata file a layout reads: detection returns (a candidate is
+    complete, pending or bad_metadata), in bounded time and memory, never raises."""
+    files = {rel: len(data) for rel, data in docs.items()}
+    files.update({"step-5/model.pt": 10, "model_5.pt": 10, "optim_5_rank0.pt": 10,
+                  "checkpoint-5/model.safetensors": 10, "iter_0000005/common.pt": 10,
+                  "global_step5/mp_rank_00_model_states.pt": 10, "5/default/x": 10})
+    for cand in _detect_bounded(_snap(files, docs),
+                                RootOptions(settle=1.0, multi_node=multi_node)):
+        assert cand.invalid_reason in ("", "bad_metadata"), cand
+        assert len(cand.waiting_for) < 10_000
