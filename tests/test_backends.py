@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
@@ -37,6 +38,7 @@ from ckptd.backends import (
 from ckptd.backends.base import SMALL_OBJECT_MAX
 from ckptd.backends.local import TMP_MARK
 from ckptd.errors import (
+    BadInput,
     ObjectExists,
     ObjectNotFound,
     PermanentError,
@@ -323,6 +325,44 @@ def test_local_latest_racing_processes_end_at_the_highest_step(tmp_path: Path) -
     assert [m.key for m in backend.list()] == [latest_key("job")]
 
 
+def test_small_reads_are_bounded(backend: Backend) -> None:
+    """get_bytes/get_versioned refuse an object over their limit (BadInput naming the key),
+    through every wrapper and without a retry; at the limit they return it whole."""
+    data = payload(1000)
+    backend.put("small/obj", data)
+    stacked = wrap_backend(backend, attempts=3, base_delay=0.01, max_bytes_per_s=100 * MiB,
+                           max_transfers=2)
+    for b in (backend, stacked):
+        assert b.get_bytes("small/obj", 1000) == data
+        assert b.get_versioned("small/obj", 1000)[0] == data
+        with capture_logs() as logs:
+            for read in (b.get_bytes, b.get_versioned):
+                with pytest.raises(BadInput, match="small/obj") as info:
+                    read("small/obj", 999)
+                assert "1000 bytes" in str(info.value)
+        assert not [e for e in logs if e["event"] == "storage_retry"]
+    assert backend.get_bytes("small/obj") == data  # the default limit is generous
+
+
+def test_a_small_read_of_a_large_object_reads_no_body(backend: Backend, tmp_path: Path) -> None:
+    """An object far over the limit is refused from its size alone: its body never becomes
+    Python bytes (the peak of Python's allocations stays far below its size)."""
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.write(payload(24 * MiB))
+    with open(big, "rb") as f:
+        backend.put("big/obj", f, 24 * MiB)
+    tracemalloc.start()
+    try:
+        for read in (backend.get_bytes, backend.get_versioned):
+            with pytest.raises(BadInput, match="big/obj"):
+                read("big/obj", 4096)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * MiB, f"{peak} bytes allocated refusing a 24 MiB object"
+
+
 def test_put_overwrites_and_is_idempotent(backend: Backend) -> None:
     backend.put("k", b"one")
     backend.put("k", b"one")
@@ -585,6 +625,38 @@ def test_local_symlinks_and_directories_are_not_objects(tmp_path: Path) -> None:
         with pytest.raises(ObjectNotFound):
             backend.stat(key)
     assert sorted(m.key for m in backend.list()) == ["d/x", "real"]
+
+
+def test_local_fifo_is_no_object_and_never_blocks_a_read(tmp_path: Path) -> None:
+    """A FIFO under a key: every read refuses it at once (an open() without O_NONBLOCK
+    waited for a writer forever)."""
+    backend = LocalBackend(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    calls = {"get": lambda: backend.get("fifo", io.BytesIO()),
+             "get_bytes": lambda: backend.get_bytes("fifo"),
+             "get_versioned": lambda: backend.get_versioned("fifo", 16)}
+    errors: dict[str, BaseException] = {}
+
+    def run(name: str) -> None:
+        try:
+            calls[name]()
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            errors[name] = exc
+
+    threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in calls]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads), "a read of a FIFO blocked"
+        assert {n: type(e) for n, e in errors.items()} == dict.fromkeys(calls, ObjectNotFound)
+        assert [m.key for m in backend.list()] == []
+    finally:
+        try:  # let a reader blocked in open() (the defect) go
+            os.close(os.open(tmp_path / "fifo", os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
 
 
 def test_local_delete_prunes_empty_directories(tmp_path: Path) -> None:
