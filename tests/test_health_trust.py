@@ -23,15 +23,17 @@ from ckptd.client import Client
 from ckptd.config import RootConfig, load_config
 from ckptd.daemon import Daemon
 from ckptd.manifest import step_prefix
+from ckptd.service import workers
 
 
 class Stalling:
     """A Backend that forwards everything to `inner`, except that a put of an object of
     `step` blocks (a stalled server) until `release` is set."""
 
-    def __init__(self, inner: Any, root: str, step: int) -> None:
+    def __init__(self, inner: Any, root: str, step: int | None) -> None:
+        """`step` None: every put of the root stalls (the whole remote)."""
         self.inner = inner
-        self.prefix = step_prefix(root, step) + "/"
+        self.prefix = (step_prefix(root, step) if step is not None else root) + "/"
         self.entered = threading.Event()
         self.release = threading.Event()
 
@@ -46,10 +48,11 @@ class Stalling:
 
 
 class StallingCache(BackendCache):
-    """Each root's usual backend, wrapped in `Stalling` for step 1."""
+    """Each root's usual backend, wrapped in `Stalling` for step 1 (or for every step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: int | None = 1) -> None:
         super().__init__()
+        self.step = step
         self.wrapped: dict[str, Stalling] = {}
 
     def get(self, root: RootConfig) -> Any:
@@ -57,13 +60,14 @@ class StallingCache(BackendCache):
         if inner is None:
             return None
         if root.name not in self.wrapped:
-            self.wrapped[root.name] = Stalling(inner, root.name, 1)
+            self.wrapped[root.name] = Stalling(inner, root.name, self.step)
         return self.wrapped[root.name]
 
 
 @pytest.fixture
 def stalled(tmp_path: Path, short_dir: Path) -> Iterator[Any]:
-    def make(workers: int) -> tuple[Daemon, Path, Stalling]:
+    def make(workers: int, bound: float = 1.0, step: int | None = 1
+             ) -> tuple[Daemon, Path, Stalling]:
         ckpt = tmp_path / "ckpt"
         ckpt.mkdir()
         cfg = tmp_path / "ckptd.toml"
@@ -72,8 +76,8 @@ def stalled(tmp_path: Path, short_dir: Path) -> Iterator[Any]:
              "scan_interval": "1s", "workers": workers},
             [{"name": "r", "path": str(ckpt), "settle": "200ms",
               "upload": {"url": f"file://{tmp_path / 'remote'}"}}]))
-        cache = StallingCache()
-        d = Daemon(load_config(cfg), cfg, backends=cache, stage_bounds={"upload": 1.0})
+        cache = StallingCache(step)
+        d = Daemon(load_config(cfg), cfg, backends=cache, stage_bounds={"upload": bound})
         made.append(d)
         d.start()
         root = d.roots()["r"]
@@ -140,3 +144,25 @@ def test_the_watchdog_is_starved_only_when_no_worker_is_free(stalled: Any) -> No
     assert not d.healthy()  # its only worker is stuck: the daemon cannot make progress
     stall.release.set()
     wait_until(d.healthy, timeout=60, what="healthy once the call moves")
+
+
+def test_a_quiet_upload_holds_back_its_roots_other_uploads_before_it_is_stuck(
+        stalled: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remote that stalls every put: the first upload goes quiet (not yet past its 600 s
+    bound); the root's next upload is held back instead of taking the second worker into the
+    same stall, so a third checkpoint is still validated. Released, all are uploaded."""
+    monkeypatch.setattr(workers, "HOLD_AFTER_S", 0.5)
+    d, ckpt, stall = stalled(workers=2, bound=600.0, step=None)
+    c = Client(d.config.daemon.socket, timeout=10, strict=True)
+    save_torch(ckpt / "model_step_1.pt")
+    assert stall.entered.wait(60)
+    save_torch(ckpt / "model_step_2.pt")
+    wait_until(lambda: (c.latest("r") or {}).get("step") == 2, timeout=60, what="step 2 valid")
+    save_torch(ckpt / "model_step_3.pt")
+    wait_until(lambda: (c.latest("r") or {}).get("step") == 3, timeout=60,
+               what="step 3 valid: the second worker was not taken by the stalled remote")
+    assert c.health()["status"] == "ok"  # quiet, not past its bound: not stuck yet
+    stall.release.set()
+    for step in (1, 2, 3):
+        wait_until(lambda s=step: (c.checkpoint("r", s) or {}).get("remote") == "uploaded",
+                   timeout=60, what=f"step {step} uploaded after the release")

@@ -44,6 +44,10 @@ IDLE_WAIT_S = 1.0
 STAGE_BOUNDS_S: Mapping[str, float] = {Stage.VALIDATE.value: 300.0,
                                        Stage.COMPRESS.value: 300.0,
                                        Stage.UPLOAD.value: 900.0}
+# An upload quiet this long (or past its bound, if shorter) holds back its root's other
+# uploads: a second worker must not walk into the same stalled remote before the first is
+# called stuck. A working upload moves bytes every moment, so this costs it nothing.
+HOLD_AFTER_S = 30.0
 
 
 class Workers:
@@ -149,13 +153,16 @@ class Workers:
         return [c.who for c in self.calls.stuck() if c.who in names]
 
     def _held_back(self) -> frozenset[tuple[str, str]]:
-        """(root, "upload") for each root with a stuck upload: that root's other uploads wait
-        (they talk to the same remote, and would most likely stall the same way) so that one
-        stalled remote never takes every worker; validation, copies and other roots go on.
-        A stuck local stage holds nothing back: the next checkpoint's files are others."""
+        """(root, "upload") for each root with an upload quiet for HOLD_AFTER_S (or stuck):
+        that root's other uploads wait (they talk to the same remote, and would most likely
+        stall the same way) so that one stalled remote never takes every worker; validation,
+        copies and other roots go on. A quiet local stage holds nothing back: the next
+        checkpoint's files are others."""
         names = set(self.names)
-        return frozenset((c.root, c.stage) for c in self.calls.stuck()
-                         if c.who in names and c.stage == Stage.UPLOAD.value)
+        now = time.monotonic()
+        return frozenset((c.root, c.stage) for c in self.calls.all()
+                         if c.who in names and c.stage == Stage.UPLOAD.value
+                         and c.quiet_s(now) > min(HOLD_AFTER_S, c.bound_s))
 
     # -- one worker --------------------------------------------------------------------------
 
@@ -321,7 +328,7 @@ class Workers:
     def set_aside(self, call: Any, stuck: bool) -> None:
         """The supervisor saw a worker's call go past its bound (or move again): say so where
         an operator looks (the root's last error, the error count). The item stays claimed by
-        the stuck call, so no second worker runs into the same stall or races it; a stuck
+        the stuck call, so no second worker runs into the same stall or races it; a quiet
         upload holds back its root's other uploads (`_held_back`); every other item goes on.
         When the call returns, its outcome is recorded as any other (a failure backs off)."""
         if call.who not in self.names:
