@@ -133,8 +133,8 @@ class ConnectionLoop:
         self._ended.set()
 
     def run(self, poll_interval: float = 0.1) -> None:
-        """The loop, on the calling thread, until `stop`."""
-        self._stop.clear()
+        """The loop, on the calling thread, until `stop` (run again after a crash; never after
+        a stop)."""
         self._ended.clear()
         self.listener.setblocking(False)
         self._sel.register(self.listener, selectors.EVENT_READ, None)
@@ -224,7 +224,7 @@ class ConnectionLoop:
 
     def _take_back(self) -> None:
         for conn in self._drain_back():
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError, KeyError):
                 conn.sock.setblocking(False)
                 self._sel.register(conn.sock, selectors.EVENT_READ, conn)
                 self._idle[conn.sock.fileno()] = conn
