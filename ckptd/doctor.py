@@ -239,7 +239,7 @@ def remote_check(root: RootConfig) -> Check:
             honoured = False
         except ObjectExists:
             honoured = True
-        back = backend.get_bytes(key)
+        back = backend.get_bytes(key, 1 << 20)  # the probe is a few bytes
     except (CkptdError, OSError) as exc:
         return Check(what, PROBLEM, f"wrote a probe to {up.url} but could not read it: {exc}",
                      "the credentials need read (GetObject) and list permission too")

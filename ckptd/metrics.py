@@ -68,7 +68,8 @@ class Metrics:
         self.errors = Counter("ckptd_errors", "Errors by kind.", ("kind",),
                               registry=self.registry)
         self.bad = Gauge("ckptd_bad_inputs", "Outside inputs set aside as bad at the last look"
-                         " (kind: remote = remote objects such as a MANIFEST.json).",
+                         " (kind: remote = a remote step's MANIFEST.json, metadata = a root's"
+                         " metadata files).",
                          ("root", "kind"), registry=self.registry)
         self._bad_kinds: set[str] = set()
 

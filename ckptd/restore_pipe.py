@@ -121,8 +121,10 @@ class Pipe:
         if self._error is None:
             return
         if isinstance(self._error, ObjectNotFound):
+            # A FIFO, device or link under the key (file://) is no object either: refused at
+            # once, never waited on.
             raise CorruptData(f"{self.f.path}: object {self.key} named by the manifest is "
-                              "missing") from None
+                              f"missing or not a regular file ({self._error})") from None
         raise self._error
 
 

@@ -26,6 +26,7 @@ from ckptd.config import Config, parse_config
 from ckptd.errors import CorruptData, NotFound, TransientError
 from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
 from ckptd.restore import (
+    all_or_nothing,
     list_remote_steps,
     resolve_step,
     restore,
@@ -242,6 +243,39 @@ def test_restore_from_s3(staged: tuple[Path, Manifest], tmp_path: Path,
     restore_from_backend(backend, "r", 3, tmp_path / "out", concurrency=4)
     assert_same(root, tmp_path / "out", manifest)
     assert list_remote_steps(backend, "r") == [3]
+
+
+def test_a_stalled_server_fails_a_restore_within_its_timeouts(
+        staged: tuple[Path, Manifest], tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """A server that accepts connections and answers nothing: the restore fails within the
+    backend's read timeout (per attempt), in one error, and places nothing in the target."""
+    from s3server import weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("SeaweedFS `weed` is not installed")
+    server: S3Server = request.getfixturevalue("s3_server")
+    url: str = request.getfixturevalue("s3_url")
+    proxy = request.getfixturevalue("fault_proxy")
+    root, manifest = staged
+    direct = ObstoreBackend(url, endpoint=server.endpoint, region=server.region,
+                            access_key_id=server.access_key,
+                            secret_access_key=server.secret_key, part_size=5 << 20,
+                            request_retries=0)
+    upload(direct, root, manifest)
+    proxy.set("stall", count=1000, stall_s=60.0)
+    stalled = ObstoreBackend(url, endpoint=proxy.endpoint, region=server.region,
+                             access_key_id=server.access_key,
+                             secret_access_key=server.secret_key, part_size=5 << 20,
+                             request_retries=0, connect_timeout_s=2.0, read_timeout_s=2.0,
+                             request_timeout_s=4.0)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep").write_bytes(b"mine")
+    started = time.monotonic()
+    with pytest.raises(TransientError):
+        all_or_nothing(target, lambda staging: restore_from_backend(stalled, "r", 3, staging))
+    assert time.monotonic() - started < 30
+    assert sorted(p.name for p in target.iterdir()) == ["keep"]
 
 
 # --- which step, from where ----------------------------------------------------------------
