@@ -45,17 +45,22 @@ def list_steps(backend: Backend, root_name: str) -> list[int]:
 
     Objects of uncommitted steps, stray keys and non-canonical step names are ignored.
     """
-    return sorted(set(_committed(backend.list(root_name), root_name)))
+    return sorted(committed_manifests(backend, root_name))
 
 
-def _committed(metas: Iterable[ObjectMeta], root_name: str) -> Iterable[int]:
+def committed_manifests(backend: Backend, root_name: str) -> dict[int, ObjectMeta]:
+    """The MANIFEST.json of each committed step of `root_name`, by step (one LIST)."""
+    return dict(_committed(backend.list(root_name), root_name))
+
+
+def _committed(metas: Iterable[ObjectMeta], root_name: str) -> Iterable[tuple[int, ObjectMeta]]:
     for meta in metas:
         parts = meta.key.split("/")
         if len(parts) != 3 or parts[0] != root_name or parts[2] != MANIFEST_NAME:
             continue
         match = _STEP_DIR.fullmatch(parts[1])
         if match:
-            yield int(match.group(1))
+            yield int(match.group(1)), meta
 
 
 def read_manifest(backend: Backend, root_name: str, step: int) -> Manifest:

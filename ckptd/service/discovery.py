@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptd import remote
+from ckptd.backends.base import ObjectMeta
 from ckptd.config import RootConfig
 from ckptd.errors import CkptdError, ObjectNotFound
 from ckptd.lifecycle.table import Event
@@ -45,6 +46,8 @@ class Discovery:
         # Per root: the remote items the last listing skipped (key, error), at most
         # MAX_BAD_SHOWN of them, and how many there were.
         self._bad: dict[str, tuple[list[dict[str, str]], int]] = {}
+        # Per root: bad manifests by key, with the (size, mtime, etag) they were read at.
+        self._bad_seen: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {}
         self._seen: dict[str, float] = {}
         # Steps recorded uploaded but absent from the listings since (monotonic) time T.
         self._missing: dict[str, dict[int, float]] = {}
@@ -85,8 +88,9 @@ class Discovery:
         try:
             if root is not None and root.multi_node:
                 self._probe(name, backend)
-            steps = set(remote.list_steps(backend, name))
-            added, bad = self._add_unknown(name, backend, steps)
+            manifests = remote.committed_manifests(backend, name)
+            steps = set(manifests)
+            added, bad = self._add_unknown(name, backend, manifests)
         except Exception as exc:  # noqa: BLE001 - a down remote is a warning, not a crash
             self.log.warning("remote_list_failed", root=name, error=str(exc))
             return
@@ -108,24 +112,37 @@ class Discovery:
             self.store.set_root_error(name, f"upload: {exc}", time.time())
 
     def _add_unknown(self, name: str, backend: Any,
-                     steps: set[int]) -> tuple[int, list[dict[str, str]]]:
+                     manifests: Mapping[int, ObjectMeta]) -> tuple[int, list[dict[str, str]]]:
         """Add the committed steps the store does not know; a manifest that cannot be read is
-        skipped and returned as a bad item (one gone since the listing is simply skipped)."""
+        skipped and returned as a bad item (one gone since the listing is simply skipped). A
+        bad manifest unchanged since the last listing (key, size, mtime, etag) is not read
+        again: its error stands."""
         added = 0
         bad: list[dict[str, str]] = []
-        for step in sorted(steps):
+        before = self._bad_seen.get(name, {})
+        seen: dict[str, tuple[tuple[Any, ...], str]] = {}
+        for step in sorted(manifests):
             if self.store.checkpoint(name, step) is not None:
+                continue
+            meta = manifests[step]
+            version = (meta.size, meta.mtime, meta.etag)
+            known = before.get(meta.key)
+            if known is not None and known[0] == version:
+                seen[meta.key] = known
+                bad.append({"key": meta.key, "error": known[1]})
                 continue
             try:
                 manifest = remote.read_manifest(backend, name, step)
             except ObjectNotFound:
                 continue
             except CkptdError as exc:
-                key = remote.manifest_key(name, step)
-                self.log.warning("bad_remote_item", root=name, key=key, error=str(exc))
-                bad.append({"key": key, "error": str(exc)[:MAX_ERROR_CHARS]})
+                error = str(exc)[:MAX_ERROR_CHARS]
+                self.log.warning("bad_remote_item", root=name, key=meta.key, error=str(exc))
+                seen[meta.key] = (version, error)
+                bad.append({"key": meta.key, "error": error})
                 continue
             added += self.store.add_remote_only(name, manifest, time.time())
+        self._bad_seen[name] = seen
         return added, bad
 
     def _report_bad(self, name: str, bad: list[dict[str, str]]) -> None:
