@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import writers
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckptd.model import Candidate, RankFiles, ValidationResult
+from ckptd.stages import deepscan
 from ckptd.stages.validate import validate, validate_file
 
 
@@ -468,3 +475,72 @@ def test_deep_validation_loads_torch_in_a_child_process(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.split() == ["nan", "False"], out.stderr
+
+
+# --- deep: time bounded by the file, not by the view -----------------------------------------
+
+
+class _View:
+    """Pickles as torch's own tensor rebuild over `storage` with the sizes and strides given,
+    as a hostile writer can make a torch file claim any view of a small storage."""
+
+    def __init__(self, storage: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]
+                 ) -> None:
+        self.storage, self.size, self.stride = storage, size, stride
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        typed = torch.storage.TypedStorage(wrap_storage=self.storage.untyped_storage(),
+                                           dtype=self.storage.dtype, _internal=True)
+        return (torch._utils._rebuild_tensor_v2,
+                (typed, 0, self.size, self.stride, False, collections.OrderedDict()))
+
+
+@pytest.mark.parametrize(("name", "make", "reason"), [
+    # Real torch.save of views that reuse or skip elements, or have many small rows.
+    ("expand", lambda: torch.zeros(1).expand(10**12), ""),
+    ("expand3d", lambda: torch.zeros(1).expand(10**6, 10**6, 10**6), ""),
+    ("transposed", lambda: torch.zeros(2, 2 * 10**6).t(), ""),
+    ("many_dims", lambda: torch.zeros([2] * 22).permute(*reversed(range(22))), ""),
+    ("nan_in_many_dims", lambda: torch.zeros([2] * 22).index_fill_(5, torch.tensor([1]),
+                                                                   float("nan")).permute(
+        *reversed(range(22))), "nan"),
+    # Crafted pickles: sizes far beyond the storage, with and without stride 0.
+    ("claims_stride0", lambda: _View(torch.zeros(4), (2**40, 2**20), (0, 0)), ""),
+    ("claims_beyond", lambda: _View(torch.zeros(4), (10**9,), (1,)), "bad"),
+    ("claims_overflow", lambda: _View(torch.zeros(4), (2**62, 2**62), (0, 1)), "bad"),
+])
+def test_deep_validation_is_bounded_by_the_file_not_the_view(
+        root: Path, name: str, make: Any, reason: str) -> None:
+    """Decided in seconds: the scan's work follows the bytes the file holds, whatever the
+    tensor's shape claims (a 16 MiB 22-dimension permutation took minutes row by row)."""
+    torch.save({"w": make()}, root / "step_1.pt")
+    started = time.monotonic()
+    res = validate(root, _cand("step_1.pt"), deep=True)
+    assert time.monotonic() - started < 40, name
+    if reason == "":
+        assert res.valid, res
+    elif reason == "bad":
+        assert not res.valid and res.reason in ("bad_header", "bad_metadata"), res
+    else:
+        _invalid(res, reason)
+
+
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=6), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_deep_scan_pieces_cover_every_element_once(shape: list[int], data: Any) -> None:
+    """The scan's pieces of any permuted, sliced view cover its elements exactly once, so a
+    NaN anywhere is found and none is counted where there is none."""
+    base = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    order = data.draw(st.permutations(range(len(shape))))
+    view = base.permute(*order)[tuple(slice(None, None, data.draw(st.integers(1, 2)))
+                                      for _ in shape)]
+    block = data.draw(st.integers(1, 9))
+    old, deepscan._SCAN_BLOCK = deepscan._SCAN_BLOCK, block
+    try:
+        pieces = list(deepscan._blocks(view))
+    finally:
+        deepscan._SCAN_BLOCK = old
+    assert all(p.numel() <= block for p in pieces)
+    seen = sorted(int(v) for p in pieces for v in p.reshape(-1).tolist())
+    assert seen == sorted(int(v) for v in view.reshape(-1).tolist())
+    assert len(pieces) <= 2 * view.numel() // block + 2 * view.dim() + 2

@@ -73,7 +73,12 @@ def _scan(path: Path, rel: str) -> None:
         ) from None
     for key, tensor in _tensors(obj):
         scanned = _within_storage(tensor, f"{rel}: tensor {key}", rel)
-        if _has_nonfinite(scanned):
+        try:
+            nonfinite = _has_nonfinite(scanned)
+        except RuntimeError as exc:  # torch refuses the view itself (the pickle's sizes)
+            raise ValidationFailed(Reason.BAD_METADATA, f"{rel}: tensor {key} cannot be read:"
+                                   f" {exc}", rel) from None
+        if nonfinite:
             raise ValidationFailed(Reason.NAN, f"{rel}: tensor {key} has NaN/Inf values", rel)
 
 
@@ -147,14 +152,31 @@ def _has_nonfinite(t: Any) -> bool:
 
 
 def _blocks(t: Any) -> Iterator[Any]:
-    """Contiguous pieces of `t` of at most _SCAN_BLOCK elements, copying as little as it can."""
+    """Pieces of `t` of at most _SCAN_BLOCK elements each (a piece of a strided view is itself
+    a view: nothing is copied). The number of pieces is about numel / _SCAN_BLOCK whatever the
+    shape and strides: a view with many small rows (a transposed matrix, many dimensions) is
+    cut into slabs of whole rows, not visited row by row."""
     if t.is_contiguous() or t.dim() <= 1:
         flat = t.reshape(-1)
         for start in range(0, flat.numel(), _SCAN_BLOCK):
             yield flat[start : start + _SCAN_BLOCK]
-    else:
-        for row in t:
-            yield from _blocks(row)
+        return
+    stack = [t]
+    while stack:
+        x = stack.pop()
+        if x.numel() <= _SCAN_BLOCK:
+            yield x
+            continue
+        if x.dim() == 1:
+            for start in range(0, x.numel(), _SCAN_BLOCK):
+                yield x[start : start + _SCAN_BLOCK]
+            continue
+        rows, per = x.shape[0], x.numel() // x.shape[0]
+        if per > _SCAN_BLOCK:  # each row is a piece of its own (or more): one dimension less
+            stack.extend(x[i] for i in range(rows - 1, -1, -1))
+        else:
+            k = _SCAN_BLOCK // per
+            stack.extend(x[i : i + k] for i in reversed(range(0, rows, k)))
 
 
 if __name__ == "__main__":
