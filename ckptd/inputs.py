@@ -50,6 +50,8 @@ TRACKER = Kind("tracker file", 4 * KiB)  # DeepSpeed's latest, Megatron's tracke
 LEASE = Kind("lease", 64 * KiB)  # lease.json and its claims
 PINS = Kind("pins", 1 * MiB)
 MARKER = Kind("marker", 1 * MiB)  # an async save's markers in its step-N.tmp (.ready, results)
+LEDGER = Kind("upload ledger", 64 * MiB)  # a local copy's record of objects sent (JSON lines)
+JOURNAL = Kind("trash journal", 1 * MiB)  # a trash entry's record of what it holds
 ARENA_HEADER = Kind("arena header", 1 * MiB)
 LATEST_JSON = Kind("latest.json", 64 * KiB)
 

@@ -25,6 +25,7 @@ from support.wire import cli
 
 from ckptd import remote
 from ckptd.backends.local import LocalBackend
+from ckptd.errors import CorruptData
 from ckptd.manifest import Manifest
 from ckptd.model import Candidate, Local, Remote
 from ckptd.retention import executor
@@ -433,3 +434,26 @@ def test_recovery_releases_a_copy_the_store_dropped_through_the_executor(
     assert recovered["released_copies_removed"] == 1, recovered
     assert not copy.exists() and (root / "model_step_1.pt").is_file()
     assert os.listdir(executor.trash_dir_for(root)) == []
+
+
+def test_a_trash_journal_that_is_no_regular_file_never_stalls_recovery(tmp_path: Path) -> None:
+    """The trash lies in the root: a FIFO or a huge file at an entry's journal is read through
+    the bounded reader (never waited on), so start-up recovery goes on."""
+    root = tmp_path / "root"
+    trash = executor.trash_dir_for(root)
+    for name, make in (("fifo", os.mkfifo), ("huge", lambda p: open(p, "wb").truncate(1 << 40))):
+        entry = trash / name
+        entry.mkdir(parents=True)
+        (entry / "victim.bin").write_bytes(b"x")
+        make(entry / executor.JOURNAL_NAME)
+    assert executor.purge_trash(trash, root) == 2
+    assert list(trash.iterdir()) == []
+
+
+def test_a_local_manifest_that_is_no_regular_file_is_refused_at_once(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    copy = compress.objects_dir(root, 3)
+    copy.mkdir(parents=True)
+    os.mkfifo(copy / "MANIFEST.json")
+    with pytest.raises(CorruptData, match="MANIFEST.json"):
+        compress.read_local_manifest(root, 3)

@@ -8,6 +8,7 @@ prove what the ledger alone decides. Run alone with `python -m pytest tests/test
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -201,3 +202,25 @@ def test_an_unwritable_ledger_never_fails_the_upload(tmp_path: Path) -> None:
         result = upload_step(backend, ROOT, objects, manifest)
     assert result.uploaded_objects == FILES and list_steps(backend, ROOT) == [9]
     assert len([e for e in logs if e["event"] == "upload_ledger_unwritable"]) == FILES
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link", "legacy_fifo"])
+def test_a_ledger_that_is_no_regular_file_is_neither_waited_on_nor_followed(
+    tmp_path: Path, kind: str
+) -> None:
+    """The ledger lies in the root, where the training job (or anyone who writes there) can put
+    anything: a FIFO is not waited on (reading or appending), a link is never followed, and
+    what it points at is left exactly as it was."""
+    backend = LocalBackend(tmp_path / "remote", part_size=PART)
+    objects, manifest = make_step(tmp_path, 10, many_files(), codec="none")
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious\n")
+    if kind == "fifo":
+        os.mkfifo(objects / LEDGER_NAME)
+    elif kind == "legacy_fifo":
+        os.mkfifo(objects / ".upload-ledger.json")
+    else:
+        (objects / LEDGER_NAME).symlink_to(victim)
+    result = upload_step(backend, ROOT, objects, manifest)  # the test's timeout: never blocks
+    assert result.uploaded_objects == FILES and list_steps(backend, ROOT) == [10]
+    assert victim.read_bytes() == b"precious\n"

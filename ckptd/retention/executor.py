@@ -20,7 +20,6 @@ table do) and never compresses (compress items come back as `deferred`).
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import shutil
@@ -31,9 +30,9 @@ from pathlib import Path
 from stat import S_ISDIR, S_ISLNK, S_ISREG
 from typing import Any, Literal
 
-from ckptd import fileio
+from ckptd import fileio, inputs
 from ckptd.backends import Backend
-from ckptd.errors import CkptdError, StorageError
+from ckptd.errors import CkptdError, CorruptData, StorageError
 from ckptd.log import get_logger
 from ckptd.manifest import step_prefix
 from ckptd.model import CKPTD_DIR, Local, Remote
@@ -739,10 +738,10 @@ def _write_journal(entry: Path, step: int, names: tuple[str, ...], state: str) -
 def _read_journal(entry: Path) -> tuple[str, tuple[str, ...]] | None:
     """(state, names) of a trash entry; None when it has no readable journal."""
     try:
-        doc = json.loads((entry / JOURNAL_NAME).read_bytes())
+        doc = inputs.read_json(entry / JOURNAL_NAME, inputs.JOURNAL)
         names = tuple(str(n) for n in doc["names"])
         state = doc["state"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, CorruptData, ValueError, KeyError, TypeError, AttributeError):
         return None
     return (state, names) if doc.get("format") == _FORMAT and isinstance(state, str) else None
 

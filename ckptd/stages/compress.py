@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, cast
 
-from ckptd import fileio
+from ckptd import fileio, inputs
 from ckptd.codec import decode_stream, make_encoder
 from ckptd.codec.encoder import Encoder
 from ckptd.errors import CkptdError, CorruptData, DiskFull, UnsafePath
@@ -49,10 +49,12 @@ def objects_dir(root_dir: Path, step: int) -> Path:
 def read_local_manifest(root_dir: Path, step: int) -> Manifest | None:
     """The manifest of step's local compressed copy, or None when there is no (committed) copy."""
     path = objects_dir(root_dir, step) / MANIFEST_NAME
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+    try:  # in the root, so outside input: bounded, never a link or a FIFO
+        data = inputs.read_file(path, inputs.MANIFEST)
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        raise CorruptData(f"{path}: cannot be read ({exc})") from None
     manifest = parse_manifest(data, str(path))
     if manifest.step != step:
         raise CorruptData(f"{path}: describes step {manifest.step}, not {step}")

@@ -13,14 +13,15 @@ import hashlib
 import io
 import json
 import os
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckptd import fileio
+from ckptd import fileio, inputs
 from ckptd.backends.base import ObjectMeta, os_error
-from ckptd.errors import CkptdError, PermanentError
+from ckptd.errors import BadInput, CkptdError, PermanentError
 from ckptd.log import get_logger
 
 LEDGER_NAME = ".upload-ledger.jsonl"
@@ -321,8 +322,12 @@ class Ledger:
     def _open(self) -> None:
         """Open for appending after the last whole line; a new file starts with its header
         and the old-format ledger's entries (the old file then goes)."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        # Never through a link (it could lead out of the root) and never waiting on a FIFO.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(self.path, flags | os.O_NONBLOCK, 0o644)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, f"{self.path} is not a regular file")
             os.ftruncate(fd, self._valid)
             if self._valid == 0:
                 start = _line({"format": _LEDGER_FORMAT, "url": self.url}) + b"".join(
@@ -352,9 +357,9 @@ def _read_lines(path: Path, url: str, objects: dict[str, Any]) -> int:
     """Add the entries of the JSON-lines ledger at `path` to `objects`; return the length of
     its whole lines, or 0 when it is missing, unreadable, or of another format or URL."""
     try:
-        data = path.read_bytes()
-    except OSError:
-        return 0
+        data = inputs.read_file(path, inputs.LEDGER)
+    except (OSError, BadInput):
+        return 0  # missing, a link, a FIFO, over its cap: started afresh, it only saves work
     end = data.rfind(b"\n") + 1  # past the last whole line: what follows is torn
     lines = data[:end].splitlines()
     if not lines or _header(lines[0]) != (_LEDGER_FORMAT, url):
@@ -381,9 +386,9 @@ def _header(raw: bytes) -> tuple[Any, Any]:
 def _read_legacy(path: Path, url: str) -> dict[str, Any]:
     """The entries of an old whole-document ledger for `url`, else none."""
     try:
-        doc = json.loads(path.read_bytes())
+        doc = inputs.read_json(path, inputs.LEDGER)
         if doc.get("format") == _LEGACY_FORMAT and doc.get("url") == url:
             return dict(doc["objects"])
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (OSError, BadInput, ValueError, TypeError, KeyError, AttributeError):
         pass
     return {}
