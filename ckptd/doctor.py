@@ -8,7 +8,6 @@ Owns no state: every check is a function returning Checks; `run` collects them.
 from __future__ import annotations
 
 import grp
-import json
 import os
 import secrets
 import shutil
@@ -18,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ckptd import inputs
 from ckptd.backends import make_backend
 from ckptd.client import Client
 from ckptd.cluster.lease import LEASE_FILE, Holder
@@ -162,18 +162,15 @@ def _lease_holder(root: RootConfig, lease_timeout: float) -> list[Check]:
                       f"remove it if it is not a regular file (a daemon replaces a damaged"
                       f" lease.json, but not a directory): `ls -la {path.parent}`")]
     try:
-        data, age = os.read(fd, 65537), time.time() - os.fstat(fd).st_mtime
+        data, age = inputs.read_fd(fd, inputs.LEASE, str(path)), time.time() - os.fstat(fd).st_mtime
+        h = Holder.from_json(inputs.loads(data, str(path)))
     except OSError as exc:
         return [Check(f"root {root.name} lease", WARN, f"{path} cannot be read ({exc})", "")]
-    finally:
-        os.close(fd)
-    try:
-        if len(data) > 65536:
-            raise ValueError("too large")
-        h = Holder.from_json(json.loads(data))
-    except (ValueError, RecursionError) as exc:
+    except (ValueError, CkptdError) as exc:
         return [Check(f"root {root.name} lease", WARN, f"{path} is damaged ({exc})",
                       "nothing to do: a daemon replaces it once the lease goes stale")]
+    finally:
+        os.close(fd)
     state = ("released" if h.released else f"renewed {age:.0f}s ago"
              + (" (stale)" if age > lease_timeout else ""))
     return [Check(f"root {root.name} lease", OK,

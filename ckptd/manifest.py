@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -119,7 +120,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         if not isinstance(listed, list):
             raise ValueError("files is not a list")
         files = tuple(_file(f) for f in listed)
-        _distinct(files)
+        distinct_paths(f.path for f in files)
         step = inputs.check_int(doc["step"], "step")
         metrics = doc.get("metrics") or {}
         if not isinstance(metrics, dict):
@@ -147,13 +148,14 @@ def _file(f: Any) -> StoredFile:
                       key=key)
 
 
-def _distinct(files: tuple[StoredFile, ...]) -> None:
-    """No path twice, no path that is the directory of another."""
+def distinct_paths(names: Iterable[str]) -> None:
+    """No path twice, no path that is the directory of another (ValueError naming it): what a
+    manifest or a part lists must be placeable as files, all or nothing."""
     paths: set[str] = set()
-    for f in files:
-        if f.path in paths:
-            raise ValueError(f"path {f.path[:200]!r} is named twice")
-        paths.add(f.path)
+    for name in names:
+        if name in paths:
+            raise ValueError(f"path {name[:200]!r} is named twice")
+        paths.add(name)
     for p in paths:
         parts = p.split("/")
         for i in range(1, len(parts)):

@@ -157,6 +157,16 @@ def test_a_share_that_grew_sends_only_its_new_files(tmp_path: Path) -> None:
             cc.parse_part(doc, "p")
 
 
+
+@pytest.mark.parametrize("paths", [("step-7/a", "step-7/a"), ("step-7/a", "step-7/a/b")])
+def test_a_part_naming_a_path_twice_or_as_a_directory_is_bad(paths: tuple[str, str]) -> None:
+    """A part's files must be placeable all or nothing, as a manifest's are."""
+    files = tuple(cc.PartFile(p, 1, 1.0, "h", "x", "none", 1, f"n0.a{i}/{p}")
+                  for i, p in enumerate(paths))
+    with pytest.raises(cc.BadPart, match="named twice|directory of"):
+        cc.parse_part(cc.Part("n0", "b", "dcp", files).to_bytes(), "p")
+
+
 # -- the ranked layout's record --------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from ckptd import inputs
 from ckptd.errors import BadInput
+from ckptd.manifest import distinct_paths
 
 PART_FORMAT = "ckptd-part/1"
 PARTS_DIR = "_parts"
@@ -129,6 +130,7 @@ def parse_part(data: bytes, where: str, written: float = 0.0) -> Part:
         if not valid_ids(node, attempt):
             raise ValueError(f"bad node or attempt id {node!r}.{attempt!r}")
         files = tuple(_part_file(f, node) for f in doc["files"])
+        distinct_paths(f.path for f in files)
         return Part(node=node, attempt=attempt, layout=str(doc["layout"]), files=files,
                     record=_record(doc.get("record")), written=written)
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError, BadInput) as exc:
