@@ -4,18 +4,24 @@ DCP metadata through the restricted unpickler."""
 from __future__ import annotations
 
 import io
+import mmap
+import os
 import pickle
+import struct
+import threading
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import writers
 
+from ckptd import arena
 from ckptd.errors import ValidationFailed
 from ckptd.fileio import read_pass
-from ckptd.formats import dcpmeta, picklescan, safetensors, torchhead, zipcheck
+from ckptd.formats import dcpmeta, picklescan, safetensors, torchhead, zipcheck, zipcrc
 
 
 def _zip_check(path: Path, chunk: int = 1 << 20) -> zipcheck.ZipCrcSink:
@@ -140,6 +146,128 @@ def test_zip_members_and_read_member(tmp_path: Path) -> None:
     assert _reason(zipcheck.read_member, p, pkl.name, max_size=10) == "bad_header"
     with zipcheck.open_stored_member(p, zipcheck.find_entry(p, pkl.name)) as f:
         assert f.read() == zipfile.ZipFile(p).read(pkl.name)
+
+
+
+def _claiming(raw: bytes, suffix: str, size: int) -> bytes:
+    """`raw` (a zip) with its central directory rewritten so that the member ending in `suffix`
+    claims `size` bytes (zip64 sizes), as a hostile writer's directory can."""
+    z = zipfile.ZipFile(io.BytesIO(raw))
+    body, cd = raw[: z.start_dir], bytearray()
+    for i in z.infolist():
+        name, csize, usize, extra = i.filename.encode(), i.compress_size, i.file_size, b""
+        if i.filename.endswith(suffix):
+            csize = usize = 0xFFFFFFFF
+            extra = struct.pack("<HHQQ", 1, 16, size, size)
+        cd += struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 0x031E, 45, i.flag_bits,
+                          i.compress_type, 0, 0, i.CRC, csize, usize, len(name), len(extra),
+                          0, 0, 0, i.external_attr, i.header_offset) + name + extra
+    n = len(z.infolist())
+    return body + bytes(cd) + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, n, n, len(cd),
+                                          len(body), 0)
+
+
+def _bounded(fn: Any, seconds: float = 10.0) -> BaseException | None:
+    """What `fn()` raised (None if it returned), failing if it has not ended in `seconds`
+    (a spin is left to a daemon thread rather than hanging the suite)."""
+    out: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fn()
+            out.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert out, f"still running after {seconds} s"
+    return out[0]
+
+
+@pytest.mark.parametrize("size", [2**62, 2**64 - 1, 10**7])
+def test_a_member_claiming_more_than_the_file_is_refused_at_once(tmp_path: Path,
+                                                                 size: int) -> None:
+    """Member sizes are bounded by the file's real size where the directory is read: every
+    reader refuses at once, whatever the entry claims."""
+    p = tmp_path / "m.pt"
+    p.write_bytes(_claiming(writers.save_torch(tmp_path / "src.pt").read_bytes(), "data/0",
+                            size))
+    assert _reason(zipcheck.read_archives, p) == "truncated"
+    for fn in (zipcheck.zip_members, lambda q: _zip_check(q),
+               lambda q: zipcheck.read_member(q, "archive/data/0", max_size=2**64)):
+        err = _bounded(lambda fn=fn: fn(p))
+        assert isinstance(err, ValidationFailed) and err.reason == "truncated", err
+
+
+def test_an_arena_member_claiming_2_62_bytes_is_refused_at_once() -> None:
+    """The async-save door fills in CRCs from the arena's zip: a directory entry claiming a
+    2^62-byte member once spun a core for ever (holding a save slot); now refused at once."""
+    torch.serialization.set_crc32_options(False)
+    try:
+        buf = io.BytesIO()
+        torch.save({"w": torch.randn(100)}, buf)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    raw = _claiming(buf.getvalue(), "data/0", 2**62)
+    fd = arena.create_memfd(arena.aligned(arena.DATA_OFFSET + len(raw)))
+    try:
+        os.pwrite(fd, raw, arena.DATA_OFFSET)
+        with mmap.mmap(fd, 0) as mm:
+            view = memoryview(mm)
+            err = _bounded(lambda: zipcrc.fill_crcs(view, fd, arena.DATA_OFFSET,
+                                                    arena.DATA_OFFSET + len(raw), "model.pt"))
+            view.release()
+    finally:
+        os.close(fd)
+    assert isinstance(err, ValidationFailed) and err.reason == "truncated", err
+    assert "archive/data/0" in err.message
+
+
+def test_the_persist_door_refuses_such_an_arena_and_frees_its_slot(inproc_daemon: Any) -> None:
+    """Through the real door: the save fails at once naming the member, the arena is marked
+    failed, and nothing holds a save slot or lands in the root."""
+    from test_async_save import post_persist
+
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    torch.serialization.set_crc32_options(False)
+    try:
+        buf = io.BytesIO()
+        torch.save({"w": torch.randn(100)}, buf)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    raw = _claiming(buf.getvalue(), "data/0", 2**62)
+    fd = arena.create_memfd(arena.aligned(arena.DATA_OFFSET + len(raw)))
+    try:
+        os.pwrite(fd, raw, arena.DATA_OFFSET)
+        os.pwrite(fd, arena.pack_header(arena.State.SEALED, 1, len(raw)), 0)
+        body = {"root": "r1", "dir": str(d.roots["r1"]), "step": 1, "rank": 0,
+                "world_size": 1, "generation": 1,
+                "files": [{"path": "model.pt", "component": "model",
+                           "offset": arena.DATA_OFFSET, "size": len(raw)}],
+                "head": {"format": "ckptd-native/1", "step": 1, "world_size": 1}}
+        status, job = post_persist(d.socket, body, fd)
+        assert status == 202, job
+        status, outcome = d.client.request("GET", f"/v1/persist/{job['id']}?timeout=10")
+        assert status == 200 and outcome["state"] == "failed", outcome
+        assert "archive/data/0" in outcome["error"], outcome
+        with mmap.mmap(fd, arena.DATA_OFFSET, prot=mmap.PROT_READ) as head:
+            assert arena.read_header(head).state is arena.State.FAILED
+    finally:
+        os.close(fd)
+    assert d.client.request("GET", "/v1/status")[1]["in_flight"] == []
+    assert [p.name for p in d.roots["r1"].iterdir()] == [".ckptd"]
+
+
+def test_a_directory_claiming_more_entries_than_it_holds_is_bad_header(tmp_path: Path) -> None:
+    p = writers.save_torch(tmp_path / "m.pt")
+    raw = bytearray(p.read_bytes())
+    eocd64 = raw.rfind(b"PK\x06\x06")
+    raw[eocd64 + 24 : eocd64 + 40] = struct.pack("<QQ", 2**62, 2**62)  # entry counts
+    p.write_bytes(bytes(raw))
+    err = _bounded(lambda: zipcheck.read_archives(p))
+    assert isinstance(err, ValidationFailed) and err.reason == "bad_header", err
 
 
 # --- pickles -----------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # local file header
 _MAX_COMMENT = 0xFFFF
 # A central directory beyond this is not a torch checkpoint's: refuse rather than buffer it.
 MAX_DIRECTORY_BYTES = 256 << 20
+# Deflate gives at most ~1032 bytes per byte it reads; a member claiming more is not one.
+_MAX_INFLATE_RATIO = 1032
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,9 @@ def _parse_directory(
     data: bytes, count: int, start: int, cd_start: int, path: str
 ) -> tuple[ZipEntry, ...]:
     raw: list[tuple[str, int, int, int, int, int]] = []
+    if count > len(data) // _CDIR.size:
+        raise ValidationFailed(Reason.BAD_HEADER, f"{path}: central directory claims {count}"
+                               f" entries in {len(data)} bytes", path)
     pos = 0
     for _ in range(count):
         if pos + _CDIR.size > len(data):
@@ -210,6 +215,9 @@ def _check_member(name: str, flags: int, method: int, csize: int, usize: int, pa
         raise ValidationFailed(
             Reason.BAD_HEADER, f"{path}: stored member {name} has two sizes", path
         )
+    if usize > csize * _MAX_INFLATE_RATIO + 1024:
+        raise ValidationFailed(Reason.BAD_HEADER, f"{path}: member {name} claims {usize} bytes"
+                               f" from {csize} deflated ones, more than deflate can give", path)
 
 
 def _check_kind(name: str, made_by: int, external: int, path: str) -> None:
@@ -235,14 +243,26 @@ def _with_limits(
             raise ValidationFailed(
                 Reason.BAD_HEADER, f"{path}: member {name} overlaps another", path
             )
+        if offset + LOCAL_HEADER.size + csize > limit:
+            # Sizes are bounded by the space the file gives the member, not by what the entry
+            # claims (up to 2^64): nothing downstream ever walks a range past the file's end.
+            raise ValidationFailed(Reason.TRUNCATED, f"{path}: member {name} claims {csize}"
+                                   f" bytes, more than the {limit - offset} before the next"
+                                   " member", path)
         out.append(ZipEntry(name, offset, method, csize, usize, crc, limit))
     return tuple(out)
 
 
 def data_offset(fd: int, e: ZipEntry, path: str) -> int:
-    """Where member `e`'s data begins: after its local header, whose extra field torch pads."""
+    """Where member `e`'s data begins: after its local header, whose extra field torch pads.
+    Refused (truncated) when its data would not end before the next member or directory."""
     head = pread_exact(fd, e.header_offset, LOCAL_HEADER.size)
     if len(head) != LOCAL_HEADER.size or head[:4] != LOCAL_MAGIC:
         raise ValidationFailed(Reason.BAD_HEADER, f"{path}: no local header for {e.name}", path)
     f = LOCAL_HEADER.unpack(head)
-    return e.header_offset + LOCAL_HEADER.size + int(f[9]) + int(f[10])
+    start = e.header_offset + LOCAL_HEADER.size + int(f[9]) + int(f[10])
+    if start + e.compressed_size > e.limit:
+        raise ValidationFailed(
+            Reason.TRUNCATED, f"{path}: member {e.name} runs past its space", path
+        )
+    return start
