@@ -32,6 +32,7 @@ from ckptd.config_errors import _key_path, _unknown_key, _validate
 from ckptd.config_fields import (
     DEFAULT_SOCKET_PATH,
     LAYOUT_NAMES,
+    Attempts,
     Codec,
     ConfigPath,
     Count,
@@ -50,6 +51,7 @@ from ckptd.config_fields import (
     Render,
     Requests,
     SocketPath,
+    StoreTimeout,
     Text,
     Threads,
     _commit_timeout,
@@ -167,6 +169,12 @@ class UploadConfig(_Model):
     concurrency: Requests = 4
     part_size: PartSize = 64 * 1024**2
     max_bandwidth: Rate = None
+    # How long a stalled store may hold a transfer: no byte for read_timeout (downloads, HEAD,
+    # LIST, DELETE), one request past request_timeout, each retried `retries` times in all.
+    connect_timeout: StoreTimeout = 10.0
+    read_timeout: StoreTimeout = 60.0
+    request_timeout: StoreTimeout = 600.0
+    attempts: Attempts = 5
 
     @field_validator("url")
     @classmethod

@@ -114,6 +114,13 @@ def _positive_duration(value: Any) -> float:
     return seconds
 
 
+def _store_timeout(value: Any) -> float:
+    seconds = _duration(value)
+    if not 0.1 <= seconds <= 86400:
+        raise ValueError(f"must be a duration from 100ms to 24h, got {_show(value)}")
+    return seconds
+
+
 def _lease_timeout(value: Any) -> float:
     seconds = _duration(value)
     if not 2 <= seconds <= 86400:
@@ -283,12 +290,14 @@ def _redact_url(url: str) -> str:
 Count = Annotated[int, Field(ge=0, le=10**9), Expect("a whole number from 0 to 10^9")]
 Threads = Annotated[int, Field(ge=1, le=64), Expect("a whole number from 1 to 64")]
 Requests = Annotated[int, Field(ge=1, le=256), Expect("a whole number from 1 to 256")]
+Attempts = Annotated[int, Field(ge=1, le=100), Expect("a whole number from 1 to 100")]
 Flag = Annotated[bool, Expect("true or false")]
 Text = Annotated[str, Expect("a string")]
 ConfigPath = Annotated[Path, PlainValidator(_path), Render(str)]
 SocketPath = Annotated[Path, PlainValidator(_socket_path), Render(str)]
 Duration = Annotated[float, PlainValidator(_duration), Render(format_duration)]
 PositiveDuration = Annotated[float, PlainValidator(_positive_duration), Render(format_duration)]
+StoreTimeout = Annotated[float, PlainValidator(_store_timeout), Render(format_duration)]
 OptionalDuration = Annotated[
     float | None,
     PlainValidator(_optional_duration),

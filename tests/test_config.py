@@ -82,6 +82,7 @@ def test_root_defaults_equal_spec(tmp_path: Path) -> None:
     assert (u.url, u.endpoint, u.region, u.access_key_id) == ("", "", "", "")
     assert u.secret_access_key.get_secret_value() == ""
     assert (u.concurrency, u.part_size, u.max_bandwidth) == (4, 64 * MiB, None)
+    assert (u.connect_timeout, u.read_timeout, u.request_timeout, u.attempts) == (10, 60, 600, 5)
     assert u.enabled is False
     local = root.retention.local
     assert (local.keep_last, local.keep_best, local.keep_every) == (2, 1, 0)
@@ -271,6 +272,9 @@ def test_bad_daemon_values_name_their_key(tmp_path: Path, toml: str, expected: s
         ('[roots.upload]\npart_size = "big"', 'roots[0].upload.part_size: "big" is not a size'),
         ('[roots.upload]\npart_size = "0"', "roots[0].upload.part_size: must be a size above zero"),
         ('[roots.upload]\nmax_bandwidth = "200MB"', "roots[0].upload.max_bandwidth:"),
+        ('[roots.upload]\nread_timeout = "0s"', "roots[0].upload.read_timeout: must be a duration"),
+        ('[roots.upload]\nrequest_timeout = "400d"', "roots[0].upload.request_timeout: must be"),
+        ("[roots.upload]\nattempts = 0", "roots[0].upload.attempts: must be a whole number"),
         (
             '[roots.retention.local]\nkeep_last = "two"',
             'roots[0].retention.local.keep_last: must be a whole number from 0 to 10^9, got "two"',

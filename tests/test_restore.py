@@ -278,6 +278,45 @@ def test_a_stalled_server_fails_a_restore_within_its_timeouts(
     assert sorted(p.name for p in target.iterdir()) == ["keep"]
 
 
+
+def test_ckptd_restore_against_a_stalled_server_is_bounded_by_the_configured_timeouts(
+        staged: tuple[Path, Manifest], tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """`[roots.upload]` read_timeout/request_timeout/attempts bound what a stalled store costs
+    `ckptd restore`: one line, a non-zero exit, nothing placed in the target."""
+    from s3server import weed_binary
+    from support.config import render_config
+    from support.wire import cli
+
+    if weed_binary() is None:
+        pytest.skip("SeaweedFS `weed` is not installed")
+    server: S3Server = request.getfixturevalue("s3_server")
+    url: str = request.getfixturevalue("s3_url")
+    proxy = request.getfixturevalue("fault_proxy")
+    root, manifest = staged
+    upload(ObstoreBackend(url, endpoint=server.endpoint, region=server.region,
+                          access_key_id=server.access_key, secret_access_key=server.secret_key,
+                          part_size=5 << 20, request_retries=0), root, manifest)
+    proxy.set("stall", count=1000, stall_s=60.0)
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(render_config(
+        {"state_dir": str(tmp_path / "state")},
+        [{"name": "r", "path": str(tmp_path / "elsewhere"),
+          "upload": {"url": url, "endpoint": proxy.endpoint, "region": server.region,
+                     "access_key_id": server.access_key,
+                     "secret_access_key": server.secret_key, "connect_timeout": "1s",
+                     "read_timeout": "1s", "request_timeout": "2s", "attempts": 1}}]))
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep").write_bytes(b"mine")
+    started = time.monotonic()
+    done = cli("restore", "r", "3", "--to", str(target), config=cfg)
+    assert done.returncode != 0, done.stdout
+    assert time.monotonic() - started < 45
+    said = [line for line in done.stderr.splitlines() if not line.startswith("ckptd: config ")]
+    assert len(said) == 1 and "r/step-3/" in said[0], done.stderr  # one line, naming the key
+    assert sorted(p.name for p in target.iterdir()) == ["keep"]
+
+
 # --- which step, from where ----------------------------------------------------------------
 
 

@@ -110,8 +110,9 @@ def backend_for_upload(up: UploadConfig) -> Backend:
     backend = make_backend(
         up.url, endpoint=up.endpoint, region=up.region, access_key_id=up.access_key_id,
         secret_access_key=up.secret_access_key.get_secret_value(), part_size=up.part_size,
-        concurrency=up.concurrency)
-    return wrap_backend(backend, max_bytes_per_s=up.max_bandwidth)
+        concurrency=up.concurrency, connect_timeout_s=up.connect_timeout,
+        read_timeout_s=up.read_timeout, request_timeout_s=up.request_timeout)
+    return wrap_backend(backend, attempts=up.attempts, max_bytes_per_s=up.max_bandwidth)
 
 
 class BackendCache:
