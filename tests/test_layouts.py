@@ -341,8 +341,18 @@ CASES: dict[str, Row] = {
         {}, {}, RootOptions(), [E("dcp", 100, False, "run--step=100-last-unfinished")]),
     "dcp complete": ({"step-3/.metadata": 1, "step-3/__0_0.distcp": 10_000}, {
         "step-3/.metadata": DCP_META}, {}, RootOptions(), [E("dcp", 3, True, path="step-3")]),
-    "dcp referenced file short": ({"step-3/.metadata": 1, "step-3/__0_0.distcp": 3}, {
+    "dcp referenced file short": ({"step-3/.metadata": 1, "step-3/__0_0.distcp": F(3, age=1)}, {
         "step-3/.metadata": DCP_META}, {}, RootOptions(), [E("dcp", 3, False, "to reach")]),
+    "dcp referenced file short, open": (
+        {"step-3/.metadata": 1, "step-3/__0_0.distcp": F(3, open=True)},
+        {"step-3/.metadata": DCP_META}, {}, RootOptions(), [E("dcp", 3, False, "to reach")]),
+    # .metadata is written after every shard is whole: a settled short shard was cut short.
+    "dcp referenced file short, settled": (
+        {"step-3/.metadata": 1, "step-3/__0_0.distcp": 3}, {"step-3/.metadata": DCP_META}, {},
+        RootOptions(), [E("dcp", 3, True, invalid="truncated")]),
+    "dcp referenced file short, settled, multi-node": (
+        {"step-3/.metadata": 1, "step-3/__0_0.distcp": 3}, {"step-3/.metadata": DCP_META}, {},
+        RootOptions(multi_node=True), [E("dcp", 3, True, invalid="truncated")]),
     "dcp referenced file missing": ({"step-3/.metadata": 1}, {"step-3/.metadata": DCP_META}, {},
                                     RootOptions(), [E("dcp", 3, False, "step-3/__0_0.distcp")]),
     "dcp bad metadata": ({"step-3/.metadata": 1, "step-3/__0_0.distcp": 1},

@@ -1,7 +1,9 @@
 """The `dcp` layout (torch.distributed.checkpoint, torchtitan, NeMo 2): `.metadata` + `*.distcp`.
 DCP renames `.metadata` in last; complete when it parses, every file it references has the bytes
 it references, and no data file that was there changed after ckptd last saw it change (a re-save
-under way)."""
+under way). A shard shorter than `.metadata` says, once every file has settled, was cut short:
+the checkpoint is complete and invalid (`truncated`) rather than waiting for bytes that will not
+come."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import xxhash
 from ckptd.errors import ValidationFailed
 from ckptd.formats.dcpmeta import DcpMetadata, parse_dcp_metadata
 from ckptd.layouts import common
-from ckptd.model import Candidate, FileInfo, RootOptions, Snapshot
+from ckptd.model import Candidate, FileInfo, Reason, RootOptions, Snapshot
 
 NAME = "dcp"
 METADATA = ".metadata"
@@ -51,7 +53,7 @@ class DcpLayout:
             if opts.multi_node:
                 out.append(_node_candidate(snap, tree, step_dir, step, inner, files, opts, now))
             else:
-                out.append(_candidate(snap, tree, step_dir, step, inner, files))
+                out.append(_candidate(snap, tree, step_dir, step, inner, files, opts, now))
         return out
 
 
@@ -69,12 +71,29 @@ def _step_dirs(snap: Snapshot, claimed: frozenset[str]) -> dict[str, tuple[int, 
 
 
 def _candidate(snap: Snapshot, tree: common.Tree, step_dir: str, step: int, inner: list[str],
-               files: list[str]) -> Candidate:
+               files: list[str], opts: RootOptions, now: float) -> Candidate:
     problems = [common.open_problem(snap, files),
                 common.unfinished_problem(snap, step_dir, tree.under(step_dir))]
     verdicts = [check_dir(snap, tree, dcp_dir) for dcp_dir in inner]
     problems += [p for v in verdicts for p in v.problems]
-    return common.make(NAME, step, step_dir, files, problems, **verdict_extras(verdicts))
+    return _made(snap, step_dir, step, files, problems, verdicts, opts, now)
+
+
+def _made(snap: Snapshot, step_dir: str, step: int, files: list[str], problems: list[str],
+          verdicts: list[DirVerdict], opts: RootOptions, now: float) -> Candidate:
+    """The candidate; one whose only problem is a shard short of what `.metadata` references,
+    every file settled, is complete and `truncated`: DCP writes `.metadata` only after every
+    shard is whole, so no more bytes are coming (a copy still under way keeps changing)."""
+    extras = verdict_extras(verdicts)
+    short = [s for v in verdicts for s in v.short]
+    rest = [p for p in problems if p and p not in short]
+    if short and not rest and not extras.get("invalid_reason") and not (
+            common.settle_problem(snap, files, opts, now)):
+        extras.update(invalid_reason=str(Reason.TRUNCATED),
+                      invalid_message=f"{short[0]}, unchanged for {opts.settle:g}s after"
+                      f" {METADATA} was written: cut short")
+        problems = rest
+    return common.make(NAME, step, step_dir, files, problems, **extras)
 
 
 def _node_candidate(snap: Snapshot, tree: common.Tree, step_dir: str, step: int,
@@ -90,7 +109,7 @@ def _node_candidate(snap: Snapshot, tree: common.Tree, step_dir: str, step: int,
     problems += [p for v in verdicts for p in v.problems]
     if not verdicts:
         problems.append(common.settle_problem(snap, files, opts, now))
-    cand = common.make(NAME, step, step_dir, files, problems, **verdict_extras(verdicts))
+    cand = _made(snap, step_dir, step, files, problems, verdicts, opts, now)
     return dataclasses.replace(cand, node_share=True)
 
 
@@ -108,6 +127,7 @@ class DirVerdict:
 
     def __init__(self) -> None:
         self.problems: list[str] = []
+        self.short: list[str] = []  # those of `problems` that are a shard short of its bytes
         self.min_sizes: dict[str, int] = {}
         self.invalid: list[tuple[str, str]] = []  # (reason, message) from the parser
 
@@ -192,6 +212,7 @@ def _check_references(snap: Snapshot, dcp_dir: str, meta_rel: str, data: bytes,
             verdict.problems.append(f"{rel} (referenced by {METADATA})")
         elif info.size < size:
             verdict.problems.append(f"{rel} to reach {size} bytes (has {info.size})")
+            verdict.short.append(verdict.problems[-1])
         verdict.min_sizes[rel] = size
 
 
