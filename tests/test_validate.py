@@ -495,11 +495,18 @@ class _View:
                 (typed, 0, self.size, self.stride, False, collections.OrderedDict()))
 
 
+def _overlapping(n: int, views: int) -> dict[str, torch.Tensor]:
+    base = torch.zeros(n)
+    return {f"v{i}": base[i : n - views + i] for i in range(views)}
+
+
 @pytest.mark.parametrize(("name", "make", "reason"), [
     # Real torch.save of views that reuse or skip elements, or have many small rows.
     ("expand", lambda: torch.zeros(1).expand(10**12), ""),
     ("expand3d", lambda: torch.zeros(1).expand(10**6, 10**6, 10**6), ""),
     ("transposed", lambda: torch.zeros(2, 2 * 10**6).t(), ""),
+    # 3,000 overlapping views of one 32 MiB storage: each element scanned about once.
+    ("many_views", lambda: _overlapping(8 * 10**6, 3000), ""),
     ("many_dims", lambda: torch.zeros([2] * 22).permute(*reversed(range(22))), ""),
     ("nan_in_many_dims", lambda: torch.zeros([2] * 22).index_fill_(5, torch.tensor([1]),
                                                                    float("nan")).permute(
@@ -544,3 +551,35 @@ def test_deep_scan_pieces_cover_every_element_once(shape: list[int], data: Any) 
     seen = sorted(int(v) for p in pieces for v in p.reshape(-1).tolist())
     assert seen == sorted(int(v) for v in view.reshape(-1).tolist())
     assert len(pieces) <= 2 * view.numel() // block + 2 * view.dim() + 2
+
+
+@given(views=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 60), st.integers(1, 3),
+                                st.booleans()), min_size=1, max_size=8),
+       nan_at=st.none() | st.integers(0, 119), budget=st.sampled_from([0, 10**9]),
+       data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_deep_scan_of_views_sharing_storage_misses_no_nan(
+        views: list[tuple[int, int, int, bool]], nan_at: int | None, budget: int,
+        data: Any) -> None:
+    """Views sharing a storage, each checked once what they read was found finite: a NaN any
+    of them reads is found, and (within the budget) none is reported that none of them reads."""
+    storage = torch.zeros(120, dtype=torch.float32)
+    if nan_at is not None:
+        storage[nan_at] = float("nan")
+    tensors = []
+    for start, length, step, square in views:
+        v = storage[start : start + length : step]
+        if square and v.numel() >= 4:
+            side = int(math.isqrt(v.numel()))
+            v = v[: side * side].reshape(side, side).t()  # strided, not contiguous
+        tensors.append(v)
+    old, deepscan._CLEAN_BLOCK = deepscan._CLEAN_BLOCK, data.draw(st.integers(1, 16))
+    try:
+        seen = deepscan._Scanned(budget)
+        found = any([seen.nonfinite(t) for t in tensors])  # every view, as the scan goes on
+    finally:
+        deepscan._CLEAN_BLOCK = old
+    truth = any(bool(torch.isnan(t).any()) for t in tensors)
+    assert found or not truth
+    if budget:
+        assert found == truth

@@ -71,10 +71,13 @@ def _scan(path: Path, rel: str) -> None:
         raise ValidationFailed(
             Reason.BAD_HEADER, f"{rel}: torch.load failed: {type(exc).__name__}: {exc}", rel
         ) from None
+    # Elements scanned through strided views, at most twice the file's bytes: past that, a
+    # view is checked through its storage span (what the file holds), not element by element.
+    seen = _Scanned(budget=2 * path.stat().st_size)
     for key, tensor in _tensors(obj):
         scanned = _within_storage(tensor, f"{rel}: tensor {key}", rel)
         try:
-            nonfinite = _has_nonfinite(scanned)
+            nonfinite = seen.nonfinite(scanned)
         except RuntimeError as exc:  # torch refuses the view itself (the pickle's sizes)
             raise ValidationFailed(Reason.BAD_METADATA, f"{rel}: tensor {key} cannot be read:"
                                    f" {exc}", rel) from None
@@ -105,6 +108,76 @@ def _within_storage(t: Any, what: str, rel: str) -> Any:
     flat = torch.empty(0, dtype=t.dtype)
     flat.set_(t.untyped_storage(), t.storage_offset(), (last - t.storage_offset() + 1,), (1,))
     return flat
+
+
+_CLEAN_BLOCK = 1024  # elements per mark of "scanned, all finite" in a storage's map
+
+
+class _Scanned:
+    """What has been found finite so far, per (storage, dtype), in blocks of _CLEAN_BLOCK
+    elements: a storage's elements are scanned about once however many tensors view them (a
+    pickle can hold 10^5 views of one large storage), so the work follows the file's bytes."""
+
+    def __init__(self, budget: int) -> None:
+        self.maps: dict[tuple[int, Any], bytearray] = {}
+        self.budget = budget
+
+    def nonfinite(self, t: Any) -> bool:
+        if not _floating(t) or t.numel() == 0:
+            return False
+        lo = t.storage_offset()
+        hi = lo + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        held = t.untyped_storage().nbytes() // max(1, t.element_size())
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        marks = self.maps.setdefault(key, bytearray(-(-held // _CLEAN_BLOCK)))
+        if t.is_contiguous() and t.numel() == hi - lo:  # reads every element of its span
+            return self._span(t, marks, lo, hi, held)
+        first, last = lo // _CLEAN_BLOCK, (hi - 1) // _CLEAN_BLOCK
+        if marks.find(0, first, last + 1) < 0:
+            return False  # every element it reads was found finite already
+        if t.numel() <= self.budget:
+            self.budget -= t.numel()
+            return _has_nonfinite(t)
+        return self._span(t, marks, lo, hi, held)
+
+    @staticmethod
+    def _span(t: Any, marks: bytearray, lo: int, hi: int, held: int) -> bool:
+        """Scan the elements of [lo, hi) of `t`'s storage not yet found finite; mark the
+        whole blocks found finite."""
+        first, last = lo // _CLEAN_BLOCK, (hi - 1) // _CLEAN_BLOCK
+        at = first
+        while at <= last:
+            gap = marks.find(0, at, last + 1)
+            if gap < 0:
+                return False
+            end = marks.find(1, gap, last + 1)
+            end = last + 1 if end < 0 else end
+            a, b = max(lo, gap * _CLEAN_BLOCK), min(hi, end * _CLEAN_BLOCK)
+            if _has_nonfinite(_storage_slice(t, a, b)):
+                return True
+            whole_to = -(-held // _CLEAN_BLOCK) if b == held else b // _CLEAN_BLOCK
+            whole_from = -(-a // _CLEAN_BLOCK)
+            if whole_to > whole_from:
+                marks[whole_from:whole_to] = b"\x01" * (whole_to - whole_from)
+            at = end
+        return False
+
+
+def _storage_slice(t: Any, lo: int, hi: int) -> Any:
+    """Elements [lo, hi) of `t`'s storage, as a 1-D tensor of its dtype (a view, no copy)."""
+    import torch
+
+    flat = torch.empty(0, dtype=t.dtype)
+    flat.set_(t.untyped_storage(), lo, (hi - lo,), (1,))
+    return flat
+
+
+def _floating(t: Any) -> bool:
+    import torch
+
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        return False
+    return bool(t.is_floating_point() or t.is_complex())
 
 
 def _numpy_safe_globals() -> list[Any]:
@@ -144,9 +217,7 @@ def _tensors(obj: Any) -> Iterator[tuple[str, Any]]:
 def _has_nonfinite(t: Any) -> bool:
     import torch
 
-    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-        return False
-    if not (t.is_floating_point() or t.is_complex()):
+    if not _floating(t):
         return False
     return any(not bool(torch.isfinite(block).all()) for block in _blocks(t.detach()))
 
