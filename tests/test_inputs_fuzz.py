@@ -36,6 +36,7 @@ from ckptd.errors import BadInput, CorruptData, ValidationFailed
 from ckptd.formats import zipcrc
 from ckptd.manifest import Manifest, StoredFile, parse_manifest
 from ckptd.model import Candidate, FileInfo, Reason, RootOptions, Snapshot
+from ckptd.watch import RootScanner
 
 EXAMPLES = int(os.environ.get("CKPTD_FUZZ_EXAMPLES", "200"))
 BOUND_S = 5.0  # any one parse, on the shared CI cores
@@ -521,3 +522,41 @@ def test_the_fuzzed_files_are_what_the_readers_expect(tmp_path: Path) -> None:
                         ("link", stat.S_ISLNK), ("dir", stat.S_ISDIR)):
         p = _make(tmp_path / shape, shape, 3)
         assert want(os.lstat(p).st_mode), shape
+
+
+@fuzz(60)
+@given(st.sampled_from(["native", "ranked"]),
+       st.sampled_from(["json", "fifo", "link", "over_cap", "dir"]),
+       st.lists(st.integers(0, 50), max_size=4), hostile_literals | json_values.map(json.dumps))
+def test_a_real_scan_of_a_root_with_a_hostile_meta_file_goes_on(
+        layout: str, shape: str, path: list[int], literal: str) -> None:
+    """The same through a real scanner over a real root: the meta file hostile, a FIFO, a link,
+    a directory or over its cap is one bad item (a candidate with a known reason, or listed
+    as refused), the scan returns in bounded time, and a good checkpoint beside it is found."""
+    rel, meta = META_OF[layout]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for name in LAYOUT_FILES[layout]:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            if name != rel:
+                (root / name).write_bytes(b"x" * 10)
+        (root / "model_step_9.pt").write_bytes(b"x" * 10)  # a single-file checkpoint beside
+        target = root / rel
+        if shape == "json":
+            target.write_bytes(_splice(meta, path, literal))
+        elif shape == "fifo":
+            os.mkfifo(target)
+        elif shape == "link":
+            (root / "elsewhere.json").write_bytes(json.dumps(meta).encode())
+            target.symlink_to(root / "elsewhere.json")
+        elif shape == "dir":
+            target.mkdir()
+        else:
+            with open(target, "wb") as f:
+                f.truncate(inputs.ROOT_META.cap + 1)
+        scanner = RootScanner("r1", root, "auto", RootOptions(settle=5.0))
+        for now in (time.time(), time.time() + 100):
+            with bounded("scan"):
+                snap, found = scanner.scan(now)
+        assert all(c.invalid_reason in REASONS for c, _ in found), found
+        assert 9 in {c.step for c, _ in found}
