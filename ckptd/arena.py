@@ -57,6 +57,8 @@ def pack_header(state: State, generation: int, used: int) -> bytes:
 
 def read_header(buf: Any) -> Header:
     """The header at the start of `buf` (an mmap or bytes); ValueError if it is not one."""
+    if len(buf) < _HEADER.size:
+        raise ValueError(f"not a ckptd arena header: {len(buf)} bytes, under {_HEADER.size}")
     magic, version, state, generation, used = _HEADER.unpack_from(buf, 0)
     if magic != MAGIC or version != VERSION or state not in State._value2member_map_:
         raise ValueError("not a ckptd arena header")

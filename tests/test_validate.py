@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptd.errors import CkptdError, ValidationFailed
 from ckptd.model import Candidate, RankFiles, ValidationResult
 from ckptd.stages import deepscan
 from ckptd.stages.validate import validate, validate_file
@@ -583,3 +585,28 @@ def test_deep_scan_of_views_sharing_storage_misses_no_nan(
     assert found or not truth
     if budget:
         assert found == truth
+
+
+def test_a_hung_deep_check_is_stopped_and_frees_the_slot(tmp_path: Path) -> None:
+    """A child that never answers (here it waits for a writer on a FIFO) is killed past its
+    limit: the job fails (to be retried), the checkpoint is not judged, and the next deep check
+    gets the one slot."""
+    fifo = tmp_path / "hang.pt"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CkptdError, match="longer than 3s") as info:
+            deepscan.scan_torch_file(fd, "hang.pt", timeout=3.0)
+        assert not isinstance(info.value, ValidationFailed)
+        assert time.monotonic() - t0 < 30
+    finally:
+        os.close(fd)
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.ones(3)}, good)
+    gfd = os.open(good, os.O_RDONLY)
+    try:
+        deepscan.scan_torch_file(gfd, "good.pt")
+    finally:
+        os.close(gfd)
+    assert deepscan.child_timeout(10 << 30) > 600

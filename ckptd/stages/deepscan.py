@@ -24,16 +24,33 @@ from ckptd.model import Reason
 _SCAN_BLOCK = 1 << 24  # elements checked for NaN/Inf at a time (bounded scratch memory)
 # One child at a time: each holds torch and a mapping of the file it loads.
 _DEEP_LOCK = threading.Lock()
+_CHILD_START_S = 120.0
+_CHILD_RATE = 16 << 20  # bytes a second
 
 
-def scan_torch_file(fd: int, rel: str) -> None:
+def child_timeout(size: int) -> float:
+    """How long one file's deep check may take: a start (python + torch import) and a rate
+    far below what the scan does (its time follows the file's bytes), so only a hung child
+    meets it. Past it the child is killed and the job fails (retried later), never holding the
+    one deep-check slot for good."""
+    return _CHILD_START_S + size / _CHILD_RATE
+
+
+def scan_torch_file(fd: int, rel: str, timeout: float | None = None) -> None:
     """Deep-check the torch file open at `fd` (named `rel`) in a child process; raise
     ValidationFailed for what it finds, CkptdError when the child itself failed (killed,
-    out of memory: a retry may succeed, so the checkpoint is not called invalid for it)."""
+    out of memory, past `timeout` (default `child_timeout`): a retry may succeed, so the
+    checkpoint is not called invalid for it)."""
     argv = [sys.executable, "-m", "ckptd.stages.deepscan", str(fd), rel]
+    limit = child_timeout(os.fstat(fd).st_size) if timeout is None else timeout
     with _DEEP_LOCK:
-        proc = subprocess.run(argv, pass_fds=(fd,), capture_output=True, text=True,
-                              check=False, env=dict(os.environ, PYTHONSAFEPATH="1"))
+        try:
+            proc = subprocess.run(argv, pass_fds=(fd,), capture_output=True, text=True,
+                                  check=False, env=dict(os.environ, PYTHONSAFEPATH="1"),
+                                  timeout=limit)
+        except subprocess.TimeoutExpired:  # run() has killed and reaped the child
+            raise CkptdError(f"{rel}: the deep check took longer than {limit:.0f}s; "
+                             "its process was stopped") from None
     lines = proc.stdout.strip().splitlines()
     try:
         verdict = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
