@@ -291,6 +291,14 @@ CASES: dict[str, Row] = {
     "megatron torch_dist complete": (
         {**MEG_DIST, "iter_0000100/metadata.json": 1}, MEG_DIST_CONTENT, {}, RootOptions(),
         [E("megatron", 100, True, path="iter_0000100")]),
+    # a torch_dist shard cut short, the tracker written: truncated once settled, as for dcp
+    "megatron torch_dist shard short, settled": (
+        {**MEG_DIST, "iter_0000100/metadata.json": 1, "iter_0000100/__0_0.distcp": 3},
+        MEG_DIST_CONTENT, {}, RootOptions(),
+        [E("megatron", 100, True, invalid="truncated")]),
+    "megatron torch_dist shard short, changing": (
+        {**MEG_DIST, "iter_0000100/metadata.json": 1, "iter_0000100/__0_0.distcp": F(3, age=1)},
+        MEG_DIST_CONTENT, {}, RootOptions(), [E("megatron", 100, False, "to reach")]),
     "megatron torch_dist without metadata.json": (
         MEG_DIST, MEG_DIST_CONTENT, {}, RootOptions(),
         [E("megatron", 100, False, "iter_0000100/metadata.json")]),

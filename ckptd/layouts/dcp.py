@@ -81,9 +81,16 @@ def _candidate(snap: Snapshot, tree: common.Tree, step_dir: str, step: int, inne
 
 def _made(snap: Snapshot, step_dir: str, step: int, files: list[str], problems: list[str],
           verdicts: list[DirVerdict], opts: RootOptions, now: float) -> Candidate:
-    """The candidate; one whose only problem is a shard short of what `.metadata` references,
-    every file settled, is complete and `truncated`: DCP writes `.metadata` only after every
-    shard is whole, so no more bytes are coming (a copy still under way keeps changing)."""
+    problems, extras = cut_short(snap, files, problems, verdicts, opts, now)
+    return common.make(NAME, step, step_dir, files, problems, **extras)
+
+
+def cut_short(snap: Snapshot, files: list[str], problems: list[str], verdicts: list[DirVerdict],
+              opts: RootOptions, now: float) -> tuple[list[str], dict[str, Any]]:
+    """The problems left and the candidate's extras. A checkpoint whose only problem is a shard
+    short of what `.metadata` references, every file settled, is complete and `truncated`: DCP
+    writes `.metadata` only after every shard is whole, so no more bytes are coming (a copy
+    still under way keeps changing). The dcp and megatron (torch_dist) layouts share it."""
     extras = verdict_extras(verdicts)
     short = [s for v in verdicts for s in v.short]
     rest = [p for p in problems if p and p not in short]
@@ -93,7 +100,7 @@ def _made(snap: Snapshot, step_dir: str, step: int, files: list[str], problems: 
                       invalid_message=f"{short[0]}, unchanged for {opts.settle:g}s after"
                       f" {METADATA} was written: cut short")
         problems = rest
-    return common.make(NAME, step, step_dir, files, problems, **extras)
+    return problems, extras
 
 
 def _node_candidate(snap: Snapshot, tree: common.Tree, step_dir: str, step: int,

@@ -73,7 +73,8 @@ def _candidate(snap: Snapshot, tree: common.Tree, opts: RootOptions, now: float,
                 for d in dcp.dcp_dirs(files)]
     problems += [p for v in verdicts for p in v.problems]
     problems.append(common.settle_problem(snap, under, opts, now))
-    cand = common.make(NAME, step, directory, files, problems, **dcp.verdict_extras(verdicts))
+    problems, extras = dcp.cut_short(snap, under, problems, verdicts, opts, now)
+    cand = common.make(NAME, step, directory, files, problems, **extras)
     return dataclasses.replace(cand, node_share=opts.multi_node)
 
 
