@@ -55,7 +55,7 @@ class Retention(Protocol):
 
 
 class Discovery(Protocol):
-    def refresh(self, name: str, max_age: float = ...) -> None: ...
+    def request(self, name: str, wait_s: float = ...) -> None: ...
     def bad_remote(self, name: str) -> list[dict[str, str]]: ...
 
 
@@ -189,7 +189,7 @@ class ApiContext:
                             " daemon stands by (see `ckptd status`): run this there")
 
     def listing(self, root: RootConfig) -> dict[str, Any]:
-        self.discovery.refresh(root.name)
+        self.discovery.request(root.name)
         rows = self.store.checkpoints(root.name)
         bad = self.discovery.bad_remote(root.name)
         if not root.multi_node:

@@ -27,6 +27,7 @@ from ckptd.log import get_logger
 from ckptd.metrics import Metrics, MetricsServer
 from ckptd.retention.scheduler import RetentionService
 from ckptd.service import recovery
+from ckptd.service.discovery import BOUND_S as DISCOVER_S
 from ckptd.service.discovery import Discovery
 from ckptd.service.effects import Effects
 from ckptd.service.jobs import policy_of
@@ -97,7 +98,9 @@ class Daemon:
         self.workers = Workers(store, acting, cfg.daemon.workers, self.scanner.wake,
                                self.backends.get, self.metrics, node=cfg.daemon.node_id,
                                calls=self.supervisor.calls, bounds=self._stage_bounds)
-        self.discovery = Discovery(store, acting, self.backends.get, self.metrics)
+        self.discovery = Discovery(store, acting, self.backends.get, self.metrics,
+                                   calls=self.supervisor.calls, bound_s=(
+                                       self._stage_bounds or {}).get("discover", DISCOVER_S))
         self.effects = Effects(store, acting, self.changes, self.workers, self.retention,
                                self.scanner)
         self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention))

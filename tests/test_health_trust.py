@@ -6,9 +6,11 @@ Backend protocol and blocks one step's object writes until the test lets them go
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -166,3 +168,76 @@ def test_a_quiet_upload_holds_back_its_roots_other_uploads_before_it_is_stuck(
     for step in (1, 2, 3):
         wait_until(lambda s=step: (c.checkpoint("r", s) or {}).get("remote") == "uploaded",
                    timeout=60, what=f"step {step} uploaded after the release")
+
+
+class ListStalling(BackendCache):
+    """Each root's usual backend, whose listings block (a store that stops answering LIST)
+    while `stall` is set, until `release` is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stall = threading.Event()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.wrapped: dict[str, Any] = {}
+
+    def get(self, root: RootConfig) -> Any:
+        inner = super().get(root)
+        if inner is None:
+            return None
+        outer = self
+
+        class Backend:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(inner, name)
+
+            def list(self, prefix: str = "") -> Any:
+                if outer.stall.is_set() and not outer.release.is_set():
+                    outer.entered.set()
+                    outer.release.wait(120)
+                return inner.list(prefix)
+
+        return self.wrapped.setdefault(root.name, Backend())
+
+
+def test_a_stalled_listing_is_degraded_and_ls_still_answers(tmp_path: Path,
+                                                            short_dir: Path) -> None:
+    """Discovery lists the remote on its own thread, on the call board: a store that stops
+    answering LIST shows as a stuck `discover` call naming the root, and `ckptd ls` answers
+    from the store after a few seconds instead of hanging with it."""
+    from ckptd.service import discovery
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(render_config(
+        {"state_dir": str(tmp_path / "state"), "socket": str(short_dir / "s.sock"),
+         "scan_interval": "1s"},
+        [{"name": "r", "path": str(ckpt), "settle": "200ms",
+          "upload": {"url": f"file://{tmp_path / 'remote'}"}}]))
+    cache = ListStalling()
+    d = Daemon(load_config(cfg), cfg, backends=cache, stage_bounds={"discover": 1.0})
+    d.start()
+    try:
+        c = Client(d.config.daemon.socket, timeout=30, strict=True)
+        save_torch(ckpt / "model_step_1.pt")
+        assert c.wait("r", 1, until="uploaded", timeout=60)
+        cache.stall.set()
+        assert d.reload() is True  # every root is listed again now
+        assert cache.entered.wait(30), "discovery never listed the remote"
+        health = wait_until(lambda: (h := c.health()) and h["status"] == "degraded" and h,
+                            timeout=30, what="health degraded")
+        (stuck,) = _stuck_of(health)
+        assert (stuck["stage"], stuck["root"]) == ("discover", "r"), health
+        started = time.monotonic()
+        listed = subprocess.run([sys.executable, "-m", "ckptd", "ls", "r", "--json", "--socket",
+                                 str(d.config.daemon.socket)], capture_output=True, text=True,
+                                timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert [cp["step"] for cp in json.loads(listed.stdout)["checkpoints"]] == [1]
+        assert time.monotonic() - started < discovery.REQUEST_WAIT_S + 15
+        cache.release.set()
+        wait_until(lambda: c.health()["status"] == "ok", timeout=30, what="health ok again")
+    finally:
+        cache.release.set()
+        d.stop(grace=5)

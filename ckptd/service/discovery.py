@@ -2,7 +2,10 @@
 node, a lost state dir) and which recorded uploads are gone from it.
 
 Owns when each uploading root's remote is listed (at start, then periodically, and on demand
-before a listing, at most every few seconds). Records what it finds as lifecycle events. A
+before a listing, at most every few seconds). Every listing runs on the service's own thread,
+on the call board (stage `discover`): a store that stalls shows as a stuck call in health, and
+a client asking for a listing waits at most REQUEST_WAIT_S for it, then gets what the store
+knows. Records what it finds as lifecycle events. A
 remote step whose MANIFEST.json cannot be read (over its cap, not strict JSON, malformed,
 refused by the store) costs only itself: it is skipped and reported (`bad_remote`, the log
 event `bad_remote_item`, the gauge `ckptd_bad_inputs{kind="remote"}`), the rest are added.
@@ -23,10 +26,16 @@ from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
 from ckptd.metrics import Metrics
 from ckptd.model import Remote
+from ckptd.service.supervisor import Calls
 from ckptd.store import Store
 
 INTERVAL_S = 300.0
 MIN_AGE_S = 15.0
+# How long `ckptd ls` waits for a fresh listing before it answers from the store.
+REQUEST_WAIT_S = 5.0
+# One root's listing quiet for longer than this is stuck (health says so, naming the root).
+BOUND_S = 300.0
+WHO = "discovery"
 LOST_AFTER_S = 120.0
 # Bad remote items a root's status shows (the gauge counts them all); each error cut short.
 MAX_BAD_SHOWN = 20
@@ -38,8 +47,13 @@ class Discovery:
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  backend_for: Callable[[RootConfig], Any],
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, calls: Calls | None = None,
+                 bound_s: float = BOUND_S) -> None:
         self.store = store
+        self.bound_s = bound_s
+        self.calls = calls if calls is not None else Calls()
+        # Roots a client asked to see listed afresh, each with the event its waiters wait on.
+        self._asked: dict[str, threading.Event] = {}
         self.roots = roots
         self.backend_for = backend_for
         self.metrics = metrics
@@ -53,20 +67,53 @@ class Discovery:
         self._missing: dict[str, dict[int, float]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._all = threading.Event()  # every root is to be listed at the next turn
         self.log = get_logger()
 
     def run(self, stop: threading.Event) -> None:
-        """Every root at start, then every INTERVAL_S (or when woken by a reload)."""
+        """Every root at start, then every INTERVAL_S (or when woken by a reload); between
+        those, the roots clients asked for (`request`)."""
+        due = 0.0
         while not stop.is_set():
-            for name in list(self.roots()):
+            if time.monotonic() >= due or self._all.is_set():
+                self._all.clear()
+                due = time.monotonic() + INTERVAL_S
+                names, age = list(self.roots()), 0.0
+            else:
+                names, age = self._take_asked(), MIN_AGE_S
+            for name in names:
                 if stop.is_set():
                     return
-                self.refresh(name, max_age=0.0)
-            self._wake.wait(INTERVAL_S)
+                self.refresh(name, max_age=age)
+                self._answer(name)
+            self._wake.wait(max(0.0, due - time.monotonic()))
             self._wake.clear()
 
     def wake(self) -> None:
+        """List every root now (a reload, roots gained)."""
+        self._all.set()
         self._wake.set()
+
+    def request(self, name: str, wait_s: float = REQUEST_WAIT_S) -> None:
+        """A fresh listing of `name` before a client's `ls`, unless one is younger than
+        MIN_AGE_S: asked of the service's thread and waited for at most `wait_s`, so a store
+        that stalls costs the client that long, never more (the listing goes on, on the board)."""
+        with self._lock:
+            if time.monotonic() - self._seen.get(name, -1e9) < MIN_AGE_S:
+                return
+            done = self._asked.setdefault(name, threading.Event())
+        self._wake.set()
+        done.wait(wait_s)
+
+    def _take_asked(self) -> list[str]:
+        with self._lock:
+            return list(self._asked)
+
+    def _answer(self, name: str) -> None:
+        with self._lock:
+            done = self._asked.pop(name, None)
+        if done is not None:
+            done.set()
 
     def bad_remote(self, name: str) -> list[dict[str, str]]:
         """The root's remote items the last listing skipped: [{"key", "error"}], bounded."""
@@ -85,6 +132,7 @@ class Discovery:
                 return
             self._seen[name] = time.monotonic()
         uploaded = {r.step for r in self.store.checkpoints(name) if r.remote is Remote.UPLOADED}
+        self.calls.begin(WHO, "discover", name, None, self.bound_s)
         try:
             if root is not None and root.multi_node:
                 self._probe(name, backend)
@@ -94,6 +142,8 @@ class Discovery:
         except Exception as exc:  # noqa: BLE001 - a down remote is a warning, not a crash
             self.log.warning("remote_list_failed", root=name, error=str(exc))
             return
+        finally:
+            self.calls.end(WHO)
         self._report_bad(name, bad)
         lost = self._mark_lost(name, uploaded - steps)
         if added or lost:
