@@ -25,6 +25,7 @@ from ckptd.config import Config, RootConfig, load_config, needs_restart
 from ckptd.errors import ConfigError
 from ckptd.log import get_logger
 from ckptd.metrics import Metrics, MetricsServer
+from ckptd.retention.scheduler import RUN_BOUND_S as RETENTION_S
 from ckptd.retention.scheduler import RetentionService
 from ckptd.service import recovery
 from ckptd.service.discovery import BOUND_S as DISCOVER_S
@@ -91,7 +92,9 @@ class Daemon:
                                       lambda: self.config.daemon.lease_timeout, self._retake)
         acting = leases.acting
         self.retention = RetentionService(store, acting, self.backends.get,
-                                          node=cfg.daemon.node_id)
+                                          node=cfg.daemon.node_id, calls=self.supervisor.calls,
+                                          bound_s=(self._stage_bounds or {}).get(
+                                              "retention", RETENTION_S))
         self.scanner = Scanner(store, acting, lambda: self.config.daemon.scan_interval,
                                cfg.daemon.polling, self.metrics, self.retention.exclusive,
                                may_adopt=leases.fresh)

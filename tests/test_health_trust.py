@@ -241,3 +241,66 @@ def test_a_stalled_listing_is_degraded_and_ls_still_answers(tmp_path: Path,
     finally:
         cache.release.set()
         d.stop(grace=5)
+
+
+class DeleteStalling(BackendCache):
+    """Each root's usual backend, whose deletes block (a store that stops answering DELETE)
+    until `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.wrapped: dict[str, Any] = {}
+
+    def get(self, root: RootConfig) -> Any:
+        inner = super().get(root)
+        if inner is None:
+            return None
+        outer = self
+
+        class Backend:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(inner, name)
+
+            def delete(self, key: str) -> None:
+                if not outer.release.is_set():
+                    outer.entered.set()
+                    outer.release.wait(120)
+                inner.delete(key)
+
+        return self.wrapped.setdefault(root.name, Backend())
+
+
+def test_a_stalled_retention_run_is_degraded_naming_the_root(tmp_path: Path,
+                                                             short_dir: Path) -> None:
+    """Retention's run of a root is a call on the board: a remote delete that never returns
+    shows as a stuck `retention` call naming the root; once the store answers, health is ok."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(render_config(
+        {"state_dir": str(tmp_path / "state"), "socket": str(short_dir / "s.sock"),
+         "scan_interval": "1s"},
+        [{"name": "r", "path": str(ckpt), "settle": "200ms",
+          "upload": {"url": f"file://{tmp_path / 'remote'}"},
+          "retention": {"remote": {"keep_last": 1, "keep_best": 0, "keep_every": 0,
+                                   "keep_within": ""}}}]))
+    cache = DeleteStalling()
+    d = Daemon(load_config(cfg), cfg, backends=cache, stage_bounds={"retention": 1.0})
+    d.start()
+    try:
+        c = Client(d.config.daemon.socket, timeout=30, strict=True)
+        for step in (1, 2):
+            save_torch(ckpt / f"model_step_{step}.pt")
+            assert c.wait("r", step, until="uploaded", timeout=60)
+        assert cache.entered.wait(60), "remote retention never deleted step 1"
+        health = wait_until(lambda: (h := c.health()) and h["status"] == "degraded" and h,
+                            timeout=30, what="health degraded")
+        (stuck,) = _stuck_of(health)
+        assert (stuck["stage"], stuck["root"]) == ("retention", "r"), health
+        cache.release.set()
+        wait_until(lambda: c.health()["status"] == "ok", timeout=30, what="health ok again")
+    finally:
+        cache.release.set()
+        d.stop(grace=5)

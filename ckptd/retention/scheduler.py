@@ -28,6 +28,7 @@ from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, CheckpointRecord, Local, Remote, State, Tier
 from ckptd.retention import executor, planner
+from ckptd.service.supervisor import Calls
 from ckptd.stages import compress
 from ckptd.store import Store
 
@@ -37,6 +38,9 @@ POLL_S = 1.0  # how often the loop looks at free space (and at its stop event)
 COMPRESS_RETRY_S = 3600.0
 # `ckptd prune ROOT` waits 600 s for its answer: give up (503) before it does.
 RUN_NOW_TIMEOUT_S = 540.0
+# One root's run quiet for longer than this is a stuck call in health (it shows no progress of
+# its own: a verify pass over a very large copy takes minutes, a stalled delete forever).
+RUN_BOUND_S = 1800.0
 # How long run_now waits for a loop that is not running (a restart in progress) to pick it up.
 IDLE_WAIT_S = 10.0
 
@@ -66,8 +70,11 @@ class RetentionService:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  backend_for: Callable[[RootConfig], Backend | None], *,
                  timer_s: float = TIMER_S, api_timeout: float = RUN_NOW_TIMEOUT_S,
-                 node: str = "") -> None:
+                 node: str = "", calls: Calls | None = None,
+                 bound_s: float = RUN_BOUND_S) -> None:
         self.store = store
+        self.calls = calls if calls is not None else Calls()
+        self.bound_s = bound_s
         self.roots = roots
         self.timer_s = timer_s
         self.api_timeout = api_timeout
@@ -206,7 +213,11 @@ class RetentionService:
             return
         try:
             # A caller waiting is `ckptd prune --apply`: the user's say-so for adopted ones.
-            outcomes = self._runner.run(root, delete_adopted=bool(futures))
+            self.calls.begin("retention", "retention", name, None, self.bound_s)
+            try:
+                outcomes = self._runner.run(root, delete_adopted=bool(futures))
+            finally:
+                self.calls.end("retention")
         except Exception as exc:  # one root's failure must not stop the others' retention
             try:
                 self.log.error("prune_run_failed", root=name, error=str(exc), exc_info=True)
