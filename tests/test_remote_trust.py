@@ -202,7 +202,8 @@ def test_bad_manifests_beside_good_ones_on_a_fresh_node(inproc_daemon: Any,
     ls = wait_until(lambda: (c.checkpoints("r1") or [])[1:] and c.checkpoints("r1"), 30,
                     "r1 listing its two good remote steps")
     assert [(x["step"], x["remote"]) for x in ls] == [(10, "uploaded"), (20, "uploaded")]
-    bad = c.status()["roots"][0]["bad_remote"]
+    # The listing adds the good steps as it reads them; the bad ones are reported at its end.
+    bad = wait_until(lambda: c.status()["roots"][0]["bad_remote"], 30, "the bad steps reported")
     assert sorted(b["key"] for b in bad) == ["r1/step-30/MANIFEST.json",
                                              "r1/step-40/MANIFEST.json"]
     assert all(b["error"] for b in bad)
