@@ -158,6 +158,13 @@ def test_a_quiet_upload_holds_back_its_roots_other_uploads_before_it_is_stuck(
     c = Client(d.config.daemon.socket, timeout=10, strict=True)
     save_torch(ckpt / "model_step_1.pt")
     assert stall.entered.wait(60)
+
+    def quiet_upload() -> bool:  # the hold starts once an upload has been quiet that long
+        now = time.monotonic()
+        return any(call.stage == "upload" and call.quiet_s(now) > workers.HOLD_AFTER_S
+                   for call in d.supervisor.calls.all())
+
+    wait_until(quiet_upload, timeout=30, what="step 1's upload quiet past the hold")
     save_torch(ckpt / "model_step_2.pt")
     wait_until(lambda: (c.latest("r") or {}).get("step") == 2, timeout=60, what="step 2 valid")
     save_torch(ckpt / "model_step_3.pt")

@@ -350,8 +350,13 @@ class _Runner:
         """A crash after a row was recorded `compressed` but before its originals went leaves
         them beside the copy: finish the job (verified, backed off like any failure)."""
         for rec in self.store.checkpoints(root.name):
-            if rec.local is Local.COMPRESSED and (root.path / rec.path).exists():
-                self._replace(root, rec.step, rec.id, rec.path)
+            if rec.local is not Local.COMPRESSED or not (root.path / rec.path).exists():
+                continue
+            if time.monotonic() < self._compress_backoff.get((root.name, rec.step), 0.0):
+                continue
+            checked = self._check_replaceable(root, rec.step, rec.id)
+            if checked is not None:
+                self._replace(root, rec.step, rec.path, *checked)
 
     def _remote(self, root: RootConfig, plan: planner.Plan, now: float) -> list[executor.Outcome]:
         if not any(i.remote is planner.Action.DELETE for i in plan.items):
@@ -411,22 +416,24 @@ class _Runner:
             return False
         if step in self.store.in_use(root.name, time.time()):
             return False  # a reader holds the originals
-        # Recorded first: a crash while the originals go leaves a row that says "compressed"
-        # with originals still beside the copy (finished later), never one that lost its copy.
+        checked = self._check_replaceable(root, step, rec.id)
+        if checked is None:
+            return False
+        # Recorded before the originals go: a crash meanwhile leaves a row that says
+        # "compressed" with originals still beside the copy (finished later), never one that
+        # lost its copy. After the long checks, so the row says so only for the moves' time.
         if not self.store.record(root.name, step, Event.COMPRESSED_LOCAL, time.time()):
             return False
-        if not self._replace(root, step, rec.id, rec.path):
+        if not self._replace(root, step, rec.path, *checked):
             self.store.record(root.name, step, Event.COMPRESS_UNDONE, time.time())
             return False
         self.log.info("checkpoint_compressed_locally", root=root.name, step=step)
         return True
 
-    def _replace(self, root: RootConfig, step: int, cid: int, anchor: str) -> bool:
-        """The originals go through the executor's `replace_originals`: the long checks (the
-        copy decoded, every original re-hashed) first, without the locks; then, holding them
-        like any local delete, the nets and a quick re-check of the originals' sizes."""
-        if time.monotonic() < self._compress_backoff.get((root.name, step), 0.0):
-            return False
+    def _check_replaceable(self, root: RootConfig, step: int, cid: int
+                           ) -> tuple[Any, list[str]] | None:
+        """The long checks before the originals may go (the copy decoded, every original
+        re-hashed), without the locks: the copy's manifest and the members, or None."""
         members = list(self.store.members(cid))
         try:
             manifest = compress.read_local_manifest(root.path, step)
@@ -434,7 +441,14 @@ class _Runner:
                 raise FileNotFoundError(f"no local compressed copy of step {step}")
             compress.check_replaceable(root.path, manifest, members)
         except Exception as exc:
-            return self._replace_failed(root, step, str(exc))
+            self._replace_failed(root, step, str(exc))
+            return None
+        return manifest, members
+
+    def _replace(self, root: RootConfig, step: int, anchor: str, manifest: Any,
+                 members: list[str]) -> bool:
+        """The originals go through the executor's `replace_originals`: holding the locks
+        like any local delete, the nets and a quick re-check of the originals' sizes."""
         rec = self.store.checkpoint(root.name, step)
         target = executor.Target(step, anchor, tuple(members), Local.PRESENT,
                                  rec.remote if rec else Remote.NONE, False)
