@@ -177,13 +177,16 @@ def test_a_quiet_upload_holds_back_its_roots_other_uploads_before_it_is_stuck(
                    timeout=60, what=f"step {step} uploaded after the release")
 
 
-class ListStalling(BackendCache):
-    """Each root's usual backend, whose listings block (a store that stops answering LIST)
-    while `stall` is set, until `release` is."""
+class OpStalling(BackendCache):
+    """Each root's usual backend, whose call `op` ("list", "delete") blocks (a store that stops
+    answering it) while `stall` is set, until `release` is."""
 
-    def __init__(self) -> None:
+    def __init__(self, op: str, stall: bool = True) -> None:
         super().__init__()
+        self.op = op
         self.stall = threading.Event()
+        if stall:
+            self.stall.set()
         self.release = threading.Event()
         self.entered = threading.Event()
         self.wrapped: dict[str, Any] = {}
@@ -196,13 +199,17 @@ class ListStalling(BackendCache):
 
         class Backend:
             def __getattr__(self, name: str) -> Any:
-                return getattr(inner, name)
+                call = getattr(inner, name)
+                if name != outer.op:
+                    return call
 
-            def list(self, prefix: str = "") -> Any:
-                if outer.stall.is_set() and not outer.release.is_set():
-                    outer.entered.set()
-                    outer.release.wait(120)
-                return inner.list(prefix)
+                def stalled(*args: Any, **kwargs: Any) -> Any:
+                    if outer.stall.is_set() and not outer.release.is_set():
+                        outer.entered.set()
+                        outer.release.wait(120)
+                    return call(*args, **kwargs)
+
+                return stalled
 
         return self.wrapped.setdefault(root.name, Backend())
 
@@ -222,7 +229,7 @@ def test_a_stalled_listing_is_degraded_and_ls_still_answers(tmp_path: Path,
          "scan_interval": "1s"},
         [{"name": "r", "path": str(ckpt), "settle": "200ms",
           "upload": {"url": f"file://{tmp_path / 'remote'}"}}]))
-    cache = ListStalling()
+    cache = OpStalling("list", stall=False)
     d = Daemon(load_config(cfg), cfg, backends=cache, stage_bounds={"discover": 1.0})
     d.start()
     try:
@@ -250,35 +257,6 @@ def test_a_stalled_listing_is_degraded_and_ls_still_answers(tmp_path: Path,
         d.stop(grace=5)
 
 
-class DeleteStalling(BackendCache):
-    """Each root's usual backend, whose deletes block (a store that stops answering DELETE)
-    until `release` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = threading.Event()
-        self.entered = threading.Event()
-        self.wrapped: dict[str, Any] = {}
-
-    def get(self, root: RootConfig) -> Any:
-        inner = super().get(root)
-        if inner is None:
-            return None
-        outer = self
-
-        class Backend:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(inner, name)
-
-            def delete(self, key: str) -> None:
-                if not outer.release.is_set():
-                    outer.entered.set()
-                    outer.release.wait(120)
-                inner.delete(key)
-
-        return self.wrapped.setdefault(root.name, Backend())
-
-
 def test_a_stalled_retention_run_is_degraded_naming_the_root(tmp_path: Path,
                                                              short_dir: Path) -> None:
     """Retention's run of a root is a call on the board: a remote delete that never returns
@@ -293,7 +271,7 @@ def test_a_stalled_retention_run_is_degraded_naming_the_root(tmp_path: Path,
           "upload": {"url": f"file://{tmp_path / 'remote'}"},
           "retention": {"remote": {"keep_last": 1, "keep_best": 0, "keep_every": 0,
                                    "keep_within": ""}}}]))
-    cache = DeleteStalling()
+    cache = OpStalling("delete")
     d = Daemon(load_config(cfg), cfg, backends=cache, stage_bounds={"retention": 1.0})
     d.start()
     try:
