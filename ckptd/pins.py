@@ -6,19 +6,17 @@ Owns the file's format; the store holds the pins the daemon acts on.
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 from typing import Any
 
 from ckptd import fileio, inputs
-from ckptd.errors import BadInput
+from ckptd.errors import BadInput, UnsafePath
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR
 
 FORMAT = "ckptd-pins/1"
 PINS_FILE = "pins.json"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_BYTES = inputs.PINS.cap
 
 
@@ -38,29 +36,20 @@ def read_pins(root: Path) -> set[int]:
         return {inputs.check_int(s, f"{path}: a pinned step") for s in steps}
     except FileNotFoundError:
         return set()
-    except (OSError, ValueError, BadInput) as exc:
+    except (OSError, ValueError, BadInput, UnsafePath) as exc:
         get_logger().warning("pins_unreadable", path=str(path), error=str(exc))
         return set()
 
 
 def _read_beside(root: Path) -> Any:
-    """pins.json read beneath the root: `.ckptd` opened without following a link (one
-    leading out of the root is never read), then the file through the bounded reader."""
-    rfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    """pins.json opened beneath the root (`fileio.open_beneath`: no link followed anywhere,
+    a regular file only), then read and parsed by the bounded reader."""
+    fd = fileio.open_beneath(root, f"{CKPTD_DIR}/{PINS_FILE}")
     try:
-        try:
-            dfd = os.open(CKPTD_DIR, _DIR_FLAGS, dir_fd=rfd)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise BadInput(f"{root / CKPTD_DIR} is not a directory (a link is never"
-                               " followed)") from None
-            raise
+        return inputs.loads(inputs.read_fd(fd, inputs.PINS, str(pins_path(root))),
+                            str(pins_path(root)))
     finally:
-        os.close(rfd)
-    try:
-        return inputs.read_json(PINS_FILE, inputs.PINS, dir_fd=dfd)
-    finally:
-        os.close(dfd)
+        os.close(fd)
 
 
 def write_pins(root: Path, steps: set[int]) -> None:

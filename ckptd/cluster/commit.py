@@ -117,10 +117,8 @@ def attempt_id(stats: Iterable[tuple[str, int, int]]) -> str:
 def parse_part(data: bytes, where: str, written: float = 0.0) -> Part:
     """Parse and check a part object (strict JSON, `inputs.PART`'s cap, bounded numbers);
     BadPart naming what is wrong."""
-    if len(data) > MAX_PART_BYTES:
-        raise BadPart(f"{where}: larger than {MAX_PART_BYTES} bytes")
     try:
-        doc = inputs.loads(data, where)
+        doc = inputs.loads(inputs.check_size(data, inputs.PART, where), where)
     except BadInput as exc:
         raise BadPart(str(exc)) from None
     if not isinstance(doc, dict) or doc.get("format") != PART_FORMAT:
