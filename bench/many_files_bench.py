@@ -76,7 +76,7 @@ def compress_copy(root: Path, names: list[str]) -> dict[str, Any]:
 
 def build_inputs(workdir: Path, files: int) -> tuple[Path, dict[str, Any]]:
     """`<workdir>/root/step-1/` and its compressed copy, built once per file count."""
-    from ckptd.stages.compress import objects_dir
+    from ckptd.copies.store import objects_dir
 
     root = workdir / "root"
     stamp = workdir / "inputs.json"
@@ -97,7 +97,7 @@ def build_inputs(workdir: Path, files: int) -> tuple[Path, dict[str, Any]]:
 def ckptd_child(args: argparse.Namespace) -> None:
     """In a child process: upload_step of the compressed copy, as the daemon calls it."""
     from ckptd.backends import make_backend, wrap_backend
-    from ckptd.stages.compress import objects_dir, read_local_manifest
+    from ckptd.copies.store import objects_dir, read_local_manifest
     from ckptd.stages.upload import upload_step
 
     started = time.perf_counter()
@@ -127,7 +127,7 @@ def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[str, floa
 
 def run_ckptd(server: s3server.S3Server, root: Path, prefix: str, concurrency: int,
               wrapper: list[str], fresh: bool = True) -> tuple[float, dict[str, Any]]:
-    from ckptd.stages.compress import objects_dir
+    from ckptd.copies.store import objects_dir
 
     if fresh:
         for ledger in objects_dir(root, STEP).glob(".upload-ledger*"):
@@ -144,7 +144,7 @@ def run_ckptd(server: s3server.S3Server, root: Path, prefix: str, concurrency: i
 
 
 def run_aws(server: s3server.S3Server, root: Path, prefix: str, scratch: Path) -> float:
-    from ckptd.stages.compress import objects_dir
+    from ckptd.copies.store import objects_dir
 
     src = objects_dir(root, STEP)
     evict(src)

@@ -26,7 +26,6 @@ from support.proc import DaemonHandle  # noqa: E402
 from support.wait import wait_until  # noqa: E402
 from test_multinode import WORLD, Nodes, dcp_save  # noqa: E402
 
-
 KEEP = {"local": {"keep_last": 100}}  # every step stays on disk to be measured
 
 

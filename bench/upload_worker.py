@@ -64,9 +64,10 @@ def _backend(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def ckptd_upload(args: argparse.Namespace) -> dict[str, object]:
     """What the daemon does for one step: validate + compress (one read pass), upload."""
+    from ckptd.copies.store import objects_dir
     from ckptd.heap import return_large_buffers
     from ckptd.model import Candidate
-    from ckptd.stages.compress import Stager, objects_dir
+    from ckptd.stages.compress import Stager
     from ckptd.stages.upload import upload_step
     from ckptd.stages.validate import validate
 
@@ -109,7 +110,7 @@ def ckptd_upload(args: argparse.Namespace) -> dict[str, object]:
 
 def ckptd_restore(args: argparse.Namespace) -> dict[str, object]:
     from ckptd.heap import return_large_buffers
-    from ckptd.restore import restore_from_backend
+    from ckptd.restore.files import restore_from_backend
 
     return_large_buffers()  # as `ckptd restore` does
     started = time.perf_counter()

@@ -1,5 +1,5 @@
 """`python -m ckptd` runs the command line."""
 
-from ckptd.cli import main
+from ckptd.cli.main import main
 
 raise SystemExit(main())

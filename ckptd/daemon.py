@@ -16,23 +16,22 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ckptd import sdnotify
-from ckptd.api import UnixHttpServer
-from ckptd.api_context import ApiContext
+from ckptd.api.documents import ApiContext
+from ckptd.api.server import UnixHttpServer
 from ckptd.backends import BackendCache
-from ckptd.changes import Changes
 from ckptd.config import Config, RootConfig, load_config, needs_restart
 from ckptd.errors import ConfigError
+from ckptd.lifecycle.changes import Changes
 from ckptd.log import get_logger
-from ckptd.metrics import Metrics, MetricsServer
 from ckptd.retention.scheduler import RUN_BOUND_S as RETENTION_S
 from ckptd.retention.scheduler import RetentionService
-from ckptd.service import recovery
+from ckptd.service import recovery, sdnotify
 from ckptd.service.discovery import BOUND_S as DISCOVER_S
 from ckptd.service.discovery import Discovery
 from ckptd.service.effects import Effects
 from ckptd.service.jobs import policy_of
 from ckptd.service.lease import Leases
+from ckptd.service.metrics import Metrics, MetricsServer
 from ckptd.service.observe import root_samples, summary
 from ckptd.service.persist import PersistService
 from ckptd.service.recovery import StateDirLock

@@ -1,7 +1,7 @@
 """The documented exception tree of ckptd.
 
 Owns every exception type ckptd raises across module boundaries; imports nothing else of ckptd.
-Only `ckptd.cli` turns these into exit codes (see `exit_code`).
+Only `ckptd.cli.main` turns these into exit codes (see `exit_code`).
 """
 
 from __future__ import annotations

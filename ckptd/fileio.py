@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from ckptd.errors import UnsafePath, ValidationFailed
+from ckptd.errors import CkptdError, DiskFull, UnsafePath, ValidationFailed
 from ckptd.model import Reason
 
 CHUNK_SIZE = 8 << 20
@@ -82,7 +82,7 @@ def read_pass(
         os.lseek(fd, 0, os.SEEK_SET)  # the caller's descriptor (`open_beneath`), from the top
     try:
         size_at_open = os.fstat(fd).st_size
-        _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
+        advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
         total = _stream(fd, sinks, chunk_size, drop_cache)
         if total != size_at_open or os.fstat(fd).st_size != total:
             raise ValidationFailed(
@@ -106,11 +106,11 @@ def _stream(fd: int, sinks: Sequence[Sink], chunk_size: int, drop_cache: bool) -
                     sink.update(offset, view)
             offset += n
             if drop_cache and offset - dropped >= _DROP_STEP:
-                _advise(fd, dropped, offset - dropped, "POSIX_FADV_DONTNEED")
+                advise(fd, dropped, offset - dropped, "POSIX_FADV_DONTNEED")
                 dropped = offset
     finally:
         if drop_cache and offset > dropped:
-            _advise(fd, dropped, offset - dropped, "POSIX_FADV_DONTNEED")
+            advise(fd, dropped, offset - dropped, "POSIX_FADV_DONTNEED")
     return offset
 
 
@@ -121,12 +121,12 @@ def drop_cache(path: str | os.PathLike[str]) -> None:
     except OSError:
         return
     try:
-        _advise(fd, 0, 0, "POSIX_FADV_DONTNEED")
+        advise(fd, 0, 0, "POSIX_FADV_DONTNEED")
     finally:
         os.close(fd)
 
 
-def _advise(fd: int, offset: int, length: int, name: str) -> None:
+def advise(fd: int, offset: int, length: int, name: str = "POSIX_FADV_DONTNEED") -> None:
     advice = getattr(os, name, None)
     if advice is None:  # not every platform has posix_fadvise; advice is only a hint
         return
@@ -190,7 +190,7 @@ def fsync_file(path: str | os.PathLike[str], drop: bool = False) -> None:
     try:
         os.fsync(fd)
         if drop:
-            _advise(fd, 0, 0, "POSIX_FADV_DONTNEED")
+            advise(fd, 0, 0, "POSIX_FADV_DONTNEED")
     finally:
         os.close(fd)
 
@@ -282,3 +282,90 @@ def _is_link(dir_fd: int, name: str) -> bool:
         return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
     except OSError:
         return False
+
+
+# --- writing and reading large files without filling the page cache ---
+
+# Written data is pushed to disk and dropped from the page cache in steps of this size, so a
+# compressed copy never sits in memory that the training job's data needs.
+WRITEBACK_STEP = 32 << 20
+
+
+def write_error(exc: OSError, what: str) -> CkptdError:
+    """An OSError met while writing a copy, as ckptd's error. Never an OSError: validation
+    would take that for a fault of the checkpoint being read."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFull(f"no space left on device while writing {what}; the original files are "
+                        "untouched (free space and retry)")
+    return CkptdError(f"cannot write {what}: {exc.strerror or exc}")
+
+
+class DurableWriter:
+    """A new file written through a raw fd: written pages are pushed out and dropped from the
+    page cache as it grows; `close_durably` fsyncs. Write errors become `write_error`s."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path, self.what = path, what
+        self.size = 0
+        self._cleaned = self._pushed = 0
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise write_error(exc, what) from exc
+        self._open = True
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            raise write_error(exc, self.what) from exc
+        self.size += n
+        if self.size - self._pushed >= WRITEBACK_STEP:
+            # DONTNEED starts writeback of the new dirty pages and drops the earlier ones,
+            # which are clean by now: the cache holds about two steps, without a blocking sync.
+            advise(self._fd, self._cleaned, self.size - self._cleaned)
+            self._cleaned, self._pushed = self._pushed, self.size
+        return n
+
+    def close_durably(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise write_error(exc, self.what) from exc
+        finally:
+            advise(self._fd, 0, 0)
+            self.close()
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            os.close(self._fd)
+
+
+class DropBehindReader:
+    """An object read front to back through its fd, dropping what is behind the cursor from
+    the page cache, so verifying or restoring a copy does not evict the training job's data."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pos = self._dropped = 0
+
+    def read(self, n: int) -> bytes:
+        data = os.read(self.fd, n)
+        self._advance(len(data))
+        return data
+
+    def readinto(self, buf: memoryview) -> int:
+        n = os.readv(self.fd, [buf])
+        self._advance(n)
+        return n
+
+    def _advance(self, n: int) -> None:
+        self.pos += n
+        if self.pos - self._dropped >= WRITEBACK_STEP:
+            advise(self.fd, self._dropped, self.pos - self._dropped)
+            self._dropped = self.pos
+

@@ -229,3 +229,20 @@ def format_duration(seconds: float) -> str:
     if rest:
         parts.append(f"{_plain_number(rest * 1000)}ms")
     return "".join(parts) or "0s"
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    frac = 0.0 if total <= 0 else min(1.0, done / total)
+    filled = int(frac * width)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}%"

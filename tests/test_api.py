@@ -1,4 +1,4 @@
-"""ckptd.api through a daemon in the test process, on its real socket: whatever a client
+"""ckptd.api.server through a daemon in the test process, on its real socket: whatever a client
 sends, malformed or hostile, gets a 4xx with {"error", "message"}, never a 500; JSON is strict
 (no NaN or Infinity in); numbers out of range are refused at the door."""
 

@@ -1,12 +1,12 @@
-"""ckptd.changes: the generation counter long-polls wait on. A wait returns at once when the
-generation already moved, wakes on notify from another thread, and times out unchanged."""
+"""ckptd.lifecycle.changes: the generation counter long-polls wait on. A wait returns at once
+when the generation already moved, wakes on notify from another thread, and times out unchanged."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from ckptd.changes import Changes
+from ckptd.lifecycle.changes import Changes
 
 
 def test_generation_counts_notifies() -> None:

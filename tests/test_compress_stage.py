@@ -23,13 +23,7 @@ from writers import flip_byte, member_data_offset, truncate
 
 from ckptd import fileio
 from ckptd.codec import BLOCK_SIZE
-from ckptd.errors import CkptdError, CorruptData, DiskFull, UnsafePath
-from ckptd.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from ckptd.model import Candidate, Local, Remote
-from ckptd.restore import restore_from_dir
-from ckptd.retention import executor
-from ckptd.stages.compress import (
-    Stager,
+from ckptd.copies.store import (
     check_replaceable,
     local_steps,
     objects_dir,
@@ -38,6 +32,12 @@ from ckptd.stages.compress import (
     remove_stale_staging,
     verify_copy,
 )
+from ckptd.errors import CkptdError, CorruptData, DiskFull, UnsafePath
+from ckptd.model import Candidate, Local, Remote
+from ckptd.remote.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ckptd.restore.files import restore_from_dir
+from ckptd.retention import executor
+from ckptd.stages.compress import Stager
 from ckptd.stages.validate import validate
 
 CODECS = ["none", "zstd", "zstd-bytegroup", "auto"]
@@ -547,8 +547,9 @@ _RSS_CHILD = """
 import resource, sys
 from pathlib import Path
 from ckptd.model import Candidate
-from ckptd.restore import restore_from_dir
-from ckptd.stages.compress import Stager, objects_dir
+from ckptd.restore.files import restore_from_dir
+from ckptd.stages.compress import Stager
+from ckptd.copies.store import objects_dir
 from ckptd.stages.validate import validate
 
 root = Path(sys.argv[1])

@@ -23,11 +23,12 @@ from support.ckpts import save_single
 from support.wait import wait_until
 from support.wire import cli
 
-from ckptd import remote
 from ckptd.backends.local import LocalBackend
+from ckptd.copies import store as copies
 from ckptd.errors import CorruptData
-from ckptd.manifest import Manifest
 from ckptd.model import Candidate, Local, Remote
+from ckptd.remote import layout as remote
+from ckptd.remote.manifest import Manifest
 from ckptd.retention import executor
 from ckptd.stages import compress
 from ckptd.stages.upload import delete_step, upload_step
@@ -57,7 +58,7 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.stages.upload", "delete_step"):
         "the remote-step delete protocol; only ever passed to the executor "
         "(execute_remote, replace_remote) as its DeleteStep",
-    ("ckptd.stages.compress", "remove_stale_staging"): "compress staging dirs a crash left",
+    ("ckptd.copies.store", "remove_stale_staging"): "compress staging dirs a crash left",
     ("ckptd.stages.compress", "Stager.abort"): "this Stager's own staging dir",
     ("ckptd.stages.compress", "_ObjectSink.discard"): "a staged object's temp file",
     ("ckptd.stages.upload_local", "Ledger._open"): "the upload ledger's old-format file",
@@ -68,17 +69,17 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.stages.persist", "_fresh_dir"): "a stale half-written save dir of the door",
     ("ckptd.stages.persist", "_write_one"): "a file of the save it is writing, written again",
     ("ckptd.stages.persist", "_remove_tree"): "the helper of the two above",
-    ("ckptd.remote", "retreat_latest"): "the LATEST pointer object, not a step's bytes",
-    ("ckptd.remote", "_swap"): "an unreadable LATEST pointer object, rewritten",
+    ("ckptd.remote.layout", "retreat_latest"): "the LATEST pointer object, not a step's bytes",
+    ("ckptd.remote.layout", "_swap"): "an unreadable LATEST pointer object, rewritten",
     ("ckptd.service.effects", "LatestPublisher.publish"): "<root>/.ckptd/latest.json",
     ("ckptd.service.recovery", "remove_stale_temps"): "ckptd's own temp files",
     ("ckptd.service.lease", "*"): "the root lease's own files (lease.json, claims, temps)",
     ("ckptd.daemon", "*"): "the daemon's own socket",
-    ("ckptd.api", "bind_socket"): "a stale socket at the configured path",
-    ("ckptd.doctor", "*"): "doctor's own probe files and objects",
+    ("ckptd.api.server", "bind_socket"): "a stale socket at the configured path",
+    ("ckptd.cli.doctor", "*"): "doctor's own probe files and objects",
     ("ckptd.demo", "*"): "the demo's own scratch directories",
-    ("ckptd.restore", "*"): "restore's own staging and temp files in the target",
-    ("ckptd.restore_pipe", "*"): "restore's own temp files",
+    ("ckptd.restore.files", "*"): "restore's own staging and temp files in the target",
+    ("ckptd.restore.pipe", "*"): "restore's own temp files",
     ("ckptd.torch._native", "*"): "the trainer's own saves, in the trainer's process",
     ("ckptd.torch._nodelocal", "*"): "the trainer's own saves, in the trainer's process",
 }
@@ -187,7 +188,7 @@ def test_release_copy_nets(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
     staged(root, 1)
-    copy = compress.objects_dir(root, 1)
+    copy = copies.objects_dir(root, 1)
     # A reader holds the step: its copy stays, whether or not the originals are there.
     for local in (Local.PRESENT, Local.PRUNED):
         out = executor.release_copy(root, copy_of(1, local), nets(in_use=frozenset({1})))
@@ -227,7 +228,7 @@ def test_replace_originals_nets(tmp_path: Path) -> None:
 
     def check() -> None:
         checked.append(1)
-        compress.check_replaceable(root, manifest, [path.name])
+        copies.check_replaceable(root, manifest, [path.name])
 
     for kw, why in (({"latest_step": 1}, "latest"), ({"in_use": frozenset({1})}, "in_use"),
                     ({"invalid": frozenset({1})}, "invalid"),
@@ -246,7 +247,7 @@ def test_replace_originals_nets(tmp_path: Path) -> None:
     out = executor.replace_originals(root, target, g, check)
     assert out.action == "deleted" and out.bytes_freed == len(data) and not path.exists()
     assert os.listdir(executor.trash_dir_for(root)) == []
-    assert compress.local_steps(root) == [1]
+    assert copies.local_steps(root) == [1]
 
 
 def test_replace_originals_cut_short_is_put_back_at_start(tmp_path: Path) -> None:
@@ -272,7 +273,7 @@ def test_replace_originals_cut_short_is_put_back_at_start(tmp_path: Path) -> Non
     assert {n: (root / n).read_bytes() for n in cand.files} == saved
     target = executor.Target(7, "ck", cand.files, Local.PRESENT, Remote.NONE, False)
     out = executor.replace_originals(
-        root, target, nets(), lambda: compress.check_replaceable(root, manifest, cand.files))
+        root, target, nets(), lambda: copies.check_replaceable(root, manifest, cand.files))
     assert out.action == "deleted" and not (root / "ck").exists()
 
 
@@ -281,7 +282,7 @@ def test_replace_remote_nets(tmp_path: Path) -> None:
     root.mkdir()
     _, manifest = staged(root, 1)
     backend = LocalBackend(tmp_path / "remote")
-    upload_step(backend, "r", compress.objects_dir(root, 1), manifest)
+    upload_step(backend, "r", copies.objects_dir(root, 1), manifest)
     out = executor.replace_remote(backend, "r", 1, nets(in_use=frozenset({1})), delete_step)
     assert (out.action, out.reason) == ("refused", "in_use")
     assert remote.read_manifest(backend, "r", 1) == manifest
@@ -294,10 +295,10 @@ def test_install_copy_replaces_the_superseded_copy_through_the_trash(tmp_path: P
     root.mkdir()
     _, first = staged(root, 1, n=64)
     _, second = staged(root, 1, n=200)  # a re-save of the step
-    assert first != second and compress.read_local_manifest(root, 1) == second
-    assert os.listdir(compress.objects_root(root)) == ["step-1"]
+    assert first != second and copies.read_local_manifest(root, 1) == second
+    assert os.listdir(copies.objects_root(root)) == ["step-1"]
     assert os.listdir(executor.trash_dir_for(root)) == []
-    compress.verify_copy(compress.objects_dir(root, 1), second)
+    copies.verify_copy(copies.objects_dir(root, 1), second)
 
 
 # --- the re-save of a step held as a compressed copy, on a real daemon -----------------------
@@ -384,7 +385,7 @@ def test_a_spare_copy_is_released_by_retention_and_never_under_a_reader(
     save_single(root, 1, n=128)
     assert d.wait_for("r1", 1)["state"] == "valid"
     assert c.wait("r1", 1, until="uploaded", timeout=60)
-    copy = compress.objects_dir(root, 1)
+    copy = copies.objects_dir(root, 1)
     assert copy.is_dir()  # kept: compress_older may still want it
 
     def plan_of_1() -> dict[str, Any]:
@@ -420,7 +421,7 @@ def test_recovery_releases_a_copy_the_store_dropped_through_the_executor(
     save_single(root, 1, n=128)
     assert d.wait_for("r1", 1)["state"] == "valid"
     assert c.wait("r1", 1, until="uploaded", timeout=60)
-    copy = compress.objects_dir(root, 1)
+    copy = copies.objects_dir(root, 1)
     wait_until(lambda: not copy.exists(), 30, "the copy released after the upload")
     d.stop()
     # What the crash left: the copy's files, which the store already counts as gone.
@@ -452,8 +453,8 @@ def test_a_trash_journal_that_is_no_regular_file_never_stalls_recovery(tmp_path:
 
 def test_a_local_manifest_that_is_no_regular_file_is_refused_at_once(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    copy = compress.objects_dir(root, 3)
+    copy = copies.objects_dir(root, 3)
     copy.mkdir(parents=True)
     os.mkfifo(copy / "MANIFEST.json")
     with pytest.raises(CorruptData, match="MANIFEST.json"):
-        compress.read_local_manifest(root, 3)
+        copies.read_local_manifest(root, 3)

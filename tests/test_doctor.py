@@ -18,7 +18,7 @@ import pytest
 from support.ckpts import save_single
 from support.config import render_config
 
-from ckptd import doctor
+from ckptd.cli import doctor
 from ckptd.config import load_config
 
 pytest_plugins = ["s3server"]
@@ -115,7 +115,7 @@ def load_config_text(tmp_path: Path, text: str) -> Any:
 
 
 def test_every_command_says_what_it_does_with_an_example() -> None:
-    from ckptd.cli import COMMANDS
+    from ckptd.cli.main import COMMANDS
 
     for name in COMMANDS:
         done = subprocess.run([sys.executable, "-m", "ckptd", name, "--help"],

@@ -14,7 +14,7 @@ from support import Harness, wait_until
 from support.config import render_config
 from writers import save_torch
 
-from ckptd.render import render_status
+from ckptd.cli.render import render_status
 
 
 def test_restore_on_a_fresh_node_finds_ckptd_toml_in_the_working_dir(tmp_path: Path,

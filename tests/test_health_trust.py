@@ -24,7 +24,7 @@ from ckptd.backends import BackendCache
 from ckptd.client import Client
 from ckptd.config import RootConfig, load_config
 from ckptd.daemon import Daemon
-from ckptd.manifest import step_prefix
+from ckptd.remote.manifest import step_prefix
 from ckptd.service import workers
 
 

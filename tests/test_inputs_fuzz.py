@@ -34,8 +34,8 @@ from ckptd import arena, inputs, layouts
 from ckptd.cluster import commit as cc
 from ckptd.errors import BadInput, CorruptData, ValidationFailed
 from ckptd.formats import zipcrc
-from ckptd.manifest import Manifest, StoredFile, parse_manifest
 from ckptd.model import Candidate, FileInfo, Reason, RootOptions, Snapshot
+from ckptd.remote.manifest import Manifest, StoredFile, parse_manifest
 from ckptd.watch import RootScanner
 
 EXAMPLES = int(os.environ.get("CKPTD_FUZZ_EXAMPLES", "200"))

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from ckptd.errors import ConfigError
-from ckptd.metrics import Metrics, MetricsServer, RootSample
+from ckptd.service.metrics import Metrics, MetricsServer, RootSample
 
 
 def set_roots(metrics: Metrics, *roots: RootSample) -> None:

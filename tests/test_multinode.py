@@ -245,7 +245,7 @@ def test_a_node_down_holds_the_commit_and_retention_keeps_the_uncommitted_steps(
     wait_until(lambda: waiting.status()["roots"][0]["uncommitted"] == want, 30,
                "steps 2 and 3 listed again after a restart",
                detail=lambda: str(waiting.status()["roots"][0]["uncommitted"]))
-    from ckptd.render import render_status
+    from ckptd.cli.render import render_status
 
     assert "job: step 2 waits for its commit: parts missing from n2" in render_status(
         waiting.status())

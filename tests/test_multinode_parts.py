@@ -13,8 +13,8 @@ import pytest
 from ckptd.backends.local import LocalBackend
 from ckptd.cluster import commit as cc
 from ckptd.errors import PermanentError, TransientError
-from ckptd.manifest import Manifest, StoredFile, for_node
-from ckptd.remote import read_manifest
+from ckptd.remote.layout import read_manifest
+from ckptd.remote.manifest import Manifest, StoredFile, for_node
 from ckptd.stages import parts, records
 
 
@@ -106,7 +106,7 @@ def _status_doc(uncommitted: list[dict[str, Any]]) -> dict[str, Any]:
 def test_status_counts_the_nodes_it_cannot_name() -> None:
     """Before any commit, a node that wrote no part is known to no one: `status` still says
     how many of the root's nodes it cannot name."""
-    from ckptd.render import render_status
+    from ckptd.cli.render import render_status
     from ckptd.service.commits import Waiting
 
     waiting = Waiting()

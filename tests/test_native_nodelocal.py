@@ -16,8 +16,8 @@ from test_layouts_real import snapshot
 import ckptd.torch
 from ckptd import layouts
 from ckptd.errors import CkptdError, PermanentError, TransientError
-from ckptd.manifest import Manifest, StoredFile
 from ckptd.model import RootOptions
+from ckptd.remote.manifest import Manifest, StoredFile
 from ckptd.stages import records
 from ckptd.torch._nodelocal import groups_of
 

@@ -22,8 +22,9 @@ from support.wait import wait_until
 from test_async_save import post_persist, sealed_arena
 from writers import save_torch
 
-from ckptd import arena, layouts, pins
+from ckptd import arena, layouts
 from ckptd.model import FileInfo, RootOptions, Snapshot
+from ckptd.store import pins
 from ckptd.watch import RootScanner
 
 HUGE = "9" * 400  # an integer no float holds: float(10**400) raises OverflowError

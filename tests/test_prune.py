@@ -21,8 +21,8 @@ from structlog.testing import capture_logs
 
 from ckptd.backends import Backend, LocalBackend
 from ckptd.errors import TransientError
-from ckptd.manifest import MANIFEST_NAME, step_prefix
 from ckptd.model import Local, Remote, State
+from ckptd.remote.manifest import MANIFEST_NAME, step_prefix
 from ckptd.retention.executor import (
     Guards,
     Outcome,

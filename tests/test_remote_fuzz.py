@@ -13,11 +13,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptd import remote
 from ckptd.backends import LocalBackend
 from ckptd.cluster import commit as cc
 from ckptd.errors import CorruptData, ObjectNotFound
-from ckptd.manifest import Manifest, StoredFile, parse_manifest
+from ckptd.remote import layout as remote
+from ckptd.remote.manifest import Manifest, StoredFile, parse_manifest
 
 MANIFEST = Manifest("r1", 7, "single", (
     StoredFile("model.pt", 10, "ab", "xxh3-128", "zstd", 8, "model.pt.zst"),

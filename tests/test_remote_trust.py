@@ -20,12 +20,13 @@ import pytest
 from support.ckpts import save_single
 from support.wait import wait_until
 
-from ckptd import inputs, remote
+from ckptd import inputs
 from ckptd.backends import LocalBackend, make_backend
 from ckptd.cluster import commit as cc
 from ckptd.errors import BadInput, CorruptData, ObjectNotFound, UnsafePath
-from ckptd.manifest import parse_manifest
-from ckptd.restore import all_or_nothing
+from ckptd.remote import layout as remote
+from ckptd.remote.manifest import parse_manifest
+from ckptd.restore.files import all_or_nothing
 from ckptd.stages import parts
 
 MiB = 1024 * 1024

@@ -23,9 +23,10 @@ from writers import flip_byte
 from ckptd.backends import Backend, LocalBackend, ObjectMeta, ObstoreBackend, make_backend
 from ckptd.backends.base import SMALL_OBJECT_MAX, Source
 from ckptd.config import Config, parse_config
+from ckptd.copies.store import objects_dir
 from ckptd.errors import CorruptData, NotFound, TransientError
-from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
-from ckptd.restore import (
+from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
+from ckptd.restore.files import (
     all_or_nothing,
     list_remote_steps,
     resolve_step,
@@ -33,7 +34,6 @@ from ckptd.restore import (
     restore_from_backend,
     tty_progress,
 )
-from ckptd.stages.compress import objects_dir
 
 if TYPE_CHECKING:
     from s3server import S3Server

@@ -15,19 +15,19 @@ from typing import BinaryIO
 
 import pytest
 
-from ckptd.api import UnixHttpServer, bind_socket
-from ckptd.api_context import ApiContext
+from ckptd.api.documents import ApiContext
+from ckptd.api.server import UnixHttpServer, bind_socket
 from ckptd.backends import Backend, LocalBackend
 from ckptd.backends.base import SMALL_OBJECT_MAX, ObjectMeta, Source
-from ckptd.changes import Changes
 from ckptd.client import Client
 from ckptd.config import RootConfig, parse_config
 from ckptd.errors import NotFound, ServiceUnavailable, TransientError
-from ckptd.manifest import Manifest
-from ckptd.metrics import Metrics
+from ckptd.lifecycle.changes import Changes
+from ckptd.remote.manifest import Manifest
 from ckptd.retention.executor import Outcome
 from ckptd.retention.scheduler import RetentionService
 from ckptd.service.discovery import Discovery
+from ckptd.service.metrics import Metrics
 from ckptd.service.scan import Scanner
 from ckptd.service.supervisor import Supervisor
 from ckptd.service.workers import Workers

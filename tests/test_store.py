@@ -9,8 +9,8 @@ import pytest
 
 from ckptd.errors import StateUnusable
 from ckptd.lifecycle.table import Event, Policy
-from ckptd.manifest import StoredFile
 from ckptd.model import Candidate, FileRecord, Local, Remote, State, Tier, ValidationResult
+from ckptd.remote.manifest import StoredFile
 from ckptd.store import MIGRATIONS, Found, Store
 
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-from ckptd import sdnotify
 from ckptd.config import DEFAULT_SOCKET_PATH
 from ckptd.daemon import STOP_GRACE_S
 from ckptd.errors import ConfigError
-from ckptd.sdnotify import Notifier, ProgressWatchdog
+from ckptd.service import sdnotify
+from ckptd.service.sdnotify import Notifier, ProgressWatchdog
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "systemd"
@@ -281,7 +281,7 @@ _ACTIVATE = textwrap.dedent("""
 """)
 
 _CHILD = _ACTIVATE + textwrap.dedent("""
-    from ckptd import sdnotify
+    from ckptd.service import sdnotify
     named = sdnotify.listen_fds_with_names()
     assert [n for n, _ in named] == ["api"], named
     sock = sdnotify.unix_listener([s for _, s in named], sys.argv[1])
@@ -349,14 +349,9 @@ def test_unix_listener_picks_the_listening_stream_socket(short_dir: Path) -> Non
             s.close()
 
 
-# -- the daemon speaking these protocols (active once daemon.py uses ckptd.sdnotify) -----------
-
-_WIRED = "sdnotify" in (REPO / "ckptd" / "daemon.py").read_text()
-needs_wiring = pytest.mark.skipif(not _WIRED, reason="ckptd/daemon.py does not use "
-                                  "ckptd.sdnotify yet (issue 7 wiring)")
+# -- the daemon speaking these protocols ----------------------------------------------------------
 
 
-@needs_wiring
 def test_daemon_ready_only_when_serving_then_watchdog_and_stopping(
         daemon_factory: Any, receiver: NotifyReceiver) -> None:
     d = daemon_factory(start=False)
@@ -370,7 +365,6 @@ def test_daemon_ready_only_when_serving_then_watchdog_and_stopping(
     receiver.recv_until("STOPPING", timeout=5)
 
 
-@needs_wiring
 def test_daemon_serves_on_an_inherited_socket(daemon_factory: Any) -> None:
     d = daemon_factory(start=False)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -390,11 +384,6 @@ def test_daemon_serves_on_an_inherited_socket(daemon_factory: Any) -> None:
     assert d.socket.exists(), "the socket file belongs to systemd's socket unit: keep it"
 
 
-_RELOAD_WIRED = ".reloading(" in (REPO / "ckptd" / "daemon.py").read_text()
-
-
-@pytest.mark.skipif(not _RELOAD_WIRED, reason="ckptd/daemon.py does not announce reloads "
-                    "through ckptd.sdnotify yet (issue 7 wiring)")
 def test_daemon_reload_is_bracketed_by_reloading_and_ready(
         daemon_factory: Any, receiver: NotifyReceiver) -> None:
     d = daemon_factory(start=False)

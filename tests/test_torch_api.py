@@ -354,6 +354,7 @@ def test_compressed_latest_is_restored_then_loaded(tmp_path: Path) -> None:
     """latest.json names a step kept only as a local compressed copy: load restores it under
     .ckptd/restored/ (verifying every hash) and loads it, with no daemon."""
     from ckptd import layouts
+    from ckptd.copies import store as copies
     from ckptd.model import RootOptions
     from ckptd.stages import compress
     from ckptd.stages.validate import validate
@@ -372,7 +373,7 @@ def test_compressed_latest_is_restored_then_loaded(tmp_path: Path) -> None:
 
     nets = executor.Guards(None, None, frozenset(), frozenset(), frozenset(), False)
     target = executor.Target(4, cand.path, tuple(cand.files), Local.PRESENT, Remote.NONE, False)
-    out = executor.replace_originals(tmp_path, target, nets, lambda: compress.check_replaceable(
+    out = executor.replace_originals(tmp_path, target, nets, lambda: copies.check_replaceable(
         tmp_path, manifest, list(cand.files)))
     assert out.action == "deleted", out
     assert not path.exists()

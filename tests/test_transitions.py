@@ -29,8 +29,8 @@ from ckptd.lifecycle.table import (
     next_stage,
     transition,
 )
-from ckptd.manifest import StoredFile
 from ckptd.model import Candidate, FileRecord, Local, Remote, State, ValidationResult
+from ckptd.remote.manifest import StoredFile
 from ckptd.store import Found, Store
 
 SOURCES = (NEW, *STATUSES)

@@ -37,8 +37,8 @@ from ckptd.errors import (
     PermanentError,
     TransientError,
 )
-from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile
-from ckptd.remote import list_steps, read_latest, read_manifest, verify_step
+from ckptd.remote.layout import list_steps, read_latest, read_manifest, verify_step
+from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile
 from ckptd.stages.upload import delete_step, upload_step
 from ckptd.stages.upload_local import LEDGER_NAME
 
@@ -606,7 +606,7 @@ _UPLOADER = """
 import json, sys
 from pathlib import Path
 from ckptd.backends import make_backend
-from ckptd.manifest import parse_manifest
+from ckptd.remote.manifest import parse_manifest
 from ckptd.stages.upload import upload_step
 cfg = json.loads(sys.argv[1])
 backend = make_backend(cfg["url"], endpoint=cfg["endpoint"], region=cfg["region"],

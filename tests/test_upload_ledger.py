@@ -28,8 +28,8 @@ from test_upload import (
 
 from ckptd.backends import Backend, LocalBackend
 from ckptd.errors import PermanentError, TransientError
-from ckptd.manifest import Manifest
-from ckptd.remote import list_steps
+from ckptd.remote.layout import list_steps
+from ckptd.remote.manifest import Manifest
 from ckptd.stages.upload import upload_step
 from ckptd.stages.upload_local import LEDGER_NAME, Ledger
 

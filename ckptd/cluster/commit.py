@@ -15,7 +15,7 @@ from typing import Any
 
 from ckptd import inputs
 from ckptd.errors import BadInput
-from ckptd.manifest import distinct_paths
+from ckptd.remote.manifest import distinct_paths
 
 PART_FORMAT = "ckptd-part/1"
 PARTS_DIR = "_parts"

@@ -34,8 +34,8 @@ from ckptd import fileio, inputs
 from ckptd.backends import Backend
 from ckptd.errors import CkptdError, CorruptData, StorageError
 from ckptd.log import get_logger
-from ckptd.manifest import step_prefix
 from ckptd.model import CKPTD_DIR, Local, Remote
+from ckptd.remote.manifest import step_prefix
 from ckptd.retention.planner import Action, Plan, PlanItem, Tag
 
 TRASH_DIR = "trash"  # <root>/.ckptd/trash: same filesystem as the checkpoints, so renames work

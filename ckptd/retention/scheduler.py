@@ -23,13 +23,13 @@ from typing import Any
 
 from ckptd.backends import Backend
 from ckptd.config import RootConfig
+from ckptd.copies import store as copies
 from ckptd.errors import NotFound, ServiceUnavailable
 from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, CheckpointRecord, Local, Remote, State, Tier
 from ckptd.retention import executor, planner
 from ckptd.service.supervisor import Calls
-from ckptd.stages import compress
 from ckptd.store import Store
 
 TIMER_S = 60.0
@@ -375,8 +375,8 @@ class _Runner:
         newest = self.store.latest(root.name, Tier.REMOTE)
         if newest is None:
             return False
-        from ckptd import remote
         from ckptd.errors import CkptdError
+        from ckptd.remote import layout as remote
 
         try:
             nodes = remote.read_manifest(backend, root.name, newest.step).nodes
@@ -408,7 +408,7 @@ class _Runner:
         if rec is None or rec.local is not Local.PRESENT or not self.store.has_copy(root.name,
                                                                                      step):
             return False  # the compress stage makes the copy first; a later run replaces
-        manifest = compress.read_local_manifest(root.path, step)
+        manifest = copies.read_local_manifest(root.path, step)
         if manifest is None:
             self.store.record(root.name, step, Event.COPY_LOST, time.time())
             return False
@@ -436,10 +436,10 @@ class _Runner:
         re-hashed), without the locks: the copy's manifest and the members, or None."""
         members = list(self.store.members(cid))
         try:
-            manifest = compress.read_local_manifest(root.path, step)
+            manifest = copies.read_local_manifest(root.path, step)
             if manifest is None:
                 raise FileNotFoundError(f"no local compressed copy of step {step}")
-            compress.check_replaceable(root.path, manifest, members)
+            copies.check_replaceable(root.path, manifest, members)
         except Exception as exc:
             self._replace_failed(root, step, str(exc))
             return None
@@ -455,7 +455,7 @@ class _Runner:
         with self.exclusive, self.nets:
             out = executor.replace_originals(
                 root.path, target, self._guards(root, time.time()),
-                lambda: compress.check_replaceable(root.path, manifest, members, verify=False,
+                lambda: copies.check_replaceable(root.path, manifest, members, verify=False,
                                                    rehash=False),
                 root=root.name)
         if out.action == "failed":

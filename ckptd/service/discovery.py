@@ -18,14 +18,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckptd import remote
 from ckptd.backends.base import ObjectMeta
 from ckptd.config import RootConfig
 from ckptd.errors import CkptdError, ObjectNotFound
 from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
-from ckptd.metrics import Metrics
 from ckptd.model import Remote
+from ckptd.remote import layout as remote
+from ckptd.service.metrics import Metrics
 from ckptd.service.supervisor import Calls
 from ckptd.store import Store
 

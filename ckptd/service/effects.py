@@ -18,8 +18,8 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from ckptd import fileio
-from ckptd.changes import Changes
 from ckptd.config import RootConfig
+from ckptd.lifecycle.changes import Changes
 from ckptd.lifecycle.table import Effect, Event
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote, Tier

@@ -13,11 +13,12 @@ from functools import partial
 from typing import Any
 
 from ckptd.config import RootConfig
+from ckptd.copies import store as copies
 from ckptd.errors import DiskFull, PermanentError
 from ckptd.lifecycle.table import Policy
 from ckptd.log import get_logger
-from ckptd.manifest import Manifest, StoredFile
 from ckptd.model import Candidate, ValidationResult
+from ckptd.remote.manifest import Manifest, StoredFile
 from ckptd.retention import executor
 from ckptd.stages import compress, parts, records
 from ckptd.stages.parts import NotCommitted as NotCommitted
@@ -137,7 +138,7 @@ class CopyMissing(Exception):
 
 def _local_copy(root: RootConfig, step: int, expected: Sequence[StoredFile]) -> Manifest:
     """The local compressed copy's manifest, when it holds exactly the validated files."""
-    manifest = compress.read_local_manifest(root.path, step)
+    manifest = copies.read_local_manifest(root.path, step)
     if manifest is None:
         raise CopyMissing(f"no local compressed copy of step {step} to upload")
     if {(f.path, f.size, f.hash) for f in manifest.files} != {
@@ -161,7 +162,7 @@ def run_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
     if replace_remote:
         _replace_older_remote(backend, root.name, manifest, in_use)
     progress.total = manifest.stored_size
-    return upload_step(backend, root.name, compress.objects_dir(root.path, step), manifest,
+    return upload_step(backend, root.name, copies.objects_dir(root.path, step), manifest,
                        progress=progress.advance, concurrency=root.upload.concurrency)
 
 
@@ -187,7 +188,7 @@ def run_share_upload(root: RootConfig, job: Job, progress: Any, backend: Any,
     share = parts.Share(node=node, commit_timeout=root.commit_timeout, mtimes=mtimes,
                         record=record, known_nodes=known_nodes)
     progress.total = manifest.stored_size
-    return parts.upload_share(backend, root.name, compress.objects_dir(root.path, step),
+    return parts.upload_share(backend, root.name, copies.objects_dir(root.path, step),
                               manifest, share, time.time(), progress=progress.advance,
                               concurrency=root.upload.concurrency)
 
@@ -207,8 +208,8 @@ def _validated_mtimes(root: RootConfig, job: Job, manifest: Manifest) -> dict[st
 
 def known_nodes(backend: Any, root_name: str) -> set[str]:
     """The nodes of the root's latest commit (none before the first)."""
-    from ckptd import remote
     from ckptd.errors import CkptdError
+    from ckptd.remote import layout as remote
 
     try:
         step = remote.read_latest(backend, root_name)
@@ -223,8 +224,8 @@ def _replace_older_remote(backend: Any, root_name: str, manifest: Any,
                           in_use: frozenset[int] = frozenset()) -> None:
     """A step re-saved after an earlier save of it was uploaded: the later save wins remotely
     too. The old step is deleted (manifest first, by the executor) before the new one is sent."""
-    from ckptd import remote
     from ckptd.errors import CorruptData, ObjectNotFound, TransientError
+    from ckptd.remote import layout as remote
     from ckptd.stages.upload import delete_step
 
     try:

@@ -1,6 +1,6 @@
 """What the metrics collector reads at each scrape: each root's facts from the store.
 
-Reads only; owns no state. Metric names and the exposition live in `ckptd.metrics`.
+Reads only; owns no state. Metric names and the exposition live in `ckptd.service.metrics`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from ckptd.config import RootConfig
-from ckptd.metrics import RootSample
 from ckptd.model import Tier
+from ckptd.service.metrics import RootSample
 from ckptd.store import Store
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import arena
-from ckptd.api_input import HttpError
+from ckptd.api.checks import HttpError
 from ckptd.config import RootConfig
 from ckptd.log import get_logger
 from ckptd.service.supervisor import Calls

@@ -20,16 +20,17 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
-from ckptd import fileio, sdnotify
-from ckptd.api import bind_socket
+from ckptd import fileio
+from ckptd.api.server import bind_socket
 from ckptd.config import Config, DaemonConfig, RootConfig
+from ckptd.copies import store as copies
 from ckptd.errors import ConfigError, StateLocked
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local
-from ckptd.pins import read_pins
 from ckptd.retention import executor, scheduler
-from ckptd.stages import compress
+from ckptd.service import sdnotify
 from ckptd.store import Store
+from ckptd.store.pins import read_pins
 
 
 def recover(store: Store, cfg: Config) -> None:
@@ -44,7 +45,7 @@ def recover(store: Store, cfg: Config) -> None:
         if r.path.is_dir():
             # Deletes interrupted between the rename into the trash and the removal.
             purged += executor.purge_trash(executor.trash_dir_for(r.path), r.path)
-            removed += compress.remove_stale_staging(r.path)
+            removed += copies.remove_stale_staging(r.path)
             orphans += _remove_released_copies(store, r)
     get_logger().info("daemon_recovered", leases_released=released, temp_files_removed=removed,
                       trash_purged=purged, released_copies_removed=orphans)
@@ -53,7 +54,7 @@ def recover(store: Store, cfg: Config) -> None:
 def _remove_released_copies(store: Store, root: RootConfig) -> int:
     n = 0
     guards: executor.Guards | None = None
-    for step in compress.local_steps(root.path):
+    for step in copies.local_steps(root.path):
         status = store.status(root.name, step)
         if status is not None and not status.copy and status.local is not Local.COMPRESSED:
             guards = guards or scheduler.guards_for(store, root, time.time())

@@ -15,8 +15,8 @@ from typing import Any
 
 from ckptd.config import RootConfig
 from ckptd.log import get_logger
-from ckptd.metrics import Metrics
 from ckptd.model import Candidate, Reason, Snapshot, State
+from ckptd.service.metrics import Metrics
 from ckptd.store import Found, Store
 from ckptd.units import format_duration
 from ckptd.watch import EventWatcher, OpenFiles, RootScanner

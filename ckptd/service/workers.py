@@ -20,10 +20,10 @@ from ckptd.config import RootConfig
 from ckptd.errors import CkptdError, PermanentError
 from ckptd.lifecycle.table import Stage
 from ckptd.log import get_logger
-from ckptd.metrics import Metrics
 from ckptd.model import State, Tier
 from ckptd.service import jobs
 from ckptd.service.commits import Waiting, newest_local
+from ckptd.service.metrics import Metrics
 from ckptd.service.supervisor import Calls
 from ckptd.store import Job, Store
 from ckptd.watch import file_fingerprint

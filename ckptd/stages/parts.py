@@ -25,8 +25,8 @@ from ckptd.errors import (
     TransientError,
 )
 from ckptd.log import get_logger
-from ckptd.manifest import Manifest, StoredFile, step_prefix
-from ckptd.remote import advance_latest, manifest_key, read_manifest, step_objects
+from ckptd.remote.layout import advance_latest, manifest_key, read_manifest, step_objects
+from ckptd.remote.manifest import Manifest, StoredFile, step_prefix
 from ckptd.stages.upload import UploadResult
 
 Progress = Callable[[int], None]

@@ -18,7 +18,7 @@ from ckptd.errors import BadInput, PermanentError, TransientError, ValidationFai
 from ckptd.formats.dcpmeta import parse_dcp_metadata
 from ckptd.formats.torchhead import HEAD_BYTES, leading_fields
 from ckptd.layouts import ranked
-from ckptd.manifest import Manifest, StoredFile
+from ckptd.remote.manifest import Manifest, StoredFile
 
 RecordReader = Callable[[Path, Manifest, Mapping[str, float]], "cc.Record | None"]
 

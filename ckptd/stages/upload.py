@@ -29,14 +29,14 @@ from ckptd.errors import (
     UnsafePath,
 )
 from ckptd.log import get_logger
-from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
-from ckptd.remote import (
+from ckptd.remote.layout import (
     advance_latest,
     manifest_key,
     read_manifest,
     retreat_latest,
     step_objects,
 )
+from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
 from ckptd.stages.upload_local import (
     LEDGER_NAME,
     TRIM_ABOVE,

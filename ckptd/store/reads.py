@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptd.lifecycle.table import Policy, Status
-from ckptd.manifest import StoredFile
 from ckptd.model import CheckpointRecord, FileRecord, Local, Remote, State, Tier
+from ckptd.remote.manifest import StoredFile
 from ckptd.store.rows import record_of, status_of
 
 

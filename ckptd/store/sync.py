@@ -14,8 +14,8 @@ from ckptd.lifecycle.table import (
     Sighting,
     classify,
 )
-from ckptd.manifest import Manifest
 from ckptd.model import State
+from ckptd.remote.manifest import Manifest
 from ckptd.store.core import Core
 from ckptd.store.rows import (
     Found,

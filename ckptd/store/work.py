@@ -15,8 +15,8 @@ from ckptd.lifecycle.table import (
     Refused,
     Stage,
 )
-from ckptd.manifest import StoredFile
 from ckptd.model import Remote, ValidationResult
+from ckptd.remote.manifest import StoredFile
 from ckptd.store.core import Core
 from ckptd.store.rows import (
     Job,

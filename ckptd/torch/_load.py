@@ -286,7 +286,7 @@ def _complete(step_dir: Path) -> bool:
 
 def _restore(name: str, step: int, root: Path) -> Path:
     """Rebuild a compressed or remote-only checkpoint under `<root>/.ckptd/restored/`."""
-    from ckptd.restore import restore_checkpoint
+    from ckptd.restore.files import restore_checkpoint
 
     to = root / CKPTD_DIR / "restored" / f"step-{step}"
     restore_checkpoint(name, step, to=to, root_dir=root)

@@ -15,8 +15,8 @@ from ckptd.backends import BackendCache
 from ckptd.client import Client
 from ckptd.config import Config, RootConfig, load_config
 from ckptd.daemon import Daemon
-from ckptd.metrics import Metrics
 from ckptd.service.jobs import policy_of
+from ckptd.service.metrics import Metrics
 from ckptd.service.workers import Workers
 from ckptd.store import Found, Store
 from ckptd.watch import OpenFiles, RootScanner

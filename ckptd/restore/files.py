@@ -19,22 +19,19 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TextIO
 
-from ckptd import fileio, inputs, layouts, remote, restore_pipe
+from ckptd import fileio, inputs, layouts
 from ckptd.backends import Backend, backend_for_upload
 from ckptd.config import Config, RootConfig
+from ckptd.copies.store import local_steps, objects_dir, read_local_manifest
 from ckptd.errors import CorruptData, NotFound, ObjectNotFound, PermanentError, UnsafePath
+from ckptd.fileio import DurableWriter, write_error
 from ckptd.log import get_logger
-from ckptd.manifest import MANIFEST_NAME, Manifest, StoredFile, for_node, step_prefix
 from ckptd.model import CKPTD_DIR
-from ckptd.render import human_bytes, progress_bar
-from ckptd.stages.compress import (
-    DurableWriter,
-    decode_object,
-    local_steps,
-    objects_dir,
-    read_local_manifest,
-    write_error,
-)
+from ckptd.remote import layout as remote
+from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile, for_node, step_prefix
+from ckptd.restore import pipe as restore_pipe
+from ckptd.restore.decode import decode_object
+from ckptd.units import human_bytes, progress_bar
 
 if TYPE_CHECKING:
     pass

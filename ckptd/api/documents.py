@@ -1,6 +1,6 @@
 """What the socket API answers from: the daemon's parts as the API sees them (protocols), and
 `ApiContext`, which reads the store and the services into the JSON documents of docs/CLI.md.
-The HTTP side is `ckptd.api`.
+The HTTP side is `ckptd.api.server`.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckptd import __version__
-from ckptd import api_input as checks
-from ckptd.api_input import HttpError
-from ckptd.changes import Changes
+from ckptd.api import checks
+from ckptd.api.checks import HttpError
 from ckptd.client import read_latest_file
 from ckptd.config import RootConfig
+from ckptd.lifecycle.changes import Changes
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Remote, Tier
-from ckptd.pins import write_pins
 from ckptd.store import Store
+from ckptd.store.pins import write_pins
 
 
 class Wakeable(Protocol):

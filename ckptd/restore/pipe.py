@@ -18,9 +18,10 @@ from typing import Any, BinaryIO, cast
 from ckptd import fileio
 from ckptd.backends import Backend
 from ckptd.errors import CorruptData, ObjectNotFound, TransientError
+from ckptd.fileio import DurableWriter, write_error
 from ckptd.log import get_logger
-from ckptd.manifest import StoredFile
-from ckptd.stages.compress import DurableWriter, decode_checked, write_error
+from ckptd.remote.manifest import StoredFile
+from ckptd.restore.decode import decode_checked
 
 Progress = Callable[[int], None]
 

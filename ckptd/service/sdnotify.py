@@ -21,7 +21,7 @@ SEND_TIMEOUT_S = 2.0
 ErrorHook = Callable[[str], None]
 
 _KEY = re.compile(r"^[A-Z][A-Z0-9_]*$")
-_log = logging.getLogger("ckptd.sdnotify")
+_log = logging.getLogger("ckptd.service.sdnotify")
 
 
 def _log_warning(message: str) -> None:

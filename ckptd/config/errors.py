@@ -11,7 +11,7 @@ from pydantic import BaseModel, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
-from ckptd.config_fields import Expect, _show, _toml_key
+from ckptd.config.fields import Expect, _show, _toml_key
 
 _M = TypeVar("_M", bound=BaseModel)
 

@@ -23,7 +23,7 @@ from ckptd.errors import (
     TransientError,
 )
 from ckptd.log import get_logger
-from ckptd.manifest import LATEST_NAME, MANIFEST_NAME, Manifest, parse_manifest, step_prefix
+from ckptd.remote.manifest import LATEST_NAME, MANIFEST_NAME, Manifest, parse_manifest, step_prefix
 
 # Only the canonical spelling written by step_prefix: "step-007" is somebody else's object.
 _STEP_DIR = re.compile(r"step-(0|[1-9][0-9]*)")

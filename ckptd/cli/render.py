@@ -7,16 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
+from ckptd.units import human_bytes, progress_bar
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -26,12 +17,6 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
     return "\n".join(line.rstrip() for line in lines)
-
-
-def progress_bar(done: int, total: int, width: int = 20) -> str:
-    frac = 0.0 if total <= 0 else min(1.0, done / total)
-    filled = int(frac * width)
-    return f"[{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}%"
 
 
 def render_status(doc: dict[str, Any]) -> str:

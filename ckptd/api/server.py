@@ -1,5 +1,5 @@
 """HTTP/1.1 + JSON over the daemon's Unix socket (docs/CLI.md, "Socket API"); what a client
-sends is checked by `ckptd.api_input`.
+sends is checked by `ckptd.api.checks`.
 
 Reads the store, records intents (registrations, pins) and wakes the scanner and pipeline.
 Never runs a stage itself and never blocks the accept loop: connections are watched by
@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import __version__
-from ckptd import api_input as checks
-from ckptd.api_context import ApiContext
-from ckptd.api_fds import Conn, ConnectionLoop, Prefixed, Writer, recv_first
-from ckptd.api_input import HttpError
+from ckptd.api import checks
+from ckptd.api.checks import HttpError
+from ckptd.api.documents import ApiContext
+from ckptd.api.door import Conn, ConnectionLoop, Prefixed, Writer, recv_first
 from ckptd.config import RootConfig
 from ckptd.errors import ConfigError, ServiceUnavailable
 from ckptd.log import get_logger

@@ -267,7 +267,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from ckptd.render import render_status
+    from ckptd.cli.render import render_status
 
     c = _client(args)
     while True:
@@ -292,7 +292,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(doc)
         return 0
-    from ckptd.render import render_ls
+    from ckptd.cli.render import render_ls
 
     print(render_ls(doc))
     return 0
@@ -377,7 +377,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         if args.json:
             _print_json(doc)
         else:
-            from ckptd.render import render_plan
+            from ckptd.cli.render import render_plan
 
             print(render_plan(doc))
         return 0
@@ -393,7 +393,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from ckptd.restore import restore, tty_progress
+    from ckptd.restore.files import restore, tty_progress
 
     return_large_buffers()
 
@@ -414,8 +414,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from ckptd.cli.verify import verify_path
     from ckptd.config import check_trusted_globals
-    from ckptd.verify import verify_path
 
     try:
         trusted = frozenset(check_trusted_globals(list(args.trust)))
@@ -454,7 +454,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from ckptd import doctor
+    from ckptd.cli import doctor
 
     path = _config_path(args)
     cfg = _load_config(args, required=True)

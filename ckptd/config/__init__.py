@@ -1,0 +1,48 @@
+"""The configuration: the schema (`schema`: frozen pydantic models of the TOML), the loader
+(`load`), the field types (`fields`) and the error sentences (`errors`). Import from here.
+"""
+
+from ckptd.config.fields import (
+    DEFAULT_SOCKET_PATH,
+    LAYOUT_NAMES,
+    check_trusted_globals,
+    node_of_host,
+    render_toml,
+)
+from ckptd.config.load import DEFAULT_CONFIG_PATH, find_config, load_config, parse_config
+from ckptd.config.schema import (
+    CompressConfig,
+    Config,
+    DaemonConfig,
+    LocalRetention,
+    MetricsConfig,
+    RemoteRetention,
+    RetentionConfig,
+    RootConfig,
+    UploadConfig,
+    needs_restart,
+)
+from ckptd.units import FreeSpace
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "find_config",
+    "DEFAULT_SOCKET_PATH",
+    "LAYOUT_NAMES",
+    "CompressConfig",
+    "Config",
+    "DaemonConfig",
+    "FreeSpace",
+    "LocalRetention",
+    "MetricsConfig",
+    "RemoteRetention",
+    "RetentionConfig",
+    "RootConfig",
+    "UploadConfig",
+    "load_config",
+    "check_trusted_globals",
+    "needs_restart",
+    "node_of_host",
+    "parse_config",
+    "render_toml",
+]
