@@ -204,6 +204,60 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> None:
+    """Delete `path` and everything beneath it, never following a symbolic link: a link is
+    unlinked and its target stays. With `dir_fd`, `path` is relative to that directory.
+
+    Works through directory descriptors opened with O_NOFOLLOW, iteratively (one descriptor
+    per level of depth), so a directory swapped for a link mid-removal is refused, never
+    entered. Something already gone is not an error; any other OSError is raised as is.
+    """
+    name = os.fspath(path)
+    top = _open_dir_or_unlink(name, dir_fd)
+    if top is None:
+        return
+    fds, names, pending = [top], [name], [os.listdir(top)]
+    try:
+        while fds:
+            if pending[-1]:
+                entry = pending[-1].pop()
+                sub = _open_dir_or_unlink(entry, fds[-1])
+                if sub is not None:
+                    fds.append(sub)
+                    names.append(entry)
+                    pending.append(os.listdir(sub))
+                continue
+            os.close(fds.pop())
+            pending.pop()
+            try:
+                os.rmdir(names.pop(), dir_fd=fds[-1] if fds else dir_fd)
+            except FileNotFoundError:
+                pass
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _open_dir_or_unlink(name: str, dir_fd: int | None) -> int | None:
+    """A descriptor of the directory `name`; or, for anything else (a link included), unlink
+    it and None. None too when it is gone."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    return None
+
+
 # --- untrusted paths -----------------------------------------------------------------------
 
 

@@ -192,3 +192,80 @@ def test_safe_join_refuses_symlink_loops(tmp_path: Path) -> None:
     (tmp_path / "b").symlink_to(tmp_path / "a")
     with pytest.raises(UnsafePath):
         fileio.safe_join(tmp_path, "a/x")
+
+
+# --- remove_tree ---------------------------------------------------------------------------
+
+
+def _outside(tmp_path: Path) -> Path:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("k")
+    return outside
+
+
+def test_remove_tree_unlinks_links_and_keeps_their_targets(tmp_path: Path) -> None:
+    outside = _outside(tmp_path)
+    top = tmp_path / "top"
+    (top / "a" / "b").mkdir(parents=True)
+    (top / "a" / "b" / "f").write_text("x")
+    (top / "a" / "dir_link").symlink_to(outside)
+    (top / "file_link").symlink_to(outside / "keep")
+    os.mkfifo(top / "a" / "fifo")
+    fileio.remove_tree(top)
+    assert not top.exists() and not top.is_symlink()
+    assert (outside / "keep").read_text() == "k"
+
+
+def test_remove_tree_of_a_link_removes_only_the_link(tmp_path: Path) -> None:
+    outside = _outside(tmp_path)
+    (tmp_path / "link").symlink_to(outside)
+    fileio.remove_tree(tmp_path / "link")
+    assert not (tmp_path / "link").is_symlink() and (outside / "keep").exists()
+
+
+def test_remove_tree_beneath_a_dir_fd(tmp_path: Path) -> None:
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "e" / "f").write_text("x")
+    (tmp_path / "file").write_text("y")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fileio.remove_tree("d", dir_fd=fd)
+        fileio.remove_tree("file", dir_fd=fd)
+        fileio.remove_tree("gone", dir_fd=fd)  # already gone: not an error
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_remove_tree_walks_deep_trees_without_recursion(tmp_path: Path) -> None:
+    top = tmp_path / "deep"
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.mkdir("deep", dir_fd=fd)
+        cur = os.open("deep", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        for _ in range(600):  # deeper than a path can name: only an fd walk reaches the end
+            os.mkdir("dddddddddd", dir_fd=cur)
+            nxt = os.open("dddddddddd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=cur)
+            os.close(cur)
+            cur = nxt
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=cur))
+        os.close(cur)
+    finally:
+        os.close(fd)
+    fileio.remove_tree(top)
+    assert not top.exists()
+
+
+def test_remove_tree_raises_what_it_cannot_remove(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    (locked / "sub").mkdir(parents=True)
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as root: permissions do not stop a delete")
+        with pytest.raises(PermissionError):
+            fileio.remove_tree(locked)
+    finally:
+        locked.chmod(0o700)
+    assert (locked / "sub").is_dir()
