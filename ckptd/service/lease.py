@@ -2,30 +2,25 @@
 files and the rule). Looks at every root's lease every few seconds, takes a free or stale one,
 renews its own, and stands by where another daemon holds the root.
 
-Owns the lease files; decides nothing (the pure `judge` does). The daemon gives the other
-services only the roots this one holds (`acting`), so a standby root is never scanned,
-validated, uploaded, pruned, or has its latest.json written by this daemon.
+Owns each root's lease state (the files are `lease_files`); decides nothing (the pure `judge`
+does); reads time only from the clock it is given. The daemon gives the other services only the
+roots this one holds (`acting`), so a standby root is never scanned, validated, uploaded,
+pruned, or has its latest.json written by this daemon.
 """
-
 from __future__ import annotations
 
-import errno
-import json
 import os
 import secrets
 import socket
-import stat
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ckptd import inputs
+from ckptd.clock import SYSTEM, Clock
 from ckptd.cluster.lease import (
-    CLAIM_PREFIX,
     LEASE_FILE,
     MAX_GENERATION,
     Holder,
@@ -33,19 +28,25 @@ from ckptd.cluster.lease import (
     Me,
     Seen,
     Verdict,
-    claim_generation,
     claim_name,
     judge,
     same_machine,
-    valid_token,
 )
 from ckptd.config import RootConfig
-from ckptd.errors import BadInput
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR
+from ckptd.service.lease_files import (
+    LeaseProblem,
+    drop_claims_below,
+    look,
+    open_dir,
+    retire_claims,
+    top_claim,
+    write_lease,
+)
 from ckptd.store import Store
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+__all__ = ["LeaseProblem", "Leases", "boot_id", "holder_alive", "pid_alive"]
 
 
 def boot_id() -> str:
@@ -91,17 +92,15 @@ class _RootLease:
     verdict: Verdict | None = None
 
 
-class LeaseProblem(Exception):
-    """A root whose lease cannot be looked at or written; the message says why."""
-
-
 class Leases:
     """Every configured root's lease, as this daemon sees it; the `lease` service."""
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  node: Callable[[], str], timeout: Callable[[], float],
-                 on_change: Callable[[set[str]], None] = lambda gained: None) -> None:
+                 on_change: Callable[[set[str]], None] = lambda gained: None,
+                 clock: Clock = SYSTEM) -> None:
         self.store = store
+        self.clock = clock
         self.roots = roots
         self.node = node
         self.timeout = timeout
@@ -128,7 +127,7 @@ class Leases:
         with self._lock:
             st = self._state.get(root.name)
             return (st is not None and st.gen > 0 and st.path == root.path
-                    and time.monotonic() - st.renewed_ok < self.timeout() / 2)
+                    and self.clock.monotonic() - st.renewed_ok < self.timeout() / 2)
 
     def acting(self) -> dict[str, RootConfig]:
         """The configured roots this daemon acts on now."""
@@ -214,11 +213,11 @@ class Leases:
         if doc is None:
             return
         try:
-            dfd = _open_dir(st.path, create=False)
+            dfd = open_dir(st.path, create=False)
             try:
-                top, token = _top_claim(dfd)
+                top, token = top_claim(dfd)
                 if top == doc.gen and token == self.me.token:
-                    _write_lease(dfd, doc)
+                    write_lease(dfd, doc)
             finally:
                 os.close(dfd)
             self.log.info("lease_released", root=name, gen=doc.gen)
@@ -228,14 +227,14 @@ class Leases:
     # -- one root ------------------------------------------------------------------------------
 
     def _tick_root(self, root: RootConfig) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         timeout = self.timeout()
         with self._lock:
             st = self._state.setdefault(root.name, _RootLease(root.path, changed_at=now))
-        dfd = _open_dir(root.path, create=True)
+        dfd = open_dir(root.path, create=True)
         ok = True
         try:
-            seen = _look(dfd)
+            seen = look(dfd)
             if seen.key != st.key:
                 st.key, st.changed_at = seen.key, now
             alive = (holder_alive(seen.holder) if seen.holder is not None
@@ -261,14 +260,14 @@ class Leases:
             # The last generation there can be (only a claim written by hand gets there): it is
             # stale like any other, so it is retired and numbering starts again. Renaming it
             # away succeeds for one taker only; the others look again.
-            if not _retire_claims(dfd, seen.top):
+            if not retire_claims(dfd, seen.top):
                 return Judgement(Verdict.STANDBY, "another daemon took it first")
             self.log.warning("lease_claims_retired", root=root.name, top=seen.top,
                              message="a claim of the last generation there can be, not"
                                      " renewed: retired, generations start again at 1")
             gen = 1
         doc = Holder(gen=gen, token=self.me.token, node=self.node(), pid=os.getpid(),
-                     host=self.me.host, boot=self.me.boot, since=time.time())
+                     host=self.me.host, boot=self.me.boot, since=self.clock.time())
         try:
             fd = os.open(claim_name(gen), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o644, dir_fd=dfd)
@@ -283,10 +282,10 @@ class Leases:
             os.fsync(fd)
         finally:
             os.close(fd)
-        if _top_claim(dfd)[0] != gen:  # we looked long ago: someone has since claimed higher
+        if top_claim(dfd)[0] != gen:  # we looked long ago: someone has since claimed higher
             return Judgement(Verdict.STANDBY, "another daemon took it first")
         try:
-            _write_lease(dfd, doc)
+            write_lease(dfd, doc)
             os.fsync(dfd)
         except OSError as exc:
             raise LeaseProblem(f"lease: cannot write {root.path / CKPTD_DIR / LEASE_FILE}:"
@@ -295,7 +294,7 @@ class Leases:
         with self._lock:
             st.gen, st.holder, st.renewed_ok = gen, doc, now
             st.fresh = seen.top == 0 and previous is None
-        _drop_claims_below(dfd, gen)
+        drop_claims_below(dfd, gen)
         self.log.info("lease_acquired", root=root.name, gen=gen, why=why.why,
                       previous=_who(previous) if previous else None)
         return Judgement(Verdict.HOLD, why.why)
@@ -303,16 +302,16 @@ class Leases:
     def _renew(self, dfd: int, root: RootConfig, st: _RootLease, seen: Seen, now: float) -> bool:
         doc = st.holder if st.gen == seen.top and st.holder is not None else None
         if doc is None:  # ours by the claim, but this daemon lost track: write it again
-            if _top_claim(dfd) != (seen.top, self.me.token):  # claimed past us since the look
+            if top_claim(dfd) != (seen.top, self.me.token):  # claimed past us since the look
                 self._stand_by(root, st, seen)
                 return True
             doc = Holder(gen=seen.top, token=self.me.token, node=self.node(), pid=os.getpid(),
-                         host=self.me.host, boot=self.me.boot, since=time.time())
+                         host=self.me.host, boot=self.me.boot, since=self.clock.time())
         try:
             if seen.holder == doc:
                 os.utime(LEASE_FILE, dir_fd=dfd, follow_symlinks=False)
             else:
-                _write_lease(dfd, doc)
+                write_lease(dfd, doc)
         except OSError as exc:
             self._problem(root, f"lease: cannot renew {root.path / CKPTD_DIR / LEASE_FILE}:"
                                 f" {exc.strerror}")
@@ -338,139 +337,12 @@ class Leases:
     def _problem(self, root: RootConfig, message: str) -> None:
         with self._lock:
             st = self._state.setdefault(root.name,
-                                        _RootLease(root.path, changed_at=time.monotonic()))
+                                        _RootLease(root.path, changed_at=self.clock.monotonic()))
             first = st.problem != message
             st.problem = message
         if first:
             self.log.error("lease_failed", root=root.name, error=message)
-            self.store.set_root_error(root.name, message, time.time())
-
-
-# -- the files -------------------------------------------------------------------------------
-
-
-def _open_dir(root: Path, create: bool) -> int:
-    """`<root>/.ckptd`, opened without following a symlink at either step."""
-    try:
-        rfd = os.open(root, _DIR_FLAGS)
-    except FileNotFoundError:
-        raise LeaseProblem(f"root path {root} does not exist") from None
-    except OSError as exc:
-        raise LeaseProblem(f"lease: cannot open root {root}: {exc.strerror}") from exc
-    try:
-        if create:
-            try:
-                os.mkdir(CKPTD_DIR, 0o755, dir_fd=rfd)
-            except FileExistsError:
-                pass
-        return os.open(CKPTD_DIR, _DIR_FLAGS, dir_fd=rfd)
-    except OSError as exc:
-        link = exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(rfd, CKPTD_DIR)
-        why = "it is a symlink (never followed out of a root)" if link else exc.strerror
-        raise LeaseProblem(f"lease: cannot open {root / CKPTD_DIR}: {why}") from exc
-    finally:
-        os.close(rfd)
-
-
-def _is_link(dir_fd: int, name: str) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
-def _read_small(dfd: int, name: str) -> tuple[bytes, os.stat_result] | None:
-    """A lease file through the bounded reader (a regular file, never through a link, at most
-    the lease cap), with its stat; None when absent, refused or unreadable (then it is judged
-    by its claim and by time alone)."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                     dir_fd=dfd)
-    except OSError:
-        return None
-    try:
-        return inputs.read_fd(fd, inputs.LEASE, name), os.fstat(fd)
-    except (OSError, BadInput):
-        return None
-    finally:
-        os.close(fd)
-
-
-def _top_claim(dfd: int) -> tuple[int, str | None]:
-    gens = [g for g in (claim_generation(n) for n in os.listdir(dfd)) if g is not None]
-    if not gens:
-        return 0, None
-    top = max(gens)
-    got = _read_small(dfd, claim_name(top))
-    token = got[0][:128].decode("ascii", "replace").strip() if got else None
-    return top, token if token and valid_token(token) else None
-
-
-def _look(dfd: int) -> Seen:
-    top, token = _top_claim(dfd)
-    holder: Holder | None = None
-    stat_key: tuple[Any, ...] = ()
-    got = _read_small(dfd, LEASE_FILE)
-    if got is not None:
-        data, st = got
-        stat_key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        try:
-            holder = Holder.from_json(inputs.loads(data, LEASE_FILE))
-        except (ValueError, BadInput):
-            holder = None  # damaged: judged by its claim and by time alone
-    else:
-        try:  # refused (a FIFO, a link, over the cap): still seen to change, never read
-            st = os.stat(LEASE_FILE, dir_fd=dfd, follow_symlinks=False)
-            stat_key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        except OSError:
-            pass
-    return Seen(top=top, top_token=token, holder=holder, key=(top, token, stat_key))
-
-
-def _write_lease(dfd: int, doc: Holder) -> None:
-    tmp = f".{LEASE_FILE}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o644, dir_fd=dfd)
-    try:
-        try:
-            os.write(fd, json.dumps(doc.as_json(), sort_keys=True).encode() + b"\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, LEASE_FILE, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except OSError:
-            pass
-        raise
-
-
-def _retire_claims(dfd: int, top: int) -> bool:
-    """Retire every claim, the stale one at `top` first: renamed away (only one taker's rename
-    succeeds; False for the others), then every lower claim removed, so the next claim is
-    generation 1. Only a stale lease is retired: its claims are all outdated."""
-    retired = f".lease.retired.{secrets.token_hex(8)}"
-    try:
-        os.rename(claim_name(top), retired, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except FileNotFoundError:
-        return False
-    _drop_claims_below(dfd, top + 1)
-    try:
-        os.unlink(retired, dir_fd=dfd)
-    except OSError:
-        pass
-    return True
-
-
-def _drop_claims_below(dfd: int, gen: int) -> None:
-    for name in os.listdir(dfd):
-        g = claim_generation(name)
-        if name.startswith(CLAIM_PREFIX) and g is not None and g < gen:
-            try:
-                os.unlink(name, dir_fd=dfd)
-            except OSError:
-                pass
+            self.store.set_root_error(root.name, message, self.clock.time())
 
 
 def _who(h: Holder) -> str:
