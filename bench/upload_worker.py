@@ -110,13 +110,14 @@ def ckptd_upload(args: argparse.Namespace) -> dict[str, object]:
 
 def ckptd_restore(args: argparse.Namespace) -> dict[str, object]:
     from ckptd.heap import return_large_buffers
-    from ckptd.restore.files import restore_from_backend
+    from ckptd.restore.files import restore_remote
+    from ckptd.restore.source import read_remote_manifest
 
     return_large_buffers()  # as `ckptd restore` does
     started = time.perf_counter()
-    paths = restore_from_backend(
-        _backend(args), ROOT_NAME, args.step, Path(args.to), concurrency=args.concurrency
-    )
+    backend = _backend(args)
+    manifest = read_remote_manifest(backend, ROOT_NAME, args.step)
+    paths = restore_remote(backend, manifest, Path(args.to), concurrency=args.concurrency)
     return {"restore_s": time.perf_counter() - started, "files": len(paths)}
 
 

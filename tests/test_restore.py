@@ -10,7 +10,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -26,19 +26,20 @@ from ckptd.config import Config, parse_config
 from ckptd.copies.store import objects_dir
 from ckptd.errors import CorruptData, NotFound, TransientError
 from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
-from ckptd.restore.files import (
-    all_or_nothing,
-    list_remote_steps,
-    resolve_step,
-    restore,
-    restore_from_backend,
-    tty_progress,
-)
+from ckptd.restore.files import all_or_nothing, restore, restore_remote, tty_progress
+from ckptd.restore.source import list_remote_steps, read_remote_manifest, resolve_step
 
 if TYPE_CHECKING:
     from s3server import S3Server
 
 pytest_plugins = ["s3server"]  # fixtures: s3_server, s3_url
+
+
+def restore_step(backend: Backend, root_name: str, step: int, to: Path, concurrency: int = 4,
+                 progress: Callable[[int], None] | None = None) -> list[Path]:
+    """A remote step restored as `restore` does it: its committed manifest, then its objects."""
+    return restore_remote(backend, read_remote_manifest(backend, root_name, step), to,
+                          concurrency, progress)
 
 
 def upload(backend: Backend, root_dir: Path, manifest: Manifest, name: str = "r") -> None:
@@ -112,7 +113,7 @@ def test_restore_from_file_backend_in_parallel(staged: tuple[Path, Manifest],
     backend = Counting(make_backend(f"file://{tmp_path}/remote"))
     upload(backend, root, manifest)
     done: list[int] = []
-    paths = restore_from_backend(backend, "r", 3, tmp_path / "out", concurrency=4,
+    paths = restore_step(backend, "r", 3, tmp_path / "out", concurrency=4,
                                  progress=done.append)
     assert sorted(paths) == sorted(tmp_path / "out" / f.path for f in manifest.files)
     assert_same(root, tmp_path / "out", manifest)
@@ -128,7 +129,7 @@ def test_dcp_shards_restore_from_a_backend(tmp_path: Path) -> None:
     manifest = stage(root, cand, "zstd-bytegroup")
     backend = LocalBackend(tmp_path / "remote")
     upload(backend, root, manifest)
-    restore_from_backend(backend, "r", cand.step, tmp_path / "out", concurrency=2)
+    restore_step(backend, "r", cand.step, tmp_path / "out", concurrency=2)
     assert_same(root, tmp_path / "out", manifest)
 
 
@@ -143,7 +144,7 @@ def test_hash_mismatch_from_the_manifest_is_detected(staged: tuple[Path, Manifes
     backend = LocalBackend(tmp_path / "remote")
     upload(backend, root, lying)
     with pytest.raises(CorruptData, match=r"odd/f32_plus3\.dat: content hash mismatch"):
-        restore_from_backend(backend, "r", 3, tmp_path / "out", concurrency=3)
+        restore_step(backend, "r", 3, tmp_path / "out", concurrency=3)
     assert not (tmp_path / "out" / bad.path).exists()
     assert list_temps(tmp_path / "out") == []
 
@@ -157,11 +158,11 @@ def test_corrupt_and_missing_remote_objects(staged: tuple[Path, Manifest],
     stored = tmp_path / "remote" / "r" / "step-3" / f.key
     flip_byte(stored, f.stored_size // 2)
     with pytest.raises(CorruptData, match=r"odd/multi_block\.dat: .*corrupt"):
-        restore_from_backend(backend, "r", 3, tmp_path / "out")
+        restore_step(backend, "r", 3, tmp_path / "out")
     assert not (tmp_path / "out" / f.path).exists() and list_temps(tmp_path / "out") == []
     stored.unlink()
     with pytest.raises(CorruptData, match=r"odd/multi_block\.dat: object .* is missing"):
-        restore_from_backend(backend, "r", 3, tmp_path / "out2")
+        restore_step(backend, "r", 3, tmp_path / "out2")
 
 
 class FailsMidway(Counting):
@@ -188,7 +189,7 @@ def test_a_download_failing_midway_starts_its_object_over(staged: tuple[Path, Ma
     backend = FailsMidway(LocalBackend(tmp_path / "remote"), f.key)
     upload(backend, root, manifest)
     seen: list[int] = []
-    restore_from_backend(backend, "r", 3, tmp_path / "out", progress=seen.append)
+    restore_step(backend, "r", 3, tmp_path / "out", progress=seen.append)
     assert backend.failed
     assert_same(root, tmp_path / "out", manifest)
     assert sum(seen) == manifest.size, "bytes decoded before the failure are counted once"
@@ -203,7 +204,7 @@ def test_an_object_longer_than_its_manifest_says_is_corrupt(staged: tuple[Path, 
     with open(tmp_path / "remote" / "r" / "step-3" / f.key, "ab") as stored:
         stored.write(b"trailing")
     with pytest.raises(CorruptData, match=r"odd/multi_block\.dat: .*bytes"):
-        restore_from_backend(backend, "r", 3, tmp_path / "out")
+        restore_step(backend, "r", 3, tmp_path / "out")
     assert not (tmp_path / "out" / f.path).exists() and list_temps(tmp_path / "out") == []
 
 
@@ -214,7 +215,7 @@ def test_a_step_without_manifest_does_not_exist(staged: tuple[Path, Manifest],
     upload(backend, root, manifest)
     backend.delete(f"r/step-3/{MANIFEST_NAME}")
     with pytest.raises(NotFound, match="step 3 of 'r'"):
-        restore_from_backend(backend, "r", 3, tmp_path / "out")
+        restore_step(backend, "r", 3, tmp_path / "out")
 
 
 def test_list_remote_steps(tmp_path: Path) -> None:
@@ -240,7 +241,7 @@ def test_restore_from_s3(staged: tuple[Path, Manifest], tmp_path: Path,
                              access_key_id=server.access_key, secret_access_key=server.secret_key,
                              part_size=5 << 20, request_retries=0)
     upload(backend, root, manifest)
-    restore_from_backend(backend, "r", 3, tmp_path / "out", concurrency=4)
+    restore_step(backend, "r", 3, tmp_path / "out", concurrency=4)
     assert_same(root, tmp_path / "out", manifest)
     assert list_remote_steps(backend, "r") == [3]
 
@@ -273,7 +274,7 @@ def test_a_stalled_server_fails_a_restore_within_its_timeouts(
     (target / "keep").write_bytes(b"mine")
     started = time.monotonic()
     with pytest.raises(TransientError):
-        all_or_nothing(target, lambda staging: restore_from_backend(stalled, "r", 3, staging))
+        all_or_nothing(target, lambda staging: restore_step(stalled, "r", 3, staging))
     assert time.monotonic() - started < 30
     assert sorted(p.name for p in target.iterdir()) == ["keep"]
 

@@ -183,8 +183,10 @@ def test_resave_of_an_uploaded_step_replaces_the_remote_copy(inproc_daemon: Any,
     assert c.wait("r1", 4, until="uploaded", timeout=60)
     out = tmp_path / "out"
     from ckptd.backends import make_backend
-    from ckptd.restore.files import restore_from_backend
+    from ckptd.restore.files import restore_remote
+    from ckptd.restore.source import read_remote_manifest
 
-    restore_from_backend(make_backend(f"file://{remote}"), "r1", 4, out)
+    backend = make_backend(f"file://{remote}")
+    restore_remote(backend, read_remote_manifest(backend, "r1", 4), out)
     assert (out / "model_step_4.pt").read_bytes() == new_bytes
     assert d.events("remote_step_replaced")

@@ -17,29 +17,30 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TextIO
+from typing import TextIO
 
-from ckptd import fileio, inputs, layouts
-from ckptd.backends import Backend, backend_for_upload
+from ckptd import fileio, layouts
+from ckptd.backends import Backend
 from ckptd.config import Config, RootConfig
-from ckptd.copies.store import local_steps, objects_dir, read_local_manifest
-from ckptd.errors import CorruptData, NotFound, ObjectNotFound, PermanentError, UnsafePath
+from ckptd.copies.store import objects_dir, read_local_manifest
+from ckptd.errors import CorruptData, NotFound, UnsafePath
 from ckptd.fileio import DurableWriter, write_error
 from ckptd.log import get_logger
-from ckptd.model import CKPTD_DIR
-from ckptd.remote import layout as remote
-from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile, for_node, step_prefix
+from ckptd.remote.manifest import Manifest, StoredFile, for_node, step_prefix
 from ckptd.restore import pipe as restore_pipe
 from ckptd.restore.decode import decode_object
+from ckptd.restore.source import (
+    StepArg,
+    best_step,
+    list_remote_steps,
+    read_remote_manifest,
+    remote_backend,
+    resolve_step,
+)
 from ckptd.units import human_bytes, progress_bar
-
-if TYPE_CHECKING:
-    pass
 
 Progress = Callable[[int], None]  # bytes just restored
 TotalProgress = Callable[[int, int], None]  # (bytes restored so far, bytes in the step)
-StepArg = int | Literal["latest"]
-Where = Literal["local", "remote"]
 
 
 # --- writing one restored file ---------------------------------------------------------------
@@ -125,46 +126,21 @@ def _one_mtime(paths: list[Path]) -> list[Path]:
 # --- remote ----------------------------------------------------------------------------------
 
 
-def read_remote_manifest(backend: Backend, root_name: str, step: int) -> Manifest:
-    """The committed manifest of a remote step; NotFound when the step has none."""
-    try:
-        return remote.read_manifest(backend, root_name, step)
-    except ObjectNotFound:
-        raise NotFound(f"step {step} of {root_name!r} is not at {backend.url} "
-                       f"(no {remote.manifest_key(root_name, step)})") from None
-
-
-def list_remote_steps(backend: Backend, root_name: str) -> list[int]:
-    """Steps of `root_name` that have a MANIFEST.json under the backend, ascending."""
-    return remote.list_steps(backend, root_name)
-
-
-def restore_from_backend(
-    backend: Backend,
-    root_name: str,
-    step: int,
-    to: Path,
-    concurrency: int = 4,
+def restore_remote(
+    backend: Backend, manifest: Manifest, to: Path, concurrency: int = 4,
     progress: Progress | None = None,
 ) -> list[Path]:
-    """Rebuild a remote step under `to`: read its MANIFEST.json, fetch the objects on
-    `concurrency` threads, each decoded and checked as it arrives (`restore_pipe`), written
-    like `restore_from_dir` does. The first failure stops the rest and is raised;
-    files already restored stay, nothing half-written does."""
-    manifest = read_remote_manifest(backend, root_name, step)
-    return _restore_remote(backend, manifest, Path(to), concurrency, progress)
-
-
-def _restore_remote(
-    backend: Backend, manifest: Manifest, to: Path, concurrency: int, progress: Progress | None
-) -> list[Path]:
+    """Rebuild a remote step's files under `to`: fetch the objects on `concurrency` threads,
+    each decoded and checked as it arrives (`restore_pipe`), written like `restore_from_dir`
+    does. The first failure stops the rest and is raised; files already restored stay,
+    nothing half-written does."""
     to.mkdir(parents=True, exist_ok=True)
     prefix = step_prefix(manifest.root, manifest.step)
     safe = _Locked(progress) if progress is not None else None
     failed: Future[Path] | None = None
     with ThreadPoolExecutor(max(1, concurrency), "ckptd-restore") as pool:
-        futures = [pool.submit(_fetch_and_restore, backend, f"{prefix}/{f.key}", f, to, safe)
-                   for f in manifest.files]
+        futures = [pool.submit(restore_pipe.fetch_and_restore, backend, f"{prefix}/{f.key}",
+                               f, to, safe) for f in manifest.files]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((fut for fut in futures if fut in done and fut.exception()), None)
         if failed is not None:
@@ -186,120 +162,6 @@ class _Locked:
     def __call__(self, n: int) -> None:
         with self._lock:
             self._progress(n)
-
-
-def _fetch_and_restore(
-    backend: Backend, key: str, f: StoredFile, to: Path, progress: Progress | None
-) -> Path:
-    return restore_pipe.fetch_and_restore(backend, key, f, to, progress)
-
-
-# --- which step, from where ------------------------------------------------------------------
-
-
-def remote_backend(root: RootConfig) -> Backend | None:
-    """The root's upload backend, with retries and its bandwidth cap; None if it uploads nowhere."""
-    up = root.upload
-    if not up.enabled:
-        return None
-    return backend_for_upload(up)
-
-
-def resolve_step(
-    root_dir: Path, root_name: str, step: StepArg, backend: Backend | None
-) -> tuple[int, Where]:
-    """Which step to restore and from where.
-
-    An explicit step: its local compressed copy, else the remote. "latest": the step named by
-    `<root>/.ckptd/latest.json` if a copy of it exists (local first), else the highest step
-    with any copy (local preferred on a tie). NotFound says what was looked at, and says so
-    when the step is still on disk as its original files (nothing to restore).
-    """
-    local = set(local_steps(root_dir))
-    if step != "latest":
-        if step in local:
-            return step, "local"
-        if backend is not None and _remote_has(backend, root_name, step):
-            return step, "remote"
-        raise NotFound(_nothing_for(root_dir, root_name, step, backend))
-    named = _latest_named(root_dir)
-    if named is not None and named[0] in local:
-        return named[0], "local"
-    remote = set(list_remote_steps(backend, root_name)) if backend is not None else set()
-    if named is not None and named[0] in remote and _readable(backend, root_name, named[0]):
-        return named[0], "remote"
-    best = _best(local, remote, backend, root_name)
-    if named is not None and (best is None or named[0] > best) and _on_disk(named):
-        raise NotFound(_present(root_name, named))
-    if best is None:
-        raise NotFound(_nothing_for(root_dir, root_name, "latest", backend))
-    return best, "local" if best in local else "remote"
-
-
-def _best(local: set[int], remote: set[int], backend: Backend | None,
-          root_name: str) -> int | None:
-    """The highest step with a copy: local preferred on a tie; a remote step counts only when
-    its manifest can be read (a bad one is skipped, logged as `bad_remote_item`, and the
-    next lower step tried), so one bad step never hides the others."""
-    for n in sorted(local | remote, reverse=True):
-        if n in local or (backend is not None and _readable(backend, root_name, n)):
-            return n
-    return None
-
-
-def _readable(backend: Backend | None, root_name: str, step: int) -> bool:
-    """Whether the remote step's MANIFEST.json can be read (a bad one is logged)."""
-    if backend is None:
-        return False
-    try:
-        remote.read_manifest(backend, root_name, step)
-    except ObjectNotFound:
-        return False
-    except (CorruptData, PermanentError) as exc:
-        get_logger().warning("bad_remote_item", root=root_name,
-                             key=remote.manifest_key(root_name, step), error=str(exc))
-        return False
-    return True
-
-
-def _remote_has(backend: Backend, root_name: str, step: int) -> bool:
-    try:
-        backend.stat(f"{step_prefix(root_name, step)}/{MANIFEST_NAME}")
-    except ObjectNotFound:
-        return False
-    return True
-
-
-def _latest_named(root_dir: Path) -> tuple[int, Path | None] | None:
-    """(step, path) from latest.json, or None when it is missing or unreadable (read with
-    `inputs.LATEST_JSON`'s bounds: a FIFO or a symlink there is unreadable)."""
-    try:
-        doc = inputs.read_json(Path(root_dir) / CKPTD_DIR / "latest.json", inputs.LATEST_JSON)
-        step, path = doc["step"], doc.get("path")
-    except (OSError, CorruptData, TypeError, KeyError, AttributeError):
-        return None
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        return None
-    return step, Path(root_dir, path) if isinstance(path, str) and path else None
-
-
-def _on_disk(named: tuple[int, Path | None]) -> bool:
-    return named[1] is not None and named[1].exists()
-
-
-def _present(root_name: str, named: tuple[int, Path | None]) -> str:
-    return (f"step {named[0]} of {root_name!r} is present locally at {named[1]} (its original "
-            "files); nothing to restore")
-
-
-def _nothing_for(root_dir: Path, root_name: str, step: StepArg, backend: Backend | None) -> str:
-    named = _latest_named(root_dir)
-    if named is not None and named[0] == step and _on_disk(named):
-        return _present(root_name, named)
-    where = f"no local copy under {Path(root_dir) / CKPTD_DIR / 'objects'}"
-    where += f", nothing at {backend.url}" if backend is not None else " and no upload.url"
-    what = "no step" if step == "latest" else f"no copy of step {step}"
-    return f"{what} of {root_name!r} to restore: {where}"
 
 
 # --- the whole job ---------------------------------------------------------------------------
@@ -336,7 +198,7 @@ def restore(
     remote = read_remote_manifest(backend, root.name, n)
     check_target(Path(to), [f.path for f in remote.files])
     cb = _cumulative(progress, remote.size)
-    return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging: _restore_remote(
+    return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging: restore_remote(
         backend, remote, staging, root.upload.concurrency, cb)))
 
 
@@ -346,7 +208,7 @@ def _restore_nodes(root: RootConfig, backend: Backend | None, step: StepArg, to:
     if backend is None:
         raise NotFound(f"root {root.name!r} has no upload.url: a multi-node step is restored"
                        " from its commit")
-    n = step if step != "latest" else _best(set(), set(list_remote_steps(backend, root.name)),
+    n = step if step != "latest" else best_step(set(), set(list_remote_steps(backend, root.name)),
                                             backend, root.name)
     if n is None:
         raise NotFound(f"no committed step of {root.name!r} at {backend.url}")
@@ -356,7 +218,7 @@ def _restore_nodes(root: RootConfig, backend: Backend | None, step: StepArg, to:
         raise NotFound(str(exc)) from None
     check_target(Path(to), [f.path for f in remote.files])
     cb = _cumulative(progress, remote.size)
-    return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging: _restore_remote(
+    return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging: restore_remote(
         backend, remote, staging, root.upload.concurrency, cb)))
 
 
