@@ -1,21 +1,22 @@
 """Retention planner: decides, per checkpoint and tier, keep / compress / delete, with reasons.
 
-Pure: plain data in, an immutable `Plan` out; no I/O, no clock, imports only `ckptd.model`.
-Carrying a plan out (and re-checking the safety nets) is `ckptd.retention.executor`'s job.
-See docs/RETENTION.md.
+Pure: plain data in, an immutable `Plan` out; no I/O, no clock. "Latest" and "best" are
+`ckptd.lifecycle.answers`'; carrying a plan out (and re-checking the safety nets) is
+`ckptd.retention.executor`'s job. See docs/RETENTION.md.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
-from ckptd.model import Local, Remote, State
+from ckptd import units
+from ckptd.lifecycle import answers
+from ckptd.lifecycle.answers import MetricMode as MetricMode
+from ckptd.model import Local, Remote, State, Tier
 
-MetricMode = Literal["min", "max"]
 TierName = Literal["local", "remote"]
 
 
@@ -57,7 +58,6 @@ class Tag(StrEnum):
 PROTECTED = frozenset({Tag.PENDING, Tag.LATEST, Tag.BEST, Tag.PINNED, Tag.IN_USE, Tag.NOT_UPLOADED,
                        Tag.ADOPTED})
 _UNJUDGED = (State.PENDING, State.COMPLETE)
-_ON_DISK = (Local.PRESENT, Local.COMPRESSED)
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,7 @@ class _Ctx:
     now: float
     mode: MetricMode
     best: int | None
+    committed_only: bool
 
 
 _ABSENT = _Decision(Action.NONE, ())
@@ -208,6 +209,7 @@ def plan(
     metric_mode: MetricMode = "min",
     upload_configured: bool = False,
     delete_adopted: bool = False,
+    committed_only: bool = False,
 ) -> Plan:
     """Decide every checkpoint's local and remote copy. A copy is kept if ANY rule keeps it.
 
@@ -221,11 +223,12 @@ def plan(
     the latest or in_use ones) into `compress`; min_free (when free < min_free) deletes the
     oldest unprotected kept copies, invalid ones first, until the projected free space reaches
     min_free. Remote considers only `uploaded` copies. Checkpoints with no copy are left out.
+    "Latest" and "best" are `ckptd.lifecycle.answers`', with `committed_only` (a multi-node
+    root: only committed steps are latest or best).
     """
-    views = _checked(checkpoints, metric_mode)
-    available = [v for v in views if v.local in _ON_DISK or v.remote is Remote.UPLOADED]
-    ranked = _ranked(available, metric_mode)
-    ctx = _Ctx(now=now, mode=metric_mode, best=ranked[0].step if ranked else None)
+    views = _checked(checkpoints)
+    best = answers.best(views, _metric, metric_mode, committed_only)
+    ctx = _Ctx(now, metric_mode, best.step if best else None, committed_only)
     local = _decide_local(views, local_rules, ctx, upload_configured, delete_adopted)
     local, freed, reclaimable, shortfall = _apply_min_free(views, local, disk)
     remote = _decide_remote(views, remote_rules, ctx)
@@ -248,23 +251,14 @@ def preflight(
     ok = projected >= disk.min_free_bytes
     verdict = "ok" if ok else "under min_free"
     message = (
-        f"{verdict}: next save ~{_fmt_bytes(estimate)}; free {_fmt_bytes(disk.free_bytes)}"
-        f" + reclaimable {_fmt_bytes(reclaimable_bytes)} leaves {_fmt_bytes(projected)}"
-        f" (min_free {_fmt_bytes(disk.min_free_bytes)})"
+        f"{verdict}: next save ~{_size(estimate)}; free {_size(disk.free_bytes)}"
+        f" + reclaimable {_size(reclaimable_bytes)} leaves {_size(projected)}"
+        f" (min_free {_size(disk.min_free_bytes)})"
     )
     return Preflight(ok, estimate, projected, message)
 
 
-def parse_reason(reason: str) -> tuple[str, str, str | None]:
-    """Split `tier:tag[=value]` into (tier, tag, value)."""
-    tier, _, rest = reason.partition(":")
-    tag, sep, value = rest.partition("=")
-    return tier, tag, value if sep else None
-
-
-def _checked(checkpoints: Iterable[CheckpointView], mode: str) -> list[CheckpointView]:
-    if mode not in ("min", "max"):
-        raise ValueError(f"metric_mode must be 'min' or 'max', not {mode!r}")
+def _checked(checkpoints: Iterable[CheckpointView]) -> list[CheckpointView]:
     views = sorted(checkpoints, key=lambda v: v.step)
     steps = [v.step for v in views]
     if len(set(steps)) != len(steps):
@@ -273,38 +267,32 @@ def _checked(checkpoints: Iterable[CheckpointView], mode: str) -> list[Checkpoin
     return views
 
 
-def _finite(metric: float | None) -> float | None:
-    return metric if metric is not None and math.isfinite(metric) else None
+def _metric(v: CheckpointView) -> float | None:
+    return v.metric
 
 
-def _ranked(views: Iterable[CheckpointView], mode: MetricMode) -> list[CheckpointView]:
-    """Valid checkpoints with a metric, best first; a tie goes to the newer step."""
-    sign = 1.0 if mode == "min" else -1.0
-    scored = [
-        (sign * m, -v.step, v)
-        for v in views
-        if v.state is State.VALID and (m := _finite(v.metric)) is not None
-    ]
-    scored.sort(key=lambda t: (t[0], t[1]))
-    return [v for _, _, v in scored]
+def _size(n: int) -> str:
+    return units.format_size(n)
 
 
 def _newest(valid: list[CheckpointView], n: int) -> list[CheckpointView]:
     return sorted(valid, key=lambda v: v.step, reverse=True)[:n]
 
 
-def _rule_hits(valid: list[CheckpointView], rules: Rules, ctx: _Ctx) -> dict[int, list[str]]:
+def _rule_hits(valid: list[CheckpointView], tier: Tier, rules: Rules,
+               ctx: _Ctx) -> dict[int, list[str]]:
     hits: dict[int, list[str]] = {v.step: [] for v in valid}
     for v in _newest(valid, rules.keep_last):
         hits[v.step].append(f"{Tag.KEEP_LAST}={rules.keep_last}")
-    for v in _ranked(valid, ctx.mode)[: rules.keep_best]:
+    # keep_best is a rule over this tier's copies, committed or not: the same ranking.
+    for v in answers.ranked(valid, _metric, ctx.mode, False, tier)[: rules.keep_best]:
         hits[v.step].append(f"{Tag.KEEP_BEST}={rules.keep_best}")
     for v in valid:
         if rules.keep_every and v.step % rules.keep_every == 0:
             hits[v.step].append(f"{Tag.KEEP_EVERY}={rules.keep_every}")
         # Inclusive edge, and a completion time ahead of `now` (clock skew) counts as recent.
         if rules.keep_within is not None and ctx.now - v.completed <= rules.keep_within:
-            hits[v.step].append(f"{Tag.KEEP_WITHIN}={_fmt_duration(rules.keep_within)}")
+            hits[v.step].append(f"{Tag.KEEP_WITHIN}={units.format_duration(rules.keep_within)}")
     return hits
 
 
@@ -319,11 +307,13 @@ def _safety_tags(v: CheckpointView, latest: int | None, best: int | None) -> lis
     return [str(tag) for hit, tag in checks if hit]
 
 
-def _tier_tags(present: list[CheckpointView], rules: Rules, ctx: _Ctx) -> dict[int, list[str]]:
+def _tier_tags(present: list[CheckpointView], tier: Tier, rules: Rules,
+               ctx: _Ctx) -> dict[int, list[str]]:
     """Every keep reason each copy in one tier has, before tier-specific guards."""
     valid = [v for v in present if v.state is State.VALID]
-    latest = max((v.step for v in valid), default=None)
-    hits = _rule_hits(valid, rules, ctx)
+    newest = answers.latest(present, tier, ctx.committed_only)
+    latest = newest.step if newest else None
+    hits = _rule_hits(valid, tier, rules, ctx)
     return {v.step: _safety_tags(v, latest, ctx.best) + hits.get(v.step, []) for v in present}
 
 
@@ -331,8 +321,8 @@ def _decide_local(
     views: list[CheckpointView], rules: LocalRules, ctx: _Ctx, upload_configured: bool,
     delete_adopted: bool = False,
 ) -> dict[int, _Decision]:
-    present = [v for v in views if v.local in _ON_DISK]
-    tags = _tier_tags(present, rules, ctx)
+    present = [v for v in views if answers.in_tier(v, Tier.LOCAL)]
+    tags = _tier_tags(present, Tier.LOCAL, rules, ctx)
     valid = [v for v in present if v.state is State.VALID]
     recent = {v.step for v in _newest(valid, rules.keep_last)}
     out: dict[int, _Decision] = {}
@@ -345,10 +335,10 @@ def _decide_local(
 def _local_guards(v: CheckpointView, rules: LocalRules, upload_configured: bool,
                   delete_adopted: bool = False) -> list[str]:
     guards: list[str] = []
-    if v.adopted and v.remote is not Remote.UPLOADED and not delete_adopted:
+    if v.adopted and not answers.is_committed(v) and not delete_adopted:
         guards.append(Tag.ADOPTED)
     # Invalid data is never uploaded, so "not uploaded" must not pin it forever.
-    if upload_configured and v.state is State.VALID and v.remote is not Remote.UPLOADED:
+    if upload_configured and v.state is State.VALID and not answers.is_committed(v):
         guards.append(Tag.NOT_UPLOADED)
     if v.state is State.INVALID and not rules.delete_invalid:
         guards.append(Tag.INVALID)
@@ -376,8 +366,8 @@ def _local_decision(
 def _decide_remote(
     views: list[CheckpointView], rules: RemoteRules, ctx: _Ctx
 ) -> dict[int, _Decision]:
-    present = [v for v in views if v.remote is Remote.UPLOADED]
-    tags = _tier_tags(present, rules, ctx)
+    present = [v for v in views if answers.in_tier(v, Tier.REMOTE)]
+    tags = _tier_tags(present, Tier.REMOTE, rules, ctx)
     return {v.step: _remote_decision(v, tags[v.step]) for v in present}
 
 
@@ -424,7 +414,7 @@ def _apply_min_free(
 
 
 def _listed(v: CheckpointView) -> bool:
-    return v.local in _ON_DISK or v.remote in (Remote.UPLOADED, Remote.UPLOADING)
+    return answers.in_tier(v, Tier.ANY) or v.remote is Remote.UPLOADING
 
 
 def _item(v: CheckpointView, local: dict[int, _Decision], remote: dict[int, _Decision],
@@ -447,25 +437,9 @@ def _copy_decision(v: CheckpointView, local: Action, compress_older: bool) -> _D
     if local is Action.DELETE or v.local is Local.PRUNED:
         return _Decision(Action.DELETE, (Tag.WITH_LOCAL,))
     keep = [tag for hit, tag in ((v.in_use, Tag.IN_USE),
-                                 (v.remote is not Remote.UPLOADED, Tag.NOT_UPLOADED),
+                                 (not answers.is_committed(v), Tag.NOT_UPLOADED),
                                  (compress_older, Tag.COMPRESS_OLDER)) if hit]
     if keep:
         return _Decision(Action.KEEP, tuple(keep))
     return _Decision(Action.DELETE, (Tag.RELEASED,))
 
-
-def _fmt_duration(seconds: float) -> str:
-    """Render a duration the way config writes it ("24h", "30d"), for reasons."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
-
-
-def _fmt_bytes(n: int) -> str:
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    size, i = float(abs(n)), 0
-    while size >= 1024 and i < len(units) - 1:
-        size, i = size / 1024, i + 1
-    text = f"{size:.0f}" if i == 0 else f"{size:.1f}"
-    return ("-" if n < 0 else "") + text + units[i]

@@ -10,8 +10,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from ckptd.lifecycle import answers
+from ckptd.lifecycle.answers import MetricMode
 from ckptd.lifecycle.table import Policy, Status
-from ckptd.model import CheckpointRecord, FileRecord, Local, Remote, State, Tier
+from ckptd.model import CheckpointRecord, FileRecord, State, Tier
 from ckptd.remote.manifest import StoredFile
 from ckptd.store.rows import record_of, status_of
 
@@ -86,33 +88,26 @@ class Reads:
         return [FileRecord(r["path"], int(r["size"]), r["hash"], r["hash_alg"]) for r in rows]
 
     def latest(self, root: str, tier: Tier = Tier.ANY) -> CheckpointRecord | None:
-        where = {
-            Tier.ANY: "(local IN ('present','compressed') OR remote='uploaded')",
-            Tier.LOCAL: "local IN ('present','compressed')",
-            Tier.REMOTE: "remote='uploaded'",
-        }[tier]
-        if self._policies.get(root, Policy()).committed_only:
-            where = f"{where} AND remote='uploaded'"  # a multi-node step: once committed
-        rows = self._rows(
-            f"SELECT * FROM checkpoints WHERE root=? AND superseded=0 AND state='valid'"  # noqa: S608
-            f" AND {where} ORDER BY step DESC LIMIT 1", (root,))
-        return record_of(rows[0]) if rows else None
+        """`answers.latest` of the root's records, under the root's policy."""
+        return answers.latest(self._answerable(root), tier, self._committed_only(root))
 
-    def best(self, root: str, metric: str, mode: str) -> CheckpointRecord | None:
+    def best(self, root: str, metric: str, mode: MetricMode) -> CheckpointRecord | None:
+        """`answers.best` by `metric` (None when the root has no metric)."""
         if not metric:
             return None
-        committed_only = self._policies.get(root, Policy()).committed_only
-        candidates = [
-            c for c in self.checkpoints(root)
-            if c.state is State.VALID and metric in c.metrics
-            and (c.local is not Local.PRUNED or c.remote is Remote.UPLOADED)
-            and (c.remote is Remote.UPLOADED or not committed_only)  # multi-node: committed
-        ]
-        if not candidates:
-            return None
-        sign = 1.0 if mode == "min" else -1.0
-        # Ties go to the newer step: it carries more training.
-        return min(candidates, key=lambda c: (sign * c.metrics[metric], -c.step))
+        return answers.best(self._answerable(root), lambda c: c.metrics.get(metric), mode,
+                            self._committed_only(root))
+
+    def _committed_only(self, root: str) -> bool:
+        return self._policies.get(root, Policy()).committed_only
+
+    def _answerable(self, root: str) -> list[CheckpointRecord]:
+        """The rows `answers` may choose from: valid ones with a copy somewhere. A pre-filter
+        only (rows pile up as steps are pruned); the choice is the shared function's."""
+        rows = self._rows("SELECT * FROM checkpoints WHERE root=? AND superseded=0"
+                          " AND state='valid' AND (local IN ('present','compressed')"
+                          " OR remote='uploaded')", (root,))
+        return [record_of(r) for r in rows]
 
     def counts(self, root: str) -> dict[str, int]:
         rows = self._rows("SELECT state, COUNT(*) AS n FROM checkpoints WHERE root=?"
@@ -128,10 +123,10 @@ class Reads:
         return int(rows[0]["n"])
 
     def in_flight(self, now: float) -> list[dict[str, Any]]:
-        rows = self._rows("SELECT root, step, lease_stage FROM checkpoints"
-                          " WHERE lease_owner IS NOT NULL AND lease_expires>=? AND superseded=0",
+        rows = self._rows("SELECT root, step, claim_stage FROM checkpoints"
+                          " WHERE claim_owner IS NOT NULL AND claim_expires>=? AND superseded=0",
                           (now,))
-        return [{"root": r["root"], "step": int(r["step"]), "stage": r["lease_stage"]}
+        return [{"root": r["root"], "step": int(r["step"]), "stage": r["claim_stage"]}
                 for r in rows]
 
     def root_info(self, root: str) -> dict[str, Any]:
