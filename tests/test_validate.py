@@ -21,10 +21,11 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptd.cli.verify import verify_path
 from ckptd.errors import CkptdError, ValidationFailed
 from ckptd.model import Candidate, RankFiles, ValidationResult
 from ckptd.stages import deepscan
-from ckptd.stages.validate import validate, validate_file
+from ckptd.stages.validate import validate
 
 
 def _cand(*files: str, **kw: object) -> Candidate:
@@ -275,11 +276,12 @@ def test_each_file_is_read_once_and_shared_with_extra_sinks(root: Path, dcp_dir:
         assert sum(n for _, n in calls[:-1]) == rec.size
 
 
-def test_validate_file_on_a_file_and_a_dir(root: Path, torch_file: bytes, dcp_dir: Path) -> None:
+def test_verify_a_file_and_a_dir(root: Path, torch_file: bytes, dcp_dir: Path) -> None:
     (root / "x.pt").write_bytes(torch_file)
-    assert validate_file(root / "x.pt").valid
-    assert validate_file(dcp_dir).valid
-    _invalid(validate_file(root / "nope.pt"), "missing_file")
+    assert verify_path(root / "x.pt")["valid"]
+    assert verify_path(dcp_dir)["valid"]
+    gone = verify_path(root / "nope.pt")
+    assert not gone["valid"] and gone["reason"] == "missing_file"
 
 
 def test_hf_training_args_object_is_opaque_but_a_weights_file_is_not(tmp_path: Path) -> None:
@@ -470,9 +472,9 @@ def test_deep_validation_loads_torch_in_a_child_process(tmp_path: Path) -> None:
     script = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from ckptd.stages.validate import validate_file\n"
-        f"r = validate_file(Path({str(tmp_path / 'model.pt')!r}), deep=True)\n"
-        "print(r.reason, 'torch' in sys.modules)\n"
+        "from ckptd.cli.verify import verify_path\n"
+        f"r = verify_path(Path({str(tmp_path / 'model.pt')!r}), deep=True)\n"
+        "print(r['reason'], 'torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, timeout=120)

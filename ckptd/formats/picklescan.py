@@ -468,8 +468,3 @@ def plain_fields(top: object) -> dict[str, PlainValue]:
         v is None or type(v) in (int, float, bool)
         or (type(v) is str and len(v) <= MAX_FIELD_CHARS))}
 
-
-def storage_refs(data: bytes, what: str) -> list[tuple[str, str, int]]:
-    """(key, element type, numel) of every storage a torch zip's data.pkl references. Call only
-    on a pickle `scan_pickle` passed. ValidationFailed(bad_header) when it does not load."""
-    return list(read_torch_pickle(data, what).refs)

@@ -56,9 +56,6 @@ class Metrics:
         if process:  # process_resident_memory_bytes etc.: the bounded-memory promise, visible
             ProcessCollector(registry=self.registry)
 
-    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ("root",)) -> Gauge:
-        return Gauge(name, doc, labels, registry=self.registry)
-
     def _define_activity(self) -> None:
         self.stage_seconds = Histogram("ckptd_stage_duration_seconds", "Time a stage took.",
                                        ("stage",), buckets=STAGE_BUCKETS, registry=self.registry)

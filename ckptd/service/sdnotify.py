@@ -103,10 +103,6 @@ class Notifier:
     def watchdog(self) -> bool:
         return self.notify(WATCHDOG=1)
 
-    def extend_timeout(self, seconds: float) -> bool:
-        """Ask for more time for the current start-up, reload or stop (EXTEND_TIMEOUT_USEC)."""
-        return self.notify(EXTEND_TIMEOUT_USEC=int(seconds * 1_000_000))
-
     def send(self, message: str) -> bool:
         if self.address is None:
             return False

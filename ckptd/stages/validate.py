@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,6 @@ from ckptd.errors import UnsafePath, ValidationFailed
 from ckptd.fileio import HASH_ALG, HashSink, Sink
 from ckptd.formats import dcpmeta, picklescan, safetensors, zipcheck
 from ckptd.model import (
-    CKPTD_DIR,
     Candidate,
     FileRecord,
     PlainValue,
@@ -80,24 +79,6 @@ def validate(
             False, str(exc.reason), exc.message, run.records(), dict(cand.metrics)
         )
     return ValidationResult(True, "", "", run.records(), dict(cand.metrics))
-
-
-def validate_file(path: Path, deep: bool = False) -> ValidationResult:
-    """Validate one file, or a directory taken as one checkpoint made of every file under it."""
-    path = Path(os.path.abspath(path))
-    if not path.is_dir():
-        path = path.resolve()  # the user named this file; follow a link they gave us
-        cand = Candidate("file", -1, path.name, (path.name,), complete=True)
-        return validate(path.parent, cand, deep)
-    files = tuple(sorted(_files_under(path.parent, path)))
-    return validate(path.parent, Candidate("dir", -1, path.name, files, complete=True), deep)
-
-
-def _files_under(root: Path, top: Path) -> Iterator[str]:
-    for dirpath, dirs, names in os.walk(top):
-        dirs[:] = [d for d in dirs if d != CKPTD_DIR]
-        for n in names:
-            yield Path(dirpath, n).relative_to(root).as_posix()
 
 
 class _Run:
