@@ -6,6 +6,7 @@ Owns how ckptd touches bytes on disk; knows nothing of checkpoint formats, the s
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -127,6 +128,9 @@ def drop_cache(path: str | os.PathLike[str]) -> None:
 
 
 def advise(fd: int, offset: int, length: int, name: str = "POSIX_FADV_DONTNEED") -> None:
+    """posix_fadvise `name` on a range of `fd` (length 0: to the end). The one place ckptd
+    gives the kernel page-cache advice: only a hint, so a platform without it or an error is
+    ignored. DONTNEED drops clean pages and starts writeback of dirty ones without waiting."""
     advice = getattr(os, name, None)
     if advice is None:  # not every platform has posix_fadvise; advice is only a hint
         return
@@ -157,12 +161,22 @@ def temp_name(final: Path) -> Path:
     return final.with_name(f"{TEMP_PREFIX}{final.name}.{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace `path` with `data` so a crash leaves either the old or the new file, never half."""
+def atomic_write_bytes(
+    path: str | os.PathLike[str], data: bytes, *, dir_fd: int | None = None
+) -> None:
+    """Replace `path` with `data` so a crash leaves either the old or the new file, never half:
+    a temp name beside it (`temp_name`), write, fsync, rename, fsync the directory.
+
+    With `dir_fd`, `path` is a plain name in that directory (a writer beneath a root's fd); the
+    temp file is created there with O_NOFOLLOW|O_EXCL, so no link is ever written through.
+    """
     final = Path(path)
+    if dir_fd is not None and final.name != os.fspath(path):
+        raise ValueError(f"with dir_fd, {os.fspath(path)!r} must be a plain name")
     tmp = temp_name(final)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
         try:
             view = memoryview(data)
             while view:
@@ -170,16 +184,25 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, final)
+        os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
-    fsync_dir(final.parent)
+    if dir_fd is None:
+        fsync_dir(final.parent)
+    else:
+        os.fsync(dir_fd)
 
 
-def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """`atomic_write_bytes` of `obj` as indented JSON with a trailing newline."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+def atomic_write_json(
+    path: str | os.PathLike[str], obj: Any, *, dir_fd: int | None = None
+) -> None:
+    """`atomic_write_bytes` of `obj` as indented JSON with sorted keys and a trailing newline.
+    NaN is written as Python's json writes it: callers whose documents must be strict check
+    their input at the door (the save door's request head is)."""
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+    atomic_write_bytes(path, data, dir_fd=dir_fd)
 
 
 def fsync_file(path: str | os.PathLike[str], drop: bool = False) -> None:
@@ -195,13 +218,19 @@ def fsync_file(path: str | os.PathLike[str], drop: bool = False) -> None:
         os.close(fd)
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make the names in a directory durable (after a create, rename or delete)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def fsync_dir(path: str | os.PathLike[str], *, quiet: bool = False) -> None:
+    """Make the names in a directory durable (after a create, rename or delete). With `quiet`,
+    an OSError is swallowed: for a delete, whose durability is best effort (the name is gone
+    either way)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        if not quiet:
+            raise
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

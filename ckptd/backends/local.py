@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import secrets
 import time
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from os import stat_result
 from stat import S_ISREG
 from typing import BinaryIO
 
-from ckptd import inputs
+from ckptd import fileio, inputs
 from ckptd.backends.base import (
     COPY_CHUNK,
     DEFAULT_PART_SIZE,
@@ -34,6 +35,9 @@ from ckptd.errors import ObjectExists, ObjectNotFound, PermanentError, Precondit
 
 # Marks our in-flight temp files; list() never shows them and keys may not contain it.
 TMP_MARK = ".ckptd-tmp."
+_TEMP_TOKEN_BYTES = 6
+# The whole name `_write_temp` gives a temp file: ".<object name>.ckptd-tmp.<12 hex digits>".
+_TEMP_NAME = re.compile(rf"\..+{re.escape(TMP_MARK)}[0-9a-f]{{{2 * _TEMP_TOKEN_BYTES}}}", re.S)
 # Ends the name of the lock file of a conditionally written object (".LATEST.ckptd-lock").
 LOCK_MARK = ".ckptd-lock"
 
@@ -74,7 +78,7 @@ class LocalBackend:
                     self._replace_if(tmp, path, if_match, key)
             finally:
                 _unlink_quietly(tmp)
-            _fsync_dir(folder)
+            fileio.fsync_dir(folder)
             st = os.stat(path)
         except OSError as exc:
             raise os_error(exc, f"put {self._where(key)}") from None
@@ -137,24 +141,26 @@ class LocalBackend:
         except OSError as exc:
             raise os_error(exc, f"delete {self._where(key)}") from None
         folder = os.path.dirname(path)
-        _fsync_dir_quietly(folder)
+        fileio.fsync_dir(folder, quiet=True)  # a delete: best effort
         self._prune_empty_dirs(folder)
 
     # -- housekeeping ----------------------------------------------------------------------
 
     def remove_stale_temp(self, older_than_s: float, now: float | None = None) -> int:
-        """Delete temp files of interrupted puts older than `older_than_s`; return the count.
-
-        Meant for daemon start-up; a put in flight elsewhere has a younger temp file.
-        """
+        """Delete temp files of interrupted puts not written to for `older_than_s`; return the
+        count. Meant for daemon start-up (a put in flight, here or on another node sharing the
+        directory, keeps its temp file's mtime fresh). Walks `base_dir` by directory fds
+        without following a link, and removes only regular files named as `_write_temp`
+        names them: nothing outside the directory, nothing that is not this backend's own.
+        OSError (other than a missing `base_dir`) when it cannot be walked."""
         cutoff = (time.time() if now is None else now) - older_than_s
         removed = 0
-        for folder, _dirs, files in os.walk(self.base):
-            for name in files:
-                full = os.path.join(folder, name)
-                if TMP_MARK in name and _mtime_or_now(full) < cutoff:
-                    _unlink_quietly(full)
-                    removed += 1
+        try:
+            for _folder, _dirs, files, dir_fd in os.fwalk(self.base, follow_symlinks=False):
+                for name in filter(_TEMP_NAME.fullmatch, files):
+                    removed += _unlink_if_older(name, dir_fd, cutoff)
+        except FileNotFoundError:
+            pass  # no base directory (nothing was ever put): nothing to clean
         return removed
 
     # -- helpers ---------------------------------------------------------------------------
@@ -193,10 +199,10 @@ class LocalBackend:
                 os.mkdir(d)
             except FileExistsError:
                 continue  # a concurrent put made it
-            _fsync_dir(os.path.dirname(d))
+            fileio.fsync_dir(os.path.dirname(d))
 
     def _write_temp(self, folder: str, name: str, src: Source, size: int | None, key: str) -> str:
-        tmp = os.path.join(folder, f".{name}{TMP_MARK}{secrets.token_hex(6)}")
+        tmp = os.path.join(folder, f".{name}{TMP_MARK}{secrets.token_hex(_TEMP_TOKEN_BYTES)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
             with os.fdopen(fd, "wb") as out:
@@ -294,7 +300,7 @@ class LocalBackend:
                 os.rmdir(folder)
             except OSError:
                 return  # not empty, or gone: either way stop
-            _fsync_dir_quietly(os.path.dirname(folder))
+            fileio.fsync_dir(os.path.dirname(folder), quiet=True)
             folder = os.path.dirname(folder)
 
 
@@ -359,21 +365,6 @@ def _copy(src: Source, out: BinaryIO) -> int:
     return total
 
 
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir_quietly(folder: str) -> None:
-    try:
-        _fsync_dir(folder)
-    except OSError:
-        pass  # durability of a delete is best effort; the object is gone either way
-
-
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -381,8 +372,13 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _mtime_or_now(path: str) -> float:
+def _unlink_if_older(name: str, dir_fd: int, cutoff: float) -> int:
+    """Unlink the regular file `name` in `dir_fd` if last written before `cutoff`: 1 if so."""
     try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return time.time()
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not S_ISREG(st.st_mode) or st.st_mtime >= cutoff:
+            return 0
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return 0  # renamed into place or removed meanwhile
+    return 1

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar, runtime_checkable
 
+from ckptd import fileio
 from ckptd.backends.base import COPY_CHUNK, Source, os_error
 from ckptd.errors import PermanentError
 
@@ -109,7 +110,7 @@ class MappedBody:
                 self._map.madvise(mmap.MADV_DONTNEED, lo, self.handed - lo)
             done = self.handed - self.depth
             if done > self._dropped:
-                _drop(self._fd, self._dropped, done - self._dropped)
+                fileio.advise(self._fd, self._dropped, done - self._dropped)
                 self._dropped = done
 
     def close(self) -> None:
@@ -123,20 +124,11 @@ class MappedBody:
                 self._map.close()
             except BufferError:
                 pass  # a view still held somewhere: unmapped when it is released
-        _drop(self._fd, 0, 0)
+        fileio.advise(self._fd, 0, 0)
 
 
 def _page_floor(n: int) -> int:
     return n - n % mmap.PAGESIZE
-
-
-def _drop(fd: int, offset: int, length: int) -> None:
-    advice = getattr(os, "POSIX_FADV_DONTNEED", None)
-    if advice is not None:
-        try:
-            os.posix_fadvise(fd, offset, length, advice)
-        except OSError:
-            pass
 
 
 class _Trimmer:

@@ -9,10 +9,8 @@ path is opened beneath the root's descriptor without following a symlink. Speaks
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
-import shutil
 import stat
 import threading
 import time
@@ -23,7 +21,7 @@ from typing import Any
 
 import xxhash
 
-from ckptd import inputs
+from ckptd import fileio, inputs
 from ckptd.arena import FileRange, Request
 from ckptd.errors import BadInput, CkptdError
 from ckptd.fileio import CHUNK_SIZE, HASH_ALG
@@ -79,9 +77,10 @@ def _persist_rank0(view: memoryview, req: Request, root_fd: int, deadline: float
     token = secrets.token_hex(16)
     _fresh_dir(root_fd, tmp)
     with _opendir(root_fd, tmp) as tmp_fd:
-        _write_json(tmp_fd, ".ready", {"token": token})
+        fileio.atomic_write_json(".ready", {"token": token}, dir_fd=tmp_fd)
         entries = _write_files(view, req, tmp_fd, cancel)
-        _write_json(tmp_fd, ".done.rank0", {"token": token, "files": entries})
+        fileio.atomic_write_json(".done.rank0", {"token": token, "files": entries},
+                                 dir_fd=tmp_fd)
         everyone = _collect(tmp_fd, req.world_size, token, deadline, cancel)
         _commit(root_fd, tmp_fd, tmp, final, {**req.head, "save_id": token, "files": everyone})
     return Written(final, everyone)
@@ -96,7 +95,8 @@ def _persist_rank(view: memoryview, req: Request, root_fd: int, deadline: float,
         try:
             with _opendir(root_fd, tmp) as tmp_fd:
                 entries = _write_files(view, req, tmp_fd, cancel)
-                _write_json(tmp_fd, f".done.rank{req.rank}", {"token": token, "files": entries})
+                fileio.atomic_write_json(f".done.rank{req.rank}",
+                                         {"token": token, "files": entries}, dir_fd=tmp_fd)
         except OSError:
             if _token(root_fd, tmp) == token:
                 raise
@@ -149,10 +149,10 @@ def _write_one(view: memoryview, f: FileRange, tmp_fd: int,
                 chunk = chunk[os.write(fd, chunk):]
             done = min(f.size, done + CHUNK_SIZE)
             if done - dropped >= _DROP_EVERY:
-                os.posix_fadvise(fd, dropped, done - dropped, os.POSIX_FADV_DONTNEED)
+                fileio.advise(fd, dropped, done - dropped)
                 dropped = done
         os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        fileio.advise(fd, 0, 0)
         return f.size, h.hexdigest()
     finally:
         os.close(fd)
@@ -181,8 +181,7 @@ def _commit(root_fd: int, tmp_fd: int, tmp: str, final: str, meta: dict[str, Any
     for name in os.listdir(tmp_fd):
         if name.startswith("."):
             os.unlink(name, dir_fd=tmp_fd)  # rendezvous markers are not part of the checkpoint
-    _write_json(tmp_fd, META, meta, atomic=False)
-    os.fsync(tmp_fd)
+    fileio.atomic_write_json(META, meta, dir_fd=tmp_fd)  # fsyncs tmp_fd: the unlinks too
     old = None
     if _lexists(root_fd, final):
         old = f".{final}.old-{secrets.token_hex(4)}"
@@ -190,7 +189,8 @@ def _commit(root_fd: int, tmp_fd: int, tmp: str, final: str, meta: dict[str, Any
     os.rename(tmp, final, src_dir_fd=root_fd, dst_dir_fd=root_fd)
     os.fsync(root_fd)
     if old is not None:
-        _remove_tree(root_fd, old)
+        with contextlib.suppress(OSError):  # committed already: a leftover must not undo that
+            fileio.remove_tree(old, dir_fd=root_fd)
 
 
 # -- directories and small files beneath the root ----------------------------------------------
@@ -200,16 +200,9 @@ def _fresh_dir(root_fd: int, name: str) -> None:
     if _lexists(root_fd, name):
         aside = f".{name}.stale-{secrets.token_hex(4)}"
         os.rename(name, aside, src_dir_fd=root_fd, dst_dir_fd=root_fd)
-        _remove_tree(root_fd, aside)
+        with contextlib.suppress(OSError):  # set aside already: the new dir does not need it
+            fileio.remove_tree(aside, dir_fd=root_fd)
     os.mkdir(name, 0o755, dir_fd=root_fd)
-
-
-def _remove_tree(root_fd: int, name: str) -> None:
-    st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(name, dir_fd=root_fd, ignore_errors=True)  # never follows a link
-    else:
-        os.unlink(name, dir_fd=root_fd)
 
 
 @contextlib.contextmanager
@@ -227,21 +220,6 @@ def _lexists(dir_fd: int, name: str) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def _write_json(dir_fd: int, name: str, obj: Any, atomic: bool = True) -> None:
-    data = json.dumps(obj, indent=1, allow_nan=False).encode()
-    part = f"{name}.part-{secrets.token_hex(4)}" if atomic else name
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644, dir_fd=dir_fd)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if atomic:
-        os.rename(part, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 def _read_json(dir_fd: int, rel: str) -> dict[str, Any] | None:

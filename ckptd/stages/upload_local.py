@@ -175,7 +175,7 @@ class ObjectReader(io.RawIOBase):
         self._hasher: _S3Etag | None = _S3Etag(self.size, part_size) if md5 else None
         self._md5 = md5
         self._part_size = part_size
-        _advise(self._fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
+        fileio.advise(self._fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
 
     def readable(self) -> bool:
         return True
@@ -226,7 +226,7 @@ class ObjectReader(io.RawIOBase):
             self._meter.advance(self._pos - self._high)
             self._high = self._pos
         if not self._hold and self._high - self._dropped >= _DROP_STEP:
-            _advise(self._fd, self._dropped, self._high - self._dropped, "POSIX_FADV_DONTNEED")
+            fileio.advise(self._fd, self._dropped, self._high - self._dropped)
             self._dropped = self._high
 
     def etag(self) -> str | None:
@@ -237,21 +237,12 @@ class ObjectReader(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed and self._fd >= 0:
-            _advise(self._fd, 0, 0, "POSIX_FADV_DONTNEED")
+            fileio.advise(self._fd, 0, 0)
             os.close(self._fd)
         super().close()
 
     def __enter__(self) -> ObjectReader:
         return self
-
-
-def _advise(fd: int, offset: int, length: int, name: str) -> None:
-    advice = getattr(os, name, None)
-    if advice is not None:  # only a hint; not every platform has it
-        try:
-            os.posix_fadvise(fd, offset, length, advice)
-        except OSError:
-            pass
 
 
 class Ledger:
