@@ -228,11 +228,14 @@ class Client:
         path = f"/v1/roots/{_q(root)}/checkpoints/{int(step)}/pin"
         return self._soft("unpin", None, self.request_json, "DELETE", path) is not None
 
-    def lease(self, root: str, step: int, ttl: float = 600.0, owner: str | None = None
-              ) -> _Lease:
-        """Hold `step` while reading it so retention cannot delete it; a context manager.
-        `with client.lease("llm-7b", 1000): load(...)`"""
-        return _Lease(self, root, int(step), ttl, owner or f"{os.getpid()}-{time.monotonic_ns()}")
+    def hold(self, root: str, step: int, ttl: float = 600.0, owner: str | None = None
+             ) -> Hold:
+        """A reader's *hold* on `step` while reading it, so retention cannot delete it; a
+        context manager. `with client.hold("llm-7b", 1000): load(...)`"""
+        return Hold(self, root, int(step), ttl, owner or f"{os.getpid()}-{time.monotonic_ns()}")
+
+    # The name `hold` had before (deprecated, kept for existing callers).
+    lease = hold
 
     def _soft_fail(self, what: str, exc: ClientError) -> bool:
         if self.strict:
@@ -241,16 +244,18 @@ class Client:
         return False
 
 
-class _Lease:
+class Hold:
+    """A reader's hold on one step (`Client.hold`): taken on enter, released on exit."""
+
     def __init__(self, client: Client, root: str, step: int, ttl: float, owner: str) -> None:
         self.client, self.root, self.step, self.ttl, self.owner = client, root, step, ttl, owner
         self.held = False
 
     def _path(self) -> str:
-        return (f"/v1/roots/{_q(self.root)}/checkpoints/{self.step}/lease"
+        return (f"/v1/roots/{_q(self.root)}/checkpoints/{self.step}/hold"
                 f"?owner={_q(self.owner)}&ttl={self.ttl:.0f}")
 
-    def __enter__(self) -> _Lease:
+    def __enter__(self) -> Hold:
         try:
             self.client.request_json("PUT", self._path())
             self.held = True
@@ -263,12 +268,12 @@ class _Lease:
         except ClientError as exc:
             if self.client.strict:
                 raise
-            log.warning("ckptd lease failed: %s", exc)
+            log.warning("ckptd hold failed: %s", exc)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.held:
-            self.client._soft("unlease", None, self.client.request_json, "DELETE", self._path())
+            self.client._soft("release hold", None, self.client.request_json, "DELETE", self._path())
 
 
 def _fallback_latest(root: str, root_dir: str | os.PathLike[str] | None) -> dict[str, Any] | None:

@@ -101,16 +101,28 @@ def test_bad_query_and_path_values_are_400(d: Any, path: str) -> None:
     assert answer(d, "GET", path)[0] == 400
 
 
+@pytest.mark.parametrize("endpoint", ["hold", "lease"])
 @pytest.mark.parametrize("query", ["", "?owner=", "?owner=" + "x" * 129, "?owner=a&ttl=nan",
                                    "?owner=a&ttl=-inf", "?owner=a&ttl=never"])
-def test_bad_leases_are_400(d: Any, query: str) -> None:
-    assert answer(d, "PUT", f"/v1/roots/r1/checkpoints/3/lease{query}")[0] == 400
+def test_bad_holds_are_400(d: Any, endpoint: str, query: str) -> None:
+    assert answer(d, "PUT", f"/v1/roots/r1/checkpoints/3/{endpoint}{query}")[0] == 400
+
+
+@pytest.mark.parametrize("endpoint", ["hold", "lease"])  # /lease: the deprecated name
+def test_a_hold_keeps_the_step_in_use_until_released(d: Any, endpoint: str) -> None:
+    path = f"/v1/roots/r1/checkpoints/3/{endpoint}?owner=api-{endpoint}&ttl=60"
+    status, doc = answer(d, "PUT", path)
+    assert (status, doc["step"], doc["owner"]) == (200, 3, f"api-{endpoint}")
+    assert 3 in d.store.in_use("r1", 0.0)
+    assert answer(d, "DELETE", path) == (200, {"root": "r1", "step": 3, "released": True})
+    assert 3 not in d.store.in_use("r1", 0.0)
 
 
 @pytest.mark.parametrize(("method", "path"), [
     ("GET", "/v1/roots/nope/checkpoints"), ("GET", "/v1/roots/nope/latest"),
     ("GET", "/v1/roots/r1/checkpoints/99"), ("PUT", "/v1/roots/r1/checkpoints/99/pin"),
     ("DELETE", "/v1/roots/r1/checkpoints/99/pin"), ("GET", "/v1/nothing"), ("GET", "/"),
+    ("PUT", "/v1/roots/r1/checkpoints/99/hold?owner=a"),
     ("PUT", "/v1/roots/r1/checkpoints/99/lease?owner=a"),
 ])
 def test_what_does_not_exist_is_404(d: Any, method: str, path: str) -> None:

@@ -317,8 +317,11 @@ def test_retention_prunes_with_nets_and_explains(inproc_daemon: Any) -> None:
     run = json.loads(cli("prune", "r1", "--json", sock=d.socket).stdout)
     assert (2, "deleted") in {(o["step"], o["action"]) for o in run["outcomes"]}
     assert c.latest("r1")["step"] == 5  # type: ignore[index]
-    with c.lease("r1", 4) as lease:
-        assert lease.held
+    with c.hold("r1", 4) as hold:
+        assert hold.held and 4 in d.store.in_use("r1", 0.0)
+    assert 4 not in d.store.in_use("r1", 0.0)
+    with c.lease("r1", 4) as hold:  # the deprecated name of `hold`
+        assert hold.held
 
 
 def test_metrics_on_the_socket_parse(inproc_daemon: Any) -> None:

@@ -75,7 +75,7 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.service.recovery", "remove_stale_temps"): "ckptd's own temp files",
     ("ckptd.service.lease", "*"): "the root lease's own files (lease.json, claims, temps)",
     ("ckptd.daemon", "*"): "the daemon's own socket",
-    ("ckptd.api.server", "bind_socket"): "a stale socket at the configured path",
+    ("ckptd.api.door", "bind_socket"): "a stale socket at the configured path",
     ("ckptd.cli.doctor", "*"): "doctor's own probe files and objects",
     ("ckptd.demo", "*"): "the demo's own scratch directories",
     ("ckptd.restore.files", "*"): "restore's own staging and temp files in the target",

@@ -16,7 +16,8 @@ from typing import BinaryIO
 import pytest
 
 from ckptd.api.documents import ApiContext
-from ckptd.api.server import UnixHttpServer, bind_socket
+from ckptd.api.door import bind_socket
+from ckptd.api.server import UnixHttpServer
 from ckptd.backends import Backend, LocalBackend
 from ckptd.backends.base import SMALL_OBJECT_MAX, ObjectMeta, Source
 from ckptd.client import Client

@@ -1,4 +1,5 @@
-"""The state store on a real SQLite file: migrations, the state machine, leases, latest/best."""
+"""The state store on a real SQLite file: migrations, the state machine, claims, holds,
+latest/best."""
 
 from __future__ import annotations
 
@@ -64,6 +65,31 @@ def test_newer_schema_refused(tmp_path: Path) -> None:
         Store(tmp_path / "s.db")
 
 
+def test_schema_4_upgrades_work_leases_to_claims(tmp_path: Path) -> None:
+    """A state database at schema 4 (work claims stored as `lease_*` columns) opens at the
+    current schema with its claim, its reader's hold and its rows intact."""
+    db = sqlite3.connect(tmp_path / "s.db", isolation_level=None)
+    for i, script in enumerate(MIGRATIONS[:4]):
+        db.executescript(f"BEGIN; {script}; PRAGMA user_version = {i + 1}; COMMIT;")
+    db.execute("INSERT INTO checkpoints (root, step, layout, path, state, created, stage,"
+               " lease_owner, lease_stage, lease_expires) VALUES ('r', 3, 'single', 'a.pt',"
+               " 'complete', 1.0, 'validate', 'old/w0/abc', 'validate', 1e12)")
+    db.execute("INSERT INTO readers (root, step, owner, expires) VALUES ('r', 3, 'job', 1e12)")
+    db.close()
+    s = Store(tmp_path / "s.db")
+    assert s.schema_version == len(MIGRATIONS) >= 5
+    cols = {r[1] for r in sqlite3.connect(tmp_path / "s.db").execute(
+        "PRAGMA table_info(checkpoints)")}
+    assert {"claim_owner", "claim_stage", "claim_expires"} <= cols
+    assert not {c for c in cols if c.startswith("lease_")}
+    assert s.in_flight(0.0) == [{"root": "r", "step": 3, "stage": "validate"}]
+    assert s.claim("new", 2.0, 60) is None  # the old claim still holds until it expires
+    assert s.release_claims() == 1
+    job = s.claim("new", 2.0, 60)
+    assert job is not None and job.checkpoint.step == 3 and job.stage == "validate"
+    assert s.in_use("r", 2.0) == frozenset({3})
+
+
 def test_pending_then_complete_then_valid(store: Store) -> None:
     ch = store.sync_root("r", [found(5, complete=False)], 1.0)
     assert [c.event for c in ch] == ["checkpoint_discovered"]
@@ -88,20 +114,20 @@ def test_latest_skips_invalid_and_prefers_highest(store: Store) -> None:
     assert store.latest("r", Tier.REMOTE) is None
 
 
-def test_lease_excludes_and_expires(store: Store) -> None:
+def test_claim_excludes_and_expires(store: Store) -> None:
     store.sync_root("r", [found(1)], 1.0)
     job = store.claim("a", 10.0, 60)
     assert job is not None
     assert store.claim("b", 20.0, 60) is None  # held
     assert store.claim("b", 71.0, 60) is not None  # expired: reclaimed
-    # the old owner's result is refused: it lost the lease
+    # the old owner's result is refused: it lost the claim
     assert not store.finish_validation(job, "a", "fp", ValidationResult(True), 72.0)
 
 
-def test_release_all_on_startup(store: Store) -> None:
+def test_release_claims_on_startup(store: Store) -> None:
     store.sync_root("r", [found(1)], 1.0)
     assert store.claim("a", 10.0, 1e9) is not None
-    assert store.release_all() == 1
+    assert store.release_claims() == 1
     assert store.claim("b", 11.0, 60) is not None
 
 

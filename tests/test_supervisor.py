@@ -94,11 +94,11 @@ class ClaimFailsOnce(Store):
 
     failed = threading.Event()
 
-    def claim(self, owner: str, now: float, lease_s: float, *args: Any, **kwargs: Any) -> Any:
+    def claim(self, owner: str, now: float, claim_s: float, *args: Any, **kwargs: Any) -> Any:
         if not ClaimFailsOnce.failed.is_set():
             ClaimFailsOnce.failed.set()
             raise OSError("disk I/O error (injected)")
-        return super().claim(owner, now, lease_s, *args, **kwargs)
+        return super().claim(owner, now, claim_s, *args, **kwargs)
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
-"""Connections on the daemon's socket: the loop that accepts and watches them (`ConnectionLoop`:
-bounded threads, idle connections closed), the first bytes of a connection read with recvmsg so
-an `SCM_RIGHTS` descriptor sent with them (an async save's arena) is kept, and the reader that
-gives those bytes back to the HTTP parser. Knows nothing of HTTP or of what a descriptor is for.
+"""Connections on the daemon's socket: binding it (`bind_socket`), the loop that accepts and
+watches them (`ConnectionLoop`: bounded threads, idle connections closed), the first bytes of a
+connection read with recvmsg so an `SCM_RIGHTS` descriptor sent with them (an async save's arena)
+is kept, and the reader that gives those bytes back to the HTTP parser. Knows nothing of HTTP
+or of what a descriptor is for.
 """
 
 from __future__ import annotations
@@ -15,12 +16,18 @@ import os
 import queue
 import selectors
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from ckptd.errors import ConfigError
+
 MAX_PASSED_FDS = 4
+# A burst of a few hundred clients at once is queued, not refused.
+LISTEN_BACKLOG = 1024
 
 
 def recv_first(conn: socket.socket) -> tuple[bytes, list[int]]:
@@ -315,3 +322,55 @@ class _Pool:
             n = self._threads
         for _ in range(n):
             self._queue.put(None)
+
+
+def bind_socket(path: Path, group: str = "") -> socket.socket:
+    """Bind the Unix socket at `path` with mode 0660 (and `group` when given). Only a stale
+    socket is ever removed: anything else at the path (a file, a directory, a link) and a live
+    socket (another daemon answering) are config errors, as is a directory we cannot use."""
+    import grp
+
+    where = f"daemon.socket = {str(path)!r}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot create the socket in {path.parent}:"
+                          f" {exc.strerror or exc} (the directory must exist or be creatable,"
+                          " and be writable by the daemon's user)") from None
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ConfigError(f"{where}: something that is not a socket is there; ckptd never"
+                              " removes it: point daemon.socket elsewhere")
+        if _alive(path):
+            raise ConfigError(f"{where}: another process is serving on it")
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o117)  # the file is created 0660: never a window where it is wider
+    try:
+        sock.bind(str(path))
+        os.chmod(path, 0o660)
+        if group:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+    except (OSError, KeyError) as exc:
+        sock.close()
+        why = f"no group {group!r}" if isinstance(exc, KeyError) else exc.strerror or str(exc)
+        raise ConfigError(f"{where}: {why}") from None
+    finally:
+        os.umask(old)
+    sock.listen(LISTEN_BACKLOG)
+    return sock
+
+
+def _alive(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()

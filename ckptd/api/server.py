@@ -3,7 +3,7 @@ sends is checked by `ckptd.api.checks`.
 
 Reads the store, records intents (registrations, pins) and wakes the scanner and pipeline.
 Never runs a stage itself and never blocks the accept loop: connections are watched by
-`api_fds.ConnectionLoop`, and only one with a request to read takes a thread.
+`ckptd.api.door.ConnectionLoop`, and only one with a request to read takes a thread.
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ import json
 import os
 import re
 import socket
-import stat
 import struct
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler
-from pathlib import Path
 from typing import Any
 
 from ckptd import __version__
@@ -27,14 +25,12 @@ from ckptd.api.checks import HttpError
 from ckptd.api.documents import ApiContext
 from ckptd.api.door import Conn, ConnectionLoop, Prefixed, Writer, recv_first
 from ckptd.config import RootConfig
-from ckptd.errors import ConfigError, ServiceUnavailable
+from ckptd.errors import ServiceUnavailable
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Remote, State
 
 MAX_BODY = 1024 * 1024
 MAX_WAIT_S = 3600.0
-# A burst of a few hundred clients at once is queued, not refused.
-LISTEN_BACKLOG = 1024
 # Requests answered at once (threads; long-polls included); connections kept open (idle ones
 # cost a descriptor, not a thread: past this the longest idle are closed); how long an idle
 # connection is kept, and how long a request may take to arrive once it has begun.
@@ -45,28 +41,30 @@ IDLE_TIMEOUT_S = 5.0
 
 # -- routing -----------------------------------------------------------------------------------
 
+_ROOT = r"^/v1/roots/(?P<root>[^/]+)"
+_STEP = _ROOT + r"/checkpoints/(?P<step>[^/]+)"
 _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
-    ("GET", re.compile(r"^/v1/health$"), "health"),
-    ("GET", re.compile(r"^/v1/status$"), "status"),
-    ("GET", re.compile(r"^/metrics$"), "metrics"),
-    ("POST", re.compile(r"^/v1/flush$"), "flush"),
-    ("POST", re.compile(r"^/v1/persist$"), "persist"),
-    ("GET", re.compile(r"^/v1/persist/(?P<job>[0-9a-f]{1,64})$"), "persist_outcome"),
-    ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints$"), "list"),
-    ("POST", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints$"), "register"),
-    ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/latest$"), "latest"),
-    ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints/(?P<step>[^/]+)$"), "one"),
-    ("PUT", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints/(?P<step>[^/]+)/pin$"), "pin"),
-    ("DELETE", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints/(?P<step>[^/]+)/pin$"),
-     "unpin"),
-    ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints/(?P<step>[^/]+)/wait$"), "wait"),
-    ("PUT", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints/(?P<step>[^/]+)/lease$"),
-     "lease"),
-    ("DELETE", re.compile(r"^/v1/roots/(?P<root>[^/]+)/checkpoints/(?P<step>[^/]+)/lease$"),
-     "unlease"),
-    ("GET", re.compile(r"^/v1/roots/(?P<root>[^/]+)/prune$"), "prune_plan"),
-    ("POST", re.compile(r"^/v1/roots/(?P<root>[^/]+)/prune$"), "prune_now"),
-]
+    (m, re.compile(p + "$"), name) for m, p, name in [
+    ("GET", r"^/v1/health", "health"),
+    ("GET", r"^/v1/status", "status"),
+    ("GET", r"^/metrics", "metrics"),
+    ("POST", r"^/v1/flush", "flush"),
+    ("POST", r"^/v1/persist", "persist"),
+    ("GET", r"^/v1/persist/(?P<job>[0-9a-f]{1,64})", "persist_outcome"),
+    ("GET", _ROOT + "/checkpoints", "list"),
+    ("POST", _ROOT + "/checkpoints", "register"),
+    ("GET", _ROOT + "/latest", "latest"),
+    ("GET", _STEP, "one"),
+    ("PUT", _STEP + "/pin", "pin"),
+    ("DELETE", _STEP + "/pin", "unpin"),
+    ("GET", _STEP + "/wait", "wait"),
+    ("PUT", _STEP + "/hold", "hold"),
+    ("DELETE", _STEP + "/hold", "release_hold"),
+    ("PUT", _STEP + "/lease", "hold"),  # deprecated name of /hold (docs/CLI.md)
+    ("DELETE", _STEP + "/lease", "release_hold"),
+    ("GET", _ROOT + "/prune", "prune_plan"),
+    ("POST", _ROOT + "/prune", "prune_now"),
+]]
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -296,8 +294,8 @@ class Handler(BaseHTTPRequestHandler):
     def h_unpin(self, root: str, step: str, **_: Any) -> tuple[int, Any]:
         return 200, self.ctx.set_pin(root, step, False)
 
-    def h_lease(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
-        """A reader (a resume, a restore) holds `step`: retention never deletes it meanwhile."""
+    def h_hold(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
+        """A reader's *hold* (a resume, a restore): retention never deletes `step` meanwhile."""
         r = self.ctx.root(root)
         self.ctx.acting(r)
         n = checks.step(step)
@@ -309,13 +307,14 @@ class Handler(BaseHTTPRequestHandler):
             rec = self._record(r, n)
             if rec.local.value == "pruned" and rec.remote is not Remote.UPLOADED:
                 raise HttpError(409, "gone", f"step {rec.step} of {r.name!r} has no copy left")
-            self.ctx.store.lease_reader(r.name, rec.step, owner, time.time() + ttl)
+            self.ctx.store.hold(r.name, rec.step, owner, time.time() + ttl)
         return 200, {"root": r.name, "step": rec.step, "owner": owner, "ttl_s": ttl}
 
-    def h_unlease(self, root: str, step: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
+    def h_release_hold(self, root: str, step: str, query: dict[str, str], **_: Any
+                       ) -> tuple[int, Any]:
         r = self.ctx.root(root)
         n = checks.step(step)
-        self.ctx.store.release_reader(r.name, n, checks.text(query.get("owner", ""), "owner"))
+        self.ctx.store.release_hold(r.name, n, checks.text(query.get("owner", ""), "owner"))
         return 200, {"root": r.name, "step": n, "released": True}
 
     def h_prune_plan(self, root: str, **_: Any) -> tuple[int, Any]:
@@ -418,55 +417,3 @@ class UnixHttpServer:
 
     def open_connections(self) -> int:
         return self._loop.open_connections()
-
-
-def bind_socket(path: Path, group: str = "") -> socket.socket:
-    """Bind the Unix socket at `path` with mode 0660 (and `group` when given). Only a stale
-    socket is ever removed: anything else at the path (a file, a directory, a link) and a live
-    socket (another daemon answering) are config errors, as is a directory we cannot use."""
-    import grp
-
-    where = f"daemon.socket = {str(path)!r}"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        st = os.lstat(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot create the socket in {path.parent}:"
-                          f" {exc.strerror or exc} (the directory must exist or be creatable,"
-                          " and be writable by the daemon's user)") from None
-    else:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise ConfigError(f"{where}: something that is not a socket is there; ckptd never"
-                              " removes it: point daemon.socket elsewhere")
-        if _alive(path):
-            raise ConfigError(f"{where}: another process is serving on it")
-        path.unlink()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o117)  # the file is created 0660: never a window where it is wider
-    try:
-        sock.bind(str(path))
-        os.chmod(path, 0o660)
-        if group:
-            os.chown(path, -1, grp.getgrnam(group).gr_gid)
-    except (OSError, KeyError) as exc:
-        sock.close()
-        why = f"no group {group!r}" if isinstance(exc, KeyError) else exc.strerror or str(exc)
-        raise ConfigError(f"{where}: {why}") from None
-    finally:
-        os.umask(old)
-    sock.listen(LISTEN_BACKLOG)
-    return sock
-
-
-def _alive(path: Path) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(1.0)
-    try:
-        s.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()

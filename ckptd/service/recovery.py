@@ -21,7 +21,7 @@ from types import FrameType
 from typing import IO
 
 from ckptd import fileio
-from ckptd.api.server import bind_socket
+from ckptd.api.door import bind_socket
 from ckptd.config import Config, DaemonConfig, RootConfig
 from ckptd.copies import store as copies
 from ckptd.errors import ConfigError, StateLocked
@@ -36,7 +36,7 @@ from ckptd.store.pins import read_pins
 def recover(store: Store, cfg: Config) -> None:
     for r in cfg.roots:  # pins kept beside the root outlive a lost state database
         store.set_root_pins(r.name, read_pins(r.path))
-    released = store.release_all()
+    released = store.release_claims()
     removed = 0
     for d in [cfg.daemon.state_dir] + [r.path / CKPTD_DIR for r in cfg.roots]:
         removed += remove_stale_temps(d)

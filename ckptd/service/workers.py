@@ -173,7 +173,7 @@ class Workers:
         while not stop.is_set():
             job = self.store.claim(f"{self.owner}/{name}/{uuid.uuid4().hex[:8]}", time.time(),
                                    LEASE_S, only=self._flush_targets(),
-                                   roots=frozenset(self.roots()), hold=self._held_back())
+                                   roots=frozenset(self.roots()), stuck=self._held_back())
             if job is None:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
@@ -420,7 +420,7 @@ class _Renewer:
     def _loop(self) -> None:
         while not self._done.wait(LEASE_S / 3):
             try:
-                self._store.renew(self._cid, self._owner, time.time(), LEASE_S)
+                self._store.renew_claim(self._cid, self._owner, time.time(), LEASE_S)
             except Exception as exc:  # noqa: BLE001 - the lease then expires; the stage goes on
                 get_logger().warning("lease_renew_failed", error=str(exc))
 

@@ -102,7 +102,7 @@ class Core(Reads):
         source = status_of(row)
         t = transition(source, event)
         if t.row is Row.SUPERSEDE:
-            db.execute("UPDATE checkpoints SET superseded=1, stage=NULL, lease_owner=NULL"
+            db.execute("UPDATE checkpoints SET superseded=1, stage=NULL, claim_owner=NULL"
                        " WHERE id=?", (row["id"],))
         elif t.row is Row.DELETE:
             db.execute("DELETE FROM checkpoints WHERE id=?", (row["id"],))
@@ -197,9 +197,9 @@ class Core(Reads):
         return True
 
     @staticmethod
-    def _unlease(db: sqlite3.Connection, cid: int) -> None:
-        db.execute("UPDATE checkpoints SET lease_owner=NULL, lease_stage=NULL,"
-                   " lease_expires=NULL WHERE id=?", (cid,))
+    def _release_claim(db: sqlite3.Connection, cid: int) -> None:
+        db.execute("UPDATE checkpoints SET claim_owner=NULL, claim_stage=NULL,"
+                   " claim_expires=NULL WHERE id=?", (cid,))
 
     @staticmethod
     def _set_error(db: sqlite3.Connection, root: str, error: str, now: float) -> None:

@@ -1,5 +1,6 @@
-"""The state store: one SQLite file (WAL), the checkpoints' statuses, the transition log and
-work leases: the single source of truth of the daemon. No SQL lives outside `ckptd.store`.
+"""The state store: one SQLite file (WAL), the checkpoints' statuses, the transition log,
+workers' claims and readers' holds: the single source of truth of the daemon. No SQL lives
+outside `ckptd.store`.
 
 `Store` is assembled from its parts: reads (queries), core (transactions and the one way a
 status changes), sync (what scans, the API, retention and discovery record) and work (claims

@@ -28,7 +28,7 @@ class Found:
 
 @dataclass(frozen=True)
 class Job:
-    """A unit of claimed work: one stage of one checkpoint, held under a lease."""
+    """A unit of claimed work: one stage of one checkpoint, under a claim that expires."""
 
     checkpoint: CheckpointRecord
     stage: str
@@ -38,7 +38,7 @@ class Job:
     invalid_reason: str
     invalid_message: str
     opaque: tuple[str, ...] = ()
-    owner: str = ""  # the lease token of this claim: every outcome is recorded under it
+    owner: str = ""  # the token of this claim: every outcome is recorded under it
     rank_files: tuple[RankFiles, ...] = ()
 
 

@@ -71,7 +71,7 @@ MIGRATIONS: tuple[str, ...] = (
         last_error_at REAL
     );
     """,
-    # 2: local compressed copies, upload bookkeeping, crash-safe prune, readers' leases.
+    # 2: local compressed copies, upload bookkeeping, crash-safe prune, readers' holds.
     """
     ALTER TABLE checkpoints ADD COLUMN copy TEXT NOT NULL DEFAULT '';
     ALTER TABLE checkpoints ADD COLUMN trash_path TEXT NOT NULL DEFAULT '';
@@ -114,6 +114,13 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE roots ADD COLUMN first_scan REAL;
     INSERT OR IGNORE INTO roots (name) SELECT DISTINCT root FROM checkpoints;
     UPDATE roots SET first_scan = 0 WHERE name IN (SELECT DISTINCT root FROM checkpoints);
+    """,
+    # 5: one word per concept: a worker's right to run one stage of a row is a *claim* (a *lease*
+    # is the root's, <root>/.ckptd/lease.json). The `readers` table keeps the readers' holds.
+    """
+    ALTER TABLE checkpoints RENAME COLUMN lease_owner TO claim_owner;
+    ALTER TABLE checkpoints RENAME COLUMN lease_stage TO claim_stage;
+    ALTER TABLE checkpoints RENAME COLUMN lease_expires TO claim_expires;
     """,
 )
 

@@ -1,5 +1,5 @@
 """What the scan, the API, retention and discovery record in the state store: a scan's
-reconcile, registrations, pins, readers' leases, retention's and discovery's events.
+reconcile, registrations, pins, readers' holds, retention's and discovery's events.
 """
 
 from __future__ import annotations
@@ -211,12 +211,14 @@ class Sync(Core):
             return True
 
 
-    def lease_reader(self, root: str, step: int, owner: str, expires: float) -> None:
+    def hold(self, root: str, step: int, owner: str, expires: float) -> None:
+        """A reader's *hold* on a step until `expires`: retention never deletes it meanwhile
+        (taken again by the same owner, it is renewed)."""
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO readers (root, step, owner, expires)"
                        " VALUES (?,?,?,?)", (root, step, owner, expires))
 
-    def release_reader(self, root: str, step: int, owner: str) -> None:
+    def release_hold(self, root: str, step: int, owner: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM readers WHERE root=? AND step=? AND owner=?",
                        (root, step, owner))

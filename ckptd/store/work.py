@@ -1,5 +1,6 @@
-"""Work in the state store: claiming the stage a row has due under an expiring lease, and
-recording a stage's outcome as lifecycle events (or a failure, with its backoff).
+"""Work in the state store: a worker's *claim* on the stage a row has due (it expires unless
+renewed), and recording a stage's outcome as lifecycle events (or a failure, with its backoff).
+Claims only: a root's *lease* is `ckptd.cluster.lease`'s, a reader's *hold* is `Sync.hold`.
 """
 
 from __future__ import annotations
@@ -36,52 +37,54 @@ class Work(Core):
     """Claims and outcomes."""
 
 
-    def claim(self, owner: str, now: float, lease_s: float,
+    def claim(self, owner: str, now: float, claim_s: float,
               only: frozenset[tuple[str, int]] | None = None,
               roots: Collection[str] | None = None,
-              hold: Collection[tuple[str, str]] = ()) -> Job | None:
+              stuck: Collection[tuple[str, str]] = ()) -> Job | None:
         """Claim the next piece of work: the stage the lifecycle table left due on a row,
         validation first (newest step first, so the resume point moves soonest), then a
         missing compressed copy, then an upload. `only` (a flush) restricts copies and
         uploads to its steps; validation never yields to a flush. `roots`, when given, are
-        the only roots whose work may be claimed (those this daemon acts on). `hold`:
-        (root, stage) pairs not claimed now (a call of that stage on that root is stuck)."""
+        the only roots whose work may be claimed (those this daemon acts on). `stuck`:
+        (root, stage) pairs not claimed now (a call of that stage on that root is stuck). The
+        claim is `owner`'s until `now + claim_s` (`renew_claim` extends it)."""
         with self._tx() as db:
             rows = db.execute(
                 "SELECT * FROM checkpoints WHERE stage IS NOT NULL AND superseded=0"
-                " AND next_attempt<=? AND (lease_owner IS NULL OR lease_expires<?)",
+                " AND next_attempt<=? AND (claim_owner IS NULL OR claim_expires<?)",
                 (now, now)).fetchall()
             due = [r for r in rows if (roots is None or r["root"] in roots) and (
                 only is None or r["stage"] == Stage.VALIDATE.value
                 or (r["root"], int(r["step"])) in only)
-                and (r["root"], r["stage"]) not in hold]
+                and (r["root"], r["stage"]) not in stuck]
             if not due:
                 return None
             row = min(due, key=lambda r: (STAGE_PRIORITY[Stage(r["stage"])], -int(r["step"])))
             stage = Stage(row["stage"])
-            db.execute("UPDATE checkpoints SET lease_owner=?, lease_stage=?, lease_expires=?"
-                       " WHERE id=?", (owner, stage.value, now + lease_s, row["id"]))
+            db.execute("UPDATE checkpoints SET claim_owner=?, claim_stage=?, claim_expires=?"
+                       " WHERE id=?", (owner, stage.value, now + claim_s, row["id"]))
             if stage is Stage.UPLOAD and row["remote"] == Remote.NONE.value:
                 self._apply(db, row, Event.UPLOAD_STARTED, now)
                 row = db.execute("SELECT * FROM checkpoints WHERE id=?", (row["id"],)).fetchone()
             return job_of(row, stage, owner)
 
-    def renew(self, checkpoint_id: int, owner: str, now: float, lease_s: float) -> bool:
+    def renew_claim(self, checkpoint_id: int, owner: str, now: float, claim_s: float) -> bool:
+        """Extend `owner`'s claim on the row; False when it is no longer theirs."""
         with self._tx() as db:
-            cur = db.execute("UPDATE checkpoints SET lease_expires=? WHERE id=? AND lease_owner=?"
-                             " AND superseded=0", (now + lease_s, checkpoint_id, owner))
+            cur = db.execute("UPDATE checkpoints SET claim_expires=? WHERE id=? AND claim_owner=?"
+                             " AND superseded=0", (now + claim_s, checkpoint_id, owner))
             return cur.rowcount > 0
 
-    def release_all(self) -> int:
-        """Drop every lease (startup: only one daemon holds the state dir, so all are stale)."""
+    def release_claims(self) -> int:
+        """Drop every claim (startup: only one daemon holds the state dir, so all are stale)."""
         with self._tx() as db:
-            return db.execute("UPDATE checkpoints SET lease_owner=NULL, lease_stage=NULL,"
-                              " lease_expires=NULL WHERE lease_owner IS NOT NULL").rowcount
+            return db.execute("UPDATE checkpoints SET claim_owner=NULL, claim_stage=NULL,"
+                              " claim_expires=NULL WHERE claim_owner IS NOT NULL").rowcount
 
     def _held(self, db: sqlite3.Connection, job: Job, owner: str) -> sqlite3.Row | None:
         row: sqlite3.Row | None = db.execute("SELECT * FROM checkpoints WHERE id=?",
                                              (job.checkpoint.id,)).fetchone()
-        if row is None or row["superseded"] or row["lease_owner"] != owner:
+        if row is None or row["superseded"] or row["claim_owner"] != owner:
             return None
         return row
 
@@ -89,7 +92,7 @@ class Work(Core):
                  before: Callable[[sqlite3.Connection, sqlite3.Row], None] | None = None,
                  **fields: Any) -> bool:
         """Record a stage's outcome as lifecycle events (the first carries `fields`) and
-        release the lease. False when the lease is lost or the table refuses (the row moved
+        release the claim. False when the claim is lost or the table refuses (the row moved
         on meanwhile): then nothing of the outcome is written."""
         with self._tx() as db:
             row = self._held(db, job, owner)
@@ -97,7 +100,7 @@ class Work(Core):
                 return False
             ok = self._atomically(db, lambda: self._apply_all(db, row, events, now, before,
                                                               fields))
-            self._unlease(db, job.checkpoint.id)
+            self._release_claim(db, job.checkpoint.id)
             return ok
 
     def _apply_all(self, db: sqlite3.Connection, row: sqlite3.Row, events: Sequence[Event],
@@ -112,7 +115,7 @@ class Work(Core):
     def finish_validation(self, job: Job, owner: str, fingerprint: str,
                           result: ValidationResult, now: float,
                           stored: Sequence[StoredFile] = (), size_on_disk: int = 0) -> bool:
-        """Record a validation outcome. False (and nothing written) when the lease was lost or
+        """Record a validation outcome. False (and nothing written) when the claim was lost or
         the files changed since the job was claimed (a re-save: the next scan supersedes)."""
         row = self._rows("SELECT fingerprint, metrics FROM checkpoints WHERE id=?",
                          (job.checkpoint.id,))
@@ -168,7 +171,7 @@ class Work(Core):
     def copy_lost(self, job: Job, owner: str, now: float = 0.0) -> None:
         """The job's row's compressed copy is missing or not its content. A present row gets it
         rebuilt by the compress stage; for a compressed row it was the only local copy. The
-        lease stays for the failure to be recorded."""
+        claim stays for the failure to be recorded."""
         with self._tx() as db:
             row = self._held(db, job, owner)
             if row is not None:
@@ -179,7 +182,7 @@ class Work(Core):
         """A stage failed: back off and retry later (longer for a permanent cause, such as
         refused credentials, which only a person can fix; the error shows in status)."""
         with self._tx() as db:
-            row = db.execute("SELECT attempts, root FROM checkpoints WHERE id=? AND lease_owner=?",
+            row = db.execute("SELECT attempts, root FROM checkpoints WHERE id=? AND claim_owner=?",
                              (job.checkpoint.id, owner)).fetchone()
             if row is None:
                 return 0.0
@@ -187,8 +190,8 @@ class Work(Core):
             delay = float(min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (attempts - 1)))
             if permanent:
                 delay = PERMANENT_RETRY_S
-            db.execute("UPDATE checkpoints SET attempts=?, next_attempt=?, lease_owner=NULL,"
-                       " lease_stage=NULL, lease_expires=NULL WHERE id=?",
+            db.execute("UPDATE checkpoints SET attempts=?, next_attempt=?, claim_owner=NULL,"
+                       " claim_stage=NULL, claim_expires=NULL WHERE id=?",
                        (attempts, now + delay, job.checkpoint.id))
             self._set_error(db, row["root"], error, now)
             return delay
@@ -196,8 +199,8 @@ class Work(Core):
     def defer(self, job: Job, owner: str, delay: float, now: float) -> None:
         """Give the job back without an outcome; nobody claims it for `delay` seconds."""
         with self._tx() as db:
-            db.execute("UPDATE checkpoints SET next_attempt=?, lease_owner=NULL, lease_stage=NULL,"
-                       " lease_expires=NULL WHERE id=? AND lease_owner=?",
+            db.execute("UPDATE checkpoints SET next_attempt=?, claim_owner=NULL, claim_stage=NULL,"
+                       " claim_expires=NULL WHERE id=? AND claim_owner=?",
                        (now + delay, job.checkpoint.id, owner))
 
     def retry_now(self, root: str | None = None) -> int:
