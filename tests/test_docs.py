@@ -411,3 +411,21 @@ def test_example_config_states_the_defaults(tmp_path: Path) -> None:
             want = _value(default, section, key)
             assert got == want, f"{at}: says {key} defaults to {literal}; the schema: {want!r}"
         comment = ""
+
+
+def test_package_map_is_the_tree() -> None:
+    """DESIGN.md's package map names every package and top-level module of ckptd, and only
+    those: the map is `ls ckptd ckptd/*/` as it is."""
+    text = (DOCS / "DESIGN.md").read_text()
+    block = re.search(r"## The packages.*?```\n(.*?)```", text, re.S)
+    assert block, "DESIGN.md has no package map"
+    named: set[str] = set()
+    for line in block.group(1).splitlines():
+        head = re.match(r"(\S.*?)(?: {2,}|$)", line)  # the first column
+        if head:
+            named.update(n.strip() for n in head.group(1).split(","))
+    pkg = ROOT / "ckptd"
+    tree = {f"{p.name}/" for p in pkg.iterdir() if (p / "__init__.py").exists()}
+    tree |= {p.stem for p in pkg.glob("*.py") if not p.stem.startswith("__")}
+    assert named == tree, (f"DESIGN.md's package map: missing {sorted(tree - named)}, "
+                           f"not in ckptd/ {sorted(named - tree)}")
