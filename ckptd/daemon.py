@@ -19,6 +19,7 @@ from pathlib import Path
 from ckptd.api.documents import ApiContext
 from ckptd.api.server import UnixHttpServer
 from ckptd.backends import BackendCache
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import Config, RootConfig, load_config, needs_restart
 from ckptd.errors import ConfigError
 from ckptd.lifecycle.changes import Changes
@@ -47,10 +48,11 @@ STATUS_EVERY_S = 10.0
 class Daemon:
     def __init__(self, config: Config, config_path: Path | None = None,
                  store_factory: type[Store] = Store, backends: BackendCache | None = None,
-                 stage_bounds: Mapping[str, float] | None = None) -> None:
+                 stage_bounds: Mapping[str, float] | None = None, clock: Clock = SYSTEM) -> None:
         """`backends` gives each root its backend (a BackendCache by default); `stage_bounds`
         how long a stage call may go without progress before it is stuck (stage -> seconds;
-        `workers.STAGE_BOUNDS_S` for the others)."""
+        `workers.STAGE_BOUNDS_S` for the others); `clock` times the lease, scan and discovery."""
+        self.clock = clock
         self.config = config
         self.config_path = config_path
         self.log = get_logger()
@@ -88,7 +90,8 @@ class Daemon:
         sock, self._socket_inherited = recovery.listen_socket(cfg.daemon)
         # Services see only the roots whose lease this daemon holds (the rest stand by).
         self.leases = leases = Leases(store, self.roots, lambda: self.config.daemon.node_id,
-                                      lambda: self.config.daemon.lease_timeout, self._retake)
+                                      lambda: self.config.daemon.lease_timeout, self._retake,
+                                      self.clock)
         acting = leases.acting
         self.retention = RetentionService(store, acting, self.backends.get,
                                           node=cfg.daemon.node_id, calls=self.supervisor.calls,
@@ -96,13 +99,14 @@ class Daemon:
                                               "retention", RETENTION_S))
         self.scanner = Scanner(store, acting, lambda: self.config.daemon.scan_interval,
                                cfg.daemon.polling, self.metrics, self.retention.exclusive,
-                               may_adopt=leases.fresh)
+                               may_adopt=leases.fresh, clock=self.clock)
         self.workers = Workers(store, acting, cfg.daemon.workers, self.scanner.wake,
                                self.backends.get, self.metrics, node=cfg.daemon.node_id,
                                calls=self.supervisor.calls, bounds=self._stage_bounds)
         self.discovery = Discovery(store, acting, self.backends.get, self.metrics,
                                    calls=self.supervisor.calls, bound_s=(
-                                       self._stage_bounds or {}).get("discover", DISCOVER_S))
+                                       self._stage_bounds or {}).get("discover", DISCOVER_S),
+                                   clock=self.clock)
         self.effects = Effects(store, acting, self.changes, self.workers, self.retention,
                                self.scanner)
         self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention))

@@ -1,8 +1,8 @@
 """Scan roots into Snapshots and Candidates; inotify (or polling) events only wake a scan early.
 
 Owns the walk of each root (never following a symlink out of it), per-file change tracking,
-and the open-for-write facts the watcher saw. Must not decide completeness (layouts do) or
-touch the store.
+and the open-for-write facts the watcher saw (timed by the clock it is given). Must not decide
+completeness (layouts do) or touch the store.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import hashlib
 import os
 import stat
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckptd import inputs, layouts
+from ckptd.clock import SYSTEM, Clock
 from ckptd.errors import BadInput
 from ckptd.formats import torchhead
 from ckptd.model import CKPTD_DIR, Candidate, FileInfo, PlainValue, RootOptions, Snapshot
@@ -277,11 +277,13 @@ class EventWatcher:
     """Watchdog observers over the roots; each relevant event marks open/closed files and
     calls `wake`. Polling mode uses watchdog's polling observer (NFS, CIFS)."""
 
-    def __init__(self, wake: Callable[[], None], polling: bool, poll_interval: float) -> None:
+    def __init__(self, wake: Callable[[], None], polling: bool, poll_interval: float,
+                 clock: Clock = SYSTEM) -> None:
         from watchdog.observers import Observer
         from watchdog.observers.polling import PollingObserver
 
         self._wake = wake
+        self._clock = clock
         self._observer: Any = (PollingObserver(timeout=poll_interval) if polling else Observer())
         self._watches: dict[str, Any] = {}
         self._open: dict[str, OpenFiles] = {}
@@ -310,7 +312,7 @@ class EventWatcher:
                 return True
             if not path.is_dir():
                 return False
-            handler = _Handler(open_files, self._wake)
+            handler = _Handler(open_files, self._wake, self._clock)
             try:
                 self._watches[key] = self._observer.schedule(handler, key, recursive=True)
             except OSError:
@@ -330,9 +332,10 @@ class EventWatcher:
 class _Handler:
     """A watchdog event handler: duck-typed `dispatch` keeps watchdog types out of the API."""
 
-    def __init__(self, open_files: OpenFiles, wake: Callable[[], None]) -> None:
+    def __init__(self, open_files: OpenFiles, wake: Callable[[], None], clock: Clock) -> None:
         self._open = open_files
         self._wake = wake
+        self._clock = clock
 
     def dispatch(self, event: Any) -> None:
         if f"/{CKPTD_DIR}/" in f"{event.src_path}/":
@@ -342,7 +345,7 @@ class _Handler:
             # Only a write marks a file open: watchdog synthesizes "created" events for files found
             # in a directory made before its watch existed, and those never get a "closed".
             if kind == "modified":
-                self._open.opened(event.src_path, time.time())
+                self._open.opened(event.src_path, self._clock.time())
             elif kind == "closed":
                 self._open.closed(event.src_path)
             elif kind == "moved":

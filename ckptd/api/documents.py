@@ -31,6 +31,8 @@ class Wakeable(Protocol):
 
 
 class Scan(Wakeable, Protocol):
+    scans: int
+
     def unrecognised(self, root: str) -> list[str]: ...
 
 
@@ -150,7 +152,7 @@ class ApiContext:
     def status(self) -> dict[str, Any]:
         roots = [self.root_status(r) for r in self.roots().values()]
         return {"status": self.state(), "version": __version__, "uptime_s": self.uptime(),
-                "roots": roots,
+                "scans": self.scan.scans, "roots": roots,
                 "in_flight": self.workers.in_flight() + self.persist.in_flight(),
                 "flushing": [{"root": r, "step": s}
                              for r, s in self.workers.flushing().items()],

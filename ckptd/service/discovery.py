@@ -8,17 +8,18 @@ a client asking for a listing waits at most REQUEST_WAIT_S for it, then gets wha
 knows. Records what it finds as lifecycle events. A
 remote step whose MANIFEST.json cannot be read (over its cap, not strict JSON, malformed,
 refused by the store) costs only itself: it is skipped and reported (`bad_remote`, the log
-event `bad_remote_item`, the gauge `ckptd_bad_inputs{kind="remote"}`), the rest are added.
+event `bad_remote_item`, the gauge `ckptd_bad_inputs{kind="remote"}`), the rest are added. Reads
+time only from the clock it is given.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptd.backends.base import ObjectMeta
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.errors import CkptdError, ObjectNotFound
 from ckptd.lifecycle.table import Event
@@ -48,8 +49,9 @@ class Discovery:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  backend_for: Callable[[RootConfig], Any],
                  metrics: Metrics | None = None, calls: Calls | None = None,
-                 bound_s: float = BOUND_S) -> None:
+                 bound_s: float = BOUND_S, clock: Clock = SYSTEM) -> None:
         self.store = store
+        self.clock = clock
         self.bound_s = bound_s
         self.calls = calls if calls is not None else Calls()
         # Roots a client asked to see listed afresh, each with the event its waiters wait on.
@@ -75,9 +77,9 @@ class Discovery:
         those, the roots clients asked for (`request`)."""
         due = 0.0
         while not stop.is_set():
-            if time.monotonic() >= due or self._all.is_set():
+            if self.clock.monotonic() >= due or self._all.is_set():
                 self._all.clear()
-                due = time.monotonic() + INTERVAL_S
+                due = self.clock.monotonic() + INTERVAL_S
                 names, age = list(self.roots()), 0.0
             else:
                 names, age = self._take_asked(), MIN_AGE_S
@@ -86,7 +88,7 @@ class Discovery:
                     return
                 self.refresh(name, max_age=age)
                 self._answer(name)
-            self._wake.wait(max(0.0, due - time.monotonic()))
+            self._wake.wait(max(0.0, due - self.clock.monotonic()))
             self._wake.clear()
 
     def wake(self) -> None:
@@ -99,7 +101,7 @@ class Discovery:
         MIN_AGE_S: asked of the service's thread and waited for at most `wait_s`, so a store
         that stalls costs the client that long, never more (the listing goes on, on the board)."""
         with self._lock:
-            if time.monotonic() - self._seen.get(name, -1e9) < MIN_AGE_S:
+            if self.clock.monotonic() - self._seen.get(name, -1e9) < MIN_AGE_S:
                 return
             done = self._asked.setdefault(name, threading.Event())
         self._wake.set()
@@ -128,9 +130,9 @@ class Discovery:
         if backend is None:
             return
         with self._lock:
-            if time.monotonic() - self._seen.get(name, -1e9) < max_age:
+            if self.clock.monotonic() - self._seen.get(name, -1e9) < max_age:
                 return
-            self._seen[name] = time.monotonic()
+            self._seen[name] = self.clock.monotonic()
         uploaded = {r.step for r in self.store.checkpoints(name) if r.remote is Remote.UPLOADED}
         self.calls.begin(WHO, "discover", name, None, self.bound_s)
         try:
@@ -159,7 +161,7 @@ class Discovery:
             require_create_only(backend, name)
         except PermanentError as exc:
             self.log.error("create_only_refused", root=name, error=str(exc))
-            self.store.set_root_error(name, f"upload: {exc}", time.time())
+            self.store.set_root_error(name, f"upload: {exc}", self.clock.time())
 
     def _add_unknown(self, name: str, backend: Any,
                      manifests: Mapping[int, ObjectMeta]) -> tuple[int, list[dict[str, str]]]:
@@ -191,7 +193,7 @@ class Discovery:
                 seen[meta.key] = (version, error)
                 bad.append({"key": meta.key, "error": error})
                 continue
-            added += self.store.add_remote_only(name, manifest, time.time())
+            added += self.store.add_remote_only(name, manifest, self.clock.time())
         self._bad_seen[name] = seen
         return added, bad
 
@@ -205,12 +207,12 @@ class Discovery:
         """Steps recorded uploaded (before the listing began) whose manifest has been absent
         from every listing for LOST_AFTER_S: no longer had remotely. A single listing is not
         enough: retention deletes a remote step before it records the deletion."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         before = self._missing.get(name, {})
         since = {step: before.get(step, now) for step in absent}
         self._missing[name] = since
         lost = sorted(step for step, t in since.items() if now - t >= LOST_AFTER_S)
         for step in lost:
-            if self.store.record(name, step, Event.REMOTE_LOST, time.time()):
+            if self.store.record(name, step, Event.REMOTE_LOST, self.clock.time()):
                 self.log.warning("remote_copy_lost", root=name, step=step)
         return lost

@@ -1,8 +1,9 @@
 """The scan service: walks each root into candidates and has the store reconcile them; the
 watcher's events only wake it early. Also keeps the watcher alive.
 
-Owns the roots' scanners, the inotify/polling watcher and the scan loop's pacing. Decides
-nothing about checkpoints (layouts find, the lifecycle table decides, the store records).
+Owns the roots' scanners, the inotify/polling watcher, the scan loop's pacing and its count
+(`scans`, in status). Decides nothing about checkpoints (layouts find, the lifecycle table
+decides, the store records); reads time only from the clock it is given.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.log import get_logger
 from ckptd.model import Candidate, Reason, Snapshot, State
@@ -31,8 +33,10 @@ class Scanner:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  scan_interval: Callable[[], float], polling: bool, metrics: Metrics,
                  exclusive: Any = None,
-                 may_adopt: Callable[[str], bool] = lambda root: True) -> None:
+                 may_adopt: Callable[[str], bool] = lambda root: True,
+                 clock: Clock = SYSTEM) -> None:
         self.store = store
+        self.clock = clock
         # False for a root another ckptd held before: its checkpoints were not the user's
         # own before ckptd came, whatever this daemon's store has seen.
         self.may_adopt = may_adopt
@@ -44,17 +48,20 @@ class Scanner:
         self.exclusive = exclusive if exclusive is not None else contextlib.nullcontext()
         self._polling = polling
         self._wake = threading.Event()
+        self._count_lock = threading.Lock()
         self._scanners: dict[str, RootScanner] = {}
         self._pending: set[str] = set()
         self._conflicts: set[tuple[str, int]] = set()
         self._bad_logged: dict[str, set[str]] = {}  # per root: refused metadata already logged
-        self.beat = time.monotonic()
+        self.beat = clock.monotonic()
+        # Full scans finished since start: a test waits on it ("not after two more scans").
+        self.scans = 0
         self.watcher = self._new_watcher()
         self.log = get_logger()
 
     def _new_watcher(self) -> EventWatcher:
         poll = max(1.0, min(self.scan_interval(), 5.0))
-        return EventWatcher(self.wake, self._polling, poll_interval=poll)
+        return EventWatcher(self.wake, self._polling, poll_interval=poll, clock=self.clock)
 
     def wake(self) -> None:
         self._wake.set()
@@ -82,7 +89,7 @@ class Scanner:
     def run(self, stop: threading.Event) -> None:
         """The scan loop: a full rescan every scan_interval, sooner when woken or settling."""
         while not stop.is_set():
-            self.beat = time.monotonic()
+            self.beat = self.clock.monotonic()
             wait = self.scan_interval()
             if self._pending:
                 # Something is settling: look again soon instead of a full interval later.
@@ -118,8 +125,10 @@ class Scanner:
                 self.scan_root(root)
             except Exception as exc:  # one root's bad state must not stop the others' scans
                 self.metrics.error("scan")
-                self.store.set_root_error(root.name, f"scan: {exc}", time.time())
+                self.store.set_root_error(root.name, f"scan: {exc}", self.clock.time())
                 self.log.error("scan_failed", root=root.name, error=str(exc), exc_info=True)
+        with self._count_lock:
+            self.scans += 1
 
     def scan_root(self, root: RootConfig) -> None:
         scanner = self._scanners.get(root.name)
@@ -127,11 +136,11 @@ class Scanner:
             return  # removed by a reload meanwhile
         if not root.path.is_dir():
             self.store.set_root_error(root.name, f"root path {root.path} does not exist",
-                                      time.time())
+                                      self.clock.time())
             return
         self.watcher.watch(root.path, scanner.open_files)
         with self.exclusive:
-            now = time.time()
+            now = self.clock.time()
             snap, found = scanner.scan(now, self._registrations(root.name))
             changes = self.store.sync_root(
                 root.name, [Found(c, fp, _newest(snap, c)) for c, fp in found], now,
@@ -203,7 +212,7 @@ class Scanner:
         return list(scanner.unrecognised) if scanner is not None else []
 
     def healthy(self, scan_interval: float) -> bool:
-        return time.monotonic() - self.beat < 2 * scan_interval + 60
+        return self.clock.monotonic() - self.beat < 2 * scan_interval + 60
 
 
 def _newest(snap: Snapshot, c: Candidate) -> float:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The settle time of a root `write_layout` renders: a "never happens" check waits past it.
+SETTLE, SETTLE_S = "300ms", 0.3
+
 
 def toml_value(v: Any) -> str:
     if isinstance(v, bool):
@@ -63,7 +66,7 @@ def write_layout(base: Path, sock: Path, roots: list[dict[str, Any]] | None = No
         path.mkdir(parents=True, exist_ok=True)
         root_paths[r["name"]] = path
         rendered.append({"name": r.pop("name"), "path": str(path),
-                         "settle": r.pop("settle", "300ms"), **r})
+                         "settle": r.pop("settle", SETTLE), **r})
     state_dir = base / "state"
     daemon = {"state_dir": str(state_dir), "socket": str(sock), "scan_interval": "1s",
               "log_format": "json", "log_level": "debug", **daemon_keys}

@@ -24,9 +24,10 @@ def wait_until(predicate: Callable[[], T], timeout: float = 30.0, what: str = ""
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:
-        last = predicate()
-        if last:
-            return last
+        value = predicate()
+        if value:
+            return value
+        last = value
         left = deadline - time.monotonic()
         if left <= 0:
             break
@@ -40,3 +41,28 @@ def wait_until(predicate: Callable[[], T], timeout: float = 30.0, what: str = ""
             extra = f"\n(detail unavailable: {exc})"
     raise WaitTimeout(f"timed out after {timeout}s waiting for {name}; last value: {last!r}"
                       f"{extra}")
+
+
+def wait_scans(client: Any, n: int = 2, settle: float = 0.0, timeout: float = 30.0) -> int:
+    """Wait until the daemon behind `client` has finished `n` more full scans than now, at least
+    two of them (so at least one whole scan) begun `settle` seconds or more from now: what a
+    "never happens" assertion waits for before it looks. Returns the scan count reached.
+
+    The count is `scans` in /v1/status. A scan under way when this is called counts as one,
+    hence two: the second began after the call."""
+    def scans() -> int:
+        doc = client.status()
+        assert doc is not None, "the daemon did not answer /v1/status"
+        return int(doc["scans"])
+
+    start = scans()
+    past = time.monotonic() + settle
+    base: list[int] = [start] if settle <= 0 else []
+
+    def done() -> int:  # 0 until done (the count is at least 2 by then)
+        count = scans()
+        if not base and time.monotonic() >= past:
+            base.append(count)
+        return count if base and count >= max(start + n, base[0] + 2) else 0
+
+    return wait_until(done, timeout, f"{n} more scans, {settle}s on", interval=0.02)

@@ -1,0 +1,35 @@
+"""A clock a test moves by hand (`ckptd.clock.Clock`): handed to a lease, scan or discovery
+service in the test process, it makes "once the lease is stale" or "once the save has settled"
+a call to `advance`, not a wait. Never sleeps."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class FakeClock:
+    """Wall and monotonic time that start at the real ones and move only when advanced; with
+    `running=True` they also follow the real clock, advanced by the offset given."""
+
+    def __init__(self, running: bool = False) -> None:
+        self._lock = threading.Lock()
+        self._wall0, self._mono0 = time.time(), time.monotonic()
+        self._running = running
+        self._offset = 0.0
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0, "a monotonic clock never goes back"
+        with self._lock:
+            self._offset += seconds
+
+    def _elapsed(self) -> float:
+        with self._lock:
+            real = time.monotonic() - self._mono0 if self._running else 0.0
+            return real + self._offset
+
+    def time(self) -> float:
+        return self._wall0 + self._elapsed()
+
+    def monotonic(self) -> float:
+        return self._mono0 + self._elapsed()
