@@ -36,7 +36,7 @@ from ckptd.errors import CkptdError, CorruptData, DiskFull, UnsafePath
 from ckptd.model import Candidate, Local, Remote
 from ckptd.remote.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from ckptd.restore.files import restore_from_dir
-from ckptd.retention import executor
+from ckptd.retention import executor, trash
 from ckptd.stages.compress import Stager
 from ckptd.stages.validate import validate
 
@@ -277,7 +277,7 @@ def test_rerun_replaces_an_existing_copy(tmp_path: Path) -> None:
     assert read_local_manifest(root, 3) == second != first
     assert os.listdir(objects_root(root)) == ["step-3"]
     assert not (objects_dir(root, 3) / "odd" / "random.dat").exists()  # old objects are gone
-    assert os.listdir(executor.trash_dir_for(root)) == []  # through the trash, and purged
+    assert os.listdir(trash.trash_dir_for(root)) == []  # through the trash, and purged
     restore_from_dir(objects_dir(root, 3), second, tmp_path / "out")
     assert_restored(root, tmp_path / "out", second)
 
@@ -332,7 +332,7 @@ def test_release_copy_goes_all_at_once(tmp_path: Path) -> None:
     out = executor.release_copy(root, target, NO_NETS)
     assert out.action == "deleted" and out.bytes_freed > 0
     assert local_steps(root) == [] and staging_dirs(root) == []
-    assert os.listdir(executor.trash_dir_for(root)) == []
+    assert os.listdir(trash.trash_dir_for(root)) == []
     assert executor.release_copy(root, target, NO_NETS).reason == "already gone"
     assert all((root / rel).exists() for rel in cand.files)
 

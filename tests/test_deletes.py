@@ -29,7 +29,8 @@ from ckptd.errors import CorruptData
 from ckptd.model import Candidate, Local, Remote
 from ckptd.remote import layout as remote
 from ckptd.remote.manifest import Manifest
-from ckptd.retention import executor
+from ckptd.retention import executor, trash
+from ckptd.retention.nets import SHARED
 from ckptd.stages import compress
 from ckptd.stages.upload import delete_step, upload_step
 from ckptd.stages.validate import validate
@@ -37,13 +38,15 @@ from ckptd.stages.validate import validate
 CKPTD = Path(__file__).resolve().parent.parent / "ckptd"
 
 # Attribute calls that delete whatever they are called on (a Path, a backend, os, shutil).
-_DELETING_ATTRS = {"unlink", "rmdir", "rmtree", "removedirs", "delete"}
+_DELETING_ATTRS = {"unlink", "rmdir", "rmtree", "removedirs", "delete", "remove_tree"}
 # Plain names that are (or wrap) a delete.
-_DELETING_NAMES = {"rmtree", "unlink", "rmdir", "_remove_tree", "_unlink_quietly"}
+_DELETING_NAMES = {"rmtree", "unlink", "rmdir", "remove_tree", "_remove_tree", "_unlink_quietly"}
 
-# Whole modules allowed to delete: the executor itself, the storage primitives beneath it.
+# Whole modules allowed to delete: the executor and its trash, the storage primitives beneath.
 ALLOWED_MODULES = {
     "ckptd.retention.executor": "the executor: the one place checkpoint bytes are deleted",
+    "ckptd.retention.trash": "the executor's trash: its moves, purges and start-up recovery, "
+                             "called by the executor's entry points (and purge_trash at start)",
     "ckptd.backends.base": "the storage contract (delete is one of its operations)",
     "ckptd.backends.local": "file:// backend primitive (and its own lock/temp files)",
     "ckptd.backends.objstore": "object-store backend primitive",
@@ -63,17 +66,17 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.stages.compress", "_ObjectSink.discard"): "a staged object's temp file",
     ("ckptd.stages.upload_local", "Ledger._open"): "the upload ledger's old-format file",
     ("ckptd.stages.parts", "_probe"): "the create-only probe object it just wrote",
-    ("ckptd.stages.persist", "_commit"):
+    ("ckptd.arena_write", "_commit"):
         "the save door acts for the trainer: its rendezvous markers, and the trainer's own "
         "earlier save of the step it is saving again (as ckptd.torch does in the trainer)",
-    ("ckptd.stages.persist", "_fresh_dir"): "a stale half-written save dir of the door",
-    ("ckptd.stages.persist", "_write_one"): "a file of the save it is writing, written again",
-    ("ckptd.stages.persist", "_remove_tree"): "the helper of the two above",
+    ("ckptd.arena_write", "_fresh_dir"): "a stale half-written save dir of the door",
+    ("ckptd.arena_write", "_write_one"): "a file of the save it is writing, written again",
     ("ckptd.remote.layout", "retreat_latest"): "the LATEST pointer object, not a step's bytes",
     ("ckptd.remote.layout", "_swap"): "an unreadable LATEST pointer object, rewritten",
     ("ckptd.service.effects", "LatestPublisher.publish"): "<root>/.ckptd/latest.json",
     ("ckptd.service.recovery", "remove_stale_temps"): "ckptd's own temp files",
     ("ckptd.service.lease", "*"): "the root lease's own files (lease.json, claims, temps)",
+    ("ckptd.service.lease_files", "*"): "the root lease's own files (lease.json, claims, temps)",
     ("ckptd.daemon", "*"): "the daemon's own socket",
     ("ckptd.api.door", "bind_socket"): "a stale socket at the configured path",
     ("ckptd.cli.doctor", "*"): "doctor's own probe files and objects",
@@ -128,7 +131,7 @@ def _allowed(module: str, scope: str) -> bool:
 
 def test_nothing_outside_the_executor_deletes() -> None:
     calls = delete_calls()
-    assert any(m == "ckptd.retention.executor" for m, *_ in calls)  # the walk sees deletes
+    assert any(m == "ckptd.retention.trash" for m, *_ in calls)  # the walk sees deletes
     stray = [f"{m}:{line} {scope or '<module>'}: {what}"
              for m, scope, line, what in calls if not _allowed(m, scope)]
     assert not stray, ("checkpoint bytes are deleted only by ckptd.retention.executor; add an "
@@ -206,7 +209,7 @@ def test_release_copy_nets(tmp_path: Path) -> None:
     g = nets(latest_step=1, best_step=1, pinned=frozenset({1}), upload_configured=True)
     out = executor.release_copy(root, copy_of(1), g)
     assert out.action == "deleted" and out.bytes_freed > 0 and not copy.exists()
-    assert os.listdir(executor.trash_dir_for(root)) == []
+    assert os.listdir(trash.trash_dir_for(root)) == []
     assert (root / "model_step_1.pt").is_file()
 
 
@@ -232,7 +235,7 @@ def test_replace_originals_nets(tmp_path: Path) -> None:
 
     for kw, why in (({"latest_step": 1}, "latest"), ({"in_use": frozenset({1})}, "in_use"),
                     ({"invalid": frozenset({1})}, "invalid"),
-                    ({"shared": frozenset({1})}, executor.SHARED)):
+                    ({"shared": frozenset({1})}, SHARED)):
         out = executor.replace_originals(root, target, nets(**kw), check)
         assert (out.action, out.reason) == ("refused", why) and path.is_file()
     assert not checked  # a net refuses before anything is read
@@ -246,7 +249,7 @@ def test_replace_originals_nets(tmp_path: Path) -> None:
     g = nets(best_step=1, pinned=frozenset({1}), upload_configured=True)
     out = executor.replace_originals(root, target, g, check)
     assert out.action == "deleted" and out.bytes_freed == len(data) and not path.exists()
-    assert os.listdir(executor.trash_dir_for(root)) == []
+    assert os.listdir(trash.trash_dir_for(root)) == []
     assert copies.local_steps(root) == [1]
 
 
@@ -263,13 +266,13 @@ def test_replace_originals_cut_short_is_put_back_at_start(tmp_path: Path) -> Non
     manifest = st.commit(result.files, result.metrics)
     saved = {n: (root / n).read_bytes() for n in cand.files}
     # What a crash after the first rename leaves: a "moving" entry holding a.dat only.
-    entry = executor.trash_dir_for(root) / "step-7.cut"
-    (entry / executor.DATA_NAME / "ck").mkdir(parents=True)
-    os.rename(root / "ck" / "a.dat", entry / executor.DATA_NAME / "ck" / "a.dat")
-    (entry / executor.JOURNAL_NAME).write_text(json.dumps(
+    entry = trash.trash_dir_for(root) / "step-7.cut"
+    (entry / trash.DATA_NAME / "ck").mkdir(parents=True)
+    os.rename(root / "ck" / "a.dat", entry / trash.DATA_NAME / "ck" / "a.dat")
+    (entry / trash.JOURNAL_NAME).write_text(json.dumps(
         {"format": "ckptd-trash/1", "step": 7, "state": "moving",
          "names": ["ck/a.dat", "ck/b.dat"]}))
-    assert executor.purge_trash(executor.trash_dir_for(root), root) == 0
+    assert trash.purge_trash(trash.trash_dir_for(root), root) == 0
     assert {n: (root / n).read_bytes() for n in cand.files} == saved
     target = executor.Target(7, "ck", cand.files, Local.PRESENT, Remote.NONE, False)
     out = executor.replace_originals(
@@ -297,7 +300,7 @@ def test_install_copy_replaces_the_superseded_copy_through_the_trash(tmp_path: P
     _, second = staged(root, 1, n=200)  # a re-save of the step
     assert first != second and copies.read_local_manifest(root, 1) == second
     assert os.listdir(copies.objects_root(root)) == ["step-1"]
-    assert os.listdir(executor.trash_dir_for(root)) == []
+    assert os.listdir(trash.trash_dir_for(root)) == []
     copies.verify_copy(copies.objects_dir(root, 1), second)
 
 
@@ -365,7 +368,7 @@ def test_resave_of_a_step_held_compressed(inproc_daemon: Any, tmp_path: Path,
     assert not thread_errors, thread_errors
     assert "KeyError" not in d.log_text() and "Traceback" not in d.log_text()
     # Step 2 may be on its way through the trash (compressed in place now that 3 is here).
-    wait_until(lambda: os.listdir(executor.trash_dir_for(root)) == [], 30, "the trash empty")
+    wait_until(lambda: os.listdir(trash.trash_dir_for(root)) == [], 30, "the trash empty")
     out = tmp_path / "restored"
     r = cli("restore", "r1", "1", "--to", str(out), config=d.config)
     assert r.returncode == 0, r.stderr
@@ -408,7 +411,7 @@ def test_a_spare_copy_is_released_by_retention_and_never_under_a_reader(
     assert r.returncode == 0, r.stderr
     wait_until(lambda: not copy.exists(), 30, what="the spare copy released")
     assert (root / "model_step_1.pt").is_file()
-    wait_until(lambda: os.listdir(executor.trash_dir_for(root)) == [], 30, what="trash purged")
+    wait_until(lambda: os.listdir(trash.trash_dir_for(root)) == [], 30, what="trash purged")
     assert "copy" not in plan_of_1()
 
 
@@ -434,21 +437,21 @@ def test_recovery_releases_a_copy_the_store_dropped_through_the_executor(
     recovered = d.events("daemon_recovered")[-1]
     assert recovered["released_copies_removed"] == 1, recovered
     assert not copy.exists() and (root / "model_step_1.pt").is_file()
-    assert os.listdir(executor.trash_dir_for(root)) == []
+    assert os.listdir(trash.trash_dir_for(root)) == []
 
 
 def test_a_trash_journal_that_is_no_regular_file_never_stalls_recovery(tmp_path: Path) -> None:
     """The trash lies in the root: a FIFO or a huge file at an entry's journal is read through
     the bounded reader (never waited on), so start-up recovery goes on."""
     root = tmp_path / "root"
-    trash = executor.trash_dir_for(root)
+    bin_dir = trash.trash_dir_for(root)
     for name, make in (("fifo", os.mkfifo), ("huge", lambda p: open(p, "wb").truncate(1 << 40))):
-        entry = trash / name
+        entry = bin_dir / name
         entry.mkdir(parents=True)
         (entry / "victim.bin").write_bytes(b"x")
-        make(entry / executor.JOURNAL_NAME)
-    assert executor.purge_trash(trash, root) == 2
-    assert list(trash.iterdir()) == []
+        make(entry / trash.JOURNAL_NAME)
+    assert trash.purge_trash(bin_dir, root) == 2
+    assert list(bin_dir.iterdir()) == []
 
 
 def test_a_local_manifest_that_is_no_regular_file_is_refused_at_once(tmp_path: Path) -> None:

@@ -27,14 +27,9 @@ from ckptd.retention.executor import (
     Guards,
     Outcome,
     Target,
-    TrashRecord,
     execute_local,
     execute_remote,
-    purge,
-    purge_trash,
-    restore,
     trash,
-    trash_dir_for,
 )
 from ckptd.retention.planner import (
     Action,
@@ -46,6 +41,7 @@ from ckptd.retention.planner import (
     RemoteRules,
     plan,
 )
+from ckptd.retention.trash import TrashRecord, purge, purge_trash, restore, trash_dir_for
 
 OPEN = Guards(
     latest_step=None,
@@ -425,7 +421,7 @@ import os, sys
 from pathlib import Path
 from ckptd.log import configure
 from ckptd.model import Local, Remote
-from ckptd.retention import executor
+from ckptd.retention import executor, trash
 
 configure("json", stream=sys.stderr)  # stdout is the line to the parent
 
@@ -446,7 +442,7 @@ if mode == "mid-move":
             block("moved-one")
     os.rename = rename
 
-record = executor.trash(root, target, guards, executor.trash_dir_for(root))
+record = executor.trash(root, target, guards, trash.trash_dir_for(root))
 block("trashed")
 """
 

@@ -23,7 +23,7 @@ from ckptd.lifecycle.changes import Changes
 from ckptd.lifecycle.table import Effect, Event
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote, Tier
-from ckptd.retention import executor, scheduler
+from ckptd.retention import executor, views
 from ckptd.store import Applied, Store
 
 
@@ -151,7 +151,7 @@ class Effects:
                 self.store.record(a.root, a.step, Event.COPY_DROPPED)
 
     def _release(self, root: RootConfig, step: int, local: Local, remote: Remote) -> bool:
-        guards = scheduler.guards_for(self.store, root, time.time())
-        out = executor.release_copy(root.path, scheduler.copy_target(step, local, remote),
+        guards = views.guards_for(self.store, root, time.time())
+        out = executor.release_copy(root.path, views.copy_target(step, local, remote),
                                     guards, root=root.name)
         return out.action == "deleted"

@@ -1,0 +1,153 @@
+"""One retention run of one root: plan from the store's facts, execute with fresh guards,
+record the outcomes as lifecycle events, compress in place what the plan defers. Never chooses
+when it runs (the scheduler does), decides nothing (the planner) and deletes nothing itself
+(every delete is an executor entry point).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from ckptd.backends import Backend
+from ckptd.cluster.coordinator import coordinates
+from ckptd.config import RootConfig
+from ckptd.errors import CkptdError
+from ckptd.lifecycle.table import Event
+from ckptd.log import get_logger
+from ckptd.model import CheckpointRecord, State, Tier
+from ckptd.remote import layout as remote
+from ckptd.retention import executor, planner, trash
+from ckptd.retention.inplace import InPlace
+from ckptd.retention.nets import Guards
+from ckptd.retention.report import RootHealth
+from ckptd.retention.views import (
+    copy_target,
+    disk_of,
+    guards_for,
+    local_rules,
+    remote_rules,
+    target_of,
+    view_of,
+)
+from ckptd.store import Store
+
+_EVENTS = {("deleted", "local"): Event.PRUNED_LOCAL,  # "trashed" was recorded already
+           ("deleted", "remote"): Event.PRUNED_REMOTE,
+           ("deleted", "copy"): Event.COPY_DROPPED}
+
+
+class Runner:
+    """Runs a root's retention; only the retention service's thread calls `run`. `exclusive`
+    and `nets` are the service's locks, held for the local deletes."""
+
+    def __init__(self, store: Store, backend_for: Callable[[RootConfig], Backend | None],
+                 exclusive: threading.RLock, nets: threading.RLock, node: str = "") -> None:
+        self.store = store
+        self.backend_for = backend_for
+        self.node = node  # daemon.node: remote retention of a multi-node root is its coordinator's
+        self.exclusive = exclusive
+        self.nets = nets
+        self.health: dict[str, RootHealth] = {}
+        self.inplace = InPlace(store, exclusive, nets)
+        self.log = get_logger()
+
+    def plan(self, root: RootConfig, now: float, delete_adopted: bool = False,
+             records: list[CheckpointRecord] | None = None) -> planner.Plan:
+        if records is None:
+            records = self.store.checkpoints(root.name)
+        in_use = self.store.in_use(root.name, now)
+        views = [view_of(r, root.metric, r.step in in_use, self._has_copy(root, r))
+                 for r in records]
+        disk = disk_of(root) or planner.Disk(0, 0, 0)
+        return planner.plan(views, local_rules(root), remote_rules(root), disk, now,
+                            metric_mode=root.metric_mode, upload_configured=root.upload.enabled,
+                            delete_adopted=delete_adopted)
+
+    def _has_copy(self, root: RootConfig, r: CheckpointRecord) -> bool:
+        status = self.store.status(root.name, r.step)
+        return status is not None and status.copy
+
+    def run(self, root: RootConfig, delete_adopted: bool = False) -> list[executor.Outcome]:
+        # Only the local deletes hold the lock (with the guards they check, read inside it):
+        # remote calls and compressing in place can take long and must not hold up scans,
+        # pins or readers' holds.
+        with self.exclusive, self.nets:
+            now = time.time()
+            plan, outcomes = self._run_local(root, now, delete_adopted)
+            self._record(root, [o for o in outcomes if o.action != "deferred"])
+        remote_out = self._remote(root, plan, now)
+        self._record(root, remote_out + [o for o in outcomes if o.action == "deferred"])
+        self.inplace.finish(root)
+        return outcomes + remote_out
+
+    def _run_local(self, root: RootConfig, now: float, delete_adopted: bool = False
+                   ) -> tuple[planner.Plan, list[executor.Outcome]]:
+        records = self.store.checkpoints(root.name)
+        plan = self.plan(root, now, delete_adopted, records)
+        self._check_preflight(root, records, plan)
+        guards = self._guards(root, now, delete_adopted)
+        targets = {r.step: target_of(root, r, self.store.members(r.id)) for r in records}
+        outcomes = executor.execute_local(
+            root.path, plan, targets, guards, trash.trash_dir_for(root.path),
+            on_trashed=lambda step, _entry: self._pruned(root.name, step),
+            root=root.name)
+        copies = {r.step: copy_target(r.step, r.local, r.remote) for r in records}
+        outcomes += executor.execute_copies(root.path, plan, copies, guards, root=root.name)
+        return plan, outcomes
+
+    def _pruned(self, name: str, step: int) -> None:
+        self.store.record(name, step, Event.PRUNED_LOCAL, time.time())
+
+    def _remote(self, root: RootConfig, plan: planner.Plan, now: float
+                ) -> list[executor.Outcome]:
+        if not any(i.remote is planner.Action.DELETE for i in plan.items):
+            return []
+        backend = self.backend_for(root)
+        if backend is None or (root.multi_node and not self._coordinates(root, backend)):
+            return []
+        from ckptd.stages.upload import delete_step
+
+        return executor.execute_remote(backend, root.name, plan, self._guards(root, now),
+                                       delete_step)
+
+    def _coordinates(self, root: RootConfig, backend: Backend) -> bool:
+        """Whether this node makes the multi-node root's remote deletes (`coordinates`)."""
+        newest = self.store.latest(root.name, Tier.REMOTE)
+        if newest is None:
+            return False
+        try:
+            nodes = remote.read_manifest(backend, root.name, newest.step).nodes
+        except CkptdError as exc:
+            self.log.warning("remote_retention_skipped", root=root.name, error=str(exc))
+            return False
+        return coordinates(self.node, nodes)
+
+    def _guards(self, root: RootConfig, now: float, delete_adopted: bool = False) -> Guards:
+        return guards_for(self.store, root, now, delete_adopted)
+
+    def _record(self, root: RootConfig, outcomes: list[executor.Outcome]) -> None:
+        """Record what was done as lifecycle events; their effects (a released compressed
+        copy removed, latest.json) follow the transition."""
+        for o in outcomes:
+            event = _EVENTS.get((o.action, o.tier))
+            if event is not None:
+                self.store.record(root.name, o.step, event, time.time())
+            elif o.action == "deferred" and o.reason == "compress":
+                self.inplace.compress(root, o.step)
+
+    def _check_preflight(self, root: RootConfig, records: list[CheckpointRecord],
+                         plan: planner.Plan) -> None:
+        disk = disk_of(root)
+        if disk is None:
+            return
+        sizes = [r.bytes for r in records if r.state is State.VALID and r.bytes][-5:]
+        pre = planner.preflight(sizes, disk, plan.reclaimable_bytes)
+        prev = self.health.get(root.name)
+        self.health[root.name] = RootHealth(pre.ok, pre.message, pre.next_save_estimate,
+                                            plan.min_free_unmet)
+        if not pre.ok and (prev is None or prev.preflight_ok):
+            self.log.warning("preflight_capacity_warning", root=root.name, message=pre.message,
+                             next_save_estimate=pre.next_save_estimate,
+                             projected_free=pre.projected_free)

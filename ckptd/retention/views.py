@@ -1,0 +1,109 @@
+"""Store rows as the planner's and the executor's plain types: a record as a `CheckpointView`,
+a root's config as rules and a `Disk`, the nets as `Guards` read now, a record as a `Target`.
+Reads the store and the disk; decides nothing and deletes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from ckptd.config import RootConfig
+from ckptd.model import CKPTD_DIR, CheckpointRecord, Local, Remote, State, Tier
+from ckptd.retention import planner
+from ckptd.retention.executor import Target
+from ckptd.retention.nets import Guards
+from ckptd.store import Store
+
+
+def guards_for(store: Store, root: RootConfig, now: float,
+               delete_adopted: bool = False) -> Guards:
+    """The nets, read from the store now: what every executor entry point checks."""
+    records = store.checkpoints(root.name)
+    latest = store.latest(root.name, Tier.ANY)
+    best = store.best(root.name, root.metric, root.metric_mode)
+    return Guards(
+        latest_step=latest.step if latest else None,
+        best_step=best.step if best else None,
+        pinned=frozenset(r.step for r in records if r.pinned),
+        in_use=store.in_use(root.name, now),
+        remote_verified=frozenset(r.step for r in records if r.remote is Remote.UPLOADED),
+        upload_configured=root.upload.enabled,
+        invalid=frozenset(r.step for r in records if r.state is State.INVALID),
+        shared=_shared(store, root, records),
+        adopted=frozenset() if delete_adopted else frozenset(
+            r.step for r in records if r.adopted and r.remote is not Remote.UPLOADED),
+    )
+
+
+def _shared(store: Store, root: RootConfig, records: list[CheckpointRecord]) -> frozenset[int]:
+    """Steps on disk whose files, or whose directory, hold another on-disk checkpoint's
+    file: a file belongs to one checkpoint, so a delete never reaches past its own."""
+    present = [r for r in records if r.local is Local.PRESENT]
+    owners: dict[str, set[int]] = {}
+    for r in present:
+        for f in store.members(r.id):
+            owners.setdefault(f, set()).add(r.step)
+    shared = {s for steps in owners.values() if len(steps) > 1 for s in steps}
+    for r in present:
+        if _real_dir(root.path / r.path):
+            prefix = r.path.rstrip("/") + "/"
+            if any(f.startswith(prefix) and steps - {r.step}
+                   for f, steps in owners.items()):
+                shared.add(r.step)
+    return frozenset(shared)
+
+
+def copy_target(step: int, local: Local, remote: Remote) -> Target:
+    """A step's local compressed copy as the executor's Target (`release_copy`)."""
+    return Target(step, f"{CKPTD_DIR}/objects/step-{step}", (), local, remote, True)
+
+
+def target_of(root: RootConfig, r: CheckpointRecord, members: tuple[str, ...]) -> Target:
+    """A record's local form as the executor's Target: its copy when that is all there is."""
+    if r.local is Local.COMPRESSED:
+        return copy_target(r.step, r.local, r.remote)
+    return Target(r.step, r.path, members, r.local, r.remote, _real_dir(root.path / r.path))
+
+
+def view_of(r: CheckpointRecord, metric: str, in_use: bool,
+            copy: bool = False) -> planner.CheckpointView:
+    return planner.CheckpointView(
+        step=r.step, state=r.state, local=r.local, remote=r.remote,
+        completed=r.completed if r.completed is not None else r.created, bytes=r.bytes,
+        metric=r.metrics.get(metric) if metric else None, pinned=r.pinned, in_use=in_use,
+        adopted=r.adopted, copy=copy)
+
+
+def local_rules(root: RootConfig) -> planner.LocalRules:
+    lr = root.retention.local
+    return planner.LocalRules(keep_last=lr.keep_last, keep_best=lr.keep_best,
+                              keep_every=lr.keep_every, keep_within=lr.keep_within,
+                              compress_older=lr.compress_older,
+                              delete_invalid=lr.delete_invalid)
+
+
+def remote_rules(root: RootConfig) -> planner.RemoteRules:
+    rr = root.retention.remote
+    return planner.RemoteRules(keep_last=rr.keep_last, keep_best=rr.keep_best,
+                               keep_every=rr.keep_every, keep_within=rr.keep_within)
+
+
+def disk_of(root: RootConfig) -> planner.Disk | None:
+    try:
+        usage = shutil.disk_usage(root.path)
+    except OSError:
+        return None
+    need = root.retention.local.min_free.required(usage.total)
+    return planner.Disk(usage.free, usage.total, need)
+
+
+def _real_dir(path: Path) -> bool:
+    """A directory, not a link to one. Any error (a name too long, a permission) is "no": one
+    checkpoint's odd path never fails the run for the others."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except (OSError, ValueError):
+        return False
