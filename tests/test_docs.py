@@ -94,11 +94,21 @@ def test_every_documented_log_event_is_emitted() -> None:
     assert not bad, f"events documented but never emitted: {bad}"
 
 
-def test_readme_links_resolve() -> None:
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's heading anchors of a markdown file."""
+    heads = re.findall(r"^#+ (.+)$", doc.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
+def test_doc_links_resolve() -> None:
+    """Every relative link of README.md and docs/*.md leads to a file, and to a heading there."""
     for path in all_docs():
         text = path.read_text()
-        for m in re.finditer(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
-            assert (path.parent / m.group(1)).exists(), f"{where(path, text, m.start())}: {m[1]}"
+        for m in re.finditer(r"\]\(([^)#:]*)(?:#([^)]*))?\)", text):
+            target = path.parent / m.group(1) if m.group(1) else path
+            assert target.exists(), f"{where(path, text, m.start())}: {m[1]}"
+            if m.group(2) and target.suffix == ".md":
+                assert m.group(2) in _anchors(target), f"{where(path, text, m.start())}: #{m[2]}"
 
 
 # -- module paths ------------------------------------------------------------------------------
