@@ -335,7 +335,8 @@ def _key_exists(key: str) -> bool:
 
 
 def test_config_keys_in_docs_exist() -> None:
-    docs = [*all_docs(), *([SPEC] if SPEC.exists() else [])]
+    docs = [d for d in all_docs() if d.name != "TESTING.md"]  # it names code, not config
+    docs += [SPEC] if SPEC.exists() else []
     bad = [f"{at}: {span}" for at, line in doc_lines(*docs) for span in SPAN.findall(line)
            if (m := _KEY.match(span)) and not _key_exists(m.group(1))]
     assert not bad, f"config keys the schema does not have: {bad}"
@@ -439,3 +440,21 @@ def test_package_map_is_the_tree() -> None:
     tree |= {p.stem for p in pkg.glob("*.py") if not p.stem.startswith("__")}
     assert named == tree, (f"DESIGN.md's package map: missing {sorted(tree - named)}, "
                            f"not in ckptd/ {sorted(named - tree)}")
+
+
+_REACH = re.compile(r"\b(?:daemon|d)\.(supervisor|scanner|retention|metrics|discovery|leases|"
+                    r"persist|effects|ctx|server|healthy|_[a-z]\w*)\b|\bDaemon\(")
+
+
+def test_testing_md_names_the_tests_that_reach_in() -> None:
+    """TESTING.md's "Tests that reach into the daemon" names every test file that touches a
+    daemon's services or private parts (or builds a `Daemon` itself) beside InProcessDaemon."""
+    text = (DOCS / "TESTING.md").read_text()
+    section = text.split("## Tests that reach into the daemon", 1)[-1].split("\n## ", 1)[0]
+    tests = ROOT / "tests"
+    reaching = {str(p.relative_to(ROOT)) for p in tests.rglob("*.py")
+                if "frameworks" not in p.parts and p.name not in ("inproc.py", "test_docs.py")
+                and _REACH.search(p.read_text())}
+    assert reaching, "the scan finds nothing: the pattern is stale"
+    missing = sorted(f for f in reaching if f"`{f}`" not in section)
+    assert not missing, f"docs/TESTING.md does not name these tests that reach in: {missing}"
