@@ -7,12 +7,12 @@ only through `ckptd.client`, and a missing daemon never fails or blocks a traini
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import re
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ckptd import inputs
+from ckptd import fileio, inputs
 from ckptd.errors import BadInput, CkptdError, ValidationFailed
 
 __all__ = ["FORMAT", "Stateful", "save"]  # the blocking writer; ckptd.torch re-exports
@@ -102,7 +102,8 @@ def save(
         # step-N.tmp behind. Rank 0 owns the directory; the others' files go with it. (Node-
         # local: each node's leftover is cleared by the next save's probe.)
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                fileio.remove_tree(tmp)
         raise
     if rank == 0 and register:
         _register(root_name or root.resolve().name, step, head["metrics"], client)
@@ -134,13 +135,14 @@ def _write_parts(tmp: Path, rank: int, parts: list[Part]) -> list[Entry]:
         state = build()
         torch.save(state, tmp / name)
         del state  # drop this component's dict (and any device->host copies) before the next
-        _advise_dontneed(tmp / name)  # starts writeback now, overlapping the next component
+        fileio.drop_cache(tmp / name)  # starts writeback now, overlapping the next component
         entry: Entry = {"path": name, "component": component}
         if name.startswith(("optim.rank", "rng.rank")):
             entry["rank"] = rank
         entries.append(entry)
     for entry in entries:
-        _fsync(tmp / entry["path"], drop_cache=True)
+        # written and durable: keep the training job's own pages in the cache
+        fileio.fsync_file(tmp / entry["path"], drop=True)
         entry["size"] = (tmp / entry["path"]).stat().st_size
     return entries
 
@@ -172,7 +174,7 @@ def _save_files(tmp: Path, final: Path, rank: int, world: int, parts: list[Part]
     if rank == 0:
         token = uuid.uuid4().hex
         _fresh_dir(tmp)
-        _write_json_atomic(tmp / ".ready", {"token": token})
+        fileio.atomic_write_json(tmp / ".ready", {"token": token})
         _write_marker(tmp, 0, token, _write_parts(tmp, 0, parts))
         _commit(tmp, final, {**head, "save_id": token}, _collect(tmp, world, token, deadline))
         return
@@ -224,7 +226,7 @@ def _polls(deadline: float, what: str) -> Iterator[None]:
 
 
 def _write_marker(tmp: Path, rank: int, token: str, entries: list[Entry]) -> None:
-    _write_json_atomic(tmp / f".done.rank{rank}", {"token": token, "files": entries})
+    fileio.atomic_write_json(tmp / f".done.rank{rank}", {"token": token, "files": entries})
 
 
 def _collect(tmp: Path, world: int, token: str, deadline: float) -> list[Entry]:
@@ -248,21 +250,22 @@ def _commit(tmp: Path, final: Path, head: dict[str, Any], entries: list[Entry]) 
     for p in tmp.iterdir():
         if p.name.startswith("."):
             p.unlink()  # rendezvous markers are not part of the checkpoint
-    _write_json(tmp / "meta.json", {**head, "files": entries})
+    fileio.atomic_write_json(tmp / "meta.json", {**head, "files": entries})
     _swap_in(tmp, final)
 
 
 def _swap_in(tmp: Path, final: Path) -> None:
     """`tmp` becomes `final` by one rename; an older `final` is moved aside, then removed."""
-    _fsync(tmp)
+    fileio.fsync_dir(tmp)
     old = None
     if final.exists():
         old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync(final.parent)
+    fileio.fsync_dir(final.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        with contextlib.suppress(OSError):  # committed already: a leftover must not undo that
+            fileio.remove_tree(old)
 
 
 def _fresh_dir(tmp: Path) -> None:
@@ -270,7 +273,8 @@ def _fresh_dir(tmp: Path) -> None:
         # Move it aside first: a rank still writing there must not make the removal fail.
         aside = tmp.with_name(f".{tmp.name}.stale-{uuid.uuid4().hex[:8]}")
         os.rename(tmp, aside)
-        shutil.rmtree(aside, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            fileio.remove_tree(aside)
         log.warning("ckptd.torch: removed %s left by an interrupted save", tmp)
     tmp.mkdir()
 
@@ -372,38 +376,6 @@ def _rng_state() -> dict[str, Any]:
         # only when CUDA is already up: reading its RNG must not start it in a CPU job
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
-
-
-def _fsync(path: Path, drop_cache: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        if drop_cache:  # written and durable: keep the training job's own pages in the cache
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _advise_dontneed(path: Path) -> None:
-    """On Linux this starts writeback of the dirty pages without waiting for it."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    part = path.with_name(f"{path.name}.part-{os.getpid()}")
-    _write_json(part, data)
-    os.rename(part, path)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

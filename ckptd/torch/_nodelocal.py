@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ckptd import fileio
 from ckptd.errors import CkptdError
 from ckptd.torch import _native
 
@@ -31,7 +32,7 @@ def save(tmp: Path, final: Path, rank: int, world: int, parts: list[_native.Part
     tmp.mkdir(exist_ok=True)
     if tmp.is_symlink() or not tmp.is_dir():  # its leftovers are cleared: never follow a link
         raise CkptdError(f"ckptd.torch.save: {tmp} is not a directory of this root")
-    _native._write_json_atomic(tmp / f"{HERE}{rank}", {"token": token})
+    fileio.atomic_write_json(tmp / f"{HERE}{rank}", {"token": token})
     dist.barrier()
     views: list[Any] = [None] * world
     dist.all_gather_object(views, _seen(tmp, token, world))
