@@ -1,7 +1,26 @@
-"""The documented exception tree of ckptd.
+"""The documented exception tree of ckptd: every exception type raised across module boundaries.
 
-Owns every exception type ckptd raises across module boundaries; imports nothing else of ckptd.
-Only `ckptd.cli.main` turns these into exit codes (see `exit_code`).
+Imports nothing else of ckptd, and so cannot import an exception that carries an area's own
+types; those few live in their area's module and are listed here (each is caught by its area's
+caller, never by the command line):
+
+- `ckptd.lifecycle.table.Refused`: the lifecycle table refuses a (status, event) pair; carries
+  the `Status` and `Event`. The store records nothing.
+- `ckptd.stages.parts.NotCommitted` (a TransientError): a node's part is written, the step waits
+  for the other nodes' parts; carries the commit `Plan` and the nodes' states.
+- `ckptd.service.jobs` and `ckptd.retention` keep their own stage and run signals.
+
+Not here either, on purpose: `ckptd.client.ClientError` and `DaemonUnavailable`. The client is
+standard library only and imports nothing of ckptd, and this module never imports the client;
+`ckptd.cli.main` translates the client's errors into these.
+
+Private flow signals that stay exceptions, because a callee that is not ckptd's must be unwound
+(a return value cannot cross it): `formats.picklescan._Unsafe` and `formats.dcpmeta._Unsafe`
+(inside a pickle interpreter and `pickle.Unpickler.find_class`), `restore.pipe._Cancelled`
+(inside a backend's `get` writing into the pipe), `torch._arena_copy.Unsupported` (inside
+`torch.save`'s pickler). They never leave their module's caller.
+
+Only `ckptd.cli.main` turns these into exit codes (see `exit_code`; docs/CLI.md lists them).
 """
 
 from __future__ import annotations
@@ -26,7 +45,8 @@ class UsageError(CkptdError):
 
 
 class DaemonUnreachable(CkptdError):
-    """No daemon answered on the socket."""
+    """No daemon answered on the socket (the command line's translation of the client's
+    DaemonUnavailable)."""
 
     exit_code = 69
 
@@ -43,8 +63,9 @@ class StateLocked(CkptdError):
 
 
 class ServiceUnavailable(CkptdError):
-    """A service of the daemon could not do what was asked in time (not running, or busy);
-    asking again later may succeed. The socket API answers it with 503."""
+    """A service of the daemon could not do what was asked in time (not running, or busy), or
+    the daemon is shutting down; asking again later may succeed. The socket API answers it with
+    503, and the command line exits 69 on a 503 (EX_UNAVAILABLE, as for no daemon at all)."""
 
     exit_code = 69
 
@@ -106,6 +127,27 @@ class BadInput(CorruptData):
 
 class DiskFull(CkptdError):
     """No space left while writing (ENOSPC/EDQUOT)."""
+
+
+class Cancelled(CkptdError):
+    """The daemon is stopping: an async save (`ckptd.arena_write`) is abandoned before its
+    commit."""
+
+
+class BadPart(ValueError):
+    """A multi-node part object (`ckptd.cluster.commit.parse_part`) that is not a
+    `ckptd-part/1` document; the message says what is wrong. Its readers skip that part (or
+    refuse to take its key) and go on."""
+
+
+class HttpError(Exception):
+    """An answer of the socket API to one request: `status`, a machine-readable `code` and a
+    `message` (`ckptd.api`). Not a CkptdError: it never leaves the API's request handlers,
+    which turn it into `{"error": code, "message": message}`."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
 
 
 def exit_code(err: BaseException) -> int:

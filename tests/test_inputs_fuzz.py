@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from ckptd import arena, inputs, layouts
 from ckptd.cluster import commit as cc
-from ckptd.errors import BadInput, CorruptData, ValidationFailed
+from ckptd.errors import BadInput, BadPart, CorruptData, ValidationFailed
 from ckptd.formats import zipcrc
 from ckptd.model import Candidate, FileInfo, Reason, RootOptions, Snapshot
 from ckptd.remote.manifest import Manifest, StoredFile, parse_manifest
@@ -317,7 +317,7 @@ def test_manifest_and_part_over_their_caps_are_refused_unparsed(which: str, extr
             with pytest.raises(CorruptData):
                 parse_manifest(inputs.check_size(data, inputs.MANIFEST, "m"))
         else:
-            with pytest.raises(cc.BadPart):
+            with pytest.raises(BadPart):
                 cc.parse_part(data, "p")
 
 

@@ -11,18 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import inputs
-from ckptd.errors import BadInput
+from ckptd.errors import BadInput, HttpError
 from ckptd.model import Tier
 
 MAX_STEP = 2**63
 MAX_PATHS = 10_000
 MAX_METRICS = 256
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 def taken(owners: dict[str, int], paths: list[str], step: int) -> list[tuple[str, int]]:

@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 from ckptd import __version__
 from ckptd.api import checks
-from ckptd.api.checks import HttpError
 from ckptd.client import read_latest_file
 from ckptd.config import RootConfig
+from ckptd.errors import HttpError
 from ckptd.lifecycle.changes import Changes
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Remote, Tier
@@ -70,7 +70,10 @@ class MetricsText(Protocol):
     def render(self) -> str: ...
 
 
-class Leases(Protocol):
+class RootLeases(Protocol):
+    """Which roots this daemon acts on: whose root lease (`<root>/.ckptd/lease.json`) it
+    holds, and who holds each (`ckptd.service.lease.Leases`)."""
+
     def holds(self, name: str) -> bool: ...
     def holder_json(self, name: str) -> dict[str, Any] | None: ...
 
@@ -96,8 +99,8 @@ class NoPersist:
         return []
 
 
-class HoldsAll:
-    """Every root is this daemon's (no lease service: a bare context in tests)."""
+class NoRootLeases:
+    """No root lease service (a bare context in tests): every root is this daemon's."""
 
     def holds(self, name: str) -> bool:
         return True
@@ -112,7 +115,7 @@ class ApiContext:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  changes: Changes, scan: Scan, workers: Workers, retention: Retention,
                  discovery: Discovery, services: Services, metrics: MetricsText,
-                 leases: Leases | None = None, persist: Persist | None = None) -> None:
+                 leases: RootLeases | None = None, persist: Persist | None = None) -> None:
         self.store = store
         self.roots = roots
         self.changes = changes
@@ -122,7 +125,7 @@ class ApiContext:
         self.discovery = discovery
         self.services = services
         self.metrics = metrics
-        self.leases: Leases = leases if leases is not None else HoldsAll()
+        self.leases: RootLeases = leases if leases is not None else NoRootLeases()
         self.persist: Persist = persist if persist is not None else NoPersist()
         self.started = time.monotonic()
         self.stopping = threading.Event()

@@ -21,11 +21,10 @@ from typing import Any
 
 from ckptd import __version__
 from ckptd.api import checks
-from ckptd.api.checks import HttpError
 from ckptd.api.documents import ApiContext
 from ckptd.api.door import Conn, ConnectionLoop, Prefixed, Writer, recv_first
 from ckptd.config import RootConfig
-from ckptd.errors import ServiceUnavailable
+from ckptd.errors import HttpError, ServiceUnavailable
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Remote, State
 

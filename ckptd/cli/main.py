@@ -13,7 +13,15 @@ from typing import Any
 
 from ckptd import __version__
 from ckptd.client import Client, ClientError, DaemonUnavailable
-from ckptd.errors import CkptdError, ConfigError, DaemonUnreachable, NotFound, UsageError, exit_code
+from ckptd.errors import (
+    CkptdError,
+    ConfigError,
+    DaemonUnreachable,
+    NotFound,
+    ServiceUnavailable,
+    UsageError,
+    exit_code,
+)
 from ckptd.heap import return_large_buffers
 
 EXIT_NO = 1
@@ -46,8 +54,8 @@ _EXAMPLES = """examples:
   ckptd verify /data/ckpt/llm-7b/step-1200     offline check of one checkpoint
   ckptd restore llm-7b latest --to /scratch/resume
   ckptd doctor                                 check the setup; each problem with its fix
-exit codes: 0 ok, 1 no/invalid, 2 usage, 69 daemon unreachable, 75 state dir locked,
-78 bad config or environment (docs/CLI.md)."""
+exit codes: 0 ok, 1 no/invalid, 2 usage, 69 daemon unreachable or unable to do it now,
+75 state dir locked, 78 bad config or environment (docs/CLI.md)."""
 
 _COMMAND_EXAMPLES = {
     "run": "  ckptd run --config /etc/ckptd/ckptd.toml\n"
@@ -241,6 +249,8 @@ def _translate(exc: ClientError) -> CkptdError:
         return DaemonUnreachable(f"{exc.message}\n  is the daemon running? (ckptd run)")
     if exc.status == 404:
         return NotFound(exc.message)
+    if exc.status == 503:  # shutting down, or a service of it could not run the request in time
+        return ServiceUnavailable(f"{exc.message}\n  the daemon cannot do it now; try again later")
     if exc.status in (400, 413, 422):
         return UsageError(f"ckptd: {exc.message}")
     return CkptdError(f"daemon answered {exc.status}: {exc.message}")

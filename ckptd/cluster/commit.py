@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd import inputs
-from ckptd.errors import BadInput
+from ckptd.errors import BadInput, BadPart
 from ckptd.remote.manifest import distinct_paths
 
 PART_FORMAT = "ckptd-part/1"
@@ -93,10 +93,6 @@ class Part:
     @property
     def newest_mtime(self) -> float:
         return max((f.mtime for f in self.files), default=-math.inf)
-
-
-class BadPart(ValueError):
-    """A part object that is not a `ckptd-part/1` document (its message says what is wrong)."""
 
 
 def valid_ids(node: str, attempt: str) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import BinaryIO
 
 from ckptd.codec import buffers
-from ckptd.codec.blocks import Policy
+from ckptd.codec.blocks import BlockPolicy
 from ckptd.codec.decoder import decode_stream
 from ckptd.codec.encoder import (
     BLOCK_SIZE,
@@ -66,7 +66,7 @@ def make_encoder(
     if codec == "zstd":
         return ZstdEncoder(out, coders, threads, block_size)
     widths = (width_hint,) if width_hint else (2, 4)
-    policy = Policy(level, min_saving, widths, allow_plain=codec == "auto")
+    policy = BlockPolicy(level, min_saving, widths, allow_plain=codec == "auto")
     if codec == "auto":
         return AutoEncoder(out, policy, coders, threads, block_size)
     return ContainerEncoder(out, policy, coders, threads, block_size)

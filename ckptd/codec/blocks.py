@@ -56,7 +56,7 @@ ESCAPES_MIN_ZSTD = 256
 
 
 @dataclass(frozen=True)
-class Policy:
+class BlockPolicy:
     """What a block may become: plain zstd (auto only), byte planes of these widths, or raw."""
 
     level: int
@@ -106,7 +106,7 @@ def sample(data: memoryview) -> memoryview | bytes:
     return b"".join(data[s : s + SAMPLE_SLICE] for s in starts)
 
 
-def choose(data: memoryview, policy: Policy, coders: Coders, ws: Workspace) -> Choice:
+def choose(data: memoryview, policy: BlockPolicy, coders: Coders, ws: Workspace) -> Choice:
     """The cheapest representation of the block, judged on a sample."""
     probe = sample(data)
     size = len(probe)
@@ -225,7 +225,7 @@ def encode_frame(data: memoryview, coders: Coders) -> bytes:
     return coders.frame.compress(data)
 
 
-def encode_block(data: memoryview, policy: Policy, coders: Coders, ws: Workspace) -> Encoded:
+def encode_block(data: memoryview, policy: BlockPolicy, coders: Coders, ws: Workspace) -> Encoded:
     """Choose and encode one container block; raw planes in the result point into `ws`."""
     return encode(data, choose(data, policy, coders, ws), coders, ws)
 

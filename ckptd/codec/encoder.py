@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Generic, TypeVar
 
 from ckptd.codec import blocks, buffers, frame
-from ckptd.codec.blocks import Coders, Encoded, Policy
+from ckptd.codec.blocks import BlockPolicy, Coders, Encoded
 from ckptd.codec.buffers import Slot
 from ckptd.codec.planes import Workspace
 from ckptd.errors import CorruptData
@@ -209,7 +209,7 @@ class ContainerEncoder(BlockEncoder[Encoded]):
     """`zstd-bytegroup`: the framed container of docs/FORMAT.md."""
 
     def __init__(
-        self, out: BinaryIO, policy: Policy, coders: Coders, threads: int, block_size: int
+        self, out: BinaryIO, policy: BlockPolicy, coders: Coders, threads: int, block_size: int
     ) -> None:
         super().__init__(
             "zstd-bytegroup",
@@ -242,7 +242,7 @@ class AutoEncoder(ContainerEncoder):
     block chose: raw bytes (codec `none`), one plain zstd frame (`zstd`) or the container."""
 
     def __init__(
-        self, out: BinaryIO, policy: Policy, coders: Coders, threads: int, block_size: int
+        self, out: BinaryIO, policy: BlockPolicy, coders: Coders, threads: int, block_size: int
     ) -> None:
         super().__init__(out, policy, coders, threads, block_size)
         self._held: Encoded | None = None

@@ -132,7 +132,9 @@ def _stand_ins() -> dict[tuple[str, str], Any]:
 
 
 class _Unsafe(Exception):
-    pass
+    """The metadata pickle names a global DCP metadata never holds. Raised inside
+    `pickle.Unpickler.find_class`, which only an exception can stop; `parse_dcp_metadata`
+    turns it into its ValidationFailed."""
 
 
 _SCAN_ALLOWED = frozenset(f"{m}.{n}" for m, n in ALLOWED_GLOBALS) | picklescan.SAFE_GLOBALS

@@ -118,7 +118,10 @@ class _Global:
 
 
 class _Unsafe(Exception):
-    pass
+    """An opcode does what no safe checkpoint pickle does. Raised from the opcode handlers
+    (several calls deep in `_Machine.step`); an exception, not a return value, so each handler
+    stays a plain statement. `scan_pickle` turns it into its ValidationFailed with the
+    machine's verdict."""
 
 
 def canonical_global(module: str, name: str) -> str:

@@ -30,7 +30,9 @@ BUFFERED = 8 << 20  # bytes downloaded but not yet decoded, per object
 
 
 class _Cancelled(Exception):
-    """The decoding side gave up: the download stops at its next write."""
+    """The decoding side gave up: the download stops at its next write. An exception, not a
+    return value: it is raised inside the backend's `get`, which writes into the pipe and
+    only an exception unwinds; the pipe's own caller catches it."""
 
 
 class Pipe:

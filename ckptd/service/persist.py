@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import arena
-from ckptd.api.checks import HttpError
 from ckptd.config import RootConfig
+from ckptd.errors import HttpError
 from ckptd.log import get_logger
 from ckptd.service.supervisor import Calls
 from ckptd.stages import persist as stage

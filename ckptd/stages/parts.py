@@ -17,6 +17,7 @@ from ckptd import fileio
 from ckptd.backends.base import Backend, ObjectMeta
 from ckptd.cluster import commit as cc
 from ckptd.errors import (
+    BadPart,
     CorruptData,
     ObjectExists,
     ObjectNotFound,
@@ -188,7 +189,7 @@ def _write_part(backend: Backend, root_name: str, step: int, part: cc.Part) -> N
     except ObjectExists:
         try:
             there = cc.parse_part(backend.get_bytes(key, cc.MAX_PART_BYTES), key)
-        except (cc.BadPart, CorruptData) as exc:
+        except (BadPart, CorruptData) as exc:
             raise PermanentError(f"{key} exists and is not this part ({exc})") from None
         if (there.files, there.record) != (part.files, part.record):
             raise PermanentError(f"{key} exists with other content") from None
@@ -262,7 +263,7 @@ def read_parts(backend: Backend, root_name: str, step: int) -> list[cc.Part]:
             try:
                 data = backend.get_bytes(meta.key, cc.MAX_PART_BYTES)
                 part = cc.parse_part(data, meta.key, meta.mtime)
-            except (cc.BadPart, CorruptData, ObjectNotFound) as exc:
+            except (BadPart, CorruptData, ObjectNotFound) as exc:
                 get_logger().warning("part_unreadable", key=meta.key, error=str(exc))
                 continue
             _PARTS.put((backend.url, meta.key), part, len(data))

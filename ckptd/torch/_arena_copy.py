@@ -78,7 +78,9 @@ class Placeholders:
 
 
 class Unsupported(Exception):
-    """This state cannot go through placeholders; the component is written the plain way."""
+    """This state cannot go through placeholders; the component is written the plain way.
+    An exception, not a return value: it is raised inside `torch.save`'s pickler (the
+    persistent-id hook), which only an exception can stop; `_async` catches it around the save."""
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -246,15 +246,15 @@ def save_async(root: Path, step: int, rank: int, world: int, parts: list[_native
     sock = str(getattr(client, "socket", None) or default_socket())
     handle = SaveHandle(step, final)
     try:
-        job = _hand_over(sock, body, arena.fd)
-    except _NotTaken as exc:
-        log.warning("ckptd.torch: the daemon was not reached or refused the async save (%s);"
-                    " step %s is written by this process", exc, step)
-        _write_here(arena, body, root, handle, client if register else False)
-        return handle
+        job, not_taken = _hand_over(sock, body, arena.fd)
     except OSError as exc:  # sent, but no answer: the daemon may hold the arena
         _abandon_arena()
         handle._finish(f"no answer from ckptd at {sock} after handing over the save: {exc}")
+        return handle
+    if job is None:
+        log.warning("ckptd.torch: the daemon was not reached or refused the async save (%s);"
+                    " step %s is written by this process", not_taken, step)
+        _write_here(arena, body, root, handle, client if register else False)
         return handle
     with _lock:
         _pending[:] = [h for h in _pending if not h.done()] + [handle]
@@ -266,12 +266,11 @@ def save_async(root: Path, step: int, rank: int, world: int, parts: list[_native
 # -- talking to the daemon ------------------------------------------------------------------------
 
 
-class _NotTaken(Exception):
-    """The daemon certainly did not take the arena (unreachable, or it refused)."""
-
-
-def _hand_over(sock_path: str, body: dict[str, Any], fd: int) -> dict[str, Any]:
-    """POST /v1/persist with the arena's descriptor on the connection's first bytes."""
+def _hand_over(sock_path: str, body: dict[str, Any], fd: int
+               ) -> tuple[dict[str, Any] | None, str]:
+    """POST /v1/persist with the arena's descriptor on the connection's first bytes: the
+    daemon's answer, or None and why when it certainly did not take the arena (unreachable,
+    or it refused). OSError when it was sent and no answer came (the daemon may hold it)."""
     payload = json.dumps(body, allow_nan=False).encode()
     head = (f"POST /v1/persist HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
             f"\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode()
@@ -282,7 +281,7 @@ def _hand_over(sock_path: str, body: dict[str, Any], fd: int) -> dict[str, Any]:
         try:
             s.connect(sock_path)
         except OSError as exc:
-            raise _NotTaken(f"cannot connect to {sock_path}: {exc}") from None
+            return None, f"cannot connect to {sock_path}: {exc}"
         sent = s.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
         if sent < len(data):
             s.sendall(data[sent:])  # (never a zero-length send: the daemon may have answered)
@@ -290,8 +289,8 @@ def _hand_over(sock_path: str, body: dict[str, Any], fd: int) -> dict[str, Any]:
     finally:
         s.close()
     if status != 202:
-        raise _NotTaken(f"{status} {answer.get('error', '')}: {answer.get('message', '')}")
-    return answer
+        return None, f"{status} {answer.get('error', '')}: {answer.get('message', '')}"
+    return answer, ""
 
 
 def _read_answer(s: socket.socket) -> tuple[int, dict[str, Any]]:
@@ -343,7 +342,7 @@ def _watch(handle: SaveHandle, sock: str, job: str) -> None:
 def _write_here(arena: _Arena, body: dict[str, Any], root: Path, handle: SaveHandle,
                 client: Any) -> None:
     """The fallback: this process writes the files from its own arena, as the daemon would."""
-    from ckptd.stages import persist
+    from ckptd import arena_write as persist
 
     req = layout.parse_request(body, len(arena.mm))
     try:
