@@ -37,9 +37,16 @@ from ckptd.errors import (
     PermanentError,
     TransientError,
 )
-from ckptd.remote.layout import list_steps, read_latest, read_manifest, verify_step
+from ckptd.remote.layout import (
+    is_committed,
+    list_steps,
+    listed_committed,
+    read_latest,
+    read_manifest,
+    step_objects,
+)
 from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile
-from ckptd.stages.upload import delete_step, upload_step
+from ckptd.stages.upload import delete_step, upload_step, verify_step
 from ckptd.stages.upload_local import LEDGER_NAME
 
 if TYPE_CHECKING:
@@ -239,7 +246,7 @@ def test_upload_then_list_read_and_restore(backend: Backend, tmp_path: Path) -> 
     assert result.latest_updated and read_latest(backend, ROOT) == 7
     assert list_steps(backend, ROOT) == [7]
     assert read_manifest(backend, ROOT, 7).as_json() == manifest.as_json()
-    assert verify_step(backend, manifest) == []
+    verify_step(backend, ROOT, manifest)  # whole: no TransientError
     assert keys_of(backend, 7) == {f.key for f in manifest.files} | {MANIFEST_NAME}
     for f, data in zip(manifest.files, default_files().values(), strict=True):
         assert f.codec == "zstd" and f.key == f.path + ".zst"
@@ -378,7 +385,7 @@ def test_a_dropped_connection_never_leaves_a_manifest(
     assert [e["op"] for e in logs if e["event"] == "storage_retry"] == ["put"]
     assert fault_proxy.stats()["faults"] == faults + 1
     assert list_steps(bare, ROOT) == [10] and result.skipped_objects + result.uploaded_objects == 4
-    assert verify_step(bare, manifest) == []
+    verify_step(bare, ROOT, manifest)  # whole: no TransientError
 
 
 @pytest.mark.parametrize("status", [500, 503])
@@ -424,7 +431,7 @@ def test_a_step_committed_with_other_content_is_never_touched(
         upload_step(rec, ROOT, objects2, other)
     assert rec.puts() == []
     assert read_manifest(backend, ROOT, 13).as_json() == manifest.as_json()
-    assert verify_step(backend, manifest) == []
+    verify_step(backend, ROOT, manifest)  # whole: no TransientError
 
 
 def racing(backend: Backend, manifest_body: bytes) -> Recording:
@@ -558,6 +565,10 @@ def test_list_steps_counts_only_committed_canonical_steps(backend: Backend, tmp_
     backend.put(f"{ROOT}/step-43/deeper/{MANIFEST_NAME}", b"{}")
     backend.put(f"{ROOT}2/step-44/{MANIFEST_NAME}", b"{}")
     assert list_steps(backend, ROOT) == [40]
+    # One rule for "committed", by HEAD, by a step's listing, by the root's listing.
+    assert [is_committed(backend, ROOT, s) for s in (40, 41, 42, 43)] == [
+        True, False, False, False]
+    assert [listed_committed(step_objects(backend, ROOT, s)) for s in (40, 41)] == [True, False]
     with pytest.raises(ObjectNotFound):
         read_manifest(backend, ROOT, 41)
     backend.put(f"{ROOT}/step-45/{MANIFEST_NAME}", b"{not json")
@@ -576,9 +587,20 @@ def test_verify_step_names_missing_and_wrong_sized_objects(
     model, optim = manifest.files[0], manifest.files[1]
     backend.delete(f"{ROOT}/step-50/{model.key}")
     backend.put(f"{ROOT}/step-50/{optim.key}", b"short")
-    problems = verify_step(backend, manifest)
-    assert problems == [f"missing object {model.key}",
-                        f"object {optim.key} has 5 bytes, the manifest says {optim.stored_size}"]
+    with pytest.raises(TransientError) as caught:
+        verify_step(backend, ROOT, manifest)
+    assert str(caught.value) == (
+        f"step 50 at {backend.url}: verification failed: {model.key} missing; "
+        f"{optim.key} has 5 bytes, expected {optim.stored_size}")
+    # An object replaced after its put (same size, another etag or mtime): not the one sent.
+    third = manifest.files[2]
+    meta = backend.stat(f"{ROOT}/step-50/{third.key}")
+    other = ObjectMeta(meta.key, meta.size, meta.mtime - 1, "0" * 32 if meta.etag else None)
+    with pytest.raises(TransientError, match=f"{third.key} changed after it was uploaded"):
+        verify_step(backend, ROOT, manifest, {third.key: other})
+    with pytest.raises(TransientError) as caught:  # untouched ones stay quiet
+        verify_step(backend, ROOT, manifest, {third.key: meta})
+    assert "changed" not in str(caught.value)
 
 
 def test_verification_before_the_commit_catches_a_vanished_object(

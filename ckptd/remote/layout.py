@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from ckptd import inputs
 from ckptd.backends.base import Backend, ObjectMeta
@@ -38,6 +38,20 @@ def manifest_key(root_name: str, step: int) -> str:
 
 def latest_key(root_name: str) -> str:
     return f"{root_name}/{LATEST_NAME}"
+
+
+def is_committed(backend: Backend, root_name: str, step: int) -> bool:
+    """Whether `step` is committed: its MANIFEST.json exists (one HEAD; not read)."""
+    try:
+        backend.stat(manifest_key(root_name, step))
+    except ObjectNotFound:
+        return False
+    return True
+
+
+def listed_committed(objects: Mapping[str, ObjectMeta]) -> bool:
+    """Whether a listing of one step's prefix (`step_objects`) is of a committed step."""
+    return MANIFEST_NAME in objects
 
 
 def list_steps(backend: Backend, root_name: str) -> list[int]:
@@ -192,21 +206,3 @@ def step_objects(backend: Backend, root_name: str, step: int) -> dict[str, Objec
     cut = len(prefix) + 1
     return {m.key[cut:]: m for m in backend.list(prefix)}
 
-
-def verify_step(backend: Backend, manifest: Manifest) -> list[str]:
-    """Problems with the stored objects of `manifest`: missing ones and size mismatches.
-
-    An empty list means every object is present with its manifest's `stored_size`. Uses one
-    listing of the step's prefix rather than a HEAD per object.
-    """
-    present = step_objects(backend, manifest.root, manifest.step)
-    problems: list[str] = []
-    for f in manifest.files:
-        meta = present.get(f.key)
-        if meta is None:
-            problems.append(f"missing object {f.key}")
-        elif meta.size != f.stored_size:
-            problems.append(
-                f"object {f.key} has {meta.size} bytes, the manifest says {f.stored_size}"
-            )
-    return problems

@@ -15,7 +15,8 @@ from ckptd.errors import CorruptData, NotFound, ObjectNotFound, PermanentError
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR
 from ckptd.remote import layout as remote
-from ckptd.remote.manifest import MANIFEST_NAME, Manifest, step_prefix
+from ckptd.remote.layout import is_committed
+from ckptd.remote.manifest import Manifest
 
 StepArg = int | Literal["latest"]
 Where = Literal["local", "remote"]
@@ -57,7 +58,7 @@ def resolve_step(
     if step != "latest":
         if step in local:
             return step, "local"
-        if backend is not None and _remote_has(backend, root_name, step):
+        if backend is not None and is_committed(backend, root_name, step):
             return step, "remote"
         raise NotFound(_nothing_for(root_dir, root_name, step, backend))
     named = _latest_named(root_dir)
@@ -96,14 +97,6 @@ def _readable(backend: Backend | None, root_name: str, step: int) -> bool:
     except (CorruptData, PermanentError) as exc:
         get_logger().warning("bad_remote_item", root=root_name,
                              key=remote.manifest_key(root_name, step), error=str(exc))
-        return False
-    return True
-
-
-def _remote_has(backend: Backend, root_name: str, step: int) -> bool:
-    try:
-        backend.stat(f"{step_prefix(root_name, step)}/{MANIFEST_NAME}")
-    except ObjectNotFound:
         return False
     return True
 

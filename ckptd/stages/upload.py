@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +31,7 @@ from ckptd.errors import (
 from ckptd.log import get_logger
 from ckptd.remote.layout import (
     advance_latest,
+    listed_committed,
     manifest_key,
     read_manifest,
     retreat_latest,
@@ -97,7 +98,7 @@ def upload_step(
         _send_all(run, todo, max(1, concurrency))
     finally:
         run.ledger.close()
-    _verify(backend, root_name, manifest, run.expected)
+    verify_step(backend, root_name, manifest, run.expected)
     if not committed:
         meter.sent(_commit(backend, root_name, manifest))
     latest_updated = advance_latest(backend, root_name, manifest.step)
@@ -149,7 +150,7 @@ def _existing_commit(
 
     Checked before any put: sending objects into a committed step would change its data.
     """
-    if MANIFEST_NAME not in remote:
+    if not listed_committed(remote):
         return False
     _compare_commit(backend, root_name, manifest)
     get_logger().info("upload_already_committed", root=root_name, step=manifest.step)
@@ -351,11 +352,15 @@ class _Slots:
 # -- verify, commit, point -------------------------------------------------------------------
 
 
-def _verify(
-    backend: Backend, root_name: str, manifest: Manifest, expected: dict[str, ObjectMeta]
+def verify_step(
+    backend: Backend, root_name: str, manifest: Manifest,
+    expected: Mapping[str, ObjectMeta] | None = None,
 ) -> None:
-    """Every object present with its stored size, and still the one put or checked (etag,
-    else mtime); else TransientError: a re-run sends what is missing."""
+    """The one check that a step's remote objects are whole, run before every commit: every
+    object of `manifest` present with its stored size (one LIST of the step's prefix) and,
+    for a key in `expected`, still the object put or checked (etag, else mtime). Else
+    TransientError naming each problem: a re-run sends what is missing."""
+    expected = expected or {}
     present = step_objects(backend, root_name, manifest.step)
     problems: list[str] = []
     for f in manifest.files:
