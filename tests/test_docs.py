@@ -25,7 +25,7 @@ from ckptd.config import (
     parse_config,
 )
 from ckptd.lifecycle.table import Stage
-from ckptd.service import persist, supervisor
+from ckptd.service import discovery, persist, supervisor
 from ckptd.service.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,6 +192,10 @@ CLAIMS: list[tuple[str, str, Callable[[], tuple[float, ...]], tuple[Number, ...]
      lambda: (server.IDLE_TIMEOUT_S, server.MAX_OPEN), (_n, _n)),
     ("docs/CLI.md", r"(\d+) saves in flight", lambda: (persist.MAX_IN_FLIGHT,), (_n,)),
     ("docs/CLI.md", r"long-poll, at most (\d+) s", lambda: (persist.MAX_WAIT_S,), (_n,)),
+    ("docs/CLI.md", r"up to (\d+) \(each error cut at (\d+) characters",
+     lambda: (discovery.MAX_BAD_SHOWN, discovery.MAX_ERROR_CHARS), (_n, _n)),
+    ("docs/CLI.md", r"`MANIFEST.json` over its (\d+) MiB cap", lambda: (inputs.MANIFEST.cap,),
+     (_mib,)),
     ("README.md", r"body over (\d+) MiB", lambda: (server.MAX_BODY,), (_mib,)),
     ("docs/OPERATIONS.md", r"gives in-flight stages (\d+) s to finish",
      lambda: (_daemon_constant("STOP_GRACE_S"),), (_n,)),
@@ -458,3 +462,28 @@ def test_testing_md_names_the_tests_that_reach_in() -> None:
     assert reaching, "the scan finds nothing: the pattern is stale"
     missing = sorted(f for f in reaching if f"`{f}`" not in section)
     assert not missing, f"docs/TESTING.md does not name these tests that reach in: {missing}"
+
+
+# Quoted names that are not ckptd's, each with why.
+NOT_OURS = {
+    "settle_seconds": "SPEC.md's name for the root key `settle` (SPEC.md is not edited here)",
+    "object_store": "the Rust crate obstore is built on (STORAGE.md)",
+}
+_SNAKE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+")
+
+
+def test_quoted_names_exist() -> None:
+    """Every snake_case name a doc quotes in a code span (an event, a key, a field, a function,
+    a fixture) is a word of ckptd's code, its tests, bench or packaging. INTEGRATIONS.md quotes
+    the frameworks' own names and FORMAT.md its formulas: they are left out."""
+    sources = [*ROOT.glob("ckptd/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("bench/*.py"),
+               *(p for p in ROOT.glob("packaging/**/*") if p.is_file()),
+               ROOT / "config.example.toml"]
+    words = set(re.findall(r"\w+", "\n".join(p.read_text(errors="replace") for p in sources)))
+    words |= {f"{f.name}{suffix}" for f in Metrics().registry.collect()
+              for suffix in ("", "_total", "_info")}
+    docs = [d for d in all_docs() if d.name not in ("INTEGRATIONS.md", "FORMAT.md")]
+    bad = [f"{at}: {span}" for at, line in doc_lines(*docs, *([SPEC] if SPEC.exists() else []))
+           for span in SPAN.findall(line)
+           if _SNAKE.fullmatch(span) and span not in words and span not in NOT_OURS]
+    assert not bad, f"names quoted in the docs that the code does not have: {bad}"
