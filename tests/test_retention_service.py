@@ -20,6 +20,7 @@ from ckptd.api.door import bind_socket
 from ckptd.api.server import UnixHttpServer
 from ckptd.backends import Backend, LocalBackend
 from ckptd.backends.base import SMALL_OBJECT_MAX, ObjectMeta, Source
+from ckptd.cli.main import main as cli_main
 from ckptd.client import Client
 from ckptd.config import RootConfig, parse_config
 from ckptd.errors import NotFound, ServiceUnavailable, TransientError
@@ -281,6 +282,8 @@ def test_the_api_runs_retention_on_the_retention_thread_or_answers_503(
         status, doc = client.request("POST", "/v1/roots/r1/prune")
         assert (status, doc["error"]) == (503, "retention_unavailable")
         assert "not running" in doc["message"] and setup.backend.deletes == 0
+        # the command line says so with exit 69 (docs/CLI.md), not 1
+        assert cli_main(["prune", "r1", "--socket", str(short_dir / "api.sock")]) == 69
         loop, stop = looping(svc)
         try:
             status, doc = client.request("POST", "/v1/roots/r1/prune")
