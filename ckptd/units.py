@@ -1,7 +1,6 @@
-"""Durations, byte sizes, rates and free-space amounts: parsing config strings and formatting them.
-
-Pure functions over strings and numbers; imports nothing of ckptd but errors, touches no files.
-Bad input raises ValueError whose message is a plain sentence naming the value.
+"""Durations, byte sizes, rates and free-space amounts: parsing config strings, and the one
+formatter of each (`format_size`, `format_duration`). Pure functions; imports nothing of ckptd,
+touches no files. Bad input raises ValueError whose message is a plain sentence naming the value.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ __all__ = [
     "parse_free",
     "parse_rate",
     "parse_size",
+    "progress_bar",
 ]
 
 _DURATION_UNITS: dict[str, Decimal] = {
@@ -194,7 +194,13 @@ def _plain_number(number: float | Decimal) -> str:
 
 
 def format_size(n: int, *, exact: bool = False) -> str:
-    """A byte count for humans ("1.5GiB"); with `exact`, a string parse_size maps back to `n`."""
+    """A byte count: ckptd's one way of showing a size to a person, in powers of 1024 rounded
+    to two decimals ("1.5GiB", "186.26GiB", "512B").
+
+    With `exact`, a different job: the config round trip (`ckptd config` printing a value back
+    into a file), which must not round. The shortest spelling parse_size maps back to exactly
+    `n`, in whichever unit family gives it ("64MiB", "200GB", "1234567B").
+    """
     if exact:
         return _exact_size(n)
     for prefix, factor in sorted(_IEC.items(), key=lambda item: -item[1]):
@@ -216,7 +222,8 @@ def _exact_size(n: int) -> str:
 
 
 def format_duration(seconds: float) -> str:
-    """A duration as parse_duration reads it back: 90 -> "1m30s", 0.5 -> "500ms", 0 -> "0s"."""
+    """A duration, the one way ckptd shows one, which parse_duration reads back exactly:
+    90 -> "1m30s", 0.5 -> "500ms", 0 -> "0s". For a person, round the seconds first."""
     if seconds < 0:
         return "-" + format_duration(-seconds)
     rest = Decimal(repr(float(seconds)))
@@ -229,17 +236,6 @@ def format_duration(seconds: float) -> str:
     if rest:
         parts.append(f"{_plain_number(rest * 1000)}ms")
     return "".join(parts) or "0s"
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def progress_bar(done: int, total: int, width: int = 20) -> str:

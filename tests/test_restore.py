@@ -484,4 +484,4 @@ def test_progress_bar_only_on_a_terminal() -> None:
     finally:
         os.close(master)
         os.close(slave)
-    assert "0.0%" in out and "100.0%" in out and "2.0 KiB / 2.0 KiB" in out
+    assert "0.0%" in out and "100.0%" in out and "2KiB / 2KiB" in out

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptd.units import human_bytes, progress_bar
+from ckptd.units import format_duration, format_size, progress_bar
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -20,12 +20,13 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def render_status(doc: dict[str, Any]) -> str:
-    head = f"ckptd {doc['version']}  {doc['status']}  up {doc['uptime_s']:.0f}s"
+    head = (f"ckptd {doc['version']}  {doc['status']}"
+            f"  up {format_duration(round(doc['uptime_s']))}")
     rows = []
     for r in doc["roots"]:
         counts = " ".join(f"{k}={v}" for k, v in r["counts"].items() if v)
         rows.append([r["name"], _step(r["latest"]), _step(r["best"]), counts or "-",
-                     str(r["queue"]), human_bytes(r["disk_free_bytes"]),
+                     str(r["queue"]), _size(r["disk_free_bytes"]),
                      _since(r.get("last_error_at")) + (r["last_error"] or "-")[:60]])
     out = [head, "", table(["ROOT", "LATEST", "BEST", "COUNTS", "QUEUE", "DISK FREE",
                             "LAST ERROR"], rows)]
@@ -74,7 +75,7 @@ def render_status(doc: dict[str, Any]) -> str:
         for w in doc["in_flight"]:
             out.append(f"  {w['root']} step {w['step']} {w['stage']:<9} "
                        f"{progress_bar(w.get('done_bytes', 0), w.get('total_bytes', 0))} "
-                       f"{human_bytes(w.get('done_bytes'))}/{human_bytes(w.get('total_bytes'))}")
+                       f"{_size(w.get('done_bytes'))}/{_size(w.get('total_bytes'))}")
     return "\n".join(out)
 
 
@@ -88,6 +89,10 @@ def _waiting_for(u: dict[str, Any]) -> str:
             else "the coordinator's commit")
 
 
+def _size(n: int | None) -> str:
+    return "-" if n is None else format_size(n)
+
+
 def _since(at: str | None) -> str:
     return f"[{at[11:19]}] " if at else ""
 
@@ -97,7 +102,7 @@ def render_ls(doc: dict[str, Any]) -> str:
     for c in doc["checkpoints"]:
         metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(c["metrics"].items()))
         rows.append([str(c["step"]), c["state"], c["local"], c["remote"], c["layout"],
-                     human_bytes(c["bytes"]), human_bytes(c["stored_bytes"] or None),
+                     _size(c["bytes"]), _size(c["stored_bytes"] or None),
                      "yes" if c["pinned"] else "", metrics or "-", c["reason"] or ""])
     bad = [_bad_remote(b) for b in doc.get("bad_remote") or []]
     if not rows:

@@ -37,7 +37,7 @@ from ckptd.restore.source import (
     remote_backend,
     resolve_step,
 )
-from ckptd.units import human_bytes, progress_bar
+from ckptd.units import format_size, progress_bar
 
 Progress = Callable[[int], None]  # bytes just restored
 TotalProgress = Callable[[int, int], None]  # (bytes restored so far, bytes in the step)
@@ -306,7 +306,7 @@ def tty_progress(stream: TextIO | None = None, interval: float = 0.1) -> TotalPr
         if done < total and now - last < interval:
             return
         last = now
-        out.write(f"\r{progress_bar(done, total)} {human_bytes(done)} / {human_bytes(total)}")
+        out.write(f"\r{progress_bar(done, total)} {format_size(done)} / {format_size(total)}")
         if done >= total:
             out.write("\n")
         out.flush()
