@@ -10,6 +10,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,9 +20,10 @@ from ckptd.api import checks
 from ckptd.client import read_latest_file
 from ckptd.config import RootConfig
 from ckptd.errors import HttpError
+from ckptd.lifecycle import answers
 from ckptd.lifecycle.changes import Changes
 from ckptd.log import get_logger
-from ckptd.model import CheckpointRecord, Remote, Tier
+from ckptd.model import CheckpointRecord, Local, Remote, State, Tier
 from ckptd.store import Store
 from ckptd.store.pins import write_pins
 
@@ -217,9 +219,7 @@ class ApiContext:
     def _published_latest(self, root: RootConfig, tier: Tier) -> dict[str, Any]:
         """A standby answers what the acting daemon published beside the root."""
         doc = read_latest_file(root.path)
-        wanted = {Tier.ANY: True, Tier.LOCAL: doc and doc.get("local") == "present",
-                  Tier.REMOTE: doc and doc.get("remote") == "uploaded"}[tier]
-        if doc is None or not wanted:
+        if doc is None or not _published_in(doc, tier):
             raise HttpError(404, "no_checkpoint", f"root {root.name!r} has no valid checkpoint"
                             f" in tier {tier.value!r} (as published by the daemon acting on"
                             " it; this one stands by)")
@@ -234,8 +234,7 @@ class ApiContext:
         self.acting(r)
         n = checks.step(step)
         rec = self.store.checkpoint(r.name, n)
-        if (pinned and rec is not None and rec.local.value == "pruned"
-                and rec.remote is not Remote.UPLOADED):
+        if pinned and rec is not None and not answers.in_tier(rec, Tier.ANY):
             raise HttpError(409, "gone", f"step {n} of {r.name!r} has no copy left to keep")
         with self.retention.nets:
             done = self.store.set_pinned(r.name, n, pinned)
@@ -255,6 +254,25 @@ class ApiContext:
             get_logger().warning("pins_write_failed", root=r.name, error=str(exc))
             return False
         return True
+
+
+@dataclass(frozen=True)
+class _Published:
+    step: int
+    state: State
+    local: Local
+    remote: Remote
+
+
+def _published_in(doc: dict[str, Any], tier: Tier) -> bool:
+    """Whether the step latest.json names (the acting daemon's latest of any tier, so also
+    the latest of each tier it is in) has a copy in `tier`, by `answers.in_tier`."""
+    try:
+        rec = _Published(int(doc["step"]), State.VALID, Local(doc.get("local", "")),
+                         Remote(doc.get("remote", "")))
+    except (KeyError, TypeError, ValueError):
+        return tier is Tier.ANY  # an older document without the copies: any tier only
+    return answers.in_tier(rec, tier)
 
 
 def latest_json(root: RootConfig, rec: CheckpointRecord) -> dict[str, Any]:
