@@ -434,16 +434,22 @@ def test_package_map_is_the_tree() -> None:
     text = (DOCS / "DESIGN.md").read_text()
     block = re.search(r"## The packages.*?```\n(.*?)```", text, re.S)
     assert block, "DESIGN.md has no package map"
-    named: set[str] = set()
+    said: dict[str, str] = {}  # each name of the first column -> its description
     for line in block.group(1).splitlines():
         head = re.match(r"(\S.*?)(?: {2,}|$)", line)  # the first column
         if head:
-            named.update(n.strip() for n in head.group(1).split(","))
+            names = [n.strip() for n in head.group(1).split(",")]
+            said.update(dict.fromkeys(names, ""))
+        said.update({n: said[n] + " " + line for n in names})
     pkg = ROOT / "ckptd"
     tree = {f"{p.name}/" for p in pkg.iterdir() if (p / "__init__.py").exists()}
     tree |= {p.stem for p in pkg.glob("*.py") if not p.stem.startswith("__")}
-    assert named == tree, (f"DESIGN.md's package map: missing {sorted(tree - named)}, "
-                           f"not in ckptd/ {sorted(named - tree)}")
+    assert set(said) == tree, (f"DESIGN.md's package map: missing {sorted(tree - set(said))}, "
+                               f"not in ckptd/ {sorted(set(said) - tree)}")
+    unnamed = [f"{package}{m.stem}" for package in tree if package.endswith("/")
+               for m in (pkg / package).glob("*.py") if not m.stem.startswith("_")
+               and not re.search(rf"\b{m.stem}\b", said[package])]
+    assert not unnamed, f"DESIGN.md's package map does not name these modules: {unnamed}"
 
 
 _REACH = re.compile(r"\b(?:daemon|d)\.(supervisor|scanner|retention|metrics|discovery|leases|"
@@ -487,3 +493,25 @@ def test_quoted_names_exist() -> None:
            for span in SPAN.findall(line)
            if _SNAKE.fullmatch(span) and span not in words and span not in NOT_OURS]
     assert not bad, f"names quoted in the docs that the code does not have: {bad}"
+
+
+def _missing_keys(model: type[BaseModel], table: dict[str, Any], at: str) -> list[str]:
+    out = []
+    for key, field in model.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            out += _missing_keys(sub, table.get(key, {}), f"{at}{key}.")
+        elif key not in table:
+            out.append(f"{at}{key}")
+    return out
+
+
+def test_example_config_documents_every_key() -> None:
+    """config.example.toml says it documents every key: each schema key is set there."""
+    example = tomllib.loads((ROOT / "config.example.toml").read_text())
+    first = example["roots"][0]
+    root = {**example["defaults"], "name": first["name"], "path": first["path"]}
+    missing = (_missing_keys(DaemonConfig, example["daemon"], "daemon.")
+               + _missing_keys(MetricsConfig, example["metrics"], "metrics.")
+               + _missing_keys(RootConfig, root, "roots."))
+    assert not missing, f"config.example.toml does not show: {missing}"
