@@ -588,13 +588,32 @@ def test_local_put_leaves_no_temp_files(tmp_path: Path) -> None:
 
 
 def test_local_list_skips_temp_files_and_cleanup_removes_stale_ones(tmp_path: Path) -> None:
-    backend = LocalBackend(tmp_path)
+    base, outside = tmp_path / "base", tmp_path / "outside"
+    outside.mkdir()
+    backend = LocalBackend(base)
     backend.put("s/x", b"1")
-    stale = tmp_path / "s" / f".y{TMP_MARK}abc"
+    stale = base / "s" / f".y{TMP_MARK}0123456789ab"
     stale.write_bytes(b"partial")
+    fresh = base / "s" / f".z{TMP_MARK}0123456789ab"
+    fresh.write_bytes(b"in flight")
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    # Not this backend's own temp names, a link named like one, and a linked directory.
+    mine = outside / f".w{TMP_MARK}0123456789ab"
+    mine.write_bytes(b"not the backend's")
+    os.utime(mine, (old, old))
+    others = [base / "s" / f"y{TMP_MARK}0123456789ab", base / "s" / f".y{TMP_MARK}abc"]
+    for p in others:
+        p.write_bytes(b"someone's")
+        os.utime(p, (old, old))
+    (base / "s" / f".l{TMP_MARK}0123456789ab").symlink_to(mine)
+    os.utime(base / "s" / f".l{TMP_MARK}0123456789ab", (old, old), follow_symlinks=False)
+    (base / "d").symlink_to(outside, target_is_directory=True)
     assert [m.key for m in backend.list("")] == ["s/x"]
-    assert backend.remove_stale_temp(3600, now=time.time() + 7200) == 1
-    assert not stale.exists()
+    assert backend.remove_stale_temp(3600) == 1
+    assert not stale.exists() and fresh.exists() and (base / "s" / "x").read_bytes() == b"1"
+    assert mine.exists() and all(p.exists() for p in others)
+    assert (base / "s" / f".l{TMP_MARK}0123456789ab").is_symlink()
 
 
 def test_local_never_writes_outside_base(tmp_path: Path) -> None:

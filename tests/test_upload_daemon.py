@@ -190,3 +190,33 @@ def test_resave_of_an_uploaded_step_replaces_the_remote_copy(inproc_daemon: Any,
     restore_remote(backend, read_remote_manifest(backend, "r1", 4), out)
     assert (out / "model_step_4.pt").read_bytes() == new_bytes
     assert d.events("remote_step_replaced")
+
+
+def test_a_start_removes_the_temp_file_of_a_crashed_file_put(inproc_daemon: Any,
+                                                             tmp_path: Path) -> None:
+    """A process killed mid-put leaves its temp file in the file:// remote: the next daemon
+    start removes it once stale, and the finished object beside it stays."""
+    from ckptd.backends import LocalBackend
+    from ckptd.backends.local import TMP_MARK
+    from ckptd.service.recovery import STALE_PUT_S
+
+    remote = tmp_path / "remote"
+    LocalBackend(remote).put("r1/kept", b"finished")
+    writer = subprocess.Popen([sys.executable, "-c", "import sys\n"
+                               "from ckptd.backends import LocalBackend\n"
+                               f"LocalBackend({str(remote)!r}).put('r1/cut', sys.stdin.buffer)\n"],
+                              stdin=subprocess.PIPE)
+    assert writer.stdin is not None
+    writer.stdin.write(b"x" * 4096)  # the put reads to EOF, which never comes
+    writer.stdin.flush()
+    temps = wait_until(lambda: [p for p in (remote / "r1").iterdir() if TMP_MARK in p.name],
+                       30, "the put's temp file")
+    writer.kill()
+    writer.wait()
+    writer.stdin.close()
+    old = time.time() - STALE_PUT_S - 60
+    os.utime(temps[0], (old, old))
+    d = inproc_daemon(roots=[{"name": "r1", "upload": upload_cfg(f"file://{remote}")}])
+    assert d.events("daemon_recovered")[-1]["temp_files_removed"] >= 1
+    assert sorted(p.name for p in (remote / "r1").iterdir()) == ["kept"]
+    assert (remote / "r1" / "kept").read_bytes() == b"finished"

@@ -1,11 +1,11 @@
 """Start-up: the state-dir lock, recovery, and the daemon's listening socket.
 
 Owns what a restart after a crash cleans up: every lease dropped (one daemon per state dir),
-ckptd's own temp files and staging dirs; and the pins kept beside each root. Checkpoint bytes
-go only through the retention executor: deletes half done in the trash (`purge_trash`) and
-compressed copies whose transition to "no copy" committed before their files went
-(`release_copy`, behind its nets). Never removes anything that is not ckptd's own, nor a copy
-the store does not know.
+ckptd's own temp files (a `file://` remote's too) and staging dirs; and the pins kept beside
+each root. Checkpoint bytes go only through the retention executor: deletes half done in the
+trash (`purge_trash`) and compressed copies whose transition to "no copy" committed before
+their files went (`release_copy`, behind its nets). Never removes anything that is not
+ckptd's own, nor a copy the store does not know.
 """
 
 from __future__ import annotations
@@ -16,21 +16,27 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 from typing import IO
 
 from ckptd import fileio
 from ckptd.api.door import bind_socket
+from ckptd.backends import LocalBackend, make_backend
 from ckptd.config import Config, DaemonConfig, RootConfig
 from ckptd.copies import store as copies
 from ckptd.errors import ConfigError, StateLocked
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local
-from ckptd.retention import executor, scheduler
+from ckptd.retention import executor, trash, views
 from ckptd.service import sdnotify
 from ckptd.store import Store
 from ckptd.store.pins import read_pins
+
+# A put rewrites its temp file's mtime as it writes; one untouched this long was left by a
+# crash, here or on another node sharing the remote directory.
+STALE_PUT_S = 3600.0
 
 
 def recover(store: Store, cfg: Config) -> None:
@@ -40,11 +46,12 @@ def recover(store: Store, cfg: Config) -> None:
     removed = 0
     for d in [cfg.daemon.state_dir] + [r.path / CKPTD_DIR for r in cfg.roots]:
         removed += remove_stale_temps(d)
+    removed += remove_stale_put_temps(cfg.roots, time.time())
     purged = orphans = 0
     for r in cfg.roots:
         if r.path.is_dir():
             # Deletes interrupted between the rename into the trash and the removal.
-            purged += executor.purge_trash(executor.trash_dir_for(r.path), r.path)
+            purged += trash.purge_trash(trash.trash_dir_for(r.path), r.path)
             removed += copies.remove_stale_staging(r.path)
             orphans += _remove_released_copies(store, r)
     get_logger().info("daemon_recovered", leases_released=released, temp_files_removed=removed,
@@ -57,8 +64,8 @@ def _remove_released_copies(store: Store, root: RootConfig) -> int:
     for step in copies.local_steps(root.path):
         status = store.status(root.name, step)
         if status is not None and not status.copy and status.local is not Local.COMPRESSED:
-            guards = guards or scheduler.guards_for(store, root, time.time())
-            target = scheduler.copy_target(step, status.local, status.remote)
+            guards = guards or views.guards_for(store, root, time.time())
+            target = views.copy_target(step, status.local, status.remote)
             out = executor.release_copy(root.path, target, guards, root=root.name)
             n += out.action == "deleted"
     return n
@@ -78,6 +85,22 @@ def remove_stale_temps(directory: os.PathLike[str]) -> int:
                 n += 1
             except OSError:
                 pass
+    return n
+
+
+def remove_stale_put_temps(roots: Iterable[RootConfig], now: float) -> int:
+    """Temp files of `file://` puts a crash interrupted, in each root's remote directory,
+    through its backend (only its own temp names, never outside it). An object store keeps
+    none: an unfinished multipart upload is never an object."""
+    n = 0
+    for url in dict.fromkeys(r.upload.url for r in roots if r.upload.url.startswith("file:")):
+        backend = make_backend(url)
+        if not isinstance(backend, LocalBackend):
+            continue
+        try:
+            n += backend.remove_stale_temp(STALE_PUT_S, now)
+        except OSError as exc:  # an unreachable remote must not stop the start-up
+            get_logger().warning("remote_temp_cleanup_failed", url=backend.url, error=str(exc))
     return n
 
 
