@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptd.model import State
-from ckptd.service import jobs
+from ckptd.stages.parts import NotCommitted
 
 
 def newest_local(records: list[Any]) -> Any:
@@ -37,7 +37,7 @@ class Waiting:
         self._known: dict[str, set[str]] = {}
         self._committed: dict[tuple[str, int], tuple[str, ...]] = {}  # the newest KEPT
 
-    def wait(self, root: str, step: int, exc: jobs.NotCommitted) -> float:
+    def wait(self, root: str, step: int, exc: NotCommitted) -> float:
         with self._lock:
             looks = self._steps.get((root, step), (0, [], {}))[0]
             self._steps[(root, step)] = (looks + 1, exc.missing_nodes, exc.states)

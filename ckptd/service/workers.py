@@ -1,9 +1,10 @@
-"""Stage workers: claim the stage the lifecycle left due on a checkpoint, run it under a lease,
-record the outcome as a lifecycle event.
+"""Stage workers: claim the stage the lifecycle left due on a checkpoint, run it under that
+claim (renewed while it runs), record the outcome as a lifecycle event.
 
-Owns worker threads' loops (each a supervised service), leases, priorities of background work
-and the preemption flush. Stages get plain paths and options (through `service.jobs`); only the
-store records, and the effects hook does what follows a transition.
+Owns worker threads' loops (each a supervised service), claims, priorities of background work
+and the preemption flush. Which code runs a stage is the runner table's (`service.runners`);
+stages get plain paths and options; only the store records, and the effects hook does what
+follows a transition.
 """
 
 from __future__ import annotations
@@ -16,19 +17,24 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ckptd.backends import Backend
 from ckptd.config import RootConfig
 from ckptd.errors import CkptdError, PermanentError
 from ckptd.lifecycle.table import Stage
 from ckptd.log import get_logger
-from ckptd.model import State, Tier
-from ckptd.service import jobs
+from ckptd.model import State, Tier, ValidationResult
 from ckptd.service.commits import Waiting, newest_local
+from ckptd.service.jobs import Changed, Damaged
 from ckptd.service.metrics import Metrics
+from ckptd.service.progress import Progress, StageCancelled
+from ckptd.service.runners import Crew, Done, Runner, runners
 from ckptd.service.supervisor import Calls
+from ckptd.service.uploads import CopyMissing
+from ckptd.stages.parts import NotCommitted
 from ckptd.store import Job, Store
 from ckptd.watch import file_fingerprint
 
-LEASE_S = 60.0
+CLAIM_S = 60.0  # a worker's claim on its job lasts this long unless renewed
 # After files changed under a stage, wait for the scanner to see the change before retrying.
 RESCAN_DEFER_S = 1.0
 # Reasons that prove a once-valid checkpoint's bytes are damaged (not a passing I/O error or
@@ -41,9 +47,8 @@ IDLE_WAIT_S = 1.0
 # stuck (docs/OPERATIONS.md, "Health"). A read pass moves every few milliseconds; an upload's
 # slowest quiet stretch is one request, which the backend bounds by its request timeout
 # (600 s), or verifying a step's objects one stat at a time.
-STAGE_BOUNDS_S: Mapping[str, float] = {Stage.VALIDATE.value: 300.0,
-                                       Stage.COMPRESS.value: 300.0,
-                                       Stage.UPLOAD.value: 900.0}
+STAGE_BOUNDS_S: Mapping[str, float] = {Stage.VALIDATE: 300.0, Stage.COMPRESS: 300.0,
+                                       Stage.UPLOAD: 900.0}
 # An upload quiet this long (or past its bound, if shorter) holds back its root's other
 # uploads: a second worker must not walk into the same stalled remote before the first is
 # called stuck. A working upload moves bytes every moment, so this costs it nothing.
@@ -55,7 +60,7 @@ class Workers:
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  count: int, rescan: Callable[[], None],
-                 backend_for: Callable[[RootConfig], Any], metrics: Metrics,
+                 backend_for: Callable[[RootConfig], Backend | None], metrics: Metrics,
                  node: str = "", calls: Calls | None = None,
                  bounds: Mapping[str, float] | None = None) -> None:
         """`calls`: the supervisor's call board, where each worker says what it is busy with
@@ -79,6 +84,7 @@ class Workers:
         self.log = get_logger()
         # Multi-node roots: steps whose part is written and wait for the commit.
         self.waiting = Waiting()
+        self.runners = runners(Crew(store, backend_for, self.waiting, node))
 
     @property
     def names(self) -> list[str]:
@@ -172,7 +178,7 @@ class Workers:
         lower_priority()
         while not stop.is_set():
             job = self.store.claim(f"{self.owner}/{name}/{uuid.uuid4().hex[:8]}", time.time(),
-                                   LEASE_S, only=self._flush_targets(),
+                                   CLAIM_S, only=self._flush_targets(),
                                    roots=frozenset(self.roots()), stuck=self._held_back())
             if job is None:
                 self._wake.wait(IDLE_WAIT_S)
@@ -194,11 +200,12 @@ class Workers:
     def _run(self, job: Job, worker: str) -> None:
         root = self.roots().get(job.checkpoint.root)
         if root is None:
-            return  # root removed from config; the lease just expires
+            return  # root removed from config; the claim just expires
         rec = job.checkpoint
+        runner = self.runners[job.stage]
         log = self.log.bind(root=rec.root, step=rec.step, stage=job.stage, layout=rec.layout)
         fp = rec.fingerprint
-        if job.stage != Stage.UPLOAD and rec.local.value == "present":
+        if runner.checks_files and rec.local.value == "present":
             fp = file_fingerprint(root.path, job.files)
             if fp != rec.fingerprint:
                 self._changed(job, log, "files changed since completion; rescanning")
@@ -209,19 +216,13 @@ class Workers:
         progress = Progress(rec.root, rec.step, job.stage, total, lambda: self._tick(worker),
                             cancelled=self._cancel.is_set)
         self.inflight[rec.id] = progress
-        with _Renewer(self.store, rec.id, job.owner):
+        with _ClaimRenewer(self.store, rec.id, job.owner):
             try:
-                outcome = self._stage(root, job, progress)
-            except jobs.StageCancelled:
+                outcome = runner.run(root, job, progress)
+            except StageCancelled:
                 log.warning("stage_cancelled")
-                return  # its lease is released at the next start; the stage is redone then
-            except jobs.NoLongerValid as exc:
-                self._no_longer_valid(root, job, fp, exc, log)
-                return
-            except jobs.FilesChanged as exc:
-                self._changed(job, log, str(exc))
-                return
-            except jobs.NotCommitted as exc:
+                return  # its claim is released at the next start; the stage is redone then
+            except NotCommitted as exc:
                 delay = self.waiting.wait(rec.root, rec.step, exc)
                 log.info("commit_waiting", error=str(exc), missing_nodes=exc.missing_nodes,
                          retry_in_s=delay)
@@ -232,87 +233,47 @@ class Workers:
                 return
             finally:
                 self.inflight.pop(rec.id, None)
-        elapsed = round(time.monotonic() - started, 3)
-        self._measure(job, rec.root, progress, elapsed, outcome)
-        self._record(root, job, fp, outcome, log, elapsed, progress.total)
+        if isinstance(outcome, Changed):
+            self._changed(job, log, outcome.why)
+        elif isinstance(outcome, Damaged):
+            self._damaged(root, job, fp, outcome.result, log)
+        else:
+            done = Done(root, job, fp, log, round(time.monotonic() - started, 3), progress.total)
+            self._record(runner, done, progress, outcome)
 
-    def _stage(self, root: RootConfig, job: Job, progress: Progress) -> Any:
-        if job.stage == Stage.VALIDATE:
-            return jobs.run_validate(root, job, progress)
-        if job.stage == Stage.COMPRESS:
-            return jobs.run_compress(root, job, progress)
-        backend = self.backend_for(root)
-        if backend is None:
-            raise PermanentError(f"root {root.name} has no upload.url")
-        rec = job.checkpoint
-        if root.multi_node:
-            known = self.waiting.known(root.name, root.nodes,
-                                       lambda: jobs.known_nodes(backend, root.name))
-            result = jobs.run_share_upload(root, job, progress, backend,
-                                           self.store.stored_files(rec.id), self.node, known)
-            self.waiting.done(rec.root, rec.step, result.nodes)
-            return result
-        return jobs.run_upload(root, job, progress, backend, self.store.stored_files(rec.id),
-                               replace_remote=self.store.replaced_upload(rec.root, rec.step),
-                               in_use=self.store.in_use(rec.root, time.time()))
-
-    def _record(self, root: RootConfig, job: Job, fp: str, outcome: Any, log: Any,
-                elapsed: float, size: int) -> None:
-        now = time.time()
-        self.store.clear_root_error(root.name, f"{job.stage}:")  # that stage works again
-        if job.stage == Stage.VALIDATE:
-            result = outcome.result
-            if file_fingerprint(root.path, job.files) != fp:
-                self._changed(job, log, "files changed during validation; rescanning")
-            elif self.store.finish_validation(job, job.owner, fp, result, now,
-                                              stored=outcome.stored, size_on_disk=size):
-                if result.valid:
-                    log.info("checkpoint_valid", seconds=elapsed,
-                             bytes=sum(f.size for f in result.files),
-                             stored_bytes=sum(f.stored_size for f in outcome.stored) or None)
-                else:
-                    log.warning("checkpoint_invalid", reason=result.reason,
-                                message=result.message, seconds=elapsed)
-        elif job.stage == Stage.COMPRESS:
-            if self.store.finish_compress(job, job.owner, outcome, now):
-                log.info("stage_succeeded", seconds=elapsed)
-        elif self.store.finish_upload(job, job.owner, now):
-            log.info("checkpoint_uploaded", seconds=elapsed, sent_bytes=outcome.sent_bytes,
-                     skipped_objects=outcome.skipped_objects)
+    def _record(self, runner: Runner[Any], done: Done, progress: Progress, outcome: Any
+                ) -> None:
+        """A stage that went through: counted, then recorded by its runner."""
+        job = done.job
+        self.metrics.observe_stage(job.stage, done.seconds)
+        runner.measure(self.metrics, job.checkpoint.root, progress, outcome)
+        self.store.clear_root_error(done.root.name, f"{job.stage}:")  # that stage works again
+        changed = runner.record(done, outcome)
+        if changed is not None:
+            self._changed(job, done.log, changed.why)
 
     def _changed(self, job: Job, log: Any, why: str) -> None:
         log.info("stage_deferred", why=why)
         self.store.defer(job, job.owner, RESCAN_DEFER_S, time.time())
         self.rescan()
 
-    def _no_longer_valid(self, root: RootConfig, job: Job, fp: str, exc: jobs.NoLongerValid,
-                         log: Any) -> None:
-        if (exc.result.reason in CONTENT_REASONS
-                and file_fingerprint(root.path, job.files) == fp):
-            if self.store.invalidate(job, job.owner, exc.result.reason, exc.result.message,
+    def _damaged(self, root: RootConfig, job: Job, fp: str, result: ValidationResult,
+                 log: Any) -> None:
+        """A later read pass found the checkpoint no longer valid: invalid when the reason
+        proves damage and the files are still the ones read; else a failure, and a rescan."""
+        if result.reason in CONTENT_REASONS and file_fingerprint(root.path, job.files) == fp:
+            if self.store.invalidate(job, job.owner, result.reason, result.message,
                                      time.time()):
-                log.warning("checkpoint_invalid", reason=exc.result.reason,
-                            message=exc.result.message, found_by=job.stage)
+                log.warning("checkpoint_invalid", reason=result.reason,
+                            message=result.message, found_by=job.stage)
             return
         # An I/O error, or files changing under the pass: not proof of damage.
-        self._failed(job, log, RuntimeError(f"{exc.result.reason}: {exc.result.message}"))
+        self._failed(job, log, RuntimeError(f"{result.reason}: {result.message}"))
         self.rescan()
-
-    def _measure(self, job: Job, root: str, progress: Progress, seconds: float,
-                 outcome: Any) -> None:
-        self.metrics.observe_stage(job.stage, seconds)
-        if job.stage == Stage.UPLOAD:
-            self.metrics.add_bytes("uploaded", root, int(outcome.sent_bytes))
-            return
-        self.metrics.add_bytes("read", root, progress.done)
-        stored = outcome.stored if job.stage == Stage.VALIDATE else outcome
-        written = sum(f.stored_size for f in stored)
-        if written:
-            self.metrics.add_bytes("written", root, written)
 
     def _failed(self, job: Job, log: Any, exc: Exception) -> None:
         self.metrics.error(job.stage)
-        if isinstance(exc, jobs.CopyMissing):
+        if isinstance(exc, CopyMissing):
             self.store.copy_lost(job, job.owner, time.time())  # compress redoes it
         rec = job.checkpoint
         self._abandon_flush(rec.root, rec.step, log, str(exc))
@@ -362,37 +323,6 @@ class Workers:
         return [p.as_json() for p in list(self.inflight.values())]
 
 
-class Progress:
-    """A read-pass sink that counts bytes a stage has processed (status, and the beat on the
-    call board that tells a working stage from a stuck one)."""
-
-    def __init__(self, root: str, step: int, stage: str, total: int,
-                 tick: Callable[[], Any], cancelled: Callable[[], bool] = lambda: False
-                 ) -> None:
-        self.root, self.step, self.stage, self.total = root, step, stage, total
-        self.done = 0
-        self._tick = tick
-        self._cancelled = cancelled
-
-    def update(self, offset: int, chunk: memoryview) -> None:
-        if self._cancelled():
-            raise jobs.StageCancelled(f"{self.stage} of step {self.step} cancelled by stop")
-        self.done += len(chunk)
-        self._tick()
-
-    def finish(self, total: int) -> None:
-        self._tick()
-
-    def advance(self, n: int) -> None:
-        """Byte-count progress from stages that are not read passes (upload)."""
-        self.done += n
-        self._tick()
-
-    def as_json(self) -> dict[str, Any]:
-        return {"root": self.root, "step": self.step, "stage": self.stage,
-                "done_bytes": self.done, "total_bytes": self.total}
-
-
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -400,16 +330,16 @@ def _size(path: Path) -> int:
         return 0
 
 
-class _Renewer:
-    """Renews a job's lease in the background while the stage runs, so a long stage keeps it
-    and a dead daemon's lease expires."""
+class _ClaimRenewer:
+    """Renews a worker's claim on its job in the background while the stage runs, so a long
+    stage keeps it and a dead daemon's claim expires."""
 
     def __init__(self, store: Store, cid: int, owner: str) -> None:
         self._store, self._cid, self._owner = store, cid, owner
         self._done = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True, name="ckptd-lease")
+        self._t = threading.Thread(target=self._loop, daemon=True, name="ckptd-claim")
 
-    def __enter__(self) -> _Renewer:
+    def __enter__(self) -> _ClaimRenewer:
         self._t.start()
         return self
 
@@ -418,11 +348,11 @@ class _Renewer:
         self._t.join()
 
     def _loop(self) -> None:
-        while not self._done.wait(LEASE_S / 3):
+        while not self._done.wait(CLAIM_S / 3):
             try:
-                self._store.renew_claim(self._cid, self._owner, time.time(), LEASE_S)
-            except Exception as exc:  # noqa: BLE001 - the lease then expires; the stage goes on
-                get_logger().warning("lease_renew_failed", error=str(exc))
+                self._store.renew_claim(self._cid, self._owner, time.time(), CLAIM_S)
+            except Exception as exc:  # noqa: BLE001 - the claim then expires; the stage goes on
+                get_logger().warning("claim_renew_failed", error=str(exc))
 
 
 def lower_priority() -> None:

@@ -31,7 +31,7 @@ class Job:
     """A unit of claimed work: one stage of one checkpoint, under a claim that expires."""
 
     checkpoint: CheckpointRecord
-    stage: str
+    stage: Stage
     files: tuple[str, ...]
     expected_sizes: dict[str, int]
     min_sizes: dict[str, int]
@@ -84,7 +84,7 @@ def record_of(r: sqlite3.Row) -> CheckpointRecord:
 def job_of(r: sqlite3.Row, stage: Stage, owner: str) -> Job:
     expected = json.loads(r["expected"])
     return Job(
-        checkpoint=record_of(r), stage=stage.value,
+        checkpoint=record_of(r), stage=stage,
         files=tuple(json.loads(r["files"])),
         expected_sizes={k: int(v) for k, v in expected.get("sizes", {}).items()},
         min_sizes={k: int(v) for k, v in expected.get("min", {}).items()},

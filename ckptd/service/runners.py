@@ -1,0 +1,163 @@
+"""The per-stage runner table: for each lifecycle Stage, how a worker runs it for a claimed job,
+records its outcome in the store and counts it in the metrics. The one place a stage's name
+picks its code; the worker's loop (claims, renewals, failures) is `ckptd.service.workers`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from ckptd.backends import Backend
+from ckptd.config import RootConfig
+from ckptd.errors import PermanentError
+from ckptd.lifecycle.table import Stage
+from ckptd.remote.manifest import StoredFile
+from ckptd.service import jobs, uploads
+from ckptd.service.commits import Waiting
+from ckptd.service.jobs import Changed, Damaged, Validated
+from ckptd.service.metrics import Metrics
+from ckptd.service.progress import Progress
+from ckptd.stages.upload import UploadResult
+from ckptd.store import Job, Store
+from ckptd.watch import file_fingerprint
+
+OutcomeT = TypeVar("OutcomeT")  # what a stage's run gives back when it went through
+
+
+@dataclass(frozen=True)
+class Crew:
+    """What the runners share with the workers that call them."""
+
+    store: Store
+    backend_for: Callable[[RootConfig], Backend | None]
+    waiting: Waiting  # multi-node roots: steps whose part is written, waiting for the commit
+    node: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """A stage that went through, as the worker hands it to `record`."""
+
+    root: RootConfig
+    job: Job
+    fingerprint: str  # the files' fingerprint when the stage started
+    log: Any
+    seconds: float
+    size: int  # the checkpoint's bytes on disk
+
+
+class Runner(Generic[OutcomeT]):
+    """One stage's code. `checks_files`: its input is the checkpoint's files on disk, so they
+    are checked against the row's fingerprint before it runs."""
+
+    checks_files = True
+
+    def __init__(self, crew: Crew) -> None:
+        self.crew = crew
+
+    def run(self, root: RootConfig, job: Job, progress: Progress) -> OutcomeT | Changed | Damaged:
+        raise NotImplementedError
+
+    def record(self, done: Done, outcome: OutcomeT) -> Changed | None:
+        """Record `outcome` (the claim may be lost meanwhile: the store refuses it then)."""
+        raise NotImplementedError
+
+    def measure(self, metrics: Metrics, root: str, progress: Progress, outcome: OutcomeT) -> None:
+        raise NotImplementedError
+
+
+def _written(metrics: Metrics, root: str, progress: Progress,
+             stored: Sequence[StoredFile]) -> None:
+    metrics.add_bytes("read", root, progress.done)
+    written = sum(f.stored_size for f in stored)
+    if written:
+        metrics.add_bytes("written", root, written)
+
+
+class ValidateRunner(Runner[Validated]):
+    def run(self, root: RootConfig, job: Job, progress: Progress) -> Validated:
+        return jobs.run_validate(root, job, progress)
+
+    def record(self, done: Done, outcome: Validated) -> Changed | None:
+        job, result, log = done.job, outcome.result, done.log
+        if file_fingerprint(done.root.path, job.files) != done.fingerprint:
+            return Changed("files changed during validation; rescanning")
+        if not self.crew.store.finish_validation(job, job.owner, done.fingerprint, result,
+                                                 time.time(), stored=outcome.stored,
+                                                 size_on_disk=done.size):
+            return None
+        if result.valid:
+            log.info("checkpoint_valid", seconds=done.seconds,
+                     bytes=sum(f.size for f in result.files),
+                     stored_bytes=sum(f.stored_size for f in outcome.stored) or None)
+        else:
+            log.warning("checkpoint_invalid", reason=result.reason, message=result.message,
+                        seconds=done.seconds)
+        return None
+
+    def measure(self, metrics: Metrics, root: str, progress: Progress,
+                outcome: Validated) -> None:
+        _written(metrics, root, progress, outcome.stored)
+
+
+class CompressRunner(Runner[Sequence[StoredFile]]):
+    def run(self, root: RootConfig, job: Job, progress: Progress
+            ) -> Sequence[StoredFile] | Damaged:
+        return jobs.run_compress(root, job, progress)
+
+    def record(self, done: Done, outcome: Sequence[StoredFile]) -> Changed | None:
+        job = done.job
+        if self.crew.store.finish_compress(job, job.owner, outcome, time.time()):
+            done.log.info("stage_succeeded", seconds=done.seconds)
+        return None
+
+    def measure(self, metrics: Metrics, root: str, progress: Progress,
+                outcome: Sequence[StoredFile]) -> None:
+        _written(metrics, root, progress, outcome)
+
+
+class UploadRunner(Runner[UploadResult]):
+    checks_files = False  # it reads the compressed copy, checked against the row's files
+
+    def run(self, root: RootConfig, job: Job, progress: Progress) -> UploadResult | Changed:
+        crew, rec = self.crew, job.checkpoint
+        backend = crew.backend_for(root)
+        if backend is None:
+            raise PermanentError(f"root {root.name} has no upload.url")
+        expected = crew.store.stored_files(rec.id)
+        if not root.multi_node:
+            return uploads.run_upload(
+                root, job, progress, backend, expected,
+                replace_remote=crew.store.replaced_upload(rec.root, rec.step),
+                in_use=crew.store.in_use(rec.root, time.time()))
+        known = crew.waiting.known(root.name, root.nodes,
+                                   lambda: uploads.known_nodes(backend, root.name))
+        result = uploads.run_share_upload(root, job, progress, backend, expected, crew.node,
+                                          known)
+        if not isinstance(result, Changed):
+            crew.waiting.done(rec.root, rec.step, result.nodes)
+        return result
+
+    def record(self, done: Done, outcome: UploadResult) -> Changed | None:
+        job = done.job
+        if self.crew.store.finish_upload(job, job.owner, time.time()):
+            done.log.info("checkpoint_uploaded", seconds=done.seconds,
+                          sent_bytes=outcome.sent_bytes,
+                          skipped_objects=outcome.skipped_objects)
+        return None
+
+    def measure(self, metrics: Metrics, root: str, progress: Progress,
+                outcome: UploadResult) -> None:
+        metrics.add_bytes("uploaded", root, int(outcome.sent_bytes))
+
+
+def runners(crew: Crew) -> Mapping[Stage, Runner[Any]]:
+    """The table: every Stage of the lifecycle has its runner."""
+    table: dict[Stage, Runner[Any]] = {Stage.VALIDATE: ValidateRunner(crew),
+                                       Stage.COMPRESS: CompressRunner(crew),
+                                       Stage.UPLOAD: UploadRunner(crew)}
+    assert set(table) == set(Stage), "a stage without a runner"
+    return table
