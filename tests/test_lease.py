@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from support.ckpts import save_single
+from support.clock import FakeClock
 from support.config import write_layout
 from support.fixtures import short_tempdir
 from support.proc import DaemonHandle
@@ -233,8 +234,17 @@ class _Roots:
         return dict(self.now)
 
 
-def _leases(state: Path, roots: _Roots, node: str, timeout: float = 30.0) -> Leases:
-    return Leases(Store(state / node / "state.db"), roots, lambda: node, lambda: timeout)
+def _leases(state: Path, roots: _Roots, node: str, timeout: float = 30.0,
+            clock: FakeClock | None = None) -> Leases:
+    """A lease service on a clock the test moves (`leases.clock.advance`): staleness and
+    renewal deadlines come by a call, never by waiting them out."""
+    return Leases(Store(state / node / "state.db"), roots, lambda: node, lambda: timeout,
+                  clock=clock or FakeClock())
+
+
+def clock(leases: Leases) -> FakeClock:
+    assert isinstance(leases.clock, FakeClock)
+    return leases.clock
 
 
 def _damage(own: Path, how: str) -> None:
@@ -280,7 +290,7 @@ def test_damaged_lease_files_never_stop_the_lease_service(tmp_path: Path, how: s
     leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1", timeout=0.3)
     started = time.monotonic()
     leases.tick()
-    time.sleep(0.35)
+    clock(leases).advance(0.35)  # past the timeout: a lease it cannot read is stale now
     leases.tick()
     assert time.monotonic() - started < 5
     problem = leases.problem("r")
@@ -314,7 +324,12 @@ def test_the_last_generation_is_retired_once_stale_not_kept_for_good(tmp_path: P
     leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1", timeout=0.3)
     leases.tick()
     assert not leases.holds("r")
-    wait_until(lambda: leases.tick() or leases.holds("r"), 10, "the stale claim retired")
+    clock(leases).advance(0.29)
+    leases.tick()
+    assert not leases.holds("r")  # not stale yet
+    clock(leases).advance(0.02)
+    leases.tick()
+    assert leases.holds("r"), "the stale claim retired"
     assert leases.problem("r") is None
     assert sorted(p.name for p in (root / ".ckptd").iterdir()) == [
         "keep.me", "lease.claim.1", "lease.json"]
@@ -329,14 +344,15 @@ def test_two_daemons_starting_at_the_same_instant_one_acts(tmp_path: Path) -> No
     """Their looks at a free root, at one its holder released, and at a stale one run at once
     in two threads (many times): exactly one acts every time, and it stays the one."""
     stores = {n: Store(tmp_path / n / "state.db") for n in ("a", "b")}
-    # The lease timeout is short only while a stale lease is being waited out: a loaded machine
-    # can stall the interleaved looks past any short timeout, which would be a real takeover.
-    limit = [60.0]
+    # One clock for both, moved by hand: a stalled look never turns into a takeover, and a
+    # stale lease is one `advance` away.
+    now = FakeClock()
     for i in range(25):
         root = tmp_path / f"ckpt{i}"
         root.mkdir()
         roots = _Roots(RootConfig(name="r", path=root))
-        pair = [Leases(stores[n], roots, lambda n=n: n, lambda: limit[0]) for n in ("a", "b")]
+        pair = [Leases(stores[n], roots, lambda n=n: n, lambda: 60.0,  # type: ignore[misc]
+                       clock=now) for n in ("a", "b")]
         for round_ in range(3 if i < 5 else 2):  # a stale lease only takes waiting out
             gate = threading.Barrier(2)
 
@@ -349,7 +365,6 @@ def test_two_daemons_starting_at_the_same_instant_one_acts(tmp_path: Path) -> No
                 t.start()
             for t in threads:
                 t.join()
-            limit[0] = 60.0
             (one,) = _acting(*pair)
             for lz in pair * 3:  # interleaved looks change nothing
                 lz.tick()
@@ -359,11 +374,10 @@ def test_two_daemons_starting_at_the_same_instant_one_acts(tmp_path: Path) -> No
             elif round_ == 1 and i < 5:  # next: a third daemon's lease, never renewed
                 held = json.loads((root / ".ckptd" / "lease.json").read_text())
                 (root / ".ckptd" / f"lease.claim.{held['gen'] + 1}").write_text("d" * 32)
-                limit[0] = 0.3
                 for lz in pair:
                     lz.tick()
                 assert _acting(*pair) == []
-                time.sleep(0.35)
+                now.advance(61.0)  # never renewed: stale at the next look
     for store in stores.values():
         store.close()
 
@@ -377,7 +391,9 @@ def test_a_root_that_disappears_and_reappears_is_taken_again(tmp_path: Path) -> 
     shutil.rmtree(root)
     leases.tick()
     assert "does not exist" in leases.store.root_info("r")["last_error"]
-    time.sleep(0.2)  # half the timeout without a renewal: it stops acting
+    clock(leases).advance(0.19)
+    assert leases.holds("r")
+    clock(leases).advance(0.01)  # half the timeout without a renewal: it stops acting
     assert not leases.holds("r")
     root.mkdir()
     leases.tick()
@@ -394,14 +410,17 @@ def test_a_holder_whose_renewal_fails_stops_acting_within_half_the_timeout(
     timeout = 0.6
     leases = _leases(tmp_path, _Roots(RootConfig(name="r", path=root)), "n1", timeout=timeout)
     leases.tick()
-    renewed = time.monotonic()
+    renewed = clock(leases).monotonic()
     assert leases.holds("r")
     shutil.rmtree(root / ".ckptd")
     (root / ".ckptd").write_text("not a directory")
-    while leases.holds("r"):
+    for _ in range(100):  # looks 20 ms apart, as the service's loop makes them
+        if not leases.holds("r"):
+            break
         leases.tick()
-        time.sleep(0.02)
-    assert time.monotonic() - renewed <= timeout / 2 + 0.05
+        clock(leases).advance(0.02)
+    stopped_after = clock(leases).monotonic() - renewed
+    assert timeout / 2 - 1e-9 <= stopped_after <= timeout / 2 + 0.02 + 1e-9  # one look late
     assert "not a directory" in (leases.problem("r") or "").lower()
     (root / ".ckptd").unlink()
     leases.tick()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from support.ckpts import save_single
+from support.clock import FakeClock
 from support.fixtures import short_tempdir
 from support.wait import wait_until
 from test_lease import _daemon, _root_status
@@ -38,12 +39,14 @@ class _Roots:
 
 @pytest.fixture
 def two(tmp_path: Path) -> Iterator[tuple[Path, Leases, Leases]]:
-    """Two lease services on one root, `a` holding it, `b` standing by."""
+    """Two lease services on one root, `a` holding it, `b` standing by, on one clock the test
+    moves (`a.clock`)."""
     root = tmp_path / "ckpt"
     root.mkdir()
     stores = [Store(tmp_path / n / "state.db") for n in ("a", "b")]
-    a, b = (Leases(s, _Roots(root), lambda n=n: n, lambda: TIMEOUT)  # type: ignore[misc]
-            for s, n in zip(stores, ("a", "b"), strict=True))
+    now = FakeClock()
+    a, b = (Leases(s, _Roots(root), lambda n=n: n, lambda: TIMEOUT,  # type: ignore[misc]
+                   clock=now) for s, n in zip(stores, ("a", "b"), strict=True))
     a.tick()
     b.tick()
     assert a.holds("r") and not b.holds("r")
@@ -68,13 +71,21 @@ def acting(*leases: Leases) -> list[str]:
     return [lz.node() for lz in leases if lz.holds("r")]
 
 
+def clock(leases: Leases) -> FakeClock:
+    assert isinstance(leases.clock, FakeClock)
+    return leases.clock
+
+
 def tick_until_one_acts(a: Leases, b: Leases, within: float) -> str:
-    def look() -> list[str]:
+    """Look with both, `TIMEOUT / 10` apart on their clock, until one acts (within `within`
+    seconds of that clock); then it stays the only one."""
+    started = clock(a).monotonic()
+    while not acting(a, b):
+        assert clock(a).monotonic() - started < within, "a live daemon to take the root back"
+        clock(a).advance(TIMEOUT / 10)
         a.tick()
         b.tick()
-        return acting(a, b)
-
-    (one,) = wait_until(look, within, "a live daemon to take the root back", interval=0.02)
+    (one,) = acting(a, b)
     for _ in range(5):  # and it stays the only one
         a.tick()
         b.tick()
@@ -89,9 +100,9 @@ def test_a_forged_claim_at_the_last_generation_is_taken_back(
     a.tick()
     b.tick()
     assert acting(a, b) == []  # a claim it cannot yet judge: nobody acts meanwhile
-    started = time.monotonic()
+    started = clock(a).monotonic()
     tick_until_one_acts(a, b, 20 * TIMEOUT)
-    assert time.monotonic() - started < 10 * TIMEOUT
+    assert clock(a).monotonic() - started < 10 * TIMEOUT
     assert a.problem("r") is None and b.problem("r") is None
     names = sorted(p.name for p in (root / ".ckptd").iterdir())
     assert names == ["lease.claim.1", "lease.json"], names
@@ -142,13 +153,14 @@ def test_a_forged_claim_that_keeps_being_renewed_keeps_the_root_standing_by(
     root, a, b = two
     forge(root, 100)
     lease = root / ".ckptd" / "lease.json"
-    until = time.monotonic() + 4 * TIMEOUT
-    while time.monotonic() < until:
-        os.utime(lease)  # a renewal, as a holder makes it
+    mtime = lease.stat().st_mtime_ns
+    for _ in range(40):  # 4 timeouts of renewals, TIMEOUT / 10 apart
+        mtime += 1_000_000
+        os.utime(lease, ns=(mtime, mtime))  # a renewal, as a holder makes it
         a.tick()
         b.tick()
         assert acting(a, b) == []
-        time.sleep(TIMEOUT / 10)
+        clock(a).advance(TIMEOUT / 10)
     tick_until_one_acts(a, b, 20 * TIMEOUT)
 
 
