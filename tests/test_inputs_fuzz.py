@@ -278,7 +278,7 @@ MANIFEST = Manifest("r1", 7, "single", (
     nodes=(("n1", "100-abc", "model.pt"),))
 PART = cc.Part("n1", "100-abc", "single", (
     cc.PartFile("model.pt", 10, 100.5, "ab", "xxh3-128", "zstd", 8, "n1.100-abc/model.pt.zst"),),
-    cc.Record("model.pt", 100.5, {"model.pt": 10}))
+    cc.CommitRecord("model.pt", 100.5, {"model.pt": 10}))
 
 
 @fuzz(300)

@@ -35,7 +35,7 @@ class IgnoresCreateOnly:
 
 
 def _share(tmp: Path, node: str, files: dict[str, bytes], mtime: float,
-           record: cc.Record | None = None) -> tuple[Path, Manifest, parts.Share]:
+           record: cc.CommitRecord | None = None) -> tuple[Path, Manifest, parts.Share]:
     """One node's local compressed copy (codec none: the object is the file) and its share."""
     objects = tmp / node / "objects"
     stored = []
@@ -64,7 +64,7 @@ def test_the_probe_refuses_a_store_that_ignores_create_only(tmp_path: Path) -> N
 def test_two_shares_commit_once_with_both_parts(tmp_path: Path) -> None:
     store = LocalBackend(tmp_path / "remote")
     t = 1_700_000_000.0
-    record = cc.Record("step-7/.metadata", t + 2, {"step-7/__0_0.distcp": 4,
+    record = cc.CommitRecord("step-7/.metadata", t + 2, {"step-7/__0_0.distcp": 4,
                                                    "step-7/__1_0.distcp": 4})
     c_dir, c_man, c_share = _share(tmp_path, "n0", {"step-7/.metadata": b"meta",
                                                     "step-7/__0_0.distcp": b"zero"}, t + 1,
@@ -139,7 +139,7 @@ def test_a_share_that_grew_sends_only_its_new_files(tmp_path: Path) -> None:
     with pytest.raises(parts.NotCommitted):
         parts.upload_share(store, "job", o_dir, o_man, o_share, now=t + 5)
     (first,) = parts.read_parts(store, "job", 7)
-    record = cc.Record("step-7/.metadata", t, {"step-7/__0_0.distcp": 400})
+    record = cc.CommitRecord("step-7/.metadata", t, {"step-7/__0_0.distcp": 400})
     c_dir, c_man, c_share = _share(tmp_path, "n0", {**shard, "step-7/.metadata": b"meta"}, t,
                                    record)
     done = parts.upload_share(store, "job", c_dir, c_man, c_share, now=t + 6)

@@ -49,7 +49,7 @@ class Store:
 class Sim:
     def __init__(self, seed: int, deepspeed: bool = False, steps: int = STEPS) -> None:
         """`deepspeed`: the record (rank 0's model states) is written right after node 0's
-        own file, and the other ranks may finish after it (`Record.after`)."""
+        own file, and the other ranks may finish after it (`CommitRecord.after`)."""
         self.deepspeed = deepspeed
         self.steps = steps
         self.rng = random.Random(seed)
@@ -133,7 +133,7 @@ class Sim:
         if node == 0 and rec is not None and rec[0] >= mtime:
             files.append(cc.PartFile(f"step-{step}/.metadata", 10, rec[0], rec[1], "xxh3",
                                      "none", 10, ""))
-            record = cc.Record(f"step-{step}/.metadata", rec[0],
+            record = cc.CommitRecord(f"step-{step}/.metadata", rec[0],
                                {f"step-{step}/__{n}_0.distcp": SIZE for n in range(NODES)},
                                after=cc.SPREAD_S if self.deepspeed else 0.0)
         attempt = cc.attempt_id((f.path, f.size, int(f.mtime * 1e9)) for f in files)
@@ -235,7 +235,7 @@ def test_sixty_four_nodes_a_thousand_steps() -> None:
 
 def test_records_other_ranks_finish_after_deepspeed_style() -> None:
     """Rank 0 writes the record first and the other ranks finish up to SPREAD later: every
-    step still commits once (without `Record.after` most would wait forever)."""
+    step still commits once (without `CommitRecord.after` most would wait forever)."""
     sim = Sim(seed=17, deepspeed=True, steps=300)
     sim.run()
     assert sim.commits == 300
@@ -251,7 +251,7 @@ def test_a_part_of_an_earlier_attempt_is_never_chosen() -> None:
     coord = cc.Part("0", "c", "dcp", (
         cc.PartFile("s/a", 10, 1000.0 + cc.GAP_S + 5, "h-a", "x", "none", 10, "0.c/s/a"),
         cc.PartFile("s/.metadata", 1, 1000.0 + cc.GAP_S + 6, "m", "x", "none", 1,
-                    "0.c/s/.metadata")), cc.Record("s/.metadata", 1000.0 + cc.GAP_S + 6, exp))
+                    "0.c/s/.metadata")), cc.CommitRecord("s/.metadata", 1000.0 + cc.GAP_S + 6, exp))
     plan = cc.choose([old, coord])
     assert not plan.covered and plan.missing_nodes == ("1",)
     new = cc.Part("1", "new", "dcp", (cc.PartFile("s/b", 10, 1000.0 + cc.GAP_S + 4, "h-new", "x",
@@ -268,7 +268,7 @@ def test_a_part_of_an_earlier_attempt_is_never_chosen() -> None:
 def test_a_part_round_trips_and_bad_parts_are_refused() -> None:
     part = cc.Part("n1", "17-ab", "dcp", (cc.PartFile("s/b", 10, 5.5, "h", "x", "none", 10,
                                                       "n1.17-ab/s/b"),),
-                   cc.Record("s/.metadata", 6.0, {"s/b": 10}))
+                   cc.CommitRecord("s/.metadata", 6.0, {"s/b": 10}))
     assert cc.parse_part(part.to_bytes(), "p", written=3.0) == cc.Part(
         "n1", "17-ab", "dcp", part.files, part.record, written=3.0)
     for bad in (b"{", b"[]", part.to_bytes().replace(b"n1.17-ab/s/b", b"n2.x/s/b"),

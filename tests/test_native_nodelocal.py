@@ -144,7 +144,7 @@ def test_an_exact_record_refuses_a_longer_file() -> None:
     def coord(exact: bool) -> cc.Part:
         return cc.Part("0", "c", "native", (
             cc.PartFile("s/meta.json", 5, 100.0, "m", "x", "none", 5, "0.c/s/meta.json"),),
-            cc.Record("s/meta.json", 100.0, {"s/optim.rank1.pt": 10}, exact=exact))
+            cc.CommitRecord("s/meta.json", 100.0, {"s/optim.rank1.pt": 10}, exact=exact))
 
     longer = cc.Part("1", "a", "native", (cc.PartFile("s/optim.rank1.pt", 11, 99.0, "h", "x",
                                                       "none", 11, "1.a/s/optim.rank1.pt"),))

@@ -25,7 +25,7 @@ MANIFEST = Manifest("r1", 7, "single", (
     created="2026-01-01T00:00:00Z", metrics={"loss": 0.5})
 PART = cc.Part("n1", "100-abc", "single", (
     cc.PartFile("model.pt", 10, 100.5, "ab", "xxh3-128", "zstd", 8, "n1.100-abc/model.pt.zst"),),
-    cc.Record("model.pt", 100.5, {"model.pt": 10}))
+    cc.CommitRecord("model.pt", 100.5, {"model.pt": 10}))
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),

@@ -51,7 +51,7 @@ class PartFile:
 
 
 @dataclass(frozen=True)
-class Record:
+class CommitRecord:
     """The coordinator's commit record of one save: its file, its mtime, and the expected set
     it describes (path -> the least size the record requires; 0 = present)."""
 
@@ -75,7 +75,7 @@ class Part:
     attempt: str
     layout: str
     files: tuple[PartFile, ...]
-    record: Record | None = None
+    record: CommitRecord | None = None
     written: float = 0.0  # when the store says the part object was written (not in the JSON)
 
     def as_json(self) -> dict[str, Any]:
@@ -146,7 +146,7 @@ def _part_file(f: Any, node: str) -> PartFile:
                     key=key)
 
 
-def _record(doc: Any) -> Record | None:
+def _record(doc: Any) -> CommitRecord | None:
     if doc is None:
         return None
     mtime = inputs.check_float(doc["mtime"], "record mtime")
@@ -156,7 +156,7 @@ def _record(doc: Any) -> Record | None:
     exact = doc.get("exact", False)
     if not isinstance(exact, bool):
         raise ValueError("record exact")
-    return Record(path=_safe(str(doc["path"])), mtime=mtime, expected=expected, after=after,
+    return CommitRecord(path=_safe(str(doc["path"])), mtime=mtime, expected=expected, after=after,
                   exact=exact)
 
 

@@ -43,7 +43,7 @@ class Share:
     node: str
     commit_timeout: float
     mtimes: Mapping[str, float]  # original path -> mtime (this node's clock)
-    record: cc.Record | None = None
+    record: cc.CommitRecord | None = None
     known_nodes: frozenset[str] = frozenset()
 
 

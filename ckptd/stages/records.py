@@ -20,11 +20,11 @@ from ckptd.formats.torchhead import HEAD_BYTES, leading_fields
 from ckptd.layouts import ranked
 from ckptd.remote.manifest import Manifest, StoredFile
 
-RecordReader = Callable[[Path, Manifest, Mapping[str, float]], "cc.Record | None"]
+RecordReader = Callable[[Path, Manifest, Mapping[str, float]], "cc.CommitRecord | None"]
 
 
 def dcp_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
-               ) -> cc.Record | None:
+               ) -> cc.CommitRecord | None:
     """The commit record of a DCP share, when it holds `.metadata`: every storage file it
     references with the least size. The file is read again and must be the validated bytes."""
     f = _one_file(manifest, lambda name: name == ".metadata")
@@ -37,11 +37,11 @@ def dcp_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
         raise PermanentError(str(exc)) from None
     base = posixpath.dirname(f.path)
     expected = {posixpath.join(base, name): least for name, least in meta.references.items()}
-    return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected)
+    return cc.CommitRecord(path=f.path, mtime=mtimes[f.path], expected=expected)
 
 
 def megatron_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
-                    ) -> cc.Record | None:
+                    ) -> cc.CommitRecord | None:
     """Megatron's torch_dist save is DCP's (`.metadata` in `iter_N/`). Its legacy format
     (`mp_rank_XX/model_optim_rng.pt`) records the parallel sizes only in the pickled `args`:
     no expected set can be read, so it is refused rather than left waiting."""
@@ -52,7 +52,7 @@ def megatron_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, flo
 
 
 def native_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
-                  ) -> cc.Record | None:
+                  ) -> cc.CommitRecord | None:
     """The commit record of a native share that holds `meta.json` (rank 0's node of a
     `node_local` save): every file it lists, at its listed size. Written after every rank's
     files (the ranks' write results are gathered first), like DCP's `.metadata`."""
@@ -70,7 +70,7 @@ def native_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float
                     for e in listing}
     except (BadInput, ValueError, TypeError, KeyError, AttributeError):
         raise PermanentError(f"{f.path}: no file listing the commit can read") from None
-    return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected, exact=True)
+    return cc.CommitRecord(path=f.path, mtime=mtimes[f.path], expected=expected, exact=True)
 
 
 def _one_file(manifest: Manifest, named: Callable[[str], bool]) -> StoredFile | None:
@@ -95,7 +95,7 @@ _DS_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$
 
 
 def deepspeed_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
-                     ) -> cc.Record | None:
+                     ) -> cc.CommitRecord | None:
     """The commit record of a DeepSpeed share that holds the model states: ZeRO-1/2's
     `mp_rank_<MP>_model_states.pt` (every model-parallel rank's here) or ZeRO-3's data-parallel
     rank 0's `zero_pp_rank_0_mp_rank_<MP>_model_states.pt`. Expected: those, every
@@ -129,11 +129,11 @@ def deepspeed_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, fl
         expected.update({posixpath.join(base, f"{prefix}zero_pp_rank_{r}_mp_rank_{mp:02d}"
                                               "_optim_states.pt"): 0
                          for r in range(dp) for mp in models})
-    return cc.Record(path=record, mtime=mtimes[record], expected=expected, after=cc.SPREAD_S)
+    return cc.CommitRecord(path=record, mtime=mtimes[record], expected=expected, after=cc.SPREAD_S)
 
 
 def ranked_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float],
-                  world_size: int = 0) -> cc.Record | None:
+                  world_size: int = 0) -> cc.CommitRecord | None:
     """The commit record of a `ranked` share that holds `meta_<N>.json` (the coordinator's):
     `model_<N>.pt`, the meta and `optim_<N>_rank<R>.pt` for every rank below the root's
     `world_size` (else the one the meta records), the order the single-node rule uses. The
@@ -162,4 +162,4 @@ def ranked_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float
     step = name.removeprefix("meta_").removesuffix(".json")
     expected = {posixpath.join(base, n): 0 for n in (
         f"model_{step}.pt", name, *(f"optim_{step}_rank{r}.pt" for r in range(world)))}
-    return cc.Record(path=f.path, mtime=mtimes[f.path], expected=expected, after=cc.SPREAD_S)
+    return cc.CommitRecord(path=f.path, mtime=mtimes[f.path], expected=expected, after=cc.SPREAD_S)
