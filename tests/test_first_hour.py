@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import Harness, wait_until
+from support import Harness, wait_scans, wait_until
 from support.config import render_config
 from writers import save_torch
 
@@ -208,14 +208,12 @@ def test_a_new_save_of_a_gone_step_with_fewer_files_is_a_new_save(tmp_path: Path
         (d / "optimizer.pt").unlink()
         wait_until(lambda: h.daemon.store.checkpoint("r", 5).local.value == "pruned",
                    what="step 5 gone")
-        h.daemon.scanner.scan_all()
-        time.sleep(0.5)
-        h.daemon.scanner.scan_all()
+        wait_scans(h.client, settle=0.5)  # scans well past the root's 200ms settle
         assert h.daemon.store.checkpoint("r", 5).id == first.id  # leftovers: not a save
         # the user deletes the rest and saves step 5 anew, with two files
         shutil.rmtree(d)
         d.mkdir()
-        time.sleep(0.05)
+        time.sleep(0.05)  # file mtimes are coarse: the new save's fall after the delete seen
         save_torch(d / "pytorch_model.bin")
         (d / "trainer_state.json").write_text('{"global_step": 5}')
         rec = wait_until(lambda: (c := h.daemon.store.checkpoint("r", 5)) is not None

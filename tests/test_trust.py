@@ -210,10 +210,12 @@ def test_a_state_db_deleted_while_running_stops_all_acting(h: Harness) -> None:
     assert "was deleted" in health["problem"]
     assert not h.daemon.healthy()  # the watchdog is not fed: systemd restarts the daemon
     stopped = {s["name"] for s in health["services"] if s["state"] == "stopped"}
-    assert {"scan", "retention", "worker-0"} <= stopped
-    save_torch(h.root / "model_step_2.pt")  # nothing acts any more
-    time.sleep(1.5)
+    assert {"scan", "retention", "worker-0"} <= stopped  # their threads have ended
+    scans = h.client.status()["scans"]  # type: ignore[index]
+    save_torch(h.root / "model_step_2.pt")  # nothing acts any more, woken or not
+    h.daemon.scanner.wake()
     assert h.client.latest("r")["step"] == 1  # type: ignore[index]
+    assert h.client.status()["scans"] == scans  # type: ignore[index]
 
 
 def test_pins_survive_the_loss_of_the_state_db(tmp_path: Path, short_dir: Path) -> None:

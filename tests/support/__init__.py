@@ -2,6 +2,6 @@
 (a `ckptd run` subprocess, or a Daemon inside the test process). Holds no tests."""
 
 from support.harness import Harness, raw
-from support.wait import wait_until
+from support.wait import wait_scans, wait_until
 
-__all__ = ["Harness", "raw", "wait_until"]
+__all__ = ["Harness", "raw", "wait_scans", "wait_until"]
