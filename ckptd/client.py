@@ -273,7 +273,8 @@ class Hold:
 
     def __exit__(self, *exc: object) -> None:
         if self.held:
-            self.client._soft("release hold", None, self.client.request_json, "DELETE", self._path())
+            self.client._soft("release hold", None, self.client.request_json, "DELETE",
+                              self._path())
 
 
 def _fallback_latest(root: str, root_dir: str | os.PathLike[str] | None) -> dict[str, Any] | None:
