@@ -61,6 +61,10 @@ CLAIMS: list[tuple[str, str, Callable[[], tuple[float, ...]], tuple[Number, ...]
      lambda: (_module_constant("ckptd/retention/scheduler.py", "RUN_BOUND_S"),), (_n,)),
     ("docs/OPERATIONS.md", r"an upload quiet for (\d+) s",
      lambda: (_module_constant("ckptd/service/workers.py", "HOLD_AFTER_S"),), (_n,)),
+    ("docs/OPERATIONS.md", r"`Restart=on-failure` \(after (\d+) s\)",
+     lambda: (float(_unit()["RestartSec"].removesuffix("s")),), (_n,)),
+    ("docs/OPERATIONS.md", r"`WatchdogSec=(\d+)`. The daemon pings systemd every (\d+) s",
+     lambda: (float(_unit()["WatchdogSec"]), float(_unit()["WatchdogSec"]) / 2), (_n, _n)),
     ("README.md", r"body over (\d+) MiB", lambda: (server.MAX_BODY,), (_mib,)),
     ("docs/OPERATIONS.md", r"gives in-flight stages (\d+) s to finish",
      lambda: (_daemon_constant("STOP_GRACE_S"),), (_n,)),
@@ -133,3 +137,25 @@ def test_input_caps_match_inputs_kinds() -> None:
                 assert size == kind.cap, f"{at}: {m.group(0)}, but {kind.name}'s cap is {kind.cap}"
     assert seen == set(INPUT_ROWS), f"rows gone from SECURITY.md: {set(INPUT_ROWS) - seen}"
 
+
+
+def _unit() -> dict[str, str]:
+    """systemd/ckptd.service's settings (the watchdog pings at half WatchdogSec: sdnotify)."""
+    unit: dict[str, str] = {}
+    for line in (ROOT / "systemd/ckptd.service").read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#"):
+            unit[key.strip()] = value.strip()
+    return unit
+
+
+def test_unit_settings_match_the_unit() -> None:
+    """Each `Key=value` OPERATIONS.md quotes of the systemd unit is what systemd/ckptd.service
+    sets."""
+    unit = _unit()
+    quoted = [(at, m[1], m[2]) for at, line in doc_lines(DOCS / "OPERATIONS.md")
+              for m in re.finditer(r"`([A-Z]\w+)=([^`\s]+)`", line) if m[1] in unit]
+    assert len(quoted) > 5, "OPERATIONS.md quotes no unit settings: the pattern is stale"
+    bad = [f"{at}: {key}={value}, the unit: {unit[key]}" for at, key, value in quoted
+           if value != unit[key]]
+    assert not bad, f"OPERATIONS.md quotes unit settings the unit does not have: {bad}"
