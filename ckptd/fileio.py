@@ -355,8 +355,8 @@ def _open_at(dir_fd: int, name: str, rel: str, flags: int) -> int:
         return os.open(name, flags, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(dir_fd, name):
-            raise UnsafePath(f"{rel!r}: {name!r} is a symbolic link; ckptd never follows"
-                             " one inside a root") from None
+            raise UnsafePath(f"{rel!r}: {name!r} is a symlink; ckptd never follows a"
+                             " symbolic link inside a root") from None
         raise
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -113,10 +112,17 @@ def check_replaceable(
         verify_copy(copy, manifest)
         _fsync_copy(copy, manifest)
     by_path = {f.path: f for f in manifest.files}
-    present = [(rel, p) for rel in original_paths if (p := _original(root_dir, rel, by_path))]
-    for rel, path in present:
-        _check_original(path, by_path[rel], rehash)
-    return [rel for rel, _ in present]
+    present = []
+    for rel in original_paths:
+        fd = _original(root_dir, rel, by_path)
+        if fd is None:
+            continue
+        try:
+            _check_original(fd, by_path[rel], rehash)
+        finally:
+            os.close(fd)
+        present.append(rel)
+    return present
 
 
 def _fsync_copy(copy: Path, manifest: Manifest) -> None:
@@ -127,30 +133,27 @@ def _fsync_copy(copy: Path, manifest: Manifest) -> None:
     fileio.fsync_dir(copy.parent)
 
 
-def _original(root_dir: Path, rel: str, by_path: Mapping[str, StoredFile]) -> Path | None:
-    """The original's path if it still exists; UnsafePath for anything reached through a link."""
+def _original(root_dir: Path, rel: str, by_path: Mapping[str, StoredFile]) -> int | None:
+    """The original, opened beneath the root (`fileio.open_beneath`: no link followed on the
+    way), if it is still there; UnsafePath for a link or anything not a regular file."""
     if rel not in by_path:
         raise UnsafePath(f"{rel} is not in the compressed copy: refusing to delete it")
-    path = fileio.safe_join(root_dir, rel)
-    if path.resolve() != root_dir.resolve() / os.path.normpath(rel):
-        raise UnsafePath(f"{rel} is reached through a symlink: refusing to delete it")
     try:
-        st = os.lstat(path)
+        return fileio.open_beneath(root_dir, rel)
     except FileNotFoundError:
         return None
-    if not stat.S_ISREG(st.st_mode):
-        raise UnsafePath(f"{rel} is not a regular file: refusing to delete it")
-    return path
+    except UnsafePath as exc:
+        raise UnsafePath(f"{exc}: refusing to delete it") from None
 
 
-def _check_original(path: Path, f: StoredFile, rehash: bool) -> None:
-    size = os.stat(path).st_size
+def _check_original(fd: int, f: StoredFile, rehash: bool) -> None:
+    size = os.fstat(fd).st_size
     if size != f.size:
         raise CorruptData(f"{f.path} has {size} bytes, its copy {f.size}: it changed after "
                           "compression; not deleting it")
     if rehash:
         hasher = HashSink()
-        fileio.read_pass(path, [hasher])
+        fileio.read_pass(f.path, [hasher], fd=fd)
         if hasher.digest != f.hash:
             raise CorruptData(f"{f.path} differs from its compressed copy (changed after "
                               "compression); not deleting it")

@@ -274,10 +274,7 @@ class _Run:
         for m in self.members:
             if m.rel == rel:
                 return m.size
-        try:
-            return os.stat(fileio.safe_join(self.root, rel)).st_size
-        except FileNotFoundError:
-            raise ValidationFailed(Reason.MISSING_FILE, f"{rel} is missing", rel) from None
+        return self._stat(rel).size  # opened beneath the root like every member
 
     def _check_dcp_items(self) -> None:
         """Each item DCP wrote into a zip-framed data file must be exactly one torch archive;
