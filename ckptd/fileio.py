@@ -1,7 +1,6 @@
-"""File I/O every stage shares: one bounded streaming read per file feeding several sinks, atomic
-writes, and joining untrusted relative paths under a root.
-
-Owns how ckptd touches bytes on disk; knows nothing of checkpoint formats, the store or stages.
+"""Every file primitive once: the bounded read pass, atomic writes, fsync, fadvise, tree removal.
+A root's member is only opened with `open_beneath`; `safe_join` only names paths under
+directories ckptd made. Knows nothing of checkpoint formats, the store or stages.
 """
 
 from __future__ import annotations
@@ -293,9 +292,11 @@ def _open_dir_or_unlink(name: str, dir_fd: int | None) -> int | None:
 def safe_join(root: str | os.PathLike[str], rel: str) -> Path:
     """`root/rel`, refusing (UnsafePath) anything that lands outside `root`.
 
-    `rel` comes from checkpoint metadata or clients: it must be relative, must not climb with
-    `..`, and no symlink along it may lead out of `root`. Checked at call time: a link swapped
-    in afterwards is not seen, so callers open the returned path promptly.
+    Only for directories ckptd made (a local copy's objects, a staging dir) or a restore
+    target the user named: a root's member is opened with `open_beneath`, never through this.
+    `rel` comes from a manifest or a client: it must be relative, must not climb with `..`,
+    and no symlink along it may lead out of `root`. Checked at call time: a link swapped in
+    afterwards is not seen, so callers open the returned path promptly.
     """
     if not rel or "\x00" in rel:
         raise UnsafePath(f"bad relative path {rel!r}")
