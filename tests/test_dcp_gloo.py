@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 import torch
-from support.wait import WaitTimeout, wait_until
+from support.config import SETTLE_S
+from support.wait import WaitTimeout, wait_scans, wait_until
 
 # DCP warns when it reads or writes without a process group, which is what these tests mean.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -179,7 +180,7 @@ def test_whole_save_is_valid_latest_and_verifies(inproc_daemon: Any, tmp_path: P
     for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
         assert (out / "step-100" / name).read_bytes() == (good / name).read_bytes()
 
-    time.sleep(1.5)  # more scans (scan_interval 1s, settle 300ms)
+    wait_scans(d.client, settle=SETTLE_S)
     assert_never_latest(d, 200, latest=100)
 
 
@@ -196,7 +197,7 @@ def test_rank_dying_before_the_commit_is_never_latest(inproc_daemon: Any) -> Non
     assert codes[1] == 9 and codes[0] != 0, codes
     assert not (died / ".metadata").exists()
     assert (died / "__0_0.distcp").exists() or (died / "__1_0.distcp").exists()
-    time.sleep(1.5)  # more scans (scan_interval 1s, settle 300ms)
+    wait_scans(d.client, settle=SETTLE_S)
     assert_never_latest(d, 300, latest=100)
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from support.ckpts import save_single
 from support.config import root_table
-from support.wait import WaitTimeout, wait_until
+from support.wait import WaitTimeout, wait_scans, wait_until
 from support.wire import cli
 from test_dcp_gloo import published_step
 
@@ -243,10 +243,10 @@ def test_no_room_for_the_copy_defers_it_and_keeps_serving(small_tmpfs: Path,
     assert published_step(root_dir) == 1
     wait_until(lambda: [e for e in d.events("stage_failed") if e["kind"] == "DiskFull"], 10,
                "a compress retry failing for space", detail=lambda: d.log_text()[-4000:])
-    for _ in range(3):  # the daemon keeps serving while the copy cannot be made
+    for _ in range(2):  # the daemon keeps serving, scan after scan, while no copy can be made
         assert d.client.health()["status"] == "ok"  # type: ignore[index]
         assert d.client.checkpoint("r1", 1)["state"] == "valid"  # type: ignore[index]
-        time.sleep(0.2)
+        wait_scans(d.client)
     assert temp_leftovers(root_dir) == []
 
     # Room again: a retry makes the copy and the step goes up after all.
