@@ -131,12 +131,9 @@ def advise(fd: int, offset: int, length: int, name: str = "POSIX_FADV_DONTNEED")
     gives the kernel page-cache advice: only a hint, so a platform without it or an error is
     ignored. DONTNEED drops clean pages and starts writeback of dirty ones without waiting."""
     advice = getattr(os, name, None)
-    if advice is None:  # not every platform has posix_fadvise; advice is only a hint
-        return
-    try:
-        os.posix_fadvise(fd, offset, length, advice)
-    except OSError:
-        pass
+    if advice is not None:
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, length, advice)
 
 
 def pread_exact(fd: int, offset: int, n: int) -> bytes:
@@ -152,7 +149,7 @@ def pread_exact(fd: int, offset: int, n: int) -> bytes:
     return b"".join(parts)
 
 
-# --- atomic writes -------------------------------------------------------------------------
+# --- atomic writes, fsync, tree removal ------------------------------------------------------
 
 
 def temp_name(final: Path) -> Path:
@@ -260,10 +257,8 @@ def remove_tree(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> N
                 continue
             os.close(fds.pop())
             pending.pop()
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.rmdir(names.pop(), dir_fd=fds[-1] if fds else dir_fd)
-            except FileNotFoundError:
-                pass
     finally:
         for fd in fds:
             os.close(fd)
@@ -279,10 +274,8 @@ def _open_dir_or_unlink(name: str, dir_fd: int | None) -> int | None:
     except OSError as exc:
         if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
             raise
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
     return None
 
 

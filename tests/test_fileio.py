@@ -137,6 +137,34 @@ def test_atomic_write_json_round_trips(tmp_path: Path) -> None:
     assert json.loads(target.read_text()) == {"step": 3, "path": "a/b"}
 
 
+def test_atomic_write_json_beneath_a_dir_fd_replaces_a_link_never_writes_through_it(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    outside = tmp_path / "outside"
+    outside.write_text("keep")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "meta.json").symlink_to(outside)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fileio.atomic_write_json("meta.json", {"step": 3}, dir_fd=fd)
+        with pytest.raises(ValueError, match="plain name"):
+            fileio.atomic_write_json("sub/meta.json", {}, dir_fd=fd)
+    finally:
+        os.close(fd)
+    assert json.loads((d / "meta.json").read_text()) == {"step": 3}
+    assert not (d / "meta.json").is_symlink() and outside.read_text() == "keep"
+    assert os.listdir(d) == ["meta.json"]
+
+
+def test_fsync_dir_quietly_ignores_what_it_cannot_open(tmp_path: Path) -> None:
+    fileio.fsync_dir(tmp_path / "gone", quiet=True)
+    with pytest.raises(FileNotFoundError):
+        fileio.fsync_dir(tmp_path / "gone")
+
+
 def test_temp_names_carry_the_recovery_prefix(tmp_path: Path) -> None:
     t = fileio.temp_name(tmp_path / "latest.json")
     assert t.parent == tmp_path and t.name.startswith(fileio.TEMP_PREFIX)
