@@ -304,10 +304,8 @@ os.setgroups([]); os.setgid(65534); os.setuid(65534)  # after the imports: /root
 fd = arena.create_memfd(8192)
 os.pwrite(fd, arena.pack_header(arena.State.SEALED, 1, 8192), 0)
 body = json.loads(sys.argv[1])
-try:
-    _async._hand_over(sys.argv[2], body, fd)
-except _async._NotTaken as exc:
-    print(exc)
+answer, not_taken = _async._hand_over(sys.argv[2], body, fd)
+print(not_taken if answer is None else f"taken: {answer}")
 """
 
 
