@@ -1,21 +1,6 @@
-"""The retention executor: the only code in the daemon that deletes checkpoint bytes.
-
-Every destructive act is one of its entry points, each behind the safety nets
-(`ckptd.retention.nets`, re-checked from `Guards` read just before) and, locally, crash-safe
-through the trash (`ckptd.retention.trash`: a rename into `<root>/.ckptd/trash` under a
-journal, then removal; `purge_trash` finishes or undoes what a crash left there at start-up):
-
-- `execute_local`: a plan's local deletes; `execute_remote`: a plan's remote deletes;
-  `execute_copies`: a plan's copy releases (through `release_copy`);
-- `replace_originals`: compress-in-place, the originals go once their copy is verified;
-- `release_copy`: a local compressed copy that is not needed any more (after upload, after
-  its checkpoint was pruned, or one a crash left behind);
-- `install_copy`: a re-save's new compressed copy takes the place of the superseded one;
-- `replace_remote`: a re-save's earlier upload of the same step, before the new one goes up.
-
-Remote deletes go through a function it is given. Never imports the store, the scheduler or
-a stage; never follows a symlink; never decides what to delete (the planner and the lifecycle
-table do) and never compresses (compress items come back as `deferred`).
+"""The retention executor: the only code that deletes checkpoint bytes, each act an entry point
+behind the safety nets (`nets`), locally through the trash (`trash`). Never imports the store,
+the scheduler or a stage; never follows a symlink; never decides what to delete or compresses.
 """
 
 from __future__ import annotations
@@ -210,16 +195,23 @@ def _delete_remote(
     delete_step: DeleteStep,
     log: Any,
 ) -> Outcome:
+    got = _remove_remote(backend, root_name, item.step, "prune_remote", guards, delete_step, log)
+    return got if isinstance(got, Outcome) else _pruned(log, item, "remote", got)
+
+
+def _remove_remote(backend: Backend, root_name: str, step: int, act: Act, guards: Guards,
+                   delete_step: DeleteStep, log: Any) -> int | Outcome:
+    """The nets of `act`, then `delete_step`: the bytes it freed, or a refused/failed Outcome."""
     try:
-        check_nets(item.step, "prune_remote", guards)
+        check_nets(step, act, guards)
     except Refusal as refusal:
-        return _refused(log, item.step, "remote", refusal)
-    size = _remote_bytes(backend, root_name, item.step)
+        return _refused(log, step, "remote", refusal)
+    size = _remote_bytes(backend, root_name, step)
     try:
-        delete_step(backend, root_name, item.step)
+        delete_step(backend, root_name, step)
     except (StorageError, OSError) as exc:
-        return _failed(log, item.step, "remote", str(exc))
-    return _pruned(log, item, "remote", size)
+        return _failed(log, step, "remote", str(exc))
+    return size
 
 
 def _remote_bytes(backend: Backend, root_name: str, step: int) -> int:
@@ -372,17 +364,11 @@ def replace_remote(
     the step is uploaded in its place (manifest first, through `delete_step`). Refused while
     a client reads the step ("replace_remote" nets)."""
     log = get_logger(root=root_name)
-    try:
-        check_nets(step, "replace_remote", guards)
-    except Refusal as refusal:
-        return _refused(log, step, "remote", refusal)
-    size = _remote_bytes(backend, root_name, step)
-    try:
-        delete_step(backend, root_name, step)
-    except (StorageError, OSError) as exc:
-        return _failed(log, step, "remote", str(exc))
-    log.warning("remote_step_replaced", step=step, bytes_freed=size)
-    return Outcome(step, "remote", "deleted", "replace_remote", size)
+    got = _remove_remote(backend, root_name, step, "replace_remote", guards, delete_step, log)
+    if isinstance(got, Outcome):
+        return got
+    log.warning("remote_step_replaced", step=step, bytes_freed=got)
+    return Outcome(step, "remote", "deleted", "replace_remote", got)
 
 
 # --- outcomes and their events ---------------------------------------------------------------

@@ -1,8 +1,6 @@
-"""compress_older in place: a checkpoint's originals replaced by its verified local compressed
-copy. Owns the flow around the executor's `replace_originals` (the copy checked first, the row
-recorded `compressed` before the moves, undone when they fail, a crash's half done finished)
-and its back-off. Deletes nothing itself (the executor does) and never compresses (the
-compress stage made the copy).
+"""compress_older in place: the flow around the executor's `replace_originals` (copy checked, row
+recorded before the moves and undone if they fail, a crash's half finished) and its back-off.
+Deletes nothing itself (the executor does); never compresses (the compress stage made the copy).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""One retention run of one root: plan from the store's facts, execute with fresh guards,
-record the outcomes as lifecycle events, compress in place what the plan defers. Never chooses
-when it runs (the scheduler does), decides nothing (the planner) and deletes nothing itself
-(every delete is an executor entry point).
+"""One retention run of one root: plan from the store's facts, execute with fresh guards, record
+the outcomes, compress in place what the plan defers. Never chooses when it runs (the scheduler),
+decides nothing (the planner) and deletes nothing itself (the executor does).
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ class Runner:
         disk = disk_of(root) or planner.Disk(0, 0, 0)
         return planner.plan(views, local_rules(root), remote_rules(root), disk, now,
                             metric_mode=root.metric_mode, upload_configured=root.upload.enabled,
-                            delete_adopted=delete_adopted)
+                            delete_adopted=delete_adopted, committed_only=root.multi_node)
 
     def _has_copy(self, root: RootConfig, r: CheckpointRecord) -> bool:
         status = self.store.status(root.name, r.step)

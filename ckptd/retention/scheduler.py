@@ -1,8 +1,6 @@
 """The retention service: one thread runs every retention run, for every root, one at a time.
-
 Owns when retention runs (after stages, on a timer, under disk pressure, on `run_now`) and who
-waits for which run. A run of a root is `run.Runner`'s; the planner decides, the executor
-deletes, `views` translates the store's rows and `report` renders what a run learned.
+waits for which run; a run of a root is `run.Runner`'s, and it deletes nothing itself.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The trash: every local delete is a rename into `<root>/.ckptd/trash` under a journal, then
-a removal (`purge`), or a way back (`restore`, `purge_trash` after a crash). Owns which names
-a delete may move (inside the root, never ckptd's own, never through a link). Checks no net
-and decides nothing: only `ckptd.retention.executor` calls it, after the nets.
+"""The trash: a local delete is a rename into `<root>/.ckptd/trash` under a journal, then `purge`
+(or `restore`, or `purge_trash` after a crash), of names inside the root, never through a link.
+Checks no net and decides nothing: the executor calls it after the nets (and start-up recovery).
 """
 
 from __future__ import annotations

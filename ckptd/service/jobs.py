@@ -1,9 +1,6 @@
-"""How the read-pass stages are called for one claimed job: a Job and the root's config become
-validate's and compress's plain arguments (a Candidate, a Stager). The upload is `uploads`'s.
-
-Decides nothing and records nothing: the stages do the work, the workers record the outcome.
-Two answers are not failures and come back as values: `Changed` (the files are no longer the
-ones the row was validated from) and `Damaged` (a later read found the checkpoint damaged).
+"""How validate and compress are called for one claimed job (a Candidate, a Stager), and the two
+answers that are not failures: `Changed`, `Damaged`. Decides and records nothing: the stages
+work, the workers record (the upload's call is `service.uploads`).
 """
 
 from __future__ import annotations

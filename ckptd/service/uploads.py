@@ -1,7 +1,6 @@
-"""How the upload stage is called for one claimed job: the local compressed copy checked against
-the row's validated files, then a single node's upload (a re-save's earlier upload replaced
-through the executor first) or a multi-node root's share. Records nothing and decides nothing
-of the commit (`ckptd.stages.parts` does); `Changed` comes back as a value, not raised.
+"""How the upload stage is called for one claimed job: the local copy checked against the row's
+files, then one node's upload (an earlier save's replaced through the executor) or a multi-node
+share. Records nothing, decides nothing of the commit (`ckptd.stages.parts`).
 """
 
 from __future__ import annotations

@@ -22,13 +22,13 @@ from ckptd.config import RootConfig
 from ckptd.errors import CkptdError, PermanentError
 from ckptd.lifecycle.table import Stage
 from ckptd.log import get_logger
-from ckptd.model import State, Tier, ValidationResult
+from ckptd.model import CheckpointRecord, State, Tier, ValidationResult
 from ckptd.service.commits import Waiting, newest_local
 from ckptd.service.jobs import Changed, Damaged
 from ckptd.service.metrics import Metrics
 from ckptd.service.progress import Progress, StageCancelled
 from ckptd.service.runners import Crew, Done, Runner, runners
-from ckptd.service.supervisor import Calls
+from ckptd.service.supervisor import Call, Calls
 from ckptd.service.uploads import CopyMissing
 from ckptd.stages.parts import NotCommitted
 from ckptd.store import Job, Store
@@ -286,7 +286,7 @@ class Workers:
     def _tick(self, worker: str) -> None:
         self.calls.beat(worker)
 
-    def set_aside(self, call: Any, stuck: bool) -> None:
+    def set_aside(self, call: Call, stuck: bool) -> None:
         """The supervisor saw a worker's call go past its bound (or move again): say so where
         an operator looks (the root's last error, the error count). The item stays claimed by
         the stuck call, so no second worker runs into the same stall or races it; a quiet
@@ -306,7 +306,7 @@ class Workers:
     def uncommitted(self, root: str, nodes: int) -> list[dict[str, Any]]:
         return self.waiting.uncommitted(root, nodes)
 
-    def part_states(self, root: RootConfig, rec: Any) -> dict[str, str]:
+    def part_states(self, root: RootConfig, rec: CheckpointRecord) -> dict[str, str]:
         """Each node's part state of one step of a multi-node root, as this node knows it:
         from its last look at the parts while the step waited, else this node's own."""
         seen = self.waiting.node_states(root.name, rec.step)
