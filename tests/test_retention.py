@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from ckptd.cluster.coordinator import coordinates
 from ckptd.model import Local, Remote, State
 from ckptd.retention.planner import (
     Action,
@@ -1032,3 +1033,16 @@ def test_docs_example_table_matches_planner() -> None:
     views, p = doc_example()
     table = render_table(views, p)
     assert table in (REPO / "docs" / "RETENTION.md").read_text(), "docs/RETENTION.md:\n" + table
+
+
+@pytest.mark.parametrize(("node", "nodes", "expected"), [
+    ("n0", (("n0", "a1", "record.json"), ("n1", "b1", "")), True),  # n0 holds the record
+    ("n1", (("n0", "a1", "record.json"), ("n1", "b1", "")), False),
+    ("n2", (("n0", "a1", "record.json"),), False),  # not among the step's nodes
+    ("n0", (("n0", "a1", ""), ("n1", "b1", "")), False),  # no commit record: nobody
+    ("n0", (), False),  # a single-node manifest names no nodes
+])
+def test_only_the_newest_commits_coordinator_deletes_remotely(
+        node: str, nodes: tuple[tuple[str, str, str], ...], expected: bool) -> None:
+    assert coordinates(node, nodes) is expected
+
