@@ -3,10 +3,27 @@ when the generation already moved, wakes on notify from another thread, and time
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
+from support.wait import wait_until
+
+from ckptd.lifecycle import changes
 from ckptd.lifecycle.changes import Changes
+
+
+def blocked_in_changes_wait(t: threading.Thread) -> bool:
+    """Whether `t` is inside `threading.Condition.wait` called from `Changes.wait`."""
+    frame = sys._current_frames().get(t.ident or -1)
+    if (frame is None or frame.f_code.co_filename != threading.__file__
+            or frame.f_code.co_name != "wait"):  # not yet queued (taking the lock, say)
+        return False
+    while frame is not None:
+        if frame.f_code.co_name == "wait" and frame.f_code.co_filename == changes.__file__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def test_generation_counts_notifies() -> None:
@@ -47,7 +64,10 @@ def test_notify_from_another_thread_wakes_every_waiter() -> None:
     for t in threads:
         t.start()
     ready.wait()
-    time.sleep(0.05)  # let the waiters block on the condition before notifying
+    # Every waiter blocked on the condition before the notify (inside Condition.wait it has
+    # queued itself under the lock notify needs, so the notify cannot be missed).
+    wait_until(lambda: all(blocked_in_changes_wait(t) for t in threads), 10,
+               "the waiters blocked in Changes.wait", interval=0.001)
     started = time.monotonic()
     c.notify()
     for t in threads:
