@@ -19,7 +19,7 @@ from support.wait import wait_until
 from torch.optim.swa_utils import AveragedModel
 
 import ckptd.torch as ckpt
-from ckptd.errors import CkptdError, NotFound, ValidationFailed
+from ckptd.errors import CkptdError, ConfigError, NotFound, ValidationFailed
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -384,6 +384,19 @@ def test_compressed_latest_is_restored_then_loaded(tmp_path: Path) -> None:
     assert step == 4
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
                                                   model.state_dict().values(), strict=True))
+
+
+def test_a_failed_restore_raises_its_own_error_in_the_trainer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restore runs in a child process (the trainer never imports the backends or the
+    config): its error reaches the caller with its class and message."""
+    (tmp_path / ".ckptd").mkdir()
+    (tmp_path / ".ckptd" / "latest.json").write_text(
+        json.dumps({"step": 4, "path": "step-4", "local": "compressed"}))
+    monkeypatch.delenv("CKPTD_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)  # no ./ckptd.toml either
+    with pytest.raises(ConfigError, match="no config to find the remote"):
+        ckpt.load(tmp_path, model=net())
 
 
 # --------------------------------------------------------------------------------- the daemon

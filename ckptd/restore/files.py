@@ -7,8 +7,8 @@ store or the daemon, and never holds a whole file in memory.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import stat
 import sys
 import tempfile
@@ -246,10 +246,12 @@ def all_or_nothing(to: Path, fill: Callable[[Path], list[Path]]) -> list[Path]:
         return _one_mtime(final)
     except BaseException:
         if created:
-            shutil.rmtree(to, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                fileio.remove_tree(to)
         raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            fileio.remove_tree(staging)
 
 
 def check_target(to: Path, paths: list[str]) -> None:
@@ -316,9 +318,10 @@ def tty_progress(stream: TextIO | None = None, interval: float = 0.1) -> TotalPr
 
 def restore_checkpoint(root_name: str, step: int, to: Path, root_dir: Path | None = None,
                        config_path: Path | None = None) -> list[Path]:
-    """Rebuild one step's original files under `to` for a loader (`ckptd.torch.load`): from the
-    local compressed copy in `root_dir` when there is one, else from the remote named by the
-    config (`config_path`, else as the daemon finds its own: `config.find_config`)."""
+    """Rebuild one step's original files under `to` for a loader (`ckptd.torch.load`, through
+    `ckptd.cli.restore_child`): from the local compressed copy in `root_dir` when there is
+    one, else from the remote named by the config (`config_path`, else as the daemon finds
+    its own: `config.find_config`)."""
     if root_dir is not None:
         manifest = read_local_manifest(Path(root_dir), step)
         if manifest is not None:

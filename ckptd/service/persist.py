@@ -1,5 +1,5 @@
 """The persist service: takes async saves handed over on the socket (an arena descriptor and a
-persist request), writes each on its own idle-priority thread through `stages.persist`, then
+persist request), writes each on its own idle-priority thread through `arena_write`, then
 registers the committed step so the lifecycle picks it up as a detected save.
 
 Owns the accepted arenas (its own descriptor and mapping of each) and the outcomes the trainers'
@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import arena
+from ckptd import arena_write as stage
 from ckptd.config import RootConfig
 from ckptd.errors import HttpError
 from ckptd.log import get_logger
 from ckptd.service.supervisor import Calls
-from ckptd.stages import persist as stage
 from ckptd.store import Store
 
 MAX_IN_FLIGHT = 32

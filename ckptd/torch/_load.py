@@ -13,6 +13,8 @@ import os
 import pickle
 import random
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ import torch
 
 from ckptd.errors import CkptdError, NotFound, ValidationFailed
 from ckptd.model import CKPTD_DIR
+from ckptd.restore import answer
 from ckptd.torch._native import (
     _STEP_DIR,
     PREFIX,
@@ -285,11 +288,15 @@ def _complete(step_dir: Path) -> bool:
 
 
 def _restore(name: str, step: int, root: Path) -> Path:
-    """Rebuild a compressed or remote-only checkpoint under `<root>/.ckptd/restored/`."""
-    from ckptd.restore.files import restore_checkpoint
-
+    """Rebuild a compressed or remote-only checkpoint under `<root>/.ckptd/restored/`, in a
+    child process (`ckptd.cli.restore_child`): the backends, the config and the object-store
+    library never enter the training process."""
     to = root / CKPTD_DIR / "restored" / f"step-{step}"
-    restore_checkpoint(name, step, to=to, root_dir=root)
+    child = subprocess.run([sys.executable, "-m", "ckptd.cli.restore_child", name, str(step),
+                            str(to), "--root-dir", str(root)], capture_output=True, text=True,
+                           check=False)
+    if child.returncode != 0:
+        raise answer.error_of(child.stdout or child.stderr)
     for candidate in (to, to / f"step-{step}"):
         if _complete(candidate):
             return candidate

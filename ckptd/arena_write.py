@@ -1,9 +1,10 @@
-"""The persist stage: write one rank's `native` files from a mapped arena into
-`<root>/step-<N>.tmp/`, hashing as it writes, and (rank 0) commit the step by renaming it.
+"""Writing an async save: one rank's `native` files from a mapped arena into
+`<root>/step-<N>.tmp/`, hashing as it writes, and (rank 0) the step's commit by rename.
 
-Given the arena's bytes, a checked request and the root's path; never touches the store. Every
-path is opened beneath the root's descriptor without following a symlink. Speaks the same
-`.ready` / `.done.rank<R>` rendezvous as the in-process writer in `ckptd.torch`.
+Both the daemon's persist service and ckptd.torch's in-process fallback run this: given the
+arena's bytes, a checked request and the root's path; it never touches the store. Every path is
+opened beneath the root's descriptor without following a symlink. Speaks the same `.ready` /
+`.done.rank<R>` rendezvous as the in-process writer in `ckptd.torch`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import xxhash
 
 from ckptd import fileio, inputs
 from ckptd.arena import FileRange, Request
-from ckptd.errors import BadInput, CkptdError
+from ckptd.errors import BadInput, Cancelled, CkptdError
 from ckptd.fileio import CHUNK_SIZE, HASH_ALG
 from ckptd.formats.zipcrc import fill_crcs
 
@@ -33,10 +34,6 @@ _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _DROP_EVERY = 64 << 20  # start writeback and forget written pages in steps of this many bytes
 
 Entry = dict[str, Any]
-
-
-class Cancelled(CkptdError):
-    """The daemon is stopping: the save is abandoned before its commit."""
 
 
 class Cancel(threading.Event):
