@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 from support.ckpts import flip_byte, save_single, tiny_state
-from support.wait import wait_until
+from support.config import SETTLE_S
+from support.wait import wait_scans, wait_until
 from support.wire import cli, http
 
 from ckptd.client import Client, ClientError
@@ -54,7 +55,7 @@ def test_dcp_complete_and_missing_metadata(inproc_daemon: Any) -> None:
     dcp.save(tiny_state(2), checkpoint_id=str(root / "step-200"))
     (root / "step-200" / ".metadata").unlink()
     assert d.wait_for("r1", 100)["layout"] == "dcp"
-    time.sleep(1.5)
+    wait_scans(d.client, settle=SETTLE_S)
     rec = d.client.checkpoint("r1", 200)
     assert rec is None or rec["state"] == "pending"
     assert d.client.latest("r1")["step"] == 100  # type: ignore[index]
@@ -71,7 +72,7 @@ def test_split_and_ranked_layouts(inproc_daemon: Any) -> None:
     (root / "meta_7.json").write_text(json.dumps({"step": 7, "world_size": 2}))
     torch.save(st["optimizer"], root / "optim_7_rank0.pt")  # rank 1 missing
     assert d.wait_for("r1", 5)["layout"] == "split"
-    time.sleep(1.5)
+    wait_scans(d.client, settle=SETTLE_S)
     assert d.client.checkpoint("r1", 7)["state"] == "pending"  # type: ignore[index]
     torch.save(st["optimizer"], root / "optim_7_rank1.pt")
     assert d.wait_for("r1", 7)["layout"] == "ranked"
@@ -214,7 +215,6 @@ def test_resave_same_step_supersedes(inproc_daemon: Any) -> None:
     p = save_single(root, 8)
     first = d.wait_for("r1", 8)
     assert first["state"] == "valid"
-    time.sleep(0.05)
     torch.save(tiny_state(99, n=32), p)  # re-save of the same step
 
     def resaved() -> dict[str, Any] | None:
@@ -256,8 +256,8 @@ def test_cli_commands(inproc_daemon: Any) -> None:
     d.wait_for("r1", 11)
     s = d.socket
     st = json.loads(cli("status", "--json", sock=s).stdout)
-    assert set(st) == {"status", "version", "uptime_s", "roots", "in_flight", "flushing",
-                       "services", "problem"}
+    assert set(st) == {"status", "version", "uptime_s", "scans", "roots", "in_flight",
+                       "flushing", "services", "problem"}
     assert set(st["roots"][0]) >= {"name", "path", "latest", "best", "counts", "queue",
                                    "disk_free_bytes", "last_error"}
     assert "preflight" in st["roots"][0]  # the capacity warning (retention)
