@@ -6,8 +6,8 @@ deletes originals and releases copies; the compress stage writes them.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -68,10 +68,8 @@ def remove_stale_staging(root_dir: Path) -> int:
     for e in entries:
         if not e.name.startswith(fileio.TEMP_PREFIX):
             continue
-        if e.is_dir(follow_symlinks=False):
-            shutil.rmtree(e.path, ignore_errors=True)
-        else:
-            Path(e.path).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # best effort: start-up goes on regardless
+            fileio.remove_tree(e.path)
         removed += 1
     return removed
 

@@ -6,10 +6,10 @@ own staging; the copy store's layout and checks are `ckptd.copies.store`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +134,8 @@ class Stager:
         for sink in self._sinks.values():
             sink.close()
         self._sinks.clear()
-        shutil.rmtree(self.staging, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            fileio.remove_tree(self.staging)
 
     def _stored_file(self, rec: FileRecord) -> StoredFile:
         sink = self._sinks.get(rec.path)
