@@ -234,3 +234,85 @@ def test_quoted_names_exist() -> None:
            if _SNAKE.fullmatch(span) and span not in words and span not in NOT_OURS]
     assert not bad, f"names quoted in the docs that the code does not have: {bad}"
 
+
+
+# -- tests wait on events, not the clock ---------------------------------------------------------
+
+# The only sleeps a test may take outside a poll loop with a deadline: each makes something
+# slow on purpose (a writer, a disk, a backend call) or gives files distinct coarse mtimes.
+# None waits for the daemon: that is `support.wait` (wait_until, wait_scans) or an event.
+SLEEPS_ALLOWED = {
+    ("frameworks/scripts/deepspeed_train.py", "slow_writes.save"):
+        "a rank writing slowly, one straggling after `latest`: a kill lands mid-save",
+    ("frameworks/scripts/hf_train.py", "slow_disk.save"):
+        "a slow disk under the trainer's save: a kill lands mid-write",
+    ("frameworks/scripts/lightning_train.py", "main.slow"):
+        "a slow save under Lightning: a kill lands mid-write",
+    ("frameworks/scripts/megatron_train.py", "_hold_commit.slow"):
+        "ranks stalling before the commit: a kill lands before .metadata",
+    ("frameworks/test_dcp.py", "test_a_dcp_save_copied_in_with_cp_r_becomes_valid"):
+        "files copied one after another get distinct (coarse) mtimes, as `cp -r` gives them",
+    ("test_layouts_real.py", "test_dcp_copied_with_cp_r_completes"):
+        "files copied one after another get distinct (coarse) mtimes, as `cp -r` gives them",
+    ("test_first_hour.py", "test_a_new_save_of_a_gone_step_with_fewer_files_is_a_new_save"):
+        "file mtimes are coarse: the new save's must fall after the deletion the daemon saw",
+    ("test_backends.py", "GateReader.read"): "a read that lingers: overlapping puts show",
+    ("test_restore.py", "Counting.get"): "a get that lingers: concurrent gets overlap",
+    ("test_retention_service.py", "OverlapRecorder.delete"):
+        "a delete that lingers: overlapping retention runs would show",
+    ("test_retention_service.py",
+     "test_run_now_callers_and_background_runs_never_overlap.background"):
+        "a background asker paced across the callers' runs (a load, not a wait)",
+    ("test_upload.py", "test_requests_in_flight_stay_within_concurrency.pause"):
+        "a put that lingers: overlapping puts show up as in flight together",
+}
+
+
+def _sleeps_outside_polls(tree: ast.Module) -> list[tuple[str, int]]:
+    """(qualified function name, line) of each `time.sleep` (or `from time import sleep`)
+    call that is not inside a loop which also checks a deadline (a `*.monotonic()` or
+    `perf_counter()` call, or a name with "deadline" in it, anywhere in the loop)."""
+    aliases = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+               and n.module == "time" for a in n.names if a.name == "sleep"}
+
+    def is_sleep(node: ast.Call) -> bool:
+        f = node.func
+        if isinstance(f, ast.Attribute):
+            return f.attr == "sleep" and isinstance(f.value, ast.Name) and f.value.id == "time"
+        return isinstance(f, ast.Name) and f.id in aliases
+
+    def polls(loop: ast.AST) -> bool:
+        return any(isinstance(n, ast.Attribute) and n.attr in ("monotonic", "perf_counter")
+                   or isinstance(n, ast.Name) and "deadline" in n.id for n in ast.walk(loop))
+
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST, scope: tuple[str, ...], loop: ast.AST | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                visit(child, (*scope, child.name), None)
+                continue
+            if isinstance(child, ast.Call) and is_sleep(child) and (loop is None
+                                                                    or not polls(loop)):
+                found.append((".".join(scope) or "<module>", child.lineno))
+            inner = child if isinstance(child, ast.While | ast.For | ast.AsyncFor) else loop
+            visit(child, scope, inner)
+
+    visit(tree, (), None)
+    return found
+
+
+def test_tests_wait_on_events_not_the_clock() -> None:
+    """No test synchronises with the daemon by sleeping: a `time.sleep` under tests/ is inside
+    a poll loop with a deadline, or made something slow on purpose (SLEEPS_ALLOWED, each with
+    its reason). Every allowed entry still has its sleep."""
+    tests = ROOT / "tests"
+    found = {(str(p.relative_to(tests)), fn, line)
+             for p in sorted(tests.rglob("*.py"))
+             for fn, line in _sleeps_outside_polls(ast.parse(p.read_text(), str(p)))}
+    bad = sorted(f"tests/{path}:{line} in {fn}" for path, fn, line in found
+                 if (path, fn) not in SLEEPS_ALLOWED)
+    assert not bad, ("fixed sleeps in tests (wait on an event with support.wait.wait_until or"
+                     f" wait_scans, or say why in SLEEPS_ALLOWED): {bad}")
+    stale = sorted(set(SLEEPS_ALLOWED) - {(path, fn) for path, fn, _ in found})
+    assert not stale, f"SLEEPS_ALLOWED entries with no sleep left: {stale}"
