@@ -259,8 +259,10 @@ def test_a_share_rewritten_since_validation_is_rescanned_not_sent(tmp_path: Path
     import os
 
     from ckptd.config import RootConfig
+    from ckptd.lifecycle.table import Stage
     from ckptd.model import CheckpointRecord, Local, Remote, State
-    from ckptd.service import jobs
+    from ckptd.service.jobs import Changed
+    from ckptd.service.uploads import validated_mtimes
     from ckptd.store import Job
     from ckptd.watch import file_fingerprint
 
@@ -272,15 +274,14 @@ def test_a_share_rewritten_since_validation_is_rescanned_not_sent(tmp_path: Path
     rec = CheckpointRecord(1, "job", 7, "dcp", "step-7", State.VALID, Local.COMPRESSED,
                            Remote.NONE, 40, 40, {}, "", "", False, 0.0, 0.0,
                            file_fingerprint(root, files))
-    job = Job(rec, "upload", files, {}, {}, "", "")
+    job = Job(rec, Stage.UPLOAD, files, {}, {}, "", "")
     _dir, manifest, _share_ = _share(tmp_path, "n1", {files[0]: b"one!" * 10}, 0.0)
     cfg = RootConfig(name="job", path=root)
-    mtimes = jobs._validated_mtimes(cfg, job, manifest)
+    mtimes = validated_mtimes(cfg, job, manifest)
     assert mtimes == {files[0]: shard.stat().st_mtime_ns / 1e9}
     shard.write_bytes(b"TWO!" * 10)  # the re-save: the same size, new bytes, a new mtime
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1_000_000))
-    with pytest.raises(jobs.FilesChanged, match="changed since they were validated"):
-        jobs._validated_mtimes(cfg, job, manifest)
+    changed = validated_mtimes(cfg, job, manifest)
+    assert isinstance(changed, Changed) and "changed since they were validated" in changed.why
     shard.unlink()
-    with pytest.raises(jobs.FilesChanged):
-        jobs._validated_mtimes(cfg, job, manifest)
+    assert isinstance(validated_mtimes(cfg, job, manifest), Changed)
