@@ -13,6 +13,8 @@ from support.ckpts import save_single
 from support.fixtures import running_daemon
 from support.wire import request
 
+from ckptd.cli.main import main
+
 POST = ("POST", "/v1/roots/r1/checkpoints")
 
 
@@ -116,6 +118,16 @@ def test_a_hold_keeps_the_step_in_use_until_released(d: Any, endpoint: str) -> N
     assert 3 in d.store.in_use("r1", 0.0)
     assert answer(d, "DELETE", path) == (200, {"root": "r1", "step": 3, "released": True})
     assert 3 not in d.store.in_use("r1", 0.0)
+
+
+def test_the_hold_command(d: Any) -> None:
+    sock = ["--socket", str(d.socket)]
+    assert main(["hold", "r1", "3", "--owner", "cli", "--ttl", "60", *sock]) == 0
+    assert 3 in d.store.in_use("r1", 0.0)
+    assert main(["hold", "r1", "3", "--owner", "cli", "--release", *sock]) == 0
+    assert 3 not in d.store.in_use("r1", 0.0)
+    assert main(["hold", "r1", "99", "--owner", "cli", *sock]) == 1  # no such step
+    assert main(["hold", "r1", "3", "--owner", "cli", "--ttl", "0", *sock]) == 2  # out of range
 
 
 @pytest.mark.parametrize(("method", "path"), [

@@ -50,6 +50,7 @@ _EXAMPLES = """examples:
   ckptd latest llm-7b --tier remote            the newest step safe in object storage
   ckptd register llm-7b 1200 --metric val_loss=1.93
   ckptd pin llm-7b 1200                        never prune step 1200
+  ckptd hold llm-7b 1200 --owner job7          keep step 1200 while job7 reads it
   ckptd prune llm-7b --dry-run                 what retention would keep and delete, and why
   ckptd verify /data/ckpt/llm-7b/step-1200     offline check of one checkpoint
   ckptd restore llm-7b latest --to /scratch/resume
@@ -71,6 +72,9 @@ _COMMAND_EXAMPLES = {
             "   (a job script before it exits)\nexit 0 when reached, 1 on timeout or when the"
             " step became invalid.",
     "unpin": "  ckptd unpin llm-7b 1200",
+    "hold": "  ckptd hold llm-7b 1200 --owner job7 --ttl 3600   (before a copy or a restore)\n"
+            "  ckptd hold llm-7b 1200 --owner job7 --release   (after it)\n"
+            "the same owner again renews the hold; it ends by itself after --ttl seconds.",
     "prune": "  ckptd prune llm-7b --dry-run\n  ckptd prune llm-7b --apply"
              "   (also deletes adopted checkpoints the rules do not keep)",
     "restore": "  ckptd restore llm-7b latest --to /scratch/resume\n"
@@ -127,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
         s = cmd(name, f"{name} a checkpoint (pinned ones are never pruned)")
         s.add_argument("root")
         s.add_argument("step", type=_nonneg_int)
+    s = cmd("hold", "a reader's hold: retention never deletes the step while it lasts")
+    s.add_argument("root")
+    s.add_argument("step", type=_nonneg_int)
+    s.add_argument("--owner", default=f"ckptd-cli-{os.getpid()}",
+                   help="whose hold (give the same to renew or --release it)")
+    s.add_argument("--ttl", type=float, default=600.0, metavar="SECONDS",
+                   help="how long it lasts unless renewed (1 to 86400; default 600)")
+    s.add_argument("--release", action="store_true", help="end the owner's hold now")
     s = cmd("prune", "the retention plan (--dry-run), or run retention now")
     s.add_argument("root")
     s.add_argument("--dry-run", action="store_true", help="print the plan; delete nothing")
@@ -377,6 +389,20 @@ def _pin(args: argparse.Namespace, method: str) -> int:
     return 0
 
 
+def cmd_hold(args: argparse.Namespace) -> int:
+    import urllib.parse
+
+    c = _client(args)
+    query = urllib.parse.urlencode({"owner": args.owner, "ttl": args.ttl})
+    path = f"/v1/roots/{_q(args.root)}/checkpoints/{args.step}/hold?{query}"
+    _call(lambda: c.request_json("DELETE" if args.release else "PUT", path))
+    if args.release:
+        print(f"released {args.root} step {args.step} (owner {args.owner})")
+    else:
+        print(f"held {args.root} step {args.step} for {args.ttl:g}s (owner {args.owner})")
+    return 0
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     c = _client(args)
     path = f"/v1/roots/{_q(args.root)}/prune"
@@ -488,7 +514,8 @@ def _q(s: str) -> str:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run, "status": cmd_status, "ls": cmd_ls, "latest": cmd_latest,
     "register": cmd_register, "wait": cmd_wait, "pin": lambda a: _pin(a, "PUT"),
-    "unpin": lambda a: _pin(a, "DELETE"), "prune": cmd_prune, "restore": cmd_restore,
+    "unpin": lambda a: _pin(a, "DELETE"), "hold": cmd_hold, "prune": cmd_prune,
+    "restore": cmd_restore,
     "verify": cmd_verify, "config": cmd_config,
     "demo": cmd_demo, "doctor": cmd_doctor,
 }
