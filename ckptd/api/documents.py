@@ -47,7 +47,7 @@ class Workers(Protocol):
 
 
 class Retention(Protocol):
-    # Held by retention while it deletes locally: a pin or a reader's lease waits for the
+    # Held by retention while it deletes locally: a pin or a reader's hold waits for the
     # deletes to end, so the safety nets a run checked are never out of date while it acts.
     # Scans take another lock: a slow scan never holds up a pin.
     nets: Any

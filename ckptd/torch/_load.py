@@ -79,7 +79,7 @@ def _reader_lease(target: Path, root_name: str | None, client: Any) -> Any:
 
         client = Client(timeout=10.0)  # a lease may wait for a running prune's deletes
     name = root_name or target.parent.resolve().name
-    return client.lease(name, int(match.group(1)), ttl=3600)
+    return client.hold(name, int(match.group(1)), ttl=3600)
 
 
 def _load_into(target: Path, model: torch.nn.Module | None, optimizer: Stateful | None,
