@@ -1,8 +1,9 @@
 """Every delete of checkpoint bytes goes through the retention executor.
 
 A walk over ckptd/'s syntax trees finds every call that deletes (os.unlink, os.remove,
-os.rmdir, shutil.rmtree, Path.unlink/rmdir, a backend's delete): each must sit in a module
-or function of the allow-list below, which says why it is not a checkpoint's bytes. A new
+os.rmdir, shutil.rmtree, fileio.remove_tree, Path.unlink/rmdir, a backend's delete, the
+remote delete_step): each must sit in a module or function of the allow-list below, which
+says why it is not a checkpoint's bytes (and every entry must still hold a delete). A new
 delete anywhere else fails here. Then the executor's entry points, each behind its nets, on
 real files; and the re-save of a step held as a compressed copy, on a real daemon.
 """
@@ -40,18 +41,17 @@ CKPTD = Path(__file__).resolve().parent.parent / "ckptd"
 # Attribute calls that delete whatever they are called on (a Path, a backend, os, shutil).
 _DELETING_ATTRS = {"unlink", "rmdir", "rmtree", "removedirs", "delete", "remove_tree"}
 # Plain names that are (or wrap) a delete.
-_DELETING_NAMES = {"rmtree", "unlink", "rmdir", "remove_tree", "_remove_tree", "_unlink_quietly"}
+_DELETING_NAMES = {"rmtree", "unlink", "rmdir", "remove_tree", "_remove_tree", "_unlink_quietly",
+                   "delete_step"}
 
 # Whole modules allowed to delete: the executor and its trash, the storage primitives beneath.
 ALLOWED_MODULES = {
     "ckptd.retention.executor": "the executor: the one place checkpoint bytes are deleted",
     "ckptd.retention.trash": "the executor's trash: its moves, purges and start-up recovery, "
                              "called by the executor's entry points (and purge_trash at start)",
-    "ckptd.backends.base": "the storage contract (delete is one of its operations)",
     "ckptd.backends.local": "file:// backend primitive (and its own lock/temp files)",
     "ckptd.backends.objstore": "object-store backend primitive",
     "ckptd.backends.wrappers": "backend wrappers forwarding delete to the wrapped backend",
-    "ckptd.backends.mapped": "backend wrapper forwarding delete",
     "ckptd.fileio": "atomic-write primitive: its own temp file",
 }
 
@@ -75,7 +75,6 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.remote.layout", "_swap"): "an unreadable LATEST pointer object, rewritten",
     ("ckptd.service.effects", "LatestPublisher.publish"): "<root>/.ckptd/latest.json",
     ("ckptd.service.recovery", "remove_stale_temps"): "ckptd's own temp files",
-    ("ckptd.service.lease", "*"): "the root lease's own files (lease.json, claims, temps)",
     ("ckptd.service.lease_files", "*"): "the root lease's own files (lease.json, claims, temps)",
     ("ckptd.daemon", "*"): "the daemon's own socket",
     ("ckptd.api.door", "bind_socket"): "a stale socket at the configured path",
@@ -137,6 +136,17 @@ def test_nothing_outside_the_executor_deletes() -> None:
     assert not stray, ("checkpoint bytes are deleted only by ckptd.retention.executor; add an "
                        "executor entry point, or (for ckptd's own temp/state files only) an "
                        "entry with its reason to ALLOWED_FUNCTIONS:\n" + "\n".join(stray))
+
+
+def test_every_allowed_place_still_deletes() -> None:
+    """The allow-list names only places where the walk finds a delete: an entry left behind
+    by a move or a removal would let a new delete there pass unseen."""
+    calls = delete_calls()
+    stale = [m for m in ALLOWED_MODULES if not any(cm == m for cm, *_ in calls)]
+    stale += [f"{m}:{f}" for m, f in ALLOWED_FUNCTIONS
+              if not any(cm == m and (f == "*" or s == f or s.startswith(f + "."))
+                         for cm, s, *_ in calls)]
+    assert not stale, f"allow-list entries with no delete left: {stale}"
 
 
 def test_the_walk_catches_each_kind_of_delete() -> None:
