@@ -19,8 +19,9 @@ from writers import save_torch
 
 ROUTES = ["/v1/health", "/v1/status", "/v1/flush", "/metrics", "/v1/roots/{r}/checkpoints",
           "/v1/roots/{r}/checkpoints/{s}", "/v1/roots/{r}/latest",
-          "/v1/roots/{r}/checkpoints/{s}/pin", "/v1/roots/{r}/checkpoints/{s}/lease",
-          "/v1/roots/{r}/checkpoints/{s}/wait", "/v1/roots/{r}/prune", "/{r}", "/v1/{r}/{s}"]
+          "/v1/roots/{r}/checkpoints/{s}/pin", "/v1/roots/{r}/checkpoints/{s}/hold",
+          "/v1/roots/{r}/checkpoints/{s}/lease", "/v1/roots/{r}/checkpoints/{s}/wait",
+          "/v1/roots/{r}/prune", "/{r}", "/v1/{r}/{s}"]
 
 text = st.text(max_size=40)
 numberish = st.one_of(st.integers(-2**70, 2**70).map(str), st.floats().map(repr),
