@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from ckptd.clock import SYSTEM, Clock
 from support.config import write_layout
 from support.inproc import InProcessDaemon, StoreBench
 from support.proc import DaemonHandle
@@ -68,13 +69,13 @@ def daemon_factory(tmp_path: Path, short_dir: Path) -> Iterator[Any]:
 @pytest.fixture
 def inproc_daemon(tmp_path: Path, short_dir: Path) -> Iterator[Any]:
     """Build (and later stop) Daemons in the test process:
-    `inproc_daemon(roots=[{...}], start=True, **daemon_keys)`."""
+    `inproc_daemon(roots=[{...}], start=True, clock=SYSTEM, **daemon_keys)`."""
     made: list[InProcessDaemon] = []
     with capture_logs() as events:
         def make(roots: list[dict[str, Any]] | None = None, start: bool = True,
-                 **daemon_keys: Any) -> InProcessDaemon:
+                 clock: Clock = SYSTEM, **daemon_keys: Any) -> InProcessDaemon:
             layout = write_layout(tmp_path, short_dir / "ckptd.sock", roots, **daemon_keys)
-            d = InProcessDaemon(layout, events)
+            d = InProcessDaemon(layout, events, clock)
             made.append(d)
             return d.start() if start else d
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ckptd.backends import BackendCache
 from ckptd.client import Client
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import Config, RootConfig, load_config
 from ckptd.daemon import Daemon
 from ckptd.service.jobs import policy_of
@@ -29,8 +30,10 @@ class InProcessDaemon:
     """`Daemon(load_config(path), path)` started in this process; stopped in a finally by the
     fixture that made it. Its log events land in `events_log` (structlog, captured)."""
 
-    def __init__(self, layout: Layout, events_log: list[dict[str, Any]]) -> None:
+    def __init__(self, layout: Layout, events_log: list[dict[str, Any]],
+                 clock: Clock = SYSTEM) -> None:
         self.layout = layout
+        self.clock = clock  # what its lease, scan and discovery services read the time from
         self._events = events_log
         self._daemon: Daemon | None = None
 
@@ -60,7 +63,7 @@ class InProcessDaemon:
 
     def start(self) -> InProcessDaemon:
         assert self._daemon is None, "already running"
-        daemon = Daemon(load_config(self.config), self.config)
+        daemon = Daemon(load_config(self.config), self.config, clock=self.clock)
         try:
             daemon.start()
         except BaseException:
@@ -103,6 +106,10 @@ class InProcessDaemon:
 
     def wake_scan(self) -> None:
         self._d().scanner.wake()
+
+    def wake_lease(self) -> None:
+        """A look at every root's lease now (after a test moved the clock, say)."""
+        self._d().leases.wake()
 
     @property
     def store(self) -> Store:
