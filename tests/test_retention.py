@@ -689,6 +689,26 @@ def test_keep_within_value_reads_like_config(seconds: float, text: str) -> None:
     assert parse_duration(text) == seconds  # config reads it back as the same rule
 
 
+@pytest.mark.parametrize("committed_only,expected", [
+    # One node: the newest valid copy is latest, the best loss is best.
+    (False, {100: ("local:not_kept",),
+             200: ("local:not_kept", "remote:latest"),
+             300: ("local:latest", "local:best", "local:keep_last=1")}),
+    # Multi-node: only committed steps are latest or best (the store's answer, the same
+    # function), so the newest committed copy is protected locally as the executor's net is.
+    (True, {100: ("local:not_kept",),
+            200: ("local:latest", "local:best", "remote:latest", "remote:best"),
+            300: ("local:keep_last=1",)}),
+])
+def test_a_multi_node_roots_latest_and_best_are_committed_steps(
+        committed_only: bool, expected: dict[int, tuple[str, ...]]) -> None:
+    views = [cp(100, metric=0.3), cp(200, metric=0.2, remote=Remote.UPLOADED),
+             cp(300, metric=0.1)]
+    p = plan(views, LocalRules(keep_last=1, keep_best=0), OFF_REMOTE, PLENTY, NOW,
+             committed_only=committed_only)
+    assert reasons(p) == expected
+
+
 def test_bad_input_is_rejected() -> None:
     with pytest.raises(ValueError, match="duplicate"):
         run([cp(1), cp(1)])
