@@ -21,7 +21,15 @@ import writers
 from ckptd import arena
 from ckptd.errors import ValidationFailed
 from ckptd.fileio import read_pass
-from ckptd.formats import dcpmeta, picklescan, safetensors, torchhead, zipcheck, zipcrc
+from ckptd.formats import (
+    dcpmeta,
+    picklescan,
+    safetensors,
+    torchhead,
+    torchpickle,
+    zipcheck,
+    zipcrc,
+)
 
 
 def _zip_check(path: Path, chunk: int = 1 << 20) -> zipcheck.ZipCrcSink:
@@ -380,7 +388,7 @@ def test_plain_top_level_fields_of_a_torch_pickle(tmp_path: Path) -> None:
                 "shapes": [torch.Size([3])]}, p)
     want = {"dp_world_size": 4, "ds_version": "0.19.8", "optimizer": None, "lr": 0.5,
             "flag": True}
-    read = picklescan.read_torch_pickle(_data_pkl(p), "m")
+    read = torchpickle.read_torch_pickle(_data_pkl(p), "m")
     assert read.fields == want and [kind for _, kind, _ in read.refs] == ["Float"]
     # From the file's first bytes only: data.pkl is its first member, stored.
     assert torchhead.read_leading_fields(p) == want

@@ -12,7 +12,7 @@ import io
 import os
 
 from ckptd.errors import ValidationFailed
-from ckptd.formats import picklescan, zipdir
+from ckptd.formats import picklescan, torchpickle, zipdir
 from ckptd.model import PlainValue
 
 # Enough for the pickle of a large model's DeepSpeed model states (parameter names, shapes and
@@ -34,7 +34,7 @@ def leading_fields(head: bytes, what: str = "torch file") -> dict[str, PlainValu
     body = io.BytesIO(head[size + name_len + extra_len:])
     try:
         picklescan.scan_pickle(body, what, allowed=None)
-        return picklescan.read_torch_pickle(body.getvalue()[:body.tell()], what).fields
+        return torchpickle.read_torch_pickle(body.getvalue()[:body.tell()], what).fields
     except ValidationFailed:
         return None  # cut short by the head's end, or not a pickle: not known from here
 

@@ -12,12 +12,11 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ckptd import fileio, layouts
 from ckptd.errors import UnsafePath, ValidationFailed
 from ckptd.fileio import HASH_ALG, HashSink, Sink
-from ckptd.formats import dcpmeta, picklescan, safetensors, zipcheck
+from ckptd.formats import dcpmeta, picklescan, safetensors, torchpickle, zipcheck
 from ckptd.model import (
     Candidate,
     FileRecord,
@@ -26,7 +25,7 @@ from ckptd.model import (
     Reason,
     ValidationResult,
 )
-from ckptd.stages import deepscan
+from ckptd.stages import deepscan, nonfinite
 
 SinkFactory = Callable[[str], list[Sink]]
 
@@ -40,7 +39,6 @@ _PICKLE_OPENERS = frozenset({b"\x80", b"(", b"c", b"]", b"}", b")", b"I", b"L", 
 _PAYLOAD_EXTS = _MAYBE_TORCH_EXTS | {".safetensors", ".json", ".distcp"}
 _JSON_LIMIT = 64 << 20  # JSON files larger than this are hashed but not parsed
 _MAX_RANKS = 1 << 20  # a recorded rank count beyond this is not a real job's
-_SCAN_BLOCK = 1 << 24  # elements checked for NaN/Inf at a time (bounded scratch memory)
 
 
 @dataclass
@@ -215,7 +213,7 @@ class _Run:
                 self._note(m, picklescan.scan_pickle(data, f"{m.rel}:{entry.name}",
                                                      self.allowed))
                 if entry.name.endswith("/data.pkl"):
-                    read = picklescan.read_torch_pickle(data, f"{m.rel}:{entry.name}")
+                    read = torchpickle.read_torch_pickle(data, f"{m.rel}:{entry.name}")
                     refs[entry.name[: -len("data.pkl")]] = list(read.refs)
                     self.fields.setdefault(m.rel, read.fields)  # the outermost archive's
 
@@ -316,7 +314,7 @@ def _check_storages(m: _Member, refs: dict[str, list[tuple[str, str, int]]]) -> 
             if size is None:
                 raise ValidationFailed(Reason.MISSING_FILE, f"{m.rel}: storage {key} has no"
                                        f" member {name}", m.rel)
-            need = numel * picklescan.STORAGE_ITEM_BYTES.get(kind, 1)
+            need = numel * torchpickle.STORAGE_ITEM_BYTES.get(kind, 1)
             if size < need:
                 raise ValidationFailed(Reason.TRUNCATED, f"{m.rel}: member {name} holds"
                                        f" {size} bytes, its storage needs {need}", m.rel)
@@ -416,45 +414,10 @@ def _deep_scan(m: _Member) -> None:
             fileio.drop_cache(m.path)
     elif m.kind == "safetensors" and m.st_header is not None:
         try:
-            _scan_safetensors(m, m.st_header)
+            nonfinite.scan_safetensors(m.path, m.st_header, m.rel)
         finally:
             fileio.drop_cache(m.path)
 
 
 def _is_torch_archive(archive: zipcheck.ZipArchive) -> bool:
     return any(zipcheck.is_pickle_member(e.name) for e in archive.entries)
-
-
-_FLOAT_VIEWS = {"F16": "<f2", "F32": "<f4", "F64": "<f8"}
-
-
-def _scan_safetensors(m: _Member, header: safetensors.SafetensorsHeader) -> None:
-    import numpy as np
-
-    if header.data_size == 0:
-        return
-    data = np.memmap(m.path, np.uint8, "r", header.data_start, (header.data_size,))
-    try:
-        for t in header.tensors:
-            if _st_nonfinite(data[t.begin : t.end], t.dtype):
-                raise ValidationFailed(
-                    Reason.NAN, f"{m.rel}: tensor {t.name} has NaN/Inf values", m.rel
-                )
-    finally:
-        del data
-
-
-def _st_nonfinite(raw: Any, dtype: str) -> bool:
-    import numpy as np
-
-    step = _SCAN_BLOCK * 8
-    for lo in range(0, len(raw), step):
-        block = raw[lo : lo + step]
-        if dtype in _FLOAT_VIEWS:
-            if not np.isfinite(block.view(_FLOAT_VIEWS[dtype])).all():
-                return True
-        elif dtype == "BF16":
-            # bfloat16 is NaN/Inf exactly when its 8 exponent bits are all ones.
-            if ((block.view("<u2") & 0x7F80) == 0x7F80).any():
-                return True
-    return False
