@@ -11,12 +11,13 @@ fp16 saves verify with the default config too."""
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import fw
 import pytest
+from support.config import SETTLE_S
+from support.wait import wait_scans
 
 pytest.importorskip("deepspeed")
 import torch  # noqa: E402
@@ -65,8 +66,8 @@ def state(d: Any, step: int) -> str | None:
     return None if rec is None else str(rec.state)
 
 
-def assert_never_valid(d: Any, step: int, scans: float = 2.5) -> None:
-    time.sleep(scans)  # several scans (scan_interval 1s, settle 300ms)
+def assert_never_valid(d: Any, step: int) -> None:
+    wait_scans(d.client, settle=SETTLE_S)  # two scans begun past the settle time
     assert state(d, step) in (None, "pending", "invalid"), d.store.checkpoint(ROOT, step)
     latest = d.client.latest(ROOT)
     assert latest is None or latest.get("step") != step, latest

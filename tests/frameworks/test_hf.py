@@ -5,12 +5,12 @@ restored copy exactly as from the original."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from fw import files_of, kill_when, restore, result_json, run_ranks, same_files, start_ranks
-from support.wait import wait_until
+from support.config import SETTLE_S
+from support.wait import wait_scans, wait_until
 
 from ckptd.client import Client
 
@@ -49,8 +49,7 @@ def test_a_trainer_save_killed_mid_write_is_never_valid(inproc_daemon: Any,
     d.wake_scan()
     c = Client(d.socket)
     rec = wait_until(lambda: c.checkpoint("hf", 5), 30, "the killed save seen")
-    time.sleep(2.0)  # well past the root's settle time: it stays incomplete
-    d.wake_scan()
+    wait_scans(c, settle=SETTLE_S)  # scans past the root's settle time: it stays incomplete
     rec = c.checkpoint("hf", 5)
     assert rec is not None and rec["state"] == "pending", rec
     assert c.latest("hf") is None

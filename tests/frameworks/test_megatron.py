@@ -10,12 +10,13 @@ import importlib.util
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import fw
 import pytest
+from support.config import SETTLE_S
+from support.wait import wait_scans
 
 from ckptd.formats import dcpmeta, picklescan
 
@@ -121,7 +122,7 @@ def test_killed_mid_save_is_never_valid(inproc_daemon: Any, tmp_path: Path) -> N
     assert [p.returncode for p in procs] == [-9, -9]
     assert not (killed / ".metadata").exists() and not (killed / "metadata.json").exists()
     assert (root / TRACKER).read_text() == "10"
-    time.sleep(2.5)  # more scans (scan_interval 1s, settle 300ms)
+    wait_scans(d.client, settle=SETTLE_S)
     assert_not_valid(d, 20, latest=10)
     code, doc = verify(killed)
     assert code == 1 and doc["valid"] is False, doc
@@ -131,7 +132,7 @@ def test_killed_mid_save_is_never_valid(inproc_daemon: Any, tmp_path: Path) -> N
     save(root, 30)
     assert d.wait_for("gpt", 30, timeout=60)["state"] == "valid"
     assert d.client.latest("gpt")["step"] == 30  # type: ignore[index]
-    time.sleep(1.5)
+    wait_scans(d.client, settle=SETTLE_S)
     assert_not_valid(d, 20, latest=30)
     code, doc = verify(killed)
     assert code == 1 and ".metadata" in doc["message"], doc
@@ -144,7 +145,7 @@ def test_the_tracker_decides(inproc_daemon: Any, tmp_path: Path) -> None:
     root = d.roots["gpt"]
     save(root, 10, 20, tracker=False)
     assert not (root / TRACKER).exists()
-    time.sleep(2.5)  # more scans (scan_interval 1s, settle 300ms)
+    wait_scans(d.client, settle=SETTLE_S)
     for step in (10, 20):
         assert_not_valid(d, step, latest=None)
     code, doc = verify(root / iter_dir(10))
@@ -152,7 +153,7 @@ def test_the_tracker_decides(inproc_daemon: Any, tmp_path: Path) -> None:
 
     (root / TRACKER).write_text("10")  # rank 0's write, as Megatron-LM makes it
     assert d.wait_for("gpt", 10, timeout=60)["state"] == "valid"
-    time.sleep(1.5)
+    wait_scans(d.client, settle=SETTLE_S)
     assert_not_valid(d, 20, latest=10)  # the tracker names an older iteration
     code, doc = verify(root / iter_dir(20))
     assert code == 1 and "names '10'" in doc["message"], doc
