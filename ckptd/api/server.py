@@ -25,8 +25,9 @@ from ckptd.api.documents import ApiContext
 from ckptd.api.door import Conn, ConnectionLoop, Prefixed, Writer, recv_first
 from ckptd.config import RootConfig
 from ckptd.errors import HttpError, ServiceUnavailable
+from ckptd.lifecycle import answers
 from ckptd.log import get_logger
-from ckptd.model import CheckpointRecord, Remote, State
+from ckptd.model import CheckpointRecord, Remote, State, Tier
 
 MAX_BODY = 1024 * 1024
 MAX_WAIT_S = 3600.0
@@ -304,7 +305,7 @@ class Handler(BaseHTTPRequestHandler):
         ttl = checks.number(query.get("ttl", "600"), "ttl", 1.0, 86400.0)
         with self.ctx.retention.nets:
             rec = self._record(r, n)
-            if rec.local.value == "pruned" and rec.remote is not Remote.UPLOADED:
+            if not answers.in_tier(rec, Tier.ANY):
                 raise HttpError(409, "gone", f"step {rec.step} of {r.name!r} has no copy left")
             self.ctx.store.hold(r.name, rec.step, owner, time.time() + ttl)
         return 200, {"root": r.name, "step": rec.step, "owner": owner, "ttl_s": ttl}

@@ -11,7 +11,9 @@ import stat
 from pathlib import Path
 
 from ckptd.config import RootConfig
-from ckptd.model import CKPTD_DIR, CheckpointRecord, Local, Remote, State, Tier
+from ckptd.copies.store import objects_dir
+from ckptd.lifecycle import answers
+from ckptd.model import CheckpointRecord, Local, Remote, State, Tier
 from ckptd.retention import planner
 from ckptd.retention.executor import Target
 from ckptd.retention.nets import Guards
@@ -29,12 +31,12 @@ def guards_for(store: Store, root: RootConfig, now: float,
         best_step=best.step if best else None,
         pinned=frozenset(r.step for r in records if r.pinned),
         in_use=store.in_use(root.name, now),
-        remote_verified=frozenset(r.step for r in records if r.remote is Remote.UPLOADED),
+        remote_verified=frozenset(r.step for r in records if answers.is_committed(r)),
         upload_configured=root.upload.enabled,
         invalid=frozenset(r.step for r in records if r.state is State.INVALID),
         shared=_shared(store, root, records),
         adopted=frozenset() if delete_adopted else frozenset(
-            r.step for r in records if r.adopted and r.remote is not Remote.UPLOADED),
+            r.step for r in records if r.adopted and not answers.is_committed(r)),
     )
 
 
@@ -58,7 +60,7 @@ def _shared(store: Store, root: RootConfig, records: list[CheckpointRecord]) -> 
 
 def copy_target(step: int, local: Local, remote: Remote) -> Target:
     """A step's local compressed copy as the executor's Target (`release_copy`)."""
-    return Target(step, f"{CKPTD_DIR}/objects/step-{step}", (), local, remote, True)
+    return Target(step, objects_dir(Path(), step).as_posix(), (), local, remote, True)
 
 
 def target_of(root: RootConfig, r: CheckpointRecord, members: tuple[str, ...]) -> Target:

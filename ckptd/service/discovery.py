@@ -22,9 +22,9 @@ from ckptd.backends.base import ObjectMeta
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.errors import CkptdError, ObjectNotFound
+from ckptd.lifecycle import answers
 from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
-from ckptd.model import Remote
 from ckptd.remote import layout as remote
 from ckptd.service.metrics import Metrics
 from ckptd.service.supervisor import Calls
@@ -133,7 +133,7 @@ class Discovery:
             if self.clock.monotonic() - self._seen.get(name, -1e9) < max_age:
                 return
             self._seen[name] = self.clock.monotonic()
-        uploaded = {r.step for r in self.store.checkpoints(name) if r.remote is Remote.UPLOADED}
+        uploaded = {r.step for r in self.store.checkpoints(name) if answers.is_committed(r)}
         self.calls.begin(WHO, "discover", name, None, self.bound_s)
         try:
             if root is not None and root.multi_node:
