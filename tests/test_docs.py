@@ -235,7 +235,6 @@ def test_quoted_names_exist() -> None:
     assert not bad, f"names quoted in the docs that the code does not have: {bad}"
 
 
-
 # -- tests wait on events, not the clock ---------------------------------------------------------
 
 # The only sleeps a test may take outside a poll loop with a deadline: each makes something
