@@ -9,16 +9,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ckptd.model import State
+from ckptd.lifecycle import answers
+from ckptd.model import CheckpointRecord, Tier
 from ckptd.stages.parts import NotCommitted
 
 
-def newest_local(records: list[Any]) -> Any:
+def newest_local(records: list[CheckpointRecord]) -> CheckpointRecord | None:
     """The newest valid step on disk, committed or not (a multi-node root's latest is the
-    newest committed one)."""
-    mine = [r for r in records if r.state is State.VALID
-            and r.local.value in ("present", "compressed")]
-    return max(mine, key=lambda r: r.step, default=None)
+    newest committed one): `answers.latest` without `committed_only`."""
+    return answers.latest(records, Tier.LOCAL, committed_only=False)
 
 
 KEPT = 10_000  # committed steps remembered (their nodes, for `ls`)
