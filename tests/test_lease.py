@@ -137,6 +137,9 @@ def test_two_daemons_on_one_root_one_acts_the_other_stands_by_and_takes_over(pai
     # The standby answers latest from what the holder published, and changes nothing itself.
     wait_until(lambda: (Client(b.socket, timeout=5).latest("r") or {}).get("step") == 10, 15,
                "the standby to answer latest")
+    standby = Client(b.socket, timeout=5)
+    assert [(standby.latest("r", tier=t) or {}).get("step") for t in ("local", "remote")] == [
+        10, 10]  # the published step has a copy in both tiers (answers.in_tier)
     with pytest.raises(ClientError) as refused:
         b.client.pin("r", 10)
     assert refused.value.status == 409 and "node-a" in str(refused.value)
