@@ -1,24 +1,22 @@
 """The object-store backend for s3:// (any S3-compatible endpoint), gs:// and az://, on obstore.
 
-Owns store construction and the translation of obstore's exceptions: no obstore type or
-exception leaves this module. Retries with backoff live in `wrappers`, not here.
+Owns store construction and the calls, each through `objstore_errors.guard`: no obstore type
+or exception leaves the backend. Retries with backoff live in `wrappers`, not here.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
 
 import obstore
-from obstore import exceptions as obx
 from obstore.store import AzureStore, GCSStore, S3Store
 
 from ckptd.backends.base import (
@@ -36,12 +34,10 @@ from ckptd.backends.base import (
 )
 from ckptd.backends.credentials import Creds, s3_credential_provider
 from ckptd.backends.mapped import PutBody, close_body, open_body
+from ckptd.backends.objstore_errors import guard
 from ckptd.errors import (
-    ObjectExists,
     ObjectNotFound,
     PermanentError,
-    PreconditionFailed,
-    StorageError,
     TransientError,
 )
 
@@ -49,29 +45,12 @@ if TYPE_CHECKING:
     from obstore import GetOptions, PutMode
     from obstore.store import ClientConfig, RetryConfig, S3Config
 
-T = TypeVar("T")
-
 # A get of a larger object fetches ranges this big, `concurrency` of them at once.
 _GET_RANGE = 8 << 20
 
 S3_SCHEMES = ("s3", "s3a")
 SCHEMES = (*S3_SCHEMES, "gs", "az")
 
-# S3 error codes that mean "try again" even when the HTTP status alone would say otherwise.
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "RequestTimeout",
-        "RequestTimeTooSkewed",
-        "InternalError",
-        "ServiceUnavailable",
-        "OperationAborted",
-        "ConditionalRequestConflict",
-    }
-)
-_STATUS = re.compile(r"status code: (\d{3})|status: (\d{3})")
-_S3_CODE = re.compile(r"<Code>([^<]+)</Code>")
-_S3_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 
 
 class ObstoreBackend:
@@ -115,10 +94,10 @@ class ObstoreBackend:
             return _open_store(self.url, endpoint, region, creds, opts, retry)
 
         self._range_slots = threading.Semaphore(2 * self.concurrency)
-        self._store = _guard("open", self.url, lambda: open_store(read_timeout_s))
+        self._store = guard("open", self.url, lambda: open_store(read_timeout_s))
         # Uploads get their own client without a read timeout: while a part is being sent
         # nothing comes back, so a slow link would look stalled. request_timeout_s bounds them.
-        self._put_store = _guard("open", self.url, lambda: open_store(None))
+        self._put_store = guard("open", self.url, lambda: open_store(None))
 
     def __repr__(self) -> str:
         return f"ObstoreBackend({self.url!r})"
@@ -144,7 +123,7 @@ class ObstoreBackend:
         body = PutBody(src, size, where, mapped)
         try:
             payload = body.payload(self.part_size, whole=whole)
-            result = _guard(
+            result = guard(
                 "put",
                 where,
                 lambda: obstore.put(
@@ -190,13 +169,13 @@ class ObstoreBackend:
     def stat(self, key: str) -> ObjectMeta:
         check_key(key)
         where = join_url(self.url, key)
-        return _meta(_guard("stat", where, lambda: obstore.head(self._store, key)))
+        return _meta(guard("stat", where, lambda: obstore.head(self._store, key)))
 
     def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
         start = check_prefix(prefix)
         where = join_url(self.url, start)
-        stream = _guard("list", where, lambda: obstore.list(self._store, start or None))
-        while (batch := _guard("list", where, lambda: next(stream, None))) is not None:
+        stream = guard("list", where, lambda: obstore.list(self._store, start or None))
+        while (batch := guard("list", where, lambda: next(stream, None))) is not None:
             for item in batch:
                 yield _meta(item)
 
@@ -204,7 +183,7 @@ class ObstoreBackend:
         check_key(key)
         where = join_url(self.url, key)
         try:
-            _guard("delete", where, lambda: obstore.delete(self._store, key))
+            guard("delete", where, lambda: obstore.delete(self._store, key))
         except ObjectNotFound:
             return  # idempotent; a missing *bucket* is a plain PermanentError and still raised
 
@@ -223,9 +202,9 @@ class ObstoreBackend:
         together hold at most 2 x `concurrency` of them (of _GET_RANGE bytes)."""
 
         def fetch(rng: tuple[int, int] | None) -> Any:
-            result = _guard("get", where, lambda: obstore.get(
+            result = guard("get", where, lambda: obstore.get(
                 self._store, key, options=self._options(meta, rng)))
-            return _guard("get", where, result.bytes)
+            return guard("get", where, result.bytes)
 
         written = following = 0
         pending: deque[Future[Any]] = deque()  # each holds one of self._range_slots
@@ -258,14 +237,14 @@ class ObstoreBackend:
         after `limit` + 1 bytes."""
         check_key(key)
         where = join_url(self.url, key)
-        result = _guard("get", where, lambda: obstore.get(self._store, key))
+        result = guard("get", where, lambda: obstore.get(self._store, key))
         size = int(result.meta["size"])
         if size > limit:
             raise too_large(where, size, limit)  # the body is never read: dropped unread
         stream = result.stream(min_chunk_size=min(COPY_CHUNK, limit + 1))
         chunks: list[bytes] = []
         got = 0
-        while (chunk := _guard("get", where, lambda: next(stream, None))) is not None:
+        while (chunk := guard("get", where, lambda: next(stream, None))) is not None:
             got += len(chunk)
             if got > limit:
                 raise too_large(where, f"more than {limit}", limit)
@@ -275,10 +254,10 @@ class ObstoreBackend:
         return b"".join(chunks), result.meta["e_tag"]
 
     def _get_into(self, key: str, where: str, options: GetOptions, dst: BinaryIO) -> int:
-        result = _guard("get", where, lambda: obstore.get(self._store, key, options=options))
+        result = guard("get", where, lambda: obstore.get(self._store, key, options=options))
         stream = result.stream(min_chunk_size=COPY_CHUNK)
         written = 0
-        while (chunk := _guard("get", where, lambda: next(stream, None))) is not None:
+        while (chunk := guard("get", where, lambda: next(stream, None))) is not None:
             written += _write(dst, chunk, where)
         return written
 
@@ -398,83 +377,3 @@ def _meta(item: Any) -> ObjectMeta:
         mtime=item["last_modified"].timestamp(),
         etag=item.get("e_tag"),
     )
-
-
-# -- error translation --------------------------------------------------------------------
-
-
-def _guard(op: str, where: str, fn: Callable[[], T]) -> T:
-    """Run one obstore call; its exceptions leave as ckptd StorageErrors."""
-    try:
-        return fn()
-    except StorageError:
-        raise  # ours, raised from inside a put's source iterator
-    except (obx.BaseError, OSError, ValueError) as exc:
-        raise translate(exc, op, where) from None
-
-
-def translate(exc: BaseException, op: str, where: str) -> StorageError:
-    """Classify an obstore exception (see docs/STORAGE.md for the table)."""
-    text = str(exc)
-    status = _status(text)
-    code = _first(_S3_CODE, text)
-    detail = _detail(text, status, code, type(exc).__name__)
-    prefix = f"{op} {where}"
-    if code == "NoSuchBucket":
-        return PermanentError(f"{prefix}: the bucket does not exist ({detail})")
-    if isinstance(exc, obx.AlreadyExistsError | obx.PreconditionError):
-        if op == "put" and isinstance(exc, obx.PreconditionError):  # If-Match: another version
-            return PreconditionFailed(f"{where} is gone or was changed since it was read")
-        if op == "put":
-            return ObjectExists(f"{where} already exists")
-        return TransientError(f"{prefix}: the object changed while being read")
-    if isinstance(exc, FileNotFoundError | obx.NotFoundError):
-        if op == "put":  # a put cannot miss its object: the bucket (or container) is missing
-            return PermanentError(f"{prefix}: the bucket does not exist ({detail})")
-        return ObjectNotFound(f"no object {where}")
-    if isinstance(exc, obx.PermissionDeniedError | obx.UnauthenticatedError) or status in (
-        401,
-        403,
-    ):
-        return PermanentError(
-            f"{prefix}: access denied ({detail}); check access_key_id/secret_access_key "
-            "or the credentials in the environment"
-        )
-    if isinstance(
-        exc,
-        obx.InvalidPathError | obx.NotSupportedError | obx.UnknownConfigurationKeyError,
-    ) or (isinstance(exc, ValueError) and status is None):
-        return PermanentError(f"{prefix}: {detail}")
-    if status is not None:
-        if status >= 500 or status in (408, 429) or code in _TRANSIENT_CODES:
-            return TransientError(f"{prefix}: {detail}")
-        return PermanentError(f"{prefix}: {detail}")
-    # No HTTP status: the request never got an answer (connect, reset, timeout, cut body).
-    return TransientError(f"{prefix}: {detail}")
-
-
-def _status(text: str) -> int | None:
-    match = _STATUS.search(text)
-    if not match:
-        return None
-    return int(match.group(1) or match.group(2))
-
-
-def _first(pattern: re.Pattern[str], text: str) -> str:
-    match = pattern.search(text)
-    return match.group(1) if match else ""
-
-
-def _detail(text: str, status: int | None, code: str, fallback: str) -> str:
-    """A one-line reason: 'HTTP 503 SlowDown: Please reduce...' or the transport error."""
-    if status is not None:
-        message = _first(_S3_MESSAGE, text)
-        words = " ".join(w for w in (f"HTTP {status}", code) if w)
-        return f"{words}: {message}" if message else words
-    if not text.strip():
-        return fallback
-    # obstore's first line reads "Generic S3 error: Error performing PUT <url> in 1ms - <why>".
-    why = text.strip().splitlines()[0].rsplit(" - ", 1)[-1].strip()
-    if "TimedOut" in text or "timed out" in text.lower():
-        why += " (timed out)"
-    return why
