@@ -189,3 +189,24 @@ def test_the_store_answers_with_these_functions(tmp_path: Path) -> None:
             best = answers.best(records, lambda r: r.metrics.get("loss"), mode, committed_only)
             assert store.best("r", "loss", mode) == best, (mode, committed_only)
     store.close()
+
+
+@pytest.mark.parametrize("remote_only", [0, 1, 8, 9, 72, 73, 100])
+def test_the_stores_latest_reads_back_past_newer_rows(tmp_path: Path, remote_only: int) -> None:
+    """Steps known only remotely, newer than the one on disk: the store asks its rows a page
+    at a time, newest first, and still finds the local tier's latest behind all of them."""
+    store = Store(tmp_path / "state.db")
+    store.sync_root("r", [Found(Candidate("single", 1, "1.pt", ("1.pt",), True), "fp")], 1.0)
+    job = store.claim("v", 2.0, 60)
+    assert job is not None
+    assert store.finish_validation(job, "v", job.checkpoint.fingerprint, ValidationResult(
+        True, files=(FileRecord("1.pt", 5, "h", "xxh3-128"),)), 2.0)
+    files = (StoredFile("x.pt", 5, "h", "xxh3-128", "zstd", 3, "x.pt.zst"),)
+    for s in range(2, 2 + remote_only):
+        assert store.add_remote_only("r", Manifest("r", s, "single", files), 3.0)
+    records = store.checkpoints("r")
+    for tier in Tier:
+        assert store.latest("r", tier) == answers.latest(records, tier, False)
+    latest_local = store.latest("r", Tier.LOCAL)
+    assert latest_local is not None and latest_local.step == 1
+    store.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ckptd.lifecycle import answers
@@ -16,6 +16,9 @@ from ckptd.lifecycle.table import Policy, Status
 from ckptd.model import CheckpointRecord, FileRecord, State, Tier
 from ckptd.remote.manifest import StoredFile
 from ckptd.store.rows import record_of, status_of
+
+# The highest step SQLite's INTEGER holds: "no bound" for `_answerable`.
+_TOP = 2**63 - 1
 
 
 class Reads:
@@ -88,8 +91,15 @@ class Reads:
         return [FileRecord(r["path"], int(r["size"]), r["hash"], r["hash_alg"]) for r in rows]
 
     def latest(self, root: str, tier: Tier = Tier.ANY) -> CheckpointRecord | None:
-        """`answers.latest` of the root's records, under the root's policy."""
-        return answers.latest(self._answerable(root), tier, self._committed_only(root))
+        """`answers.latest` of the root's records, under the root's policy. Asked of the
+        newest rows first, a page at a time: every later page holds only older steps, so the
+        first page with an answer has the answer (a root keeps every pruned step's row)."""
+        committed_only = self._committed_only(root)
+        for page in self._newest_first(root):
+            rec = answers.latest(page, tier, committed_only)
+            if rec is not None:
+                return rec
+        return None
 
     def best(self, root: str, metric: str, mode: MetricMode) -> CheckpointRecord | None:
         """`answers.best` by `metric` (None when the root has no metric)."""
@@ -101,13 +111,24 @@ class Reads:
     def _committed_only(self, root: str) -> bool:
         return self._policies.get(root, Policy()).committed_only
 
-    def _answerable(self, root: str) -> list[CheckpointRecord]:
-        """The rows `answers` may choose from: valid ones with a copy somewhere. A pre-filter
-        only (rows pile up as steps are pruned); the choice is the shared function's."""
+    def _answerable(self, root: str, below: int = _TOP, limit: int = -1) -> list[CheckpointRecord]:
+        """The rows `answers` may choose from, newest first: valid ones with a copy somewhere,
+        of steps up to `below`. A pre-filter only (the rows of pruned steps pile up); the
+        choice is the shared function's."""
         rows = self._rows("SELECT * FROM checkpoints WHERE root=? AND superseded=0"
                           " AND state='valid' AND (local IN ('present','compressed')"
-                          " OR remote='uploaded')", (root,))
+                          " OR remote='uploaded') AND step<=? ORDER BY step DESC LIMIT ?",
+                          (root, below, limit))
         return [record_of(r) for r in rows]
+
+    def _newest_first(self, root: str) -> Iterator[list[CheckpointRecord]]:
+        """`_answerable` in pages of 1, 8, 64, ... rows: the usual answer costs one row."""
+        below, size = _TOP, 1
+        while page := self._answerable(root, below, size):
+            yield page
+            if len(page) < size:
+                return
+            below, size = page[-1].step - 1, size * 8
 
     def counts(self, root: str) -> dict[str, int]:
         rows = self._rows("SELECT state, COUNT(*) AS n FROM checkpoints WHERE root=?"
