@@ -292,9 +292,12 @@ def _restore(name: str, step: int, root: Path) -> Path:
     child process (`ckptd.cli.restore_child`): the backends, the config and the object-store
     library never enter the training process."""
     to = root / CKPTD_DIR / "restored" / f"step-{step}"
+    # The child finds ckptd where this process found it, even if only this one's sys.path had it.
+    here = str(Path(__file__).resolve().parents[2])
+    paths = [p for p in (os.environ.get("PYTHONPATH", ""), here) if p]
     child = subprocess.run([sys.executable, "-m", "ckptd.cli.restore_child", name, str(step),
                             str(to), "--root-dir", str(root)], capture_output=True, text=True,
-                           check=False)
+                           check=False, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
     if child.returncode != 0:
         raise answer.error_of(child.stdout or child.stderr)
     for candidate in (to, to / f"step-{step}"):
