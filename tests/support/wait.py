@@ -14,7 +14,7 @@ class WaitTimeout(AssertionError):
     """`wait_until` ran out of time; the message says what and the last value seen."""
 
 
-def wait_until(predicate: Callable[[], T], timeout: float = 30.0, what: str = "",
+def wait_until(predicate: Callable[[], T | None], timeout: float = 30.0, what: str = "",
                interval: float = 0.05, detail: Callable[[], str] | None = None) -> T:
     """Call `predicate` until it returns something truthy and return that value.
 
@@ -59,10 +59,10 @@ def wait_scans(client: Any, n: int = 2, settle: float = 0.0, timeout: float = 30
     past = time.monotonic() + settle
     base: list[int] = [start] if settle <= 0 else []
 
-    def done() -> int:  # 0 until done (the count is at least 2 by then)
+    def done() -> int | None:
         count = scans()
         if not base and time.monotonic() >= past:
             base.append(count)
-        return count if base and count >= max(start + n, base[0] + 2) else 0
+        return count if base and count >= max(start + n, base[0] + 2) else None
 
     return wait_until(done, timeout, f"{n} more scans, {settle}s on", interval=0.02)
