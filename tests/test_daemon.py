@@ -55,7 +55,7 @@ def test_dcp_complete_and_missing_metadata(inproc_daemon: Any) -> None:
     dcp.save(tiny_state(2), checkpoint_id=str(root / "step-200"))
     (root / "step-200" / ".metadata").unlink()
     assert d.wait_for("r1", 100)["layout"] == "dcp"
-    wait_scans(d.client, settle=SETTLE_S)
+    wait_scans(d.client, settle=SETTLE_S, wake=d.wake_scan)
     rec = d.client.checkpoint("r1", 200)
     assert rec is None or rec["state"] == "pending"
     assert d.client.latest("r1")["step"] == 100  # type: ignore[index]
@@ -72,7 +72,7 @@ def test_split_and_ranked_layouts(inproc_daemon: Any) -> None:
     (root / "meta_7.json").write_text(json.dumps({"step": 7, "world_size": 2}))
     torch.save(st["optimizer"], root / "optim_7_rank0.pt")  # rank 1 missing
     assert d.wait_for("r1", 5)["layout"] == "split"
-    wait_scans(d.client, settle=SETTLE_S)
+    wait_scans(d.client, settle=SETTLE_S, wake=d.wake_scan)
     assert d.client.checkpoint("r1", 7)["state"] == "pending"  # type: ignore[index]
     torch.save(st["optimizer"], root / "optim_7_rank1.pt")
     assert d.wait_for("r1", 7)["layout"] == "ranked"

@@ -180,7 +180,7 @@ def test_whole_save_is_valid_latest_and_verifies(inproc_daemon: Any, tmp_path: P
     for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
         assert (out / "step-100" / name).read_bytes() == (good / name).read_bytes()
 
-    wait_scans(d.client, settle=SETTLE_S)
+    wait_scans(d.client, settle=SETTLE_S, wake=d.wake_scan)
     assert_never_latest(d, 200, latest=100)
 
 
@@ -197,7 +197,7 @@ def test_rank_dying_before_the_commit_is_never_latest(inproc_daemon: Any) -> Non
     assert codes[1] == 9 and codes[0] != 0, codes
     assert not (died / ".metadata").exists()
     assert (died / "__0_0.distcp").exists() or (died / "__1_0.distcp").exists()
-    wait_scans(d.client, settle=SETTLE_S)
+    wait_scans(d.client, settle=SETTLE_S, wake=d.wake_scan)
     assert_never_latest(d, 300, latest=100)
 
 

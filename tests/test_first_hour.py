@@ -208,7 +208,7 @@ def test_a_new_save_of_a_gone_step_with_fewer_files_is_a_new_save(tmp_path: Path
         (d / "optimizer.pt").unlink()
         wait_until(lambda: h.daemon.store.checkpoint("r", 5).local.value == "pruned",
                    what="step 5 gone")
-        wait_scans(h.client, settle=0.5)  # scans well past the root's 200ms settle
+        wait_scans(h.client, settle=0.5, wake=h.daemon.scanner.wake)  # past the 200ms settle
         assert h.daemon.store.checkpoint("r", 5).id == first.id  # leftovers: not a save
         # the user deletes the rest and saves step 5 anew, with two files
         shutil.rmtree(d)

@@ -246,7 +246,7 @@ def test_no_room_for_the_copy_defers_it_and_keeps_serving(small_tmpfs: Path,
     for _ in range(2):  # the daemon keeps serving, scan after scan, while no copy can be made
         assert d.client.health()["status"] == "ok"  # type: ignore[index]
         assert d.client.checkpoint("r1", 1)["state"] == "valid"  # type: ignore[index]
-        wait_scans(d.client)
+        wait_scans(d.client, wake=d.wake_scan)
     assert temp_leftovers(root_dir) == []
 
     # Room again: a retry makes the copy and the step goes up after all.

@@ -43,13 +43,15 @@ def wait_until(predicate: Callable[[], T | None], timeout: float = 30.0, what: s
                       f"{extra}")
 
 
-def wait_scans(client: Any, n: int = 2, settle: float = 0.0, timeout: float = 30.0) -> int:
+def wait_scans(client: Any, n: int = 2, settle: float = 0.0, timeout: float = 30.0,
+               wake: Callable[[], None] | None = None) -> int:
     """Wait until the daemon behind `client` has finished `n` more full scans than now, at least
     two of them (so at least one whole scan) begun `settle` seconds or more from now: what a
     "never happens" assertion waits for before it looks. Returns the scan count reached.
 
     The count is `scans` in /v1/status. A scan under way when this is called counts as one,
-    hence two: the second began after the call."""
+    hence two: the second began after the call. `wake` (an in-process daemon's `wake_scan`)
+    is called at each look: the scans come back to back, as a burst of file events makes them."""
     def scans() -> int:
         doc = client.status()
         assert doc is not None, "the daemon did not answer /v1/status"
@@ -60,6 +62,8 @@ def wait_scans(client: Any, n: int = 2, settle: float = 0.0, timeout: float = 30
     base: list[int] = [start] if settle <= 0 else []
 
     def done() -> int | None:
+        if wake is not None:
+            wake()
         count = scans()
         if not base and time.monotonic() >= past:
             base.append(count)
