@@ -56,3 +56,40 @@ def test_a_resave_supersedes_and_is_validated_again(store_bench: Any) -> None:
     b.drain()
     rec = b.store.checkpoint("r1", 8)
     assert rec.state.value == "valid" and rec.bytes == path.stat().st_size != first.bytes
+
+
+def test_a_resave_under_a_compressed_row_is_compressed_again(store_bench: Any) -> None:
+    """A re-save writes a compressed step's originals again. Before the scan sees it, the
+    in-place pass takes the rewritten file for a crash's half-finished replacement, refuses
+    it (it is not the copy) and backs off. The back-off is the old row's: the re-save is a
+    new row, and its own copy replaces its originals at once."""
+    import threading
+
+    from support.ckpts import save_single
+
+    from ckptd.retention.inplace import InPlace
+    from ckptd.service.jobs import policy_of
+
+    b = store_bench(roots=[{"name": "r1", "settle": "0s", "retention": {"local": {
+        "compress_older": True, "keep_last": 1, "keep_best": 0, "min_free": "0"}}}])
+    root = b.root()
+    b.store.set_policies({"r1": policy_of(root)})  # the copy is made in the validation pass
+    b.scan()  # the first scan: what it finds is adopted, and retention leaves adopted steps be
+    save_single(root.path, 1, n=256)
+    save_single(root.path, 2, n=256)  # the latest: the nets keep its originals
+    b.scan()
+    b.drain()
+    inplace = InPlace(b.store, threading.RLock(), threading.RLock())
+    assert inplace.compress(root, 1)
+    assert b.store.checkpoint("r1", 1).local.value == "compressed"
+
+    save_single(root.path, 1, n=300)  # the re-save, not scanned yet
+    inplace.finish(root)  # refuses the rewritten file: it is not the copy's original
+    assert (root.path / "model_step_1.pt").exists()
+    b.scan()
+    b.drain()
+    rec = b.store.checkpoint("r1", 1)
+    assert (rec.state.value, rec.local.value) == ("valid", "present")
+    assert inplace.compress(root, 1), "the old row's back-off held back the re-save"
+    assert b.store.checkpoint("r1", 1).local.value == "compressed"
+    assert not (root.path / "model_step_1.pt").exists()

@@ -32,7 +32,9 @@ class InPlace:
         self.store = store
         self.exclusive = exclusive
         self.nets = nets
-        self._backoff: dict[tuple[str, int], float] = {}
+        # Keyed by the row, not the step: a re-save of the step is a new row that a failure of
+        # the save it replaced (its originals rewritten under a compressed row) never holds back.
+        self._backoff: dict[int, float] = {}
         self.log = get_logger()
 
     def compress(self, root: RootConfig, step: int) -> bool:
@@ -45,7 +47,7 @@ class InPlace:
         if manifest is None:
             self.store.record(root.name, step, Event.COPY_LOST, time.time())
             return False
-        if self._backing_off(root, step):
+        if self._backing_off(rec.id):
             return False
         if step in self.store.in_use(root.name, time.time()):
             return False  # a reader holds the originals
@@ -57,7 +59,7 @@ class InPlace:
         # lost its copy. After the long checks, so the row says so only for the moves' time.
         if not self.store.record(root.name, step, Event.COMPRESSED_LOCAL, time.time()):
             return False
-        if not self._replace(root, step, rec.path, checked):
+        if not self._replace(root, rec.id, step, rec.path, checked):
             self.store.record(root.name, step, Event.COMPRESS_UNDONE, time.time())
             return False
         self.log.info("checkpoint_compressed_locally", root=root.name, step=step)
@@ -69,14 +71,14 @@ class InPlace:
         for rec in self.store.checkpoints(root.name):
             if rec.local is not Local.COMPRESSED or not (root.path / rec.path).exists():
                 continue
-            if self._backing_off(root, rec.step):
+            if self._backing_off(rec.id):
                 continue
             checked = self._check_replaceable(root, rec.step, rec.id)
             if checked is not None:
-                self._replace(root, rec.step, rec.path, checked)
+                self._replace(root, rec.id, rec.step, rec.path, checked)
 
-    def _backing_off(self, root: RootConfig, step: int) -> bool:
-        return time.monotonic() < self._backoff.get((root.name, step), 0.0)
+    def _backing_off(self, cid: int) -> bool:
+        return time.monotonic() < self._backoff.get(cid, 0.0)
 
     def _check_replaceable(self, root: RootConfig, step: int, cid: int) -> Checked | None:
         """The long checks before the originals may go (the copy decoded, every original
@@ -88,11 +90,12 @@ class InPlace:
                 raise FileNotFoundError(f"no local compressed copy of step {step}")
             copies.check_replaceable(root.path, manifest, members)
         except Exception as exc:
-            self._failed(root, step, str(exc))
+            self._failed(root, step, cid, str(exc))
             return None
         return manifest, members
 
-    def _replace(self, root: RootConfig, step: int, anchor: str, checked: Checked) -> bool:
+    def _replace(self, root: RootConfig, cid: int, step: int, anchor: str, checked: Checked
+                 ) -> bool:
         """The originals go through the executor's `replace_originals`: holding the locks
         like any local delete, the nets and a quick re-check of the originals' sizes."""
         manifest, members = checked
@@ -106,11 +109,11 @@ class InPlace:
                                                    rehash=False),
                 root=root.name)
         if out.action == "failed":
-            return self._failed(root, step, out.reason)
+            return self._failed(root, step, cid, out.reason)
         return out.action == "deleted"
 
-    def _failed(self, root: RootConfig, step: int, error: str) -> bool:
-        self._backoff[(root.name, step)] = time.monotonic() + COMPRESS_RETRY_S
+    def _failed(self, root: RootConfig, step: int, cid: int, error: str) -> bool:
+        self._backoff[cid] = time.monotonic() + COMPRESS_RETRY_S
         self.log.error("compress_older_failed", root=root.name, step=step, error=error,
                        retry_in_s=COMPRESS_RETRY_S)
         return False
