@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ckptd import fileio
 from ckptd.client import Client, ClientError
 
 DEMO_DIR = Path(".demo")
@@ -68,14 +68,14 @@ def _reset(cfg: Any) -> None:
     for p in [cfg.daemon.state_dir, *(r.path for r in cfg.roots)]:
         p = Path(p)
         if DEMO_DIR.resolve() in p.resolve().parents and p.exists():
-            shutil.rmtree(p)
+            fileio.remove_tree(p)
         p.mkdir(parents=True, exist_ok=True)
     for r in cfg.roots:
         url = r.upload.url
         if url.startswith("file://"):
             remote = Path(url[len("file://"):])
             if DEMO_DIR.resolve() in remote.resolve().parents and remote.exists():
-                shutil.rmtree(remote)
+                fileio.remove_tree(remote)
 
 
 def _echo_daemon(proc: subprocess.Popen[str]) -> None:

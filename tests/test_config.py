@@ -597,3 +597,7 @@ def test_what_a_reload_cannot_apply(tmp_path: Path) -> None:
                                              "socket": str(tmp_path / "x.sock")},
                           "metrics": {"listen": "127.0.0.1:9101"}}, tmp_path)
     assert needs_restart(old, moved) == ["daemon.state_dir", "daemon.socket", "metrics.listen"]
+    tuned = parse_config({**base, "daemon": {**base["daemon"], "workers": 4, "polling": True,
+                                             "log_level": "debug", "node": "n-2"}}, tmp_path)
+    assert needs_restart(old, tuned) == ["daemon.workers", "daemon.polling",
+                                         "daemon.log_level", "daemon.node"]

@@ -406,7 +406,7 @@ def test_a_spare_copy_is_released_by_retention_and_never_under_a_reader(
         assert r.returncode == 0, r.stderr
         return next(i for i in json.loads(r.stdout)["plan"] if i["step"] == 1)
 
-    with c.lease("r1", 1):  # held before the reload: retention runs at once after it
+    with c.hold("r1", 1):  # held before the reload: retention runs at once after it
         d.config.write_text(d.config.read_text().replace("compress_older = true",
                                                          "compress_older = false"))
         assert d.reload() is True

@@ -224,9 +224,16 @@ class Config(_Model):
         }
 
 
+# The daemon keys the daemon reads once, at start: the socket and state dir it opened, the
+# stage workers it started, the watcher it chose, the logging it set up, and the node id its
+# stage workers and retention were built with (the root lease reads the new one).
+_READ_AT_START = ("state_dir", "socket", "socket_group", "workers", "polling", "log_format",
+                  "log_level", "node")
+
+
 def needs_restart(old: Config, new: Config) -> list[str]:
     """The keys whose change a reload cannot apply (they take effect at the next start)."""
-    keys = [f"daemon.{k}" for k in ("state_dir", "socket", "socket_group")
+    keys = [f"daemon.{k}" for k in _READ_AT_START
             if getattr(old.daemon, k) != getattr(new.daemon, k)]
     return keys + (["metrics.listen"] if old.metrics != new.metrics else [])
 

@@ -66,7 +66,7 @@ class CheckpointView:
 
     `completed`: wall time it was found complete. `bytes`: what it occupies on local disk now
     (the compressed size when `local` is compressed). `metric`: the root's metric, None if absent;
-    NaN/inf count as absent. `in_use`: a client holds a read lease on it.
+    NaN/inf count as absent. `in_use`: a reader holds it (a hold).
     """
 
     step: int

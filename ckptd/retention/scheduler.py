@@ -42,7 +42,7 @@ class RetentionService:
     asked (a stage, the timer, disk pressure, `POST /v1/roots/{root}/prune` through `run_now`).
 
     A run's local-delete phase holds two locks: `exclusive`, which scans take (a scan never
-    sees a checkpoint half moved), and `nets`, which pins and readers' leases take (none lands
+    sees a checkpoint half moved), and `nets`, which pins and readers' holds take (none lands
     between the nets' reading and the last delete). Pins never wait on a scan: they share no
     lock (see docs/DESIGN.md for what may interleave with what).
     """

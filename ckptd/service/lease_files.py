@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ckptd import inputs
+from ckptd import fileio, inputs
 from ckptd.cluster.lease import (
     CLAIM_PREFIX,
     LEASE_FILE,
@@ -111,22 +111,9 @@ def look(dfd: int) -> Seen:
 
 
 def write_lease(dfd: int, doc: Holder) -> None:
-    tmp = f".{LEASE_FILE}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o644, dir_fd=dfd)
-    try:
-        try:
-            os.write(fd, json.dumps(doc.as_json(), sort_keys=True).encode() + b"\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, LEASE_FILE, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except OSError:
-            pass
-        raise
+    """lease.json replaced atomically beneath the root's `.ckptd` directory fd."""
+    data = json.dumps(doc.as_json(), sort_keys=True).encode() + b"\n"
+    fileio.atomic_write_bytes(LEASE_FILE, data, dir_fd=dfd)
 
 
 def retire_claims(dfd: int, top: int) -> bool:

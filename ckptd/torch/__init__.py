@@ -14,7 +14,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from ckptd.torch import _native
+from ckptd.torch import _native, _nodelocal
 from ckptd.torch._async import SaveHandle, flush, save_async
 from ckptd.torch._load import load, resolve
 from ckptd.torch._native import FORMAT, Stateful
@@ -77,7 +77,7 @@ def save(
                             scheduler=scheduler, scaler=scaler, ema=ema, extra=extra,
                             metrics=metrics, config=config, rank=rank, world_size=world_size,
                             register=register, root_name=root_name, client=client,
-                            timeout=timeout, node_local=node_local)
+                            timeout=timeout, writer=_nodelocal.save if node_local else None)
     if node_local:
         raise ValueError("node_local=True saves are blocking only (blocking=True)")
     if if_busy not in ("wait", "skip"):

@@ -64,12 +64,12 @@ def load(
     `meta` is meta.json's content plus `path` and, when the checkpoint has one, `extra`.
     """
     target = resolve(path_or_root, step, root_name=root_name, client=client)
-    with _reader_lease(target, root_name, client):
+    with _hold(target, root_name, client):
         return _load_into(target, model, optimizer, scheduler, scaler, ema, rank, restore_rng,
                           _LoadOpts(map_location, strict, upcast_bf16, assign))
 
 
-def _reader_lease(target: Path, root_name: str | None, client: Any) -> Any:
+def _hold(target: Path, root_name: str | None, client: Any) -> Any:
     """While a native checkpoint is read, the daemon's retention must not delete it."""
     match = _STEP_DIR.match(target.name)
     if not match or not target.is_dir():
@@ -77,7 +77,7 @@ def _reader_lease(target: Path, root_name: str | None, client: Any) -> Any:
     if client is None:
         from ckptd.client import Client
 
-        client = Client(timeout=10.0)  # a lease may wait for a running prune's deletes
+        client = Client(timeout=10.0)  # a hold may wait for a running prune's deletes
     name = root_name or target.parent.resolve().name
     return client.hold(name, int(match.group(1)), ttl=3600)
 

@@ -66,14 +66,14 @@ def save(
     root_name: str | None = None,
     client: Any = None,
     timeout: float = 1800.0,
-    node_local: bool = False,
+    writer: Writer | None = None,
 ) -> Path:
     """Write `<root_dir>/step-<step>/` and return its path once every rank's files are in it.
 
     Every rank calls this with its own optimizer; rank 0 also writes model, EMA, scheduler,
     scaler and extra, then meta.json, then renames the directory into place and registers it.
-    `node_local`: each node's ranks write to that node's own disk (`root_dir` is node-local;
-    needs torch.distributed); see ckptd.torch._nodelocal.
+    `writer`: how the ranks write and commit instead of the shared-directory ways here (the
+    public `save(node_local=True)` passes ckptd.torch._nodelocal's; needs torch.distributed).
     """
     if step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step}")
@@ -85,14 +85,12 @@ def save(
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
     head = _meta_head(step, world, metrics, config)  # fail on bad metrics before writing
     parts = _parts(rank, model, optimizer, scheduler, scaler, ema, extra)
-    if node_local and not _dist_up(world):
+    if writer is not None and not _dist_up(world):
         raise ValueError("node_local=True needs torch.distributed initialised with every rank:"
                          " the nodes share no directory to meet in")
     try:
-        if node_local:
-            from ckptd.torch import _nodelocal
-
-            _nodelocal.save(tmp, final, rank, world, parts, head)
+        if writer is not None:
+            writer(tmp, final, rank, world, parts, head)
         elif _dist_matches(world):
             _save_dist(tmp, final, rank, world, parts, head)
         else:
@@ -111,6 +109,9 @@ def save(
 
 
 Part = tuple[str, str, Callable[[], Any]]  # (file name, component, builds the state to write)
+# Writes every rank's parts into tmp and commits it as final: (tmp, final, rank, world, parts,
+# meta.json's head).
+Writer = Callable[[Path, Path, int, int, list[Part], dict[str, Any]], None]
 
 
 def _parts(rank: int, model: torch.nn.Module | None, optimizer: Stateful | None,

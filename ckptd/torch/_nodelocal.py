@@ -9,7 +9,6 @@ Runs inside training processes (imports torch); never imported by the daemon.
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -91,10 +90,7 @@ def _clear(tmp: Path, keep: set[str]) -> None:
     for p in tmp.iterdir():
         if p.name in keep:
             continue
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
+        fileio.remove_tree(p)  # a link goes, never what it points to
 
 
 def _check_sizes(tmp: Path, entries: list[_native.Entry]) -> None:
