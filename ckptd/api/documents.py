@@ -1,11 +1,10 @@
-"""What the socket API answers from: the daemon's parts as the API sees them (protocols), and
-`ApiContext`, which reads the store and the services into the JSON documents of docs/CLI.md.
-The HTTP side is `ckptd.api.server`.
+"""What the socket API answers from: `ApiContext` reads the store and the daemon's parts (as
+`ckptd.api.seams` describes them) into the JSON documents of docs/CLI.md. The HTTP side is
+`ckptd.api.server`.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 import time
@@ -13,10 +12,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ckptd import __version__
 from ckptd.api import checks
+from ckptd.api.seams import (
+    Discovery,
+    MetricsText,
+    NoPersist,
+    NoRootLeases,
+    Persist,
+    Retention,
+    RootLeases,
+    Scan,
+    Services,
+    Workers,
+)
 from ckptd.client import read_latest_file
 from ckptd.config import RootConfig
 from ckptd.errors import HttpError
@@ -26,89 +37,6 @@ from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Local, Remote, State, Tier
 from ckptd.store import Store
 from ckptd.store.pins import write_pins
-
-
-class Wakeable(Protocol):
-    def wake(self) -> None: ...
-
-
-class Scan(Wakeable, Protocol):
-    scans: int
-
-    def unrecognised(self, root: str) -> list[str]: ...
-
-
-class Workers(Protocol):
-    def flush(self) -> dict[str, int]: ...
-    def flushing(self) -> dict[str, int]: ...
-    def in_flight(self) -> list[dict[str, Any]]: ...
-    def part_states(self, root: RootConfig, rec: Any) -> dict[str, str]: ...
-    def uncommitted(self, root: str, nodes: int) -> list[dict[str, Any]]: ...
-
-
-class Retention(Protocol):
-    # Held by retention while it deletes locally: a pin or a reader's hold waits for the
-    # deletes to end, so the safety nets a run checked are never out of date while it acts.
-    # Scans take another lock: a slow scan never holds up a pin.
-    nets: Any
-
-    def plan_json(self, root: RootConfig) -> dict[str, Any]: ...
-    def apply_now(self, root: RootConfig) -> list[dict[str, Any]]: ...
-    def adopted_json(self, root: RootConfig) -> dict[str, Any] | None: ...
-    def health_json(self, name: str) -> dict[str, Any] | None: ...
-
-
-class Discovery(Protocol):
-    def request(self, name: str, wait_s: float = ...) -> None: ...
-    def bad_remote(self, name: str) -> list[dict[str, str]]: ...
-
-
-class Services(Protocol):
-    def alive(self) -> bool: ...
-    def health(self) -> list[dict[str, Any]]: ...
-
-
-class MetricsText(Protocol):
-    def render(self) -> str: ...
-
-
-class RootLeases(Protocol):
-    """Which roots this daemon acts on: whose root lease (`<root>/.ckptd/lease.json`) it
-    holds, and who holds each (`ckptd.service.lease.Leases`)."""
-
-    def holds(self, name: str) -> bool: ...
-    def holder_json(self, name: str) -> dict[str, Any] | None: ...
-
-
-class Persist(Protocol):
-    def accept(self, fd: int, body: Any, peer: tuple[int, int, int]) -> dict[str, Any]: ...
-    def outcome(self, job_id: str, timeout: float) -> dict[str, Any] | None: ...
-    def in_flight(self) -> list[dict[str, Any]]: ...
-
-
-class NoPersist:
-    """No persist service (a bare context in tests): async saves are refused, the trainer
-    writes in-process."""
-
-    def accept(self, fd: int, body: Any, peer: tuple[int, int, int]) -> dict[str, Any]:
-        os.close(fd)
-        raise HttpError(503, "no_persist", "this daemon takes no async saves")
-
-    def outcome(self, job_id: str, timeout: float) -> dict[str, Any] | None:
-        return None
-
-    def in_flight(self) -> list[dict[str, Any]]:
-        return []
-
-
-class NoRootLeases:
-    """No root lease service (a bare context in tests): every root is this daemon's."""
-
-    def holds(self, name: str) -> bool:
-        return True
-
-    def holder_json(self, name: str) -> dict[str, Any] | None:
-        return None
 
 
 class ApiContext:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckptd.backends.base import ObjectMeta
+from ckptd.backends.base import Backend, ObjectMeta
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.errors import CkptdError, ObjectNotFound
@@ -151,7 +151,7 @@ class Discovery:
         if added or lost:
             self.log.info("remote_checkpoints_found", root=name, added=added, lost=lost or None)
 
-    def _probe(self, name: str, backend: Any) -> None:
+    def _probe(self, name: str, backend: Backend) -> None:
         """A multi-node root at start: does the store enforce create-only writes? Where it
         does not, the root refuses to commit, and status says why (docs/MULTINODE.md)."""
         from ckptd.errors import PermanentError
@@ -163,7 +163,7 @@ class Discovery:
             self.log.error("create_only_refused", root=name, error=str(exc))
             self.store.set_root_error(name, f"upload: {exc}", self.clock.time())
 
-    def _add_unknown(self, name: str, backend: Any,
+    def _add_unknown(self, name: str, backend: Backend,
                      manifests: Mapping[int, ObjectMeta]) -> tuple[int, list[dict[str, str]]]:
         """Add the committed steps the store does not know; a manifest that cannot be read is
         skipped and returned as a bad item (one gone since the listing is simply skipped). A

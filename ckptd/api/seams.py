@@ -1,0 +1,95 @@
+"""What the socket API needs of the daemon's parts, as protocols the services satisfy, and the
+stand-ins used where a part is absent (a bare context in tests, a daemon without async saves).
+Holds no state and no logic of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+from ckptd.config import RootConfig
+from ckptd.errors import HttpError
+
+
+class Wakeable(Protocol):
+    def wake(self) -> None: ...
+
+
+class Scan(Wakeable, Protocol):
+    scans: int
+
+    def unrecognised(self, root: str) -> list[str]: ...
+
+
+class Workers(Protocol):
+    def flush(self) -> dict[str, int]: ...
+    def flushing(self) -> dict[str, int]: ...
+    def in_flight(self) -> list[dict[str, Any]]: ...
+    def part_states(self, root: RootConfig, rec: Any) -> dict[str, str]: ...
+    def uncommitted(self, root: str, nodes: int) -> list[dict[str, Any]]: ...
+
+
+class Retention(Protocol):
+    # Held by retention while it deletes locally: a pin or a reader's hold waits for the
+    # deletes to end, so the safety nets a run checked are never out of date while it acts.
+    # Scans take another lock: a slow scan never holds up a pin.
+    nets: Any
+
+    def plan_json(self, root: RootConfig) -> dict[str, Any]: ...
+    def apply_now(self, root: RootConfig) -> list[dict[str, Any]]: ...
+    def adopted_json(self, root: RootConfig) -> dict[str, Any] | None: ...
+    def health_json(self, name: str) -> dict[str, Any] | None: ...
+
+
+class Discovery(Protocol):
+    def request(self, name: str, wait_s: float = ...) -> None: ...
+    def bad_remote(self, name: str) -> list[dict[str, str]]: ...
+
+
+class Services(Protocol):
+    def alive(self) -> bool: ...
+    def health(self) -> list[dict[str, Any]]: ...
+
+
+class MetricsText(Protocol):
+    def render(self) -> str: ...
+
+
+class RootLeases(Protocol):
+    """Which roots this daemon acts on: whose root lease (`<root>/.ckptd/lease.json`) it
+    holds, and who holds each (`ckptd.service.lease.Leases`)."""
+
+    def holds(self, name: str) -> bool: ...
+    def holder_json(self, name: str) -> dict[str, Any] | None: ...
+
+
+class Persist(Protocol):
+    def accept(self, fd: int, body: Any, peer: tuple[int, int, int]) -> dict[str, Any]: ...
+    def outcome(self, job_id: str, timeout: float) -> dict[str, Any] | None: ...
+    def in_flight(self) -> list[dict[str, Any]]: ...
+
+
+class NoPersist:
+    """No persist service (a bare context in tests): async saves are refused, the trainer
+    writes in-process."""
+
+    def accept(self, fd: int, body: Any, peer: tuple[int, int, int]) -> dict[str, Any]:
+        os.close(fd)
+        raise HttpError(503, "no_persist", "this daemon takes no async saves")
+
+    def outcome(self, job_id: str, timeout: float) -> dict[str, Any] | None:
+        return None
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        return []
+
+
+class NoRootLeases:
+    """No root lease service (a bare context in tests): every root is this daemon's."""
+
+    def holds(self, name: str) -> bool:
+        return True
+
+    def holder_json(self, name: str) -> dict[str, Any] | None:
+        return None
