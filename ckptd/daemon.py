@@ -24,8 +24,6 @@ from ckptd.config import Config, RootConfig, load_config, needs_restart
 from ckptd.errors import ConfigError
 from ckptd.lifecycle.changes import Changes
 from ckptd.log import get_logger
-from ckptd.retention.scheduler import RUN_BOUND_S as RETENTION_S
-from ckptd.retention.scheduler import RetentionService
 from ckptd.service import recovery, sdnotify
 from ckptd.service.discovery import BOUND_S as DISCOVER_S
 from ckptd.service.discovery import Discovery
@@ -36,6 +34,8 @@ from ckptd.service.metrics import Metrics, MetricsServer
 from ckptd.service.observe import root_samples, summary
 from ckptd.service.persist import PersistService
 from ckptd.service.recovery import StateDirLock
+from ckptd.service.retention import RUN_BOUND_S as RETENTION_S
+from ckptd.service.retention import RetentionService
 from ckptd.service.scan import Scanner
 from ckptd.service.supervisor import Call, Supervisor
 from ckptd.service.workers import Workers

@@ -58,7 +58,7 @@ CLAIMS: list[tuple[str, str, Callable[[], tuple[float, ...]], tuple[Number, ...]
     ("docs/OPERATIONS.md", r"remote listing by discovery (\d+) s", lambda: (discovery.BOUND_S,),
      (_n,)),
     ("docs/OPERATIONS.md", r"one root's retention run ([\d,]+) s",
-     lambda: (_module_constant("ckptd/retention/scheduler.py", "RUN_BOUND_S"),), (_n,)),
+     lambda: (_module_constant("ckptd/service/retention.py", "RUN_BOUND_S"),), (_n,)),
     ("docs/OPERATIONS.md", r"an upload quiet for (\d+) s",
      lambda: (_module_constant("ckptd/service/workers.py", "HOLD_AFTER_S"),), (_n,)),
     ("docs/OPERATIONS.md", r"`Restart=on-failure` \(after (\d+) s\)",

@@ -27,9 +27,9 @@ from ckptd.errors import NotFound, ServiceUnavailable, TransientError
 from ckptd.lifecycle.changes import Changes
 from ckptd.remote.manifest import Manifest
 from ckptd.retention.executor import Outcome
-from ckptd.retention.scheduler import RetentionService
 from ckptd.service.discovery import Discovery
 from ckptd.service.metrics import Metrics
+from ckptd.service.retention import RetentionService
 from ckptd.service.scan import Scanner
 from ckptd.service.supervisor import Supervisor
 from ckptd.service.workers import Workers

@@ -23,7 +23,7 @@ from ckptd.client import Client
 from ckptd.config import parse_config
 from ckptd.lifecycle.table import Event
 from ckptd.model import Candidate, FileRecord, Local, ValidationResult
-from ckptd.retention.scheduler import RetentionService
+from ckptd.service.retention import RetentionService
 from ckptd.store import Found, Store
 
 

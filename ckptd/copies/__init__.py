@@ -1,2 +1,3 @@
-"""The local copy store: compressed copies of steps under `<root>/.ckptd/objects/step-<N>/`,
-their manifests, and the checks before a copy may stand in for the originals (`store`)."""
+"""Stored copies: the local copy store under `<root>/.ckptd/objects/step-<N>/` with its manifests
+and the checks before a copy may stand in for the originals (`store`), and the checked decoder
+of a stored object, local or remote (`decode`)."""

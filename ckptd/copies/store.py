@@ -12,11 +12,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ckptd import fileio, inputs
+from ckptd.copies.decode import decode_object
 from ckptd.errors import CorruptData, UnsafePath
 from ckptd.fileio import HashSink
 from ckptd.model import CKPTD_DIR
 from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile, parse_manifest
-from ckptd.restore.decode import decode_object
 
 OBJECTS_DIR = "objects"
 

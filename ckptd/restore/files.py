@@ -22,13 +22,13 @@ from typing import TextIO
 from ckptd import fileio, layouts
 from ckptd.backends import Backend
 from ckptd.config import Config, RootConfig
+from ckptd.copies.decode import decode_object
 from ckptd.copies.store import objects_dir, read_local_manifest
 from ckptd.errors import CorruptData, NotFound, UnsafePath
 from ckptd.fileio import DurableWriter, write_error
 from ckptd.log import get_logger
 from ckptd.remote.manifest import Manifest, StoredFile, for_node, step_prefix
 from ckptd.restore import pipe as restore_pipe
-from ckptd.restore.decode import decode_object
 from ckptd.restore.source import (
     StepArg,
     best_step,

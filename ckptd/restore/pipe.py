@@ -17,11 +17,11 @@ from typing import Any, BinaryIO, cast
 
 from ckptd import fileio
 from ckptd.backends import Backend
+from ckptd.copies.decode import decode_checked
 from ckptd.errors import CorruptData, ObjectNotFound, TransientError
 from ckptd.fileio import DurableWriter, write_error
 from ckptd.log import get_logger
 from ckptd.remote.manifest import StoredFile
-from ckptd.restore.decode import decode_checked
 
 Progress = Callable[[int], None]
 

@@ -1,6 +1,6 @@
-"""Reading a stored object back: the codec's stream decoded and checked against its manifest
-entry (size and content hash), the original bytes handed to a writer if given. Never more bytes
-than the manifest says, so a corrupt object cannot fill a disk.
+"""Reading a stored object back, a local copy's or a remote one's: the codec's stream decoded
+and checked against its manifest entry (size and content hash), the original bytes handed to a
+writer if given. Never more bytes than the manifest says, so a corrupt object cannot fill a disk.
 """
 
 from __future__ import annotations
