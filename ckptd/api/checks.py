@@ -44,6 +44,14 @@ def text(value: str, name: str, limit: int = 4096) -> str:
     return value
 
 
+def owner(value: str) -> str:
+    """A hold's owner: a non-empty id of at most 128 characters."""
+    value = text(value, "owner")
+    if not value or len(value) > 128:
+        raise HttpError(400, "bad_field", "owner must be a non-empty id (<= 128 chars)")
+    return value
+
+
 def _encodable(value: str) -> bool:
     try:
         value.encode("utf-8")

@@ -28,6 +28,7 @@ from ckptd.errors import HttpError, ServiceUnavailable
 from ckptd.lifecycle import answers
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, Remote, State, Tier
+from ckptd.store import Store
 
 MAX_BODY = 1024 * 1024
 MAX_WAIT_S = 3600.0
@@ -267,7 +268,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def h_one(self, root: str, step: str, **_: Any) -> tuple[int, Any]:
         r = self.ctx.root(root)
-        rec = self._record(r, checks.step(step))
+        rec = _record(self.ctx.store, r, checks.step(step))
         return 200, {"root": r.name, **rec.as_json()}
 
     def h_latest(self, root: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
@@ -299,12 +300,10 @@ class Handler(BaseHTTPRequestHandler):
         r = self.ctx.root(root)
         self.ctx.acting(r)
         n = checks.step(step)
-        owner = checks.text(query.get("owner", ""), "owner")
-        if not owner or len(owner) > 128:
-            raise HttpError(400, "bad_field", "owner must be a non-empty id (<= 128 chars)")
+        owner = checks.owner(query.get("owner", ""))
         ttl = checks.number(query.get("ttl", "600"), "ttl", 1.0, 86400.0)
         with self.ctx.retention.nets:
-            rec = self._record(r, n)
+            rec = _record(self.ctx.store, r, n)
             if not answers.in_tier(rec, Tier.ANY):
                 raise HttpError(409, "gone", f"step {rec.step} of {r.name!r} has no copy left")
             self.ctx.store.hold(r.name, rec.step, owner, time.time() + ttl)
@@ -365,15 +364,16 @@ class Handler(BaseHTTPRequestHandler):
             changed, gen = new != gen, new
         raise HttpError(408, "timeout", f"step {step} did not become {until} within {timeout}s")
 
-    def _record(self, r: RootConfig, step: int) -> CheckpointRecord:
-        rec = self.ctx.store.checkpoint(r.name, step)
-        if rec is None:
-            raise HttpError(404, "no_checkpoint", f"root {r.name!r} has no step {step}")
-        return rec
-
     def _not_stopping(self) -> None:
         if self.ctx.stopping.is_set():
             raise HttpError(503, "shutting_down", "ckptd is shutting down")
+
+
+def _record(store: Store, r: RootConfig, step: int) -> CheckpointRecord:
+    rec = store.checkpoint(r.name, step)
+    if rec is None:
+        raise HttpError(404, "no_checkpoint", f"root {r.name!r} has no step {step}")
+    return rec
 
 
 def _reached(rec: CheckpointRecord, until: str) -> bool:
