@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, runtime_checkable
 
-from ckptd.errors import BadInput, PermanentError, StorageError, TransientError
+from ckptd.errors import BadInput, CorruptData, PermanentError, StorageError, TransientError
 
 MiB = 1024 * 1024
 DEFAULT_PART_SIZE = 64 * MiB
@@ -19,6 +19,8 @@ SMALL_OBJECT_MAX = 64 * MiB
 # Largest read or write handed to or taken from a caller's file object in one call.
 COPY_CHUNK = 1 * MiB
 MAX_KEY_BYTES = 1024  # S3's limit; applied everywhere so a key valid on one backend is on all
+# The most bytes one `get_range` returns: one request's answer, held in memory whole.
+MAX_RANGE = 256 * MiB
 
 Source = BinaryIO | bytes
 
@@ -70,6 +72,13 @@ class Backend(Protocol):
     - Reading never blocks on what is not an object: file:// opens non-blocking and never
       through a link, so a FIFO, device, directory or symlink under a key is refused at once
       (`ObjectNotFound`, as `stat` and `list` do not show it either).
+    - `get_range(key, start, end, etag)` returns exactly the bytes [start, end) in one request
+      (0 <= start < end, end - start <= MAX_RANGE, else ValueError). With `etag` (the version
+      tag `get_versioned` gives: S3's ETag, file://'s inode/mtime/size tag) it reads only that
+      version: another one is `PreconditionFailed`. A range reaching past the object's end is
+      `CorruptData` naming the key and range (the caller's map of the object is wrong); an
+      answer shorter than asked is `TransientError`. file:// reads with pread from a
+      descriptor opened as `get` opens it (no link followed, regular files only).
     - `stat` gives size, etag (where the store has one) and mtime.
     - `list(prefix)` yields every object under the directory-like `prefix` ("" = everything;
       "a/b" matches "a/b/c", not "a/bc"), recursively. Order is not part of the contract.
@@ -120,6 +129,14 @@ class Backend(Protocol):
         over `limit` bytes is BadInput naming the key, refused before its body is read."""
         ...
 
+    def get_range(
+        self, key: str, start: int, end: int, etag: str | None = None
+    ) -> bytes | memoryview:
+        """Exactly the object's bytes [start, end), of version `etag` when given. A read-only
+        buffer safe to keep after the call: the object store answers a view of the client's
+        own buffer instead of copying it (see `ObstoreBackend.get_range`)."""
+        ...
+
     def stat(self, key: str) -> ObjectMeta:
         """Metadata of one object; `ObjectNotFound` if absent."""
         ...
@@ -160,6 +177,22 @@ def check_put_mode(create_only: bool, if_match: str | None) -> None:
     """Refuse a put that is both create-only and conditional on a version."""
     if create_only and if_match is not None:
         raise PermanentError("a put is create-only or conditional on a version, not both")
+
+
+def check_range(key: str, start: int, end: int) -> None:
+    """Refuse a `get_range` span that is empty, negative or over MAX_RANGE (ValueError)."""
+    if not 0 <= start < end or end - start > MAX_RANGE:
+        raise ValueError(
+            f"get_range {key!r}: [{start}, {end}) is not a range of 1 to {MAX_RANGE} bytes "
+            "starting at 0 or later"
+        )
+
+
+def past_end(where: str, start: int, end: int, size: int) -> CorruptData:
+    """The error of a range that reaches past the object's end."""
+    return CorruptData(
+        f"get_range {where}: bytes [{start}, {end}) reach past the object's end ({size} bytes)"
+    )
 
 
 def too_large(where: str, size: int | str, limit: int) -> BadInput:

@@ -28,10 +28,18 @@ from ckptd.backends.base import (
     check_key,
     check_prefix,
     check_put_mode,
+    check_range,
     join_url,
     os_error,
+    past_end,
 )
-from ckptd.errors import ObjectExists, ObjectNotFound, PermanentError, PreconditionFailed
+from ckptd.errors import (
+    ObjectExists,
+    ObjectNotFound,
+    PermanentError,
+    PreconditionFailed,
+    TransientError,
+)
 
 # Marks our in-flight temp files; list() never shows them and keys may not contain it.
 TMP_MARK = ".ckptd-tmp."
@@ -103,6 +111,27 @@ class LocalBackend:
     def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
         data, st = self._read_small(key, limit)
         return data, _version(st)
+
+    def get_range(
+        self, key: str, start: int, end: int, etag: str | None = None
+    ) -> bytes | memoryview:
+        """pread of [start, end) from the descriptor `get` would read (no link followed,
+        regular files only); `etag` is compared with the version tag `get_versioned` gives,
+        before the read and again after it (a rewrite in place while reading changes it)."""
+        check_range(key, start, end)
+        where = self._where(key)
+        with self._open(key) as f:
+            try:
+                st = os.fstat(f.fileno())
+                self._check_span(where, st, start, end, etag)
+                data = _pread_all(f.fileno(), start, end)
+                if etag is not None:
+                    self._check_span(where, os.fstat(f.fileno()), start, end, etag)
+            except OSError as exc:
+                raise os_error(exc, f"get_range {where}") from None
+        if len(data) != end - start:  # the file shrank under the read
+            raise TransientError(f"get_range {where}: got {len(data)} bytes of [{start}, {end})")
+        return data
 
     def stat(self, key: str) -> ObjectMeta:
         path = self._path(key)
@@ -274,6 +303,13 @@ class LocalBackend:
             except OSError as exc:
                 raise os_error(exc, f"get {self._where(key)}") from None
 
+    @staticmethod
+    def _check_span(where: str, st: stat_result, start: int, end: int, etag: str | None) -> None:
+        if etag is not None and _version(st) != etag:
+            raise PreconditionFailed(f"get_range {where}: not version {etag}")
+        if end > st.st_size:
+            raise past_end(where, start, end, st.st_size)
+
     def _read(self, f: BinaryIO, key: str) -> bytes:
         try:
             return f.read(COPY_CHUNK)
@@ -312,6 +348,16 @@ def _is_ours(name: str) -> bool:
 def _version(st: stat_result) -> str:
     """A file's version tag: a rename-replaced file is another inode, a rewrite a new mtime."""
     return f"{st.st_dev:x}.{st.st_ino:x}.{st.st_mtime_ns:x}.{st.st_size:x}"
+
+
+def _pread_all(fd: int, start: int, end: int) -> bytes:
+    """Bytes [start, end) of `fd`, fewer only at end of file (a read may return short)."""
+    chunks: list[bytes] = []
+    pos = start
+    while pos < end and (chunk := os.pread(fd, end - pos, pos)):
+        chunks.append(chunk)
+        pos += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _lock_path(path: str) -> str:

@@ -7,6 +7,7 @@ or exception leaves the backend. Retries with backoff live in `wrappers`, not he
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
 
 import obstore
+from obstore import exceptions as obx
 from obstore.store import AzureStore, GCSStore, S3Store
 
 from ckptd.backends.base import (
@@ -28,16 +30,20 @@ from ckptd.backends.base import (
     check_key,
     check_prefix,
     check_put_mode,
+    check_range,
     join_url,
     os_error,
+    past_end,
     too_large,
 )
 from ckptd.backends.credentials import Creds, s3_credential_provider
 from ckptd.backends.mapped import PutBody, close_body, open_body
-from ckptd.backends.objstore_errors import guard
+from ckptd.backends.objstore_errors import guard, translate
 from ckptd.errors import (
+    CorruptData,
     ObjectNotFound,
     PermanentError,
+    PreconditionFailed,
     TransientError,
 )
 
@@ -47,6 +53,9 @@ if TYPE_CHECKING:
 
 # A get of a larger object fetches ranges this big, `concurrency` of them at once.
 _GET_RANGE = 8 << 20
+
+# A ranged GET starting at or past the object's end: HTTP 416 (S3's code InvalidRange).
+_UNSATISFIABLE = re.compile(r"status(?: code)?: 416\b|<Code>InvalidRange</Code>")
 
 S3_SCHEMES = ("s3", "s3a")
 SCHEMES = (*S3_SCHEMES, "gs", "az")
@@ -166,6 +175,31 @@ class ObstoreBackend:
             raise PermanentError(f"get {where}: the store gave no ETag, so no conditional put")
         return data, etag
 
+    def get_range(
+        self, key: str, start: int, end: int, etag: str | None = None
+    ) -> bytes | memoryview:
+        """One GET of bytes [start, end) on the read-timeout client, If-Match `etag` when given.
+
+        Answers a read-only memoryview of obstore's `Bytes`: the body as the client received
+        it, not copied again (`bytes()` of an 8 MiB range costs 6-7 ms here, the view ~10 us).
+        The view keeps that immutable buffer alive, so it is safe to hold after the call."""
+        check_key(key)
+        check_range(key, start, end)
+        where = join_url(self.url, key)
+        options: GetOptions = {"range": (start, end)}
+        if etag is not None:
+            options["if_match"] = etag
+        result = self._get_span(key, where, start, end, options)
+        size = int(result.meta["size"])
+        if end > size:  # the store answered what there is; the body is dropped unread
+            raise past_end(where, start, end, size)
+        data = memoryview(guard("get", where, result.bytes))
+        if len(data) != end - start:
+            raise TransientError(
+                f"get_range {where}: got {len(data)} bytes of [{start}, {end})"
+            )
+        return data
+
     def stat(self, key: str) -> ObjectMeta:
         check_key(key)
         where = join_url(self.url, key)
@@ -230,6 +264,25 @@ class ObstoreBackend:
         finally:
             for _ in pending:  # cancelled or finished by now: the pool has shut down
                 self._range_slots.release()
+
+    def _get_span(
+        self, key: str, where: str, start: int, end: int, options: GetOptions
+    ) -> Any:
+        """The ranged GET's answer (headers read, body not yet): a failed If-Match is
+        PreconditionFailed and an unsatisfiable range CorruptData, unlike `guard`'s reading."""
+        try:
+            return obstore.get(self._store, key, options=options)
+        except (obx.BaseError, OSError, ValueError) as exc:
+            if isinstance(exc, obx.PreconditionError):
+                raise PreconditionFailed(
+                    f"get_range {where}: not version {options.get('if_match')}"
+                ) from None
+            if _UNSATISFIABLE.search(str(exc)):
+                raise CorruptData(
+                    f"get_range {where}: bytes [{start}, {end}) start at or past the "
+                    "object's end"
+                ) from None
+            raise translate(exc, "get", where) from None
 
     def _get_small(self, key: str, limit: int) -> tuple[bytes, str | None]:
         """A small object's bytes and ETag. Its size comes with the GET's answer, before the

@@ -119,6 +119,11 @@ class RetryingBackend(_Delegating):
     def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
         return self._run("get", key, lambda _n: self.inner.get_versioned(key, limit))
 
+    def get_range(
+        self, key: str, start: int, end: int, etag: str | None = None
+    ) -> bytes | memoryview:
+        return self._run("get", key, lambda _n: self.inner.get_range(key, start, end, etag))
+
     def stat(self, key: str) -> ObjectMeta:
         return self._run("stat", key, lambda _n: self.inner.stat(key))
 
@@ -272,7 +277,7 @@ class TokenBucket:
 
 
 class ThrottledBackend(_Delegating):
-    """Caps the bytes/s streamed by put and get across all transfers through this instance.
+    """Caps the bytes/s streamed by put and the gets across all transfers through this instance.
 
     The cap applies where bytes enter (a put's source reads) or leave (a get's destination
     writes) the backend; a store that buffers a part before sending it bursts within a part
@@ -309,6 +314,13 @@ class ThrottledBackend(_Delegating):
         data, version = self.inner.get_versioned(key, limit)
         self.bucket.take(len(data))
         return data, version
+
+    def get_range(
+        self, key: str, start: int, end: int, etag: str | None = None
+    ) -> bytes | memoryview:
+        data = self.inner.get_range(key, start, end, etag)
+        self.bucket.take(len(data))
+        return data
 
     def stat(self, key: str) -> ObjectMeta:
         return self.inner.stat(key)
@@ -361,7 +373,8 @@ class _ThrottledWriter(io.RawIOBase):
 
 
 class LimitedBackend(_Delegating):
-    """At most `concurrency` transfers (put, get, get_bytes) at once through this instance."""
+    """At most `concurrency` transfers (put, get, get_bytes, get_range) at once through this
+    instance."""
 
     def __init__(self, inner: Backend, concurrency: int) -> None:
         super().__init__(inner)
@@ -391,6 +404,12 @@ class LimitedBackend(_Delegating):
     def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
         with self._slots:
             return self.inner.get_versioned(key, limit)
+
+    def get_range(
+        self, key: str, start: int, end: int, etag: str | None = None
+    ) -> bytes | memoryview:
+        with self._slots:
+            return self.inner.get_range(key, start, end, etag)
 
     def stat(self, key: str) -> ObjectMeta:
         return self.inner.stat(key)
