@@ -181,6 +181,8 @@ def check_put_mode(create_only: bool, if_match: str | None) -> None:
 
 def check_range(key: str, start: int, end: int) -> None:
     """Refuse a `get_range` span that is empty, negative or over MAX_RANGE (ValueError)."""
+    if not (isinstance(start, int) and isinstance(end, int)):
+        raise ValueError(f"get_range {key!r}: start and end must be integers")
     if not 0 <= start < end or end - start > MAX_RANGE:
         raise ValueError(
             f"get_range {key!r}: [{start}, {end}) is not a range of 1 to {MAX_RANGE} bytes "

@@ -181,8 +181,9 @@ class ObstoreBackend:
         """One GET of bytes [start, end) on the read-timeout client, If-Match `etag` when given.
 
         Answers a read-only memoryview of obstore's `Bytes`: the body as the client received
-        it, not copied again (`bytes()` of an 8 MiB range costs 6-7 ms here, the view ~10 us).
-        The view keeps that immutable buffer alive, so it is safe to hold after the call."""
+        it, not copied again (measured on 8 MiB ranges from a local SeaweedFS: `bytes()` took
+        a median 5.5 ms, a third of the 16 ms GET; the view a few microseconds). The view
+        keeps that immutable buffer alive, so it is safe to hold after the call."""
         check_key(key)
         check_range(key, start, end)
         where = join_url(self.url, key)

@@ -52,7 +52,8 @@ class RetryingBackend(_Delegating):
     retry logs `storage_retry` (op, key, attempt, error, delay_s); exhausting the attempts
     logs `storage_gave_up`. A retried put rewinds a seekable source to where the first attempt
     started; a non-seekable source is not retried. A retried get rewinds and truncates a
-    seekable destination; a non-seekable one is retried only if nothing was written yet.
+    seekable destination; a non-seekable one is retried only if nothing was written yet. A
+    `get_range` holds nothing between attempts: it is simply asked again.
     PreconditionFailed is not retried: a conditional put whose lost answer hid its success
     meets it on the retry, and the caller's re-read then finds its own write.
     """
