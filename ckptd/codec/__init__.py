@@ -1,7 +1,7 @@
 """Compression codecs for stored checkpoint files: `none`, `zstd`, `zstd-bytegroup`, `auto`.
 
-Owns the streaming encode/decode API and the container format (docs/FORMAT.md); does no file
-or network I/O of its own (callers hand it chunks and streams) and never reads a whole file.
+Owns the streaming encode/decode API, the block index and the container format (docs/FORMAT.md);
+does no file or network I/O of its own (callers hand it chunks, streams or a fetch function).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ckptd.codec.encoder import (
     ZstdEncoder,
 )
 from ckptd.codec.frame import MAX_BLOCK, MIN_BLOCK
+from ckptd.codec.index import TAIL_PROBE, Block, BlockIndex, decode_block, read_index
 from ckptd.codec.planes import WIDTHS
 
 CODECS = ("auto", "zstd", "zstd-bytegroup", "none")
@@ -30,10 +31,15 @@ __all__ = [
     "BLOCK_SIZE",
     "CODECS",
     "DEFAULT_LEVEL",
+    "TAIL_PROBE",
+    "Block",
+    "BlockIndex",
     "Encoder",
     "codec_suffix",
+    "decode_block",
     "decode_stream",
     "make_encoder",
+    "read_index",
 ]
 
 

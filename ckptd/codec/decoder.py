@@ -6,7 +6,9 @@ raising CorruptData that names the block or frame; never holds more than one blo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import BinaryIO
 
 import numpy as np
@@ -16,12 +18,10 @@ import zstandard
 from ckptd.codec import buffers, frame, planes
 from ckptd.codec.frame import BlockHeader
 from ckptd.codec.nibbles import NibblePlane
+from ckptd.codec.zstdframes import COPY_CHUNK, FrameStream
 from ckptd.errors import CorruptData
 
-COPY_CHUNK = 1 << 20
-ZSTD_HEADER_MAX = 18
-# Our zstd frames each hold one block; refusing bigger ones keeps memory bounded on hostile input.
-MAX_FRAME_CONTENT = frame.MAX_BLOCK
+KEEP_CODERS = 4  # idle block decoders kept for decode_block (each holds one block's arrays)
 
 ChunkCallback = Callable[[int], None] | None
 
@@ -69,80 +69,24 @@ def _copy(src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None]) -> int:
 
 def _zstd_frames(src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None]) -> int:
     """Concatenated zstd frames, each checked for a declared, bounded content size."""
-    dctx = zstandard.ZstdDecompressor()
-    total = frames = 0
-    data = b""
-    at_eof = False
-    while True:
-        if not data and not at_eof:
-            data = src.read(COPY_CHUNK)
-            at_eof = not data
-        if not data:
-            break
-        data, written = _one_frame(dctx, data, src, dst, cb, frames, total)
-        total += written
-        frames += 1
-    if frames == 0:
-        raise CorruptData("zstd: no frame (empty or truncated object)")
-    return total
+    return FrameStream(src, dst, cb).run()
 
 
-def _one_frame(
-    dctx: zstandard.ZstdDecompressor,
-    data: bytes,
-    src: BinaryIO,
-    dst: BinaryIO,
-    cb: Callable[[int], None],
-    index: int,
-    offset: int,
-) -> tuple[bytes, int]:
-    """Decode the frame starting in `data`; returns the bytes after it and the bytes written."""
-    where = f"zstd: frame {index} (raw offset {offset})"
-    if len(data) < ZSTD_HEADER_MAX:
-        data += src.read(COPY_CHUNK)
-    _check_frame_header(data, where)
-    dobj = dctx.decompressobj()
-    written = 0
-    while True:
-        try:
-            out = dobj.decompress(data)
-        except zstandard.ZstdError as err:
-            raise CorruptData(f"{where}: {err}") from err
-        written += _put(dst, out, cb) if out else 0
-        if dobj.eof:
-            return dobj.unused_data, written
-        data = src.read(COPY_CHUNK)
-        if not data:
-            raise CorruptData(f"{where}: truncated")
+class _BlockCoder:
+    """Decodes one container block's payload into caller memory, checking everything; the
+    stream decoder and `decode_block` both go through `decode_into`."""
 
-
-def _check_frame_header(data: bytes, where: str) -> None:
-    try:
-        params = zstandard.get_frame_parameters(data)
-    except zstandard.ZstdError as err:
-        raise CorruptData(f"{where}: bad frame header: {err}") from err
-    if params.content_size > MAX_FRAME_CONTENT:
-        raise CorruptData(f"{where}: frame content size missing or over {MAX_FRAME_CONTENT}")
-
-
-class _BlockReader:
-    """Decodes container blocks into buffers reused from block to block."""
-
-    def __init__(self, block_size: int, version: int) -> None:
+    def __init__(self, version: int, ws: planes.Workspace) -> None:
         self.version = version
         self.dctx = zstandard.ZstdDecompressor()
-        self.slot = buffers.take(block_size)
-        self.ws = self.slot.ws
-        self.payload = self.slot.buf
-        self.out: planes.Plane = self.ws.get("out", np.uint8, block_size)
+        self.ws = ws
 
-    def decode(self, src: BinaryIO, head: BlockHeader, index: int, offset: int) -> memoryview:
-        where = f"zstd-bytegroup: block {index} (raw offset {offset})"
-        payload = memoryview(self.payload)[: head.stored_len]
-        _read_into(src, payload, f"{where} payload")
+    def decode_into(
+        self, head: BlockHeader, payload: memoryview, out: memoryview, where: str
+    ) -> None:
+        """Decode `payload` (exactly head.stored_len bytes) into `out` (head.raw_len bytes)."""
         if xxhash.xxh3_64_intdigest(payload) != head.stored_checksum:
             raise CorruptData(f"{where}: stored bytes corrupted (payload checksum mismatch)")
-        out = self.out[: head.raw_len].data
         start, end = head.phase, head.phase + head.plane_len * head.width
         out[:start] = payload[:start]
         parts: list[planes.Plane | NibblePlane] = []
@@ -159,7 +103,6 @@ class _BlockReader:
         out[end:] = payload[pos:]
         if xxhash.xxh3_64_intdigest(out) != head.checksum:
             raise CorruptData(f"{where}: decoded bytes do not match the block checksum")
-        return out
 
     def _plane(
         self, method: int, stored: memoryview, size: int, where: str, i: int
@@ -194,6 +137,66 @@ class _BlockReader:
         if head.escape_method == frame.ESCAPES_ZSTD:
             escapes = self._zstd(stored[head.escapes_at :], head.escapes, where)
         return NibblePlane(pairs, head.base, size, escapes)
+
+
+class _BlockReader(_BlockCoder):
+    """Reads container blocks from a stream into buffers reused from block to block."""
+
+    def __init__(self, block_size: int, version: int) -> None:
+        self.slot = buffers.take(block_size)
+        super().__init__(version, self.slot.ws)
+        self.payload = self.slot.buf
+        self.out: planes.Plane = self.ws.get("out", np.uint8, block_size)
+
+    def decode(self, src: BinaryIO, head: BlockHeader, index: int, offset: int) -> memoryview:
+        where = f"zstd-bytegroup: block {index} (raw offset {offset})"
+        payload = memoryview(self.payload)[: head.stored_len]
+        _read_into(src, payload, f"{where} payload")
+        out = self.out[: head.raw_len].data
+        self.decode_into(head, payload, out, where)
+        return out
+
+
+_idle: list[_BlockCoder] = []
+_idle_lock = threading.Lock()
+
+
+@contextmanager
+def _coder(version: int) -> Iterator[_BlockCoder]:
+    """A block decoder for one call, reused across calls (and threads, one at a time)."""
+    with _idle_lock:
+        coder = _idle.pop() if _idle else None
+    coder = coder or _BlockCoder(version, planes.Workspace())
+    coder.version = version
+    try:
+        yield coder
+    finally:
+        with _idle_lock:
+            if len(_idle) < KEEP_CODERS:
+                _idle.append(coder)
+
+
+def decode_container_block(
+    stored: memoryview, out: memoryview, index: int, offset: int, version: int
+) -> None:
+    """One whole stored block (header and payload, nothing else) into all of `out`."""
+    where = f"zstd-bytegroup: block {index} (raw offset {offset})"
+    fixed = bytes(stored[: frame.BLOCK_FIXED_SIZE])
+    if len(fixed) < frame.BLOCK_FIXED_SIZE or frame.is_end(fixed[:4]):
+        raise CorruptData(f"{where}: not a block header")
+    size = frame.BLOCK_FIXED_SIZE + frame.table_size(fixed)
+    if size > len(stored):
+        raise CorruptData(f"{where}: header longer than the block's {len(stored)} bytes")
+    head = frame.parse_block_header(
+        fixed, bytes(stored[frame.BLOCK_FIXED_SIZE : size]), index, len(out), version
+    )
+    if head.raw_len != len(out) or size + head.stored_len != len(stored):
+        raise CorruptData(
+            f"{where}: header says {head.raw_len} raw / {size + head.stored_len} stored bytes, "
+            f"the index {len(out)} / {len(stored)}"
+        )
+    with _coder(version) as coder:
+        coder.decode_into(head, stored[size:], out, where)
 
 
 def _fill(readinto: Callable[[memoryview], int | None], buf: memoryview) -> int:
@@ -242,6 +245,7 @@ def _blocks(
     src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None], reader: _BlockReader, block_size: int
 ) -> int:
     total = index = 0
+    rows = bytearray()  # the index record this object must end with (version 3)
     while True:
         where = f"zstd-bytegroup: block {index}"
         marker = _read_exact(src, 4, f"{where} header")
@@ -252,8 +256,26 @@ def _blocks(
         fixed = marker + _read_exact(src, frame.BLOCK_FIXED_SIZE - 4, f"{where} header")
         rest = _read_exact(src, frame.table_size(fixed), f"{where} header")
         head = frame.parse_block_header(fixed, rest, index, block_size, reader.version)
+        rows += frame.pack_entry(len(fixed) + len(rest) + head.stored_len, head.raw_len)
         total += _put(dst, reader.decode(src, head, index, total), cb)
         index += 1
+    if reader.version >= frame.INDEXED:
+        _check_index(src, bytes(rows), block_size, reader.version)
     if src.read(1):
-        raise CorruptData("zstd-bytegroup: trailing bytes after end record")
+        raise CorruptData("zstd-bytegroup: trailing bytes after the end of the object")
     return total
+
+
+def _check_index(src: BinaryIO, rows: bytes, block_size: int, version: int) -> None:
+    """The index record and footer after the end record must describe the blocks decoded."""
+    index = _read_exact(src, len(rows), "zstd-bytegroup: index record")
+    footer = _read_exact(src, frame.FOOTER_SIZE, "zstd-bytegroup: index footer")
+    head = frame.parse_index_footer(footer)
+    frame.check_index(index, footer)
+    if (index, head.index_len, head.block_size, head.version) != (
+        rows,
+        len(rows),
+        block_size,
+        version,
+    ):
+        raise CorruptData("zstd-bytegroup: index does not match the blocks decoded")

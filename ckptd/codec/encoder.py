@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Generic, TypeVar
 
-from ckptd.codec import blocks, buffers, frame
+from ckptd.codec import blocks, buffers, frame, seektable
 from ckptd.codec.blocks import BlockPolicy, Coders, Encoded
 from ckptd.codec.buffers import Slot
 from ckptd.codec.planes import Workspace
@@ -185,24 +185,31 @@ class BlockEncoder(Encoder, Generic[R]):
         pass
 
 
-class ZstdEncoder(BlockEncoder[bytes]):
-    """`zstd`: one stock frame per block; concatenated frames are a valid zstd stream."""
+class ZstdEncoder(BlockEncoder[tuple[bytes, int]]):
+    """`zstd`: one stock frame per block; concatenated frames are a valid zstd stream. A seek
+    table in zstd's seekable format (a skippable frame, which zstd -d skips) ends the object."""
 
     def __init__(self, out: BinaryIO, coders: Coders, threads: int, block_size: int) -> None:
         super().__init__(
-            "zstd", out, lambda d, _: blocks.encode_frame(d, coders), threads, block_size
+            "zstd",
+            out,
+            lambda d, _: (blocks.encode_frame(d, coders), len(d)),
+            threads,
+            block_size,
         )
         self._coders = coders
-        self._frames = 0
+        self._rows = bytearray()
 
-    def _emit(self, result: bytes) -> None:
-        self._write(result)
-        self._frames += 1
+    def _emit(self, result: tuple[bytes, int]) -> None:
+        coded, raw_len = result
+        self._write(coded)
+        self._rows += seektable.row(len(coded), raw_len, int.from_bytes(coded[-4:], "little"))
 
     def _end(self) -> None:
-        if self._frames == 0:
+        if not self._rows:
             # An empty input still gets one (empty) frame: stock `zstd -d` rejects 0 bytes.
-            self._emit(blocks.encode_frame(memoryview(b""), self._coders))
+            self._emit((blocks.encode_frame(memoryview(b""), self._coders), 0))
+        self._write(seektable.pack_rows(self._rows))
 
 
 class ContainerEncoder(BlockEncoder[Encoded]):
@@ -221,13 +228,16 @@ class ContainerEncoder(BlockEncoder[Encoded]):
         self.blocks = 0
         self.kinds: dict[str, int] = {}
         self._started = False
+        self._index = bytearray()  # the index record: one entry per block written
 
     def _emit(self, result: Encoded) -> None:
         if not self._started:
             self._write(frame.pack_file_header(self.block_size))
             self._started = True
+        before = self.stored_size
         for piece in result.pieces():
             self._write(piece)
+        self._index += frame.pack_entry(self.stored_size - before, result.raw_len)
         self.blocks += 1
         self.kinds[result.kind] = self.kinds.get(result.kind, 0) + 1
 
@@ -235,6 +245,7 @@ class ContainerEncoder(BlockEncoder[Encoded]):
         if not self._started:
             self._write(frame.pack_file_header(self.block_size))
         self._write(frame.pack_end(self.blocks, self.raw_size))
+        self._write(frame.pack_index(self._index, self.block_size))
 
 
 class AutoEncoder(ContainerEncoder):

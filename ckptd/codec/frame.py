@@ -1,4 +1,4 @@
-"""Byte layout of the `zstd-bytegroup` container: file header, block headers, end record.
+"""Byte layout of the `zstd-bytegroup` container: file header, block headers, end record, index.
 
 Owns packing and strict parsing of every fixed field documented in docs/FORMAT.md; holds no
 compression logic and does no I/O. Every parse failure raises CorruptData naming what broke.
@@ -15,8 +15,10 @@ from ckptd.codec.planes import WIDTHS
 from ckptd.errors import CorruptData
 
 MAGIC = b"CKZG"
-VERSION = 2  # what the encoder writes
-VERSIONS = (1, 2)  # what the decoder reads: version 1 lacks METHOD_NIBBLES
+VERSION = 3  # what the encoder writes
+VERSIONS = (1, 2, 3)  # what the decoder reads: 1 lacks METHOD_NIBBLES, 3 adds the block index
+INDEXED = 3  # the first version with an index record and footer after the end record
+INDEX_MAGIC = b"CKZI"
 MIN_BLOCK = 1 << 10
 MAX_BLOCK = 64 << 20
 
@@ -34,12 +36,19 @@ _BLOCK = struct.Struct("<IBBBBQQ")
 _PLANE = struct.Struct("<BI")  # method, stored_len
 _END = struct.Struct("<IIQ")  # zero marker, block count, total raw bytes
 _CHECK = struct.Struct("<I")
+_ENTRY = struct.Struct("<II")  # a block's stored length (header + payload), its raw length
+# index record length, blocks, block_size, version, flags, reserved; then check and magic
+_FOOTER = struct.Struct("<QIIBBH")
 _NIBBLES = struct.Struct("<BBII")  # base, escape method, escape count, pairs frame length
 NIBBLES_HEAD_SIZE = _NIBBLES.size
 
 FILE_HEADER_SIZE = _FILE.size + _CHECK.size
 BLOCK_FIXED_SIZE = _BLOCK.size
 END_SIZE = _END.size + _CHECK.size
+ENTRY_SIZE = _ENTRY.size
+FOOTER_SIZE = _FOOTER.size + _CHECK.size + len(INDEX_MAGIC)
+# The smallest stored block: a width-1 header (one plane entry) and one payload byte.
+MIN_BLOCK_STORED = BLOCK_FIXED_SIZE + _PLANE.size + _CHECK.size + 1
 
 
 @dataclass(frozen=True)
@@ -204,15 +213,76 @@ def pack_end(blocks: int, total: int) -> bytes:
     return body + _check(body)
 
 
-def parse_end(data: bytes, blocks: int, total: int) -> None:
-    """Check the end record against what was decoded."""
+def read_end(data: bytes | memoryview) -> tuple[int, int]:
+    """(block count, total raw bytes) of an end record, after checking its marker and check."""
     if len(data) < END_SIZE:
         raise CorruptData("zstd-bytegroup: truncated end record")
-    if data[_END.size : END_SIZE] != _check(data[: _END.size]):
+    data = bytes(data[:END_SIZE])
+    if not is_end(data[:4]) or data[_END.size :] != _check(data[: _END.size]):
         raise CorruptData("zstd-bytegroup: end record checksum mismatch")
-    _, want_blocks, want_total = _END.unpack_from(data)
+    _, blocks, total = _END.unpack_from(data)
+    return int(blocks), int(total)
+
+
+def parse_end(data: bytes, blocks: int, total: int) -> None:
+    """Check the end record against what was decoded."""
+    want_blocks, want_total = read_end(data)
     if (want_blocks, want_total) != (blocks, total):
         raise CorruptData(
             f"zstd-bytegroup: end record says {want_blocks} blocks / {want_total} bytes, "
             f"decoded {blocks} / {total}"
         )
+
+
+def pack_entry(stored_len: int, raw_len: int) -> bytes:
+    return _ENTRY.pack(stored_len, raw_len)
+
+
+def entries(index: bytes | memoryview) -> list[tuple[int, int]]:
+    """(stored length, raw length) of each block of an index record."""
+    return [(int(s), int(r)) for s, r in _ENTRY.iter_unpack(index)]
+
+
+def pack_index(index: bytes | bytearray, block_size: int) -> bytes:
+    """The index record `index` (packed entries) followed by its footer."""
+    body = _FOOTER.pack(len(index), len(index) // ENTRY_SIZE, block_size, VERSION, 0, 0)
+    check = xxhash.xxh32(index)
+    check.update(body)
+    return bytes(index) + body + _CHECK.pack(check.intdigest()) + INDEX_MAGIC
+
+
+def has_index(tail: bytes | memoryview) -> bool:
+    """Whether `tail` (an object's last bytes) ends with an index footer's magic."""
+    return len(tail) >= FOOTER_SIZE and bytes(tail[-len(INDEX_MAGIC) :]) == INDEX_MAGIC
+
+
+@dataclass(frozen=True)
+class IndexFooter:
+    index_len: int  # bytes of the index record before the footer
+    blocks: int
+    block_size: int
+    version: int
+    check: int
+
+
+def parse_index_footer(data: bytes | memoryview) -> IndexFooter:
+    """The fixed footer at the very end of a version 3 object (its last FOOTER_SIZE bytes)."""
+    if len(data) != FOOTER_SIZE or bytes(data[-len(INDEX_MAGIC) :]) != INDEX_MAGIC:
+        raise CorruptData("zstd-bytegroup: no index footer at the end of the object")
+    index_len, blocks, block_size, version, flags, reserved = _FOOTER.unpack_from(data)
+    (check,) = _CHECK.unpack_from(data, _FOOTER.size)
+    if version not in VERSIONS or version < INDEXED or flags or reserved:
+        raise CorruptData(f"zstd-bytegroup: index footer of version {version} flags {flags}")
+    if not MIN_BLOCK <= block_size <= MAX_BLOCK:
+        raise CorruptData(f"zstd-bytegroup: index footer block size {block_size} out of range")
+    if index_len != blocks * ENTRY_SIZE:
+        raise CorruptData(f"zstd-bytegroup: index of {index_len} bytes for {blocks} blocks")
+    return IndexFooter(int(index_len), int(blocks), int(block_size), int(version), int(check))
+
+
+def check_index(index: bytes | memoryview, footer: bytes | memoryview) -> None:
+    """Check the footer's checksum over the index record and the footer's own fields."""
+    check = xxhash.xxh32(index)
+    check.update(footer[: _FOOTER.size])
+    if _CHECK.pack(check.intdigest()) != bytes(footer[_FOOTER.size : _FOOTER.size + 4]):
+        raise CorruptData("zstd-bytegroup: index checksum mismatch")
