@@ -5,3 +5,15 @@ Finds complete checkpoints, validates them, compresses, uploads and prunes them,
 """
 
 __version__ = "0.1.0"
+
+
+
+def __getattr__(name: str) -> object:
+    """`ckptd.open` (docs/TORCH.md, "Loading from the remote"): one original file of a
+    committed remote step as a read-only, seekable binary file. Resolved on first use, so
+    `import ckptd` stays light and the package root imports none of its modules."""
+    if name == "open":
+        import importlib
+
+        return importlib.import_module("ckptd.remote.openfile").open_remote
+    raise AttributeError(f"module 'ckptd' has no attribute {name!r}")

@@ -1,0 +1,219 @@
+"""`ckptd.dcp.StorageReader`: a torch.distributed.checkpoint StorageReader that loads a committed
+step straight from the root's remote, no staging disk: each rank fetches only the blocks of the
+byte ranges its read items need, checks every block as it is decoded (and every file it reads
+whole against its manifest hash), and routes each tensor's bytes into the destination tensor.
+Decides nothing about the plan (DCP's planner does) and writes nothing but the destinations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader as _StorageReader
+
+from ckptd.dcp.meta import MAX_METADATA_BYTES, read_metadata
+from ckptd.dcp.slices import TensorSlice, Want
+from ckptd.errors import BadInput, CorruptData, NotFound
+from ckptd.remote.objects import Ranges
+from ckptd.remote.step import DEFAULT_THREADS, RemoteStep, StepArg
+
+__all__ = ["StorageReader"]
+
+_METADATA = ".metadata"
+
+
+class StorageReader(_StorageReader):
+    """Read a DCP checkpoint of root `root` at `step` ("latest": the newest committed step)
+    from the remote the config gives the root (`config=`, else the usual search), or from
+    `remote=` (the upload URL, credentials from the environment)::
+
+        dcp.load(state_dict, storage_reader=StorageReader("llm-7b", step="latest"))
+
+    Every rank opens its own reader; with step="latest" all ranks must resolve the same step
+    (checked in the global plan: a mismatch is an error asking for an explicit step).
+    `stats` counts the stored bytes fetched, requests and blocks decoded.
+    """
+
+    def __init__(self, root: str, step: StepArg = "latest", *,
+                 config: str | os.PathLike[str] | None = None, remote: str | None = None,
+                 threads: int = DEFAULT_THREADS) -> None:
+        super().__init__()
+        self.root, self.requested, self.config, self.remote = root, step, config, remote
+        self.threads = threads
+        self._step: RemoteStep | None = None
+        self._base: str | None = None
+        self.storage_data: dict[MetadataIndex, Any] = {}
+
+    # -- where and which step ----------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self._open().step
+
+    @property
+    def stats(self) -> Any:
+        return self._open().stats
+
+    def _open(self) -> RemoteStep:
+        if self._step is None:
+            self._step = RemoteStep.open(self.root, self.requested, config=self.config,
+                                         remote=self.remote, threads=self.threads)
+        return self._step
+
+    def _path(self, name: str) -> str:
+        """The manifest path of a file DCP names relative to its checkpoint directory: the
+        directory that holds the step's `.metadata` (the manifest's paths are the root's)."""
+        if self._base is None:
+            found = {f.path.rpartition("/")[0] for f in self._open().files()
+                     if f.path.rpartition("/")[2] == _METADATA}
+            if len(found) != 1:
+                raise NotFound(f"{self._open().url}: {len(found)} DCP .metadata files in the "
+                               "step, not one: not a DCP checkpoint")
+            self._base = found.pop()
+        return f"{self._base}/{name}" if self._base else name
+
+    def close(self) -> None:
+        if self._step is not None:
+            self._step.close()
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.storage_data = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # never picked for a bare checkpoint_id: pass the reader explicitly
+
+    # -- the protocol ------------------------------------------------------------------------
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        step = self._open()
+        name = self._path(_METADATA if rank is None else f"__{rank}{_METADATA}")
+        f = step.stored(name)
+        if f.size > MAX_METADATA_BYTES:
+            raise BadInput(f"{step.url}/{f.key}: DCP metadata of {f.size} bytes is over "
+                           f"{MAX_METADATA_BYTES}")
+        buf = bytearray()
+        step.reader(name).read(None, lambda _at, view: buf.extend(view))
+        metadata = read_metadata(bytes(buf), f"{step.url}/{f.key}")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
+                              *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CorruptData(f"{self._open().url}: DCP metadata without storage_data")
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return dataclasses.replace(plan, storage_data=self.step)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        steps = {p.storage_data for p in plans}
+        if len(steps) > 1:
+            raise CorruptData(f"ranks resolved different steps of {self.root!r} "
+                              f"({sorted(steps)}): a step was committed while they opened; "
+                              "pass step= explicitly")
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        step = self._open()
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            per_file.setdefault(self._path(str(info.relative_path)), []).append(item)
+        for path, items in per_file.items():
+            self._read_file(step, path, items, planner)
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, step: RemoteStep, path: str, items: list[ReadItem],
+                   planner: LoadPlanner) -> None:
+        where = f"{step.url}/{step.stored(path).key}"
+        slices: dict[tuple[int, int], list[ReadItem]] = {}
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            slices.setdefault((int(info.offset), int(info.length)), []).append(item)
+        router = _Router(where)
+        for (offset, length), reqs in sorted(slices.items()):
+            router.add(offset, length, _slice(offset, length, reqs, planner, where))
+        step.reader(path).read(router.ranges(), router.feed)
+        router.finish()
+
+
+class _Bytes:
+    """A BYTE_IO item's slice, collected and handed to the planner."""
+
+    def __init__(self, length: int, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+        self.buf = bytearray()
+        self.length, self.reqs, self.planner = length, reqs, planner
+
+    def feed(self, view: memoryview) -> None:
+        self.buf += view
+
+    def finish(self) -> None:
+        if len(self.buf) != self.length:
+            raise CorruptData(f"a bytes item got {len(self.buf)} of {self.length} bytes")
+        for req in self.reqs:
+            self.planner.load_bytes(req, io.BytesIO(self.buf))
+
+
+def _slice(offset: int, length: int, reqs: list[ReadItem], planner: LoadPlanner,
+           where: str) -> TensorSlice | _Bytes:
+    if all(r.type == LoadItemType.BYTE_IO for r in reqs):
+        return _Bytes(length, reqs, planner)
+    wants = [Want(r.storage_offsets, r.lengths, _resolver(planner, r), _committer(planner, r))
+             for r in reqs]
+    return TensorSlice(length, wants, f"{where} [{offset}, +{length})")
+
+
+def _resolver(planner: LoadPlanner, req: ReadItem) -> Any:
+    return lambda: planner.resolve_tensor(req).detach()
+
+
+def _committer(planner: LoadPlanner, req: ReadItem) -> Any:
+    return lambda t: planner.commit_tensor(req, t)
+
+
+class _Router:
+    """Pieces of a file in raw order, handed to the slice each belongs to."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.starts: list[int] = []
+        self.slices: list[tuple[int, int, TensorSlice | _Bytes]] = []
+        self.at = 0
+
+    def add(self, offset: int, length: int, sink: TensorSlice | _Bytes) -> None:
+        if self.slices and offset < self.slices[-1][0] + self.slices[-1][1]:
+            raise CorruptData(f"{self.where}: DCP metadata has overlapping slices at {offset}")
+        self.slices.append((offset, length, sink))
+
+    def ranges(self) -> Ranges:
+        return [(o, o + n) for o, n, _ in self.slices if n > 0]
+
+    def feed(self, at: int, view: memoryview) -> None:
+        slices = self.slices
+        while view:
+            while self.at < len(slices) and slices[self.at][0] + slices[self.at][1] <= at:
+                self.at += 1
+            offset, length, sink = slices[self.at]
+            if at < offset:  # a gap between slices: not wanted
+                skip = min(len(view), offset - at)
+                view, at = view[skip:], at + skip
+                continue
+            n = min(len(view), offset + length - at)
+            sink.feed(view[:n])
+            view, at = view[n:], at + n
+
+    def finish(self) -> None:
+        for _offset, _length, sink in self.slices:
+            sink.finish()

@@ -1,0 +1,357 @@
+"""One DCP storage slice (a tensor's `torch.save` archive inside a data file), fed in order,
+straight into the destination tensor: the archive's records are parsed as they stream by, the
+tensor's bytes land in the destination's memory when the layouts agree, else in one buffer the
+size of the saved tensor. Anything unusual falls back to `torch.load(weights_only=True)` of the
+whole slice. Nothing of the file runs: data.pkl is read with inert stand-ins.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptd.errors import CorruptData
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # zip local file header
+_LOCAL_SIG, _CENTRAL_SIG, _DESC_SIG = 0x04034B50, 0x02014B50, 0x08074B50
+_DESCRIPTOR = b"PK\x07\x08"
+# A small record (data.pkl, byteorder, version) longer than this means this is not an
+# archive as torch writes it: the slice is read whole and handed to torch.load instead.
+_SMALL_MAX = 1 << 20
+_STORAGE_NAME = re.compile(r"[A-Za-z0-9]+Storage")
+_ZIP64 = 0xFFFFFFFF
+# The legacy storage class names torch's pickles name a tensor's dtype by ("FloatStorage"):
+# torch's own table, the one its loader uses. Newer dtypes are pickled otherwise and take the
+# slow way.
+_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The one tensor a slice's data.pkl rebuilds: its storage and view of it."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _Unusual(Exception):
+    """The archive is not the plain one-tensor archive DCP writes: read it the slow way."""
+
+
+class _Ref:
+    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _Rebuilt:
+    def __init__(self, ref: Any, offset: Any, size: Any, stride: Any) -> None:
+        if not isinstance(ref, _Ref):
+            raise _Unusual("a tensor without a storage reference")
+        self.layout = _Layout(ref.key, ref.dtype, ref.numel, int(offset),
+                              tuple(int(s) for s in size), tuple(int(s) for s in stride))
+
+
+def _rebuild(ref: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> _Rebuilt:
+    return _Rebuilt(ref, offset, size, stride)
+
+
+class _LayoutReader(pickle.Unpickler):
+    """data.pkl with only the names a plain tensor's pickle holds, each an inert stand-in."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and _STORAGE_NAME.fullmatch(name):
+            return ("storage-class", name)
+        raise _Unusual(f"data.pkl names {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise _Unusual("an unknown persistent id")
+        kind, key, numel = pid[1], pid[2], pid[4]
+        if not (isinstance(kind, tuple) and kind[0] == "storage-class"):
+            raise _Unusual("a storage of no known type")
+        dtype = _STORAGE_DTYPES.get(kind[1])
+        if dtype is None or not isinstance(numel, int) or numel < 0:
+            raise _Unusual(f"storage type {kind[1]}")
+        return _Ref(str(key), dtype, numel)
+
+
+def read_layout(pkl: bytes) -> _Layout:
+    try:
+        found = _LayoutReader(io.BytesIO(pkl)).load()
+    except _Unusual:
+        raise
+    except Exception as exc:  # a malformed pickle: torch.load will say what is wrong
+        raise _Unusual(f"data.pkl: {exc}") from None
+    if not isinstance(found, _Rebuilt):
+        raise _Unusual("data.pkl holds something other than one tensor")
+    return found.layout
+
+
+Target = Callable[[], torch.Tensor]  # the destination of one read item, resolved when needed
+Done = Callable[[torch.Tensor], None]  # called with the filled destination
+
+
+@dataclass
+class Want:
+    """One read item of a slice: which hypercube of the saved tensor goes where."""
+
+    storage_offsets: Sequence[int]
+    lengths: Sequence[int]
+    target: Target
+    done: Done
+
+
+def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    for dim, (off, n) in enumerate(zip(offsets, lengths, strict=True)):
+        if off != 0 or n != t.size(dim):
+            t = t.narrow(dim, off, n)
+    return t
+
+
+class TensorSlice:
+    """Feed the slice's bytes in order (`feed`), then `finish()` fills every Want."""
+
+    def __init__(self, length: int, wants: list[Want], where: str) -> None:
+        self.length, self.wants, self.where = length, wants, where
+        self._head = bytearray()  # bytes seen and not yet consumed by the parser
+        self._seen = bytearray()  # every byte before routing starts (for the slow way)
+        self._slow = False
+        self._layout: _Layout | None = None
+        self._dest: memoryview | None = None  # where the storage's bytes go
+        self._temp: torch.Tensor | None = None
+        self._direct: torch.Tensor | None = None
+        self._left = 0  # bytes of the storage record still to come
+        self._zip64_data = False
+        self._state = "records"  # records | data | descriptor | done
+        self._got = 0
+
+    # -- feeding -----------------------------------------------------------------------------
+
+    def feed(self, view: memoryview) -> None:
+        self._got += len(view)
+        if self._slow:
+            self._seen += view
+            return
+        if self._state == "done":
+            return
+        if self._state == "data":
+            view = self._take_data(view)
+            if not view:
+                return
+        if self._dest is None:  # kept until routing starts, for the slow way
+            self._seen += view
+        self._head += view
+        try:
+            self._parse()
+        except _Unusual:
+            self._slow = True
+            self._head = bytearray()
+
+    def _take_data(self, view: memoryview) -> memoryview:
+        n = min(self._left, len(view))
+        assert self._dest is not None
+        at = len(self._dest) - self._left
+        self._dest[at : at + n] = view[:n]
+        self._left -= n
+        if self._left == 0:
+            self._state = "descriptor"
+        return view[n:]
+
+    def _parse(self) -> None:
+        while self._state in ("records", "descriptor"):
+            if self._state == "descriptor":
+                if len(self._head) < 4:
+                    return
+                if bytes(self._head[:4]) == _DESCRIPTOR:
+                    size = 24 if self._zip64_data else 16
+                    if len(self._head) < size:
+                        return
+                    self._check_descriptor(size)
+                    del self._head[:size]
+                self._state = "done" if self._layout is not None else "records"
+                return
+            if not self._record():
+                return
+
+    def _record(self) -> bool:
+        """Parse the next local record from the head; False when more bytes are needed."""
+        head = self._head
+        if len(head) < 4:
+            return False
+        sig = struct.unpack_from("<I", head)[0]
+        if sig == _CENTRAL_SIG:
+            raise _Unusual("the central directory came before the tensor's data")
+        if sig != _LOCAL_SIG:
+            raise _Unusual("not a zip local record")
+        if len(head) < _LOCAL.size:
+            return False
+        _, _, flags, method, _, _, _, csize, _, nlen, xlen = _LOCAL.unpack_from(head)
+        start = _LOCAL.size + nlen + xlen
+        if len(head) < start:
+            return False
+        if method != 0:
+            raise _Unusual("a compressed record")
+        name = bytes(head[_LOCAL.size : _LOCAL.size + nlen]).decode("utf-8", "replace")
+        if "/data/" in name and not name.endswith(".pkl"):
+            return self._storage(name, start, flags)
+        end = self._small_end(start, flags, csize)
+        if end is None:
+            return False
+        if name.endswith("data.pkl"):
+            self._layout = read_layout(bytes(head[start:end]))
+        elif name.endswith("/byteorder") and bytes(head[start:end]) != b"little":
+            raise _Unusual("a big-endian archive")
+        del head[: end + self._descriptor_len(flags, end)]
+        return True
+
+    def _small_end(self, start: int, flags: int, csize: int) -> int | None:
+        head = self._head
+        if not flags & 0x08:
+            return start + csize if len(head) >= start + csize else None
+        at = start
+        while True:
+            at = head.find(_DESCRIPTOR, at)
+            if at < 0:
+                if len(head) - start > _SMALL_MAX:
+                    raise _Unusual("a small record without its end")
+                return None
+            if len(head) < at + 16:
+                return None
+            if struct.unpack_from("<I", head, at + 8)[0] == at - start:
+                return at
+            at += 1
+
+    def _descriptor_len(self, flags: int, end: int) -> int:
+        return 16 if flags & 0x08 and bytes(self._head[end : end + 4]) == _DESCRIPTOR else 0
+
+    def _storage(self, name: str, start: int, flags: int) -> bool:
+        layout = self._layout
+        if layout is None or name.rsplit("/", 1)[-1] != layout.key:
+            raise _Unusual(f"record {name!r} before data.pkl, or a second storage")
+        nbytes = layout.numel * layout.dtype.itemsize
+        self._zip64_data = nbytes >= _ZIP64
+        self._dest = self._destination(layout, nbytes)
+        self._left = nbytes
+        rest = memoryview(bytes(self._head[start:]))
+        self._head = bytearray()
+        self._seen = bytearray()
+        self._state = "data" if nbytes else "descriptor"
+        rest = self._take_data(rest) if nbytes else rest
+        self._head += rest
+        return True
+
+    def _check_descriptor(self, size: int) -> None:
+        fmt = "<IIQQ" if size == 24 else "<IIII"
+        _, _, csize, _ = struct.unpack_from(fmt, self._head)
+        assert self._layout is not None
+        if csize != self._layout.numel * self._layout.dtype.itemsize:
+            raise CorruptData(f"{self.where}: the tensor record holds {csize} bytes, its "
+                              "data.pkl says otherwise")
+
+    # -- where the bytes go ------------------------------------------------------------------
+
+    def _destination(self, layout: _Layout, nbytes: int) -> memoryview:
+        if len(self.wants) == 1 and self._fits(layout, self.wants[0]):
+            target = self.wants[0].target()
+            self._direct = target
+            return _bytes_of(target)
+        self._temp = torch.empty(nbytes, dtype=torch.uint8)
+        return self._temp.numpy().data
+
+    @staticmethod
+    def _fits(layout: _Layout, want: Want) -> bool:
+        """The saved tensor is exactly the destination's bytes: same dtype and shape, both
+        contiguous, the whole tensor wanted, the destination in CPU memory."""
+        if layout.offset != 0 or tuple(want.lengths) != layout.size:
+            return False
+        if any(want.storage_offsets) or layout.numel != _numel(layout.size):
+            return False
+        if layout.stride != _contiguous(layout.size):
+            return False
+        target = want.target()
+        return (target.device.type == "cpu" and target.dtype == layout.dtype
+                and tuple(target.shape) == layout.size and target.is_contiguous())
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        if self._got != self.length:
+            raise CorruptData(f"{self.where}: the slice gave {self._got} of {self.length} bytes")
+        if self._slow:
+            self._finish_slow()
+            return
+        if self._state != "done" or self._layout is None:
+            raise CorruptData(f"{self.where}: the slice ended before its tensor's data")
+        if self._direct is not None:
+            self.wants[0].done(self._direct)
+            return
+        assert self._temp is not None
+        lay = self._layout
+        saved = self._temp.view(lay.dtype) if lay.numel else torch.empty(0, dtype=lay.dtype)
+        try:
+            tensor = saved.as_strided(lay.size, lay.stride, lay.offset)
+        except RuntimeError as exc:
+            raise CorruptData(f"{self.where}: data.pkl's view does not fit its storage ({exc})"
+                              ) from None
+        self._fill(tensor)
+        self._temp = None
+
+    def _finish_slow(self) -> None:
+        try:
+            tensor = torch.load(io.BytesIO(self._seen), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CorruptData(f"{self.where}: not a tensor archive torch can read ({exc})"
+                              ) from None
+        self._seen = bytearray()
+        if not isinstance(tensor, torch.Tensor):
+            raise CorruptData(f"{self.where}: the slice does not hold a tensor")
+        self._fill(tensor)
+
+    def _fill(self, tensor: torch.Tensor) -> None:
+        for want in self.wants:
+            piece = _narrow(tensor, want.storage_offsets, want.lengths)
+            target = want.target()
+            if target.size() != piece.size():
+                raise CorruptData(f"{self.where}: the saved piece is {tuple(piece.size())}, "
+                                  f"the destination {tuple(target.size())}")
+            target.copy_(piece)
+            want.done(target)
+
+
+def _numel(size: tuple[int, ...]) -> int:
+    n = 1
+    for s in size:
+        n *= s
+    return n
+
+
+def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(size):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return flat.view(torch.uint8).numpy().data

@@ -1,0 +1,242 @@
+"""Reading one remote file by ranges: only the blocks a raw range needs are fetched (the codec's
+block index), each checked as it is decoded and handed to a sink in raw order; a file read
+whole is also checked against its manifest hash. Holds a bounded window of blocks; writes
+nothing, and decides nothing about which files or ranges are wanted (the loaders do).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, cast
+
+import numpy as np
+
+from ckptd.backends import Backend
+from ckptd.codec.index import TAIL_PROBE, Block, BlockIndex, decode_block, read_index
+from ckptd.copies.decode import decode_checked
+from ckptd.errors import CorruptData, NotFound, ObjectNotFound, PreconditionFailed
+from ckptd.fileio import HASH_ALG, HashSink
+from ckptd.remote.manifest import StoredFile
+from ckptd.restore.pipe import Pipe
+
+# (raw offset, bytes) in ascending raw order; the view is only valid during the call.
+Sink = Callable[[int, memoryview], None]
+Ranges = list[tuple[int, int]]
+
+# An object this small is fetched with one GET and decoded as a stream: a ranged read would
+# cost a request for its index and gain nothing.
+WHOLE_BELOW = 4 << 20
+
+
+@dataclass
+class ReadStats:
+    """What the reads of one loader cost: stored bytes fetched, requests made, blocks decoded."""
+
+    stored_bytes: int = 0
+    requests: int = 0
+    blocks: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, stored: int, requests: int = 1, blocks: int = 0) -> None:
+        with self._lock:
+            self.stored_bytes += stored
+            self.requests += requests
+            self.blocks += blocks
+
+
+def merge(ranges: Iterable[tuple[int, int]]) -> Ranges:
+    """Sorted ranges with overlapping or touching ones joined; empty ones dropped."""
+    out: Ranges = []
+    for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+class ObjectReader:
+    """One stored file of a remote step. `read(ranges, sink)` gives the sink the original
+    bytes of `ranges` (all of the file when None) in raw order, each block checked; a read of
+    the whole file is checked against the manifest's size and hash too. Errors are CorruptData
+    or NotFound naming the object's URL."""
+
+    def __init__(self, backend: Backend, key: str, f: StoredFile, pool: ThreadPoolExecutor,
+                 stats: ReadStats, window: int) -> None:
+        self.backend, self.key, self.f = backend, key, f
+        self.pool, self.stats, self.window = pool, stats, max(1, window)
+        self.where = f"{backend.url.rstrip('/')}/{key}"
+        self._index: BlockIndex | None = None
+        self._index_read = False
+        self._lock = threading.Lock()
+
+    # -- the block index ---------------------------------------------------------------------
+
+    def index(self) -> BlockIndex | None:
+        """The object's block index (fetched once); None when it has none (codec `none`, or
+        written before objects carried one): such an object is read as one stream."""
+        with self._lock:
+            if not self._index_read:
+                self._index = self._fetch_index()
+                self._index_read = True
+            return self._index
+
+    def _fetch_index(self) -> BlockIndex | None:
+        f = self.f
+        if f.codec == "none" or f.stored_size == 0:
+            return None
+        tail = self._get(max(0, f.stored_size - TAIL_PROBE), f.stored_size)
+        try:
+            found = read_index(f.codec, f.stored_size, f.size, tail, self._get)
+        except CorruptData as exc:
+            raise CorruptData(f"{self.where}: block index: {exc}") from None
+        return found
+
+    def _get(self, start: int, end: int) -> bytes:
+        return bytes(self._get_view(start, end))
+
+    def _get_view(self, start: int, end: int) -> bytes | memoryview:
+        try:
+            data = self.backend.get_range(self.key, start, end)
+        except ObjectNotFound:
+            raise NotFound(f"{self.where}: the object the manifest names is missing") from None
+        except PreconditionFailed:
+            raise CorruptData(f"{self.where}: the object changed while it was read") from None
+        except CorruptData as exc:
+            raise CorruptData(f"{self.where}: {exc}") from None
+        self.stats.count(end - start)
+        return data
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def read(self, ranges: Ranges | None, sink: Sink) -> None:
+        f = self.f
+        wanted = merge(ranges) if ranges is not None else [(0, f.size)]
+        if any(s < 0 or e > f.size for s, e in wanted):
+            raise ValueError(f"{self.where}: a range outside the file's {f.size} bytes")
+        if f.size == 0 or not wanted:
+            if ranges is None or f.size == 0:
+                self._stream(wanted, sink)
+            return
+        index = self.index() if f.stored_size > WHOLE_BELOW else None
+        if index is None:
+            self._stream(wanted, sink)
+        else:
+            self._blocks(index, wanted, sink)
+
+    def _blocks(self, index: BlockIndex, wanted: Ranges, sink: Sink) -> None:
+        needed: dict[int, Block] = {}
+        for start, end in wanted:
+            for b in index.covering(start, end):
+                needed[b.index] = b
+        blocks = [needed[i] for i in sorted(needed)]
+        whole = len(blocks) == len(index.blocks)
+        hasher = HashSink() if whole else None
+        pending: deque[Future[tuple[Block, Any]]] = deque()
+        at = 0
+        try:
+            for block in blocks:
+                while len(pending) >= self.window:
+                    at = self._deliver(pending.popleft(), wanted, at, sink, hasher)
+                pending.append(self.pool.submit(self._fetch_block, block, index))
+            while pending:
+                at = self._deliver(pending.popleft(), wanted, at, sink, hasher)
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
+        if hasher is not None:
+            self._check_whole(hasher, index.raw_size)
+
+    def _fetch_block(self, block: Block, index: BlockIndex) -> tuple[Block, Any]:
+        stored = self._get_view(block.stored_start, block.stored_start + block.stored_len)
+        out = np.empty(block.raw_len, dtype=np.uint8)
+        try:
+            decode_block(index.codec, block, memoryview(stored), out.data, index.version)
+        except CorruptData as exc:
+            raise CorruptData(f"{self.where}: {exc}") from None
+        self.stats.count(0, requests=0, blocks=1)
+        return block, out
+
+    def _deliver(self, fut: Future[tuple[Block, Any]], wanted: Ranges, at: int, sink: Sink,
+                 hasher: HashSink | None) -> int:
+        """Hand one decoded block's wanted pieces to the sink; `at` is the first range that
+        may still overlap (ranges and blocks both ascend)."""
+        block, out = fut.result()
+        view = out.data
+        if hasher is not None:
+            hasher.update(block.raw_start, view)
+        lo, hi = block.raw_start, block.raw_start + block.raw_len
+        while at < len(wanted) and wanted[at][1] <= lo:
+            at += 1
+        i = at
+        while i < len(wanted) and wanted[i][0] < hi:
+            start, end = max(wanted[i][0], lo), min(wanted[i][1], hi)
+            sink(start, view[start - lo : end - lo])
+            i += 1
+        return at
+
+    def _check_whole(self, hasher: HashSink, size: int) -> None:
+        f = self.f
+        hasher.finish(size)
+        if f.hash_alg != HASH_ALG:
+            raise CorruptData(f"{self.where}: hash algorithm {f.hash_alg!r} is not {HASH_ALG!r}")
+        if size != f.size or hasher.digest != f.hash:
+            raise CorruptData(f"{self.where}: content hash mismatch (decoded {hasher.digest}, "
+                              f"the manifest says {f.hash}): the stored object is corrupt")
+
+    def _stream(self, wanted: Ranges, sink: Sink) -> None:
+        """The whole object as one download, decoded as it arrives and checked against the
+        manifest; the wanted pieces go to the sink."""
+        pipe = Pipe(self.f, self.key)
+        out = _RangeWriter(wanted, sink)
+        fetcher = threading.Thread(target=self._download, args=(pipe,), daemon=True,
+                                   name="ckptd-read-fetch")
+        fetcher.start()
+        try:
+            decode_checked(cast(BinaryIO, pipe), self.f, cast(Any, out))
+            pipe.finish()
+        except ObjectNotFound:
+            raise NotFound(f"{self.where}: the object the manifest names is missing") from None
+        except CorruptData as exc:
+            raise CorruptData(f"{self.where}: {exc}") from None
+        except BaseException:
+            pipe.cancel()
+            raise
+        finally:
+            pipe.cancel()
+            fetcher.join()
+        self.stats.count(self.f.stored_size)
+
+    def _download(self, pipe: Pipe) -> None:
+        try:
+            self.backend.get(self.key, cast(BinaryIO, pipe))
+        except BaseException as exc:  # handed to the decoding side, which raises it
+            pipe.end(exc)
+        else:
+            pipe.end(None)
+
+
+class _RangeWriter:
+    """A decoder's output, cut to the wanted ranges and handed to a sink."""
+
+    def __init__(self, wanted: Ranges, sink: Sink) -> None:
+        self.wanted, self.sink, self.pos, self.at = wanted, sink, 0, 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        lo, hi = self.pos, self.pos + len(view)
+        wanted = self.wanted
+        while self.at < len(wanted) and wanted[self.at][1] <= lo:
+            self.at += 1
+        i = self.at
+        while i < len(wanted) and wanted[i][0] < hi:
+            start, end = max(wanted[i][0], lo), min(wanted[i][1], hi)
+            self.sink(start, view[start - lo : end - lo])
+            i += 1
+        self.pos = hi
+        return len(view)

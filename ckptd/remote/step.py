@@ -1,0 +1,129 @@
+"""One committed remote step opened for reading in place: the root's remote found the way the
+daemon finds it (the config, or a URL with the environment's credentials), the step chosen
+(`latest` = the newest committed step whose manifest reads), its manifest, and a reader for
+each of its files. Reads only; used by the loaders (`ckptd.dcp`, `ckptd.torch`, `ckptd.open`).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ckptd.backends import Backend, backend_for_upload, make_backend, wrap_backend
+from ckptd.config import find_config, load_config
+from ckptd.errors import ConfigError, CorruptData, NotFound, PermanentError
+from ckptd.remote.layout import is_committed
+from ckptd.remote.manifest import Manifest, StoredFile, step_prefix
+from ckptd.remote.objects import ObjectReader, ReadStats
+from ckptd.restore.source import best_step, list_remote_steps, read_remote_manifest
+
+StepArg = int | str
+
+# Blocks fetched and decoded at once: enough to keep the network and every core busy, few
+# enough that the reader's own memory stays a few tens of MiB (each holds a stored block and
+# its decoded bytes, 4 MiB each at the default block size).
+DEFAULT_THREADS = min(8, 2 * (os.cpu_count() or 1) + 2)
+
+
+def open_backend(root: str, config: str | os.PathLike[str] | None = None,
+                 remote: str | None = None) -> Backend:
+    """The remote of root `root`: from `remote` (a URL, credentials and endpoint from the
+    environment as for the daemon: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY,
+    AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, AWS_REGION), else from the config (`config`, else
+    the usual search: $CKPTD_CONFIG, /etc/ckptd/ckptd.toml)."""
+    if remote:
+        env = os.environ
+        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or ""
+        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or ""
+        return wrap_backend(make_backend(remote, endpoint=endpoint, region=region))
+    path = find_config(config)
+    if path is None:
+        raise ConfigError("no config found to read the remote of root "
+                          f"{root!r} from: pass config= or remote=, or set CKPTD_CONFIG")
+    rc = load_config(Path(path)).root(root)
+    if not rc.upload.enabled:
+        raise NotFound(f"root {root!r} in {path} uploads nowhere (no upload.url)")
+    return backend_for_upload(rc.upload)
+
+
+def choose_step(backend: Backend, root: str, step: StepArg) -> int:
+    """`step` itself if committed, or for "latest" the newest committed step whose manifest
+    reads (LATEST is a hint only: the manifests decide). NotFound says what was looked at."""
+    if step == "latest":
+        found = best_step(set(), set(list_remote_steps(backend, root)), backend, root)
+        if found is None:
+            raise NotFound(f"no committed step of {root!r} at {backend.url}")
+        return found
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int or 'latest', not {step!r}")
+    if not is_committed(backend, root, step):
+        raise NotFound(f"step {step} of {root!r} is not committed at {backend.url} "
+                       f"(no {step_prefix(root, step)}/MANIFEST.json)")
+    return step
+
+
+class RemoteStep:
+    """A committed step of a root's remote, open for ranged reads of its files."""
+
+    def __init__(self, backend: Backend, root: str, step: int, manifest: Manifest,
+                 threads: int = DEFAULT_THREADS) -> None:
+        self.backend, self.root, self.step, self.manifest = backend, root, step, manifest
+        self.threads = max(1, threads)
+        self.stats = ReadStats()
+        self._files = {f.path: f for f in manifest.files}
+        self._readers: dict[str, ObjectReader] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def open(cls, root: str, step: StepArg = "latest", *,
+             config: str | os.PathLike[str] | None = None, remote: str | None = None,
+             threads: int = DEFAULT_THREADS) -> RemoteStep:
+        backend = open_backend(root, config, remote)
+        n = choose_step(backend, root, step)
+        try:
+            manifest = read_remote_manifest(backend, root, n)
+        except (CorruptData, PermanentError) as exc:
+            raise CorruptData(f"step {n} of {root!r}: {exc}") from None
+        return cls(backend, root, n, manifest, threads)
+
+    @property
+    def url(self) -> str:
+        return f"{self.backend.url.rstrip('/')}/{step_prefix(self.root, self.step)}"
+
+    def files(self) -> list[StoredFile]:
+        return list(self.manifest.files)
+
+    def stored(self, path: str) -> StoredFile:
+        """The manifest entry of original file `path`; NotFound naming the step otherwise."""
+        f = self._files.get(path)
+        if f is None:
+            raise NotFound(f"{self.url}: the step has no file {path!r}")
+        return f
+
+    def reader(self, path: str) -> ObjectReader:
+        f = self.stored(path)
+        found = self._readers.get(path)
+        if found is None:
+            key = f"{step_prefix(self.root, self.step)}/{f.key}"
+            found = ObjectReader(self.backend, key, f, self._executor(), self.stats,
+                                 window=self.threads)
+            self._readers[path] = found
+        return found
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, "ckptd-read")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> RemoteStep:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

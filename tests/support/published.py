@@ -1,0 +1,31 @@
+"""A checkpoint directory put into a remote exactly as the daemon puts it: found by the
+scanner, validated and compressed in one read pass, then uploaded and committed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ckptd.backends import Backend
+from ckptd.model import RootOptions
+from ckptd.remote.manifest import Manifest
+from ckptd.stages import compress
+from ckptd.stages.upload import upload_step
+from ckptd.stages.validate import validate
+from ckptd.watch import RootScanner
+
+
+def publish(root_dir: Path, root_name: str, step: int, backend: Backend,
+            codec: str = "auto", layout: str = "auto") -> Manifest:
+    """Compress step `step` of the checkpoint root at `root_dir` with `codec` and commit it
+    under `root_name` at `backend`; the manifest uploaded."""
+    _, found = RootScanner(root_name, root_dir, layout, RootOptions(settle=0)).scan(time.time())
+    matches = [c for c, _fp in found if c.step == step]
+    assert matches, f"no complete step {step} under {root_dir}: {found}"
+    cand = matches[0]
+    stager = compress.Stager(root_dir, root_name, step, cand.layout, codec, 3, 1, 0.03)
+    result = validate(root_dir, cand, extra_sinks=stager.sinks_for)
+    assert result.valid, result
+    manifest = stager.commit(result.files, result.metrics)
+    upload_step(backend, root_name, stager.final, manifest)
+    return manifest
