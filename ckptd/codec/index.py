@@ -88,6 +88,16 @@ class _Tail:
         self.tail = more + self.tail
         return self.tail
 
+    def first(self, count: int, what: str) -> bytes:
+        if count > self.size:
+            raise CorruptData(f"{what}: {count} bytes in an object of {self.size}")
+        if len(self.tail) == self.size:
+            return self.tail[:count]
+        head = self.fetch(0, count)
+        if len(head) != count:
+            raise CorruptData(f"{what}: fetched {len(head)} bytes of [0, {count})")
+        return head
+
 
 def _container_index(tail: _Tail, raw_size: int) -> BlockIndex | None:
     where = "zstd-bytegroup"
@@ -115,7 +125,8 @@ def _container_index(tail: _Tail, raw_size: int) -> BlockIndex | None:
 
 
 def _old_end_record(tail: _Tail, raw_size: int) -> None:
-    """An object without a footer must end as versions 1 and 2 did: with a valid end record."""
+    """An object without a footer must be one that versions 1 and 2 wrote: a valid end record
+    at the end, and (one more fetch, for old objects only) their version in the file header."""
     end = tail.last(min(frame.END_SIZE, tail.size), "zstd-bytegroup")
     try:
         _, total = frame.read_end(end)
@@ -123,6 +134,9 @@ def _old_end_record(tail: _Tail, raw_size: int) -> None:
         raise CorruptData("zstd-bytegroup: no index footer, nor an end record, at the end") from err
     if total != raw_size:
         raise CorruptData(f"zstd-bytegroup: end record says {total} bytes, expected {raw_size}")
+    _, version = frame.parse_file_header(tail.first(frame.FILE_HEADER_SIZE, "zstd-bytegroup"))
+    if version >= frame.INDEXED:
+        raise CorruptData(f"zstd-bytegroup: version {version} object without its index (cut short)")
 
 
 def _check_rows(
