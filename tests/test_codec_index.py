@@ -185,7 +185,9 @@ def test_decode_block_refuses_wrong_sizes_and_foreign_blocks() -> None:
 
 
 OLD_GOLDEN = sorted(
-    p.name for p in GOLDEN.iterdir() if p.suffix in (".zbg", ".zst") and not p.name.startswith("v3-")
+    p.name
+    for p in GOLDEN.iterdir()
+    if p.suffix in (".zbg", ".zst") and not p.name.startswith("v3-")
 )
 
 
