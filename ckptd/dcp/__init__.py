@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -20,8 +20,10 @@ from torch.distributed.checkpoint.storage import StorageReader as _StorageReader
 from ckptd.dcp.meta import MAX_METADATA_BYTES, read_metadata
 from ckptd.dcp.slices import TensorSlice, Want
 from ckptd.errors import BadInput, CorruptData, NotFound
-from ckptd.remote.objects import Ranges
-from ckptd.remote.step import DEFAULT_THREADS, RemoteStep, StepArg
+
+if TYPE_CHECKING:  # the backends and the config load only when a read begins
+    from ckptd.remote.objects import Ranges
+    from ckptd.remote.step import RemoteStep, StepArg
 
 __all__ = ["StorageReader"]
 
@@ -42,7 +44,7 @@ class StorageReader(_StorageReader):
 
     def __init__(self, root: str, step: StepArg = "latest", *,
                  config: str | os.PathLike[str] | None = None, remote: str | None = None,
-                 threads: int = DEFAULT_THREADS) -> None:
+                 threads: int | None = None) -> None:
         super().__init__()
         self.root, self.requested, self.config, self.remote = root, step, config, remote
         self.threads = threads
@@ -62,8 +64,11 @@ class StorageReader(_StorageReader):
 
     def _open(self) -> RemoteStep:
         if self._step is None:
+            from ckptd.remote.step import DEFAULT_THREADS, RemoteStep
+
             self._step = RemoteStep.open(self.root, self.requested, config=self.config,
-                                         remote=self.remote, threads=self.threads)
+                                         remote=self.remote,
+                                         threads=self.threads or DEFAULT_THREADS)
         return self._step
 
     def _path(self, name: str) -> str:

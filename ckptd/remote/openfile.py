@@ -39,6 +39,7 @@ class RemoteFile(io.RawIOBase):
         self._index: BlockIndex | None = self._reader.index() if self.size else None
         self._blocks: OrderedDict[int, Future[tuple[Block, Any]]] = OrderedDict()
         self._stream: _Stream | None = None
+        self.error: BaseException | None = None  # the first read error, for the caller
 
     # -- io.RawIOBase ------------------------------------------------------------------------
 
@@ -63,11 +64,16 @@ class RemoteFile(io.RawIOBase):
         if self._pos >= self.size or not len(out):
             return 0
         n = min(len(out), self.size - self._pos)
-        if self._index is None:
-            got = self._stream_read(self._pos, out[:n])
-        else:
-            got = self._block_read(self._index, self._pos, out[:n])
-        self._account(self._pos, out[:got])
+        try:
+            if self._index is None:
+                got = self._stream_read(self._pos, out[:n])
+            else:
+                got = self._block_read(self._index, self._pos, out[:n])
+            self._account(self._pos, out[:got])
+        except BaseException as exc:
+            # Kept: a caller's reader (torch's zip reader) may swallow it and fail otherwise.
+            self.error = self.error or exc
+            raise
         self._pos += got
         return got
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptd.errors import CkptdError, NotFound, ValidationFailed
+from ckptd.errors import CkptdError, ConfigError, NotFound, ValidationFailed
 from ckptd.model import CKPTD_DIR
 from ckptd.restore import answer
 from ckptd.torch._native import (
@@ -58,15 +58,58 @@ def load(
     restore_rng: bool = False,
     root_name: str | None = None,
     client: Any = None,
+    source: str = "auto",
+    config: str | os.PathLike[str] | None = None,
+    remote: str | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Load a checkpoint's state into the given objects in place; return `(step, meta)`.
 
     `meta` is meta.json's content plus `path` and, when the checkpoint has one, `extra`.
+    `source`: "local" reads the root's disk (restoring a compressed copy first); "remote"
+    streams the step straight from the root's remote (`config=` or `remote=`, as
+    `ckptd.dcp.StorageReader`), no staging disk; "auto" (default): local when the step is
+    here, else the remote.
     """
-    target = resolve(path_or_root, step, root_name=root_name, client=client)
-    with _hold(target, root_name, client):
-        return _load_into(target, model, optimizer, scheduler, scaler, ema, rank, restore_rng,
-                          _LoadOpts(map_location, strict, upcast_bf16, assign))
+    if source not in ("auto", "local", "remote"):
+        raise ValueError(f"source must be 'auto', 'local' or 'remote', not {source!r}")
+    opts = _LoadOpts(map_location, strict, upcast_bf16, assign)
+    objs = (model, optimizer, scheduler, scaler, ema)
+    name = root_name or Path(path_or_root).resolve().name
+    if source == "remote":
+        return _load_remote(name, step, objs, rank, restore_rng, opts, config, remote)
+    try:
+        found = _locate(path_or_root, step, root_name, client, stream=source == "auto")
+    except NotFound as local:
+        if source == "local":
+            raise
+        try:
+            return _load_remote(name, step, objs, rank, restore_rng, opts, config, remote)
+        except (NotFound, ConfigError) as far:
+            raise NotFound(f"{local}; and from the remote: {far}") from None
+    if isinstance(found, int):  # only the remote has it: streamed, never staged on disk
+        return _load_remote(name, found, objs, rank, restore_rng, opts, config, remote)
+    with _hold(found, root_name, client):
+        return _load_into(found, *objs, rank, restore_rng, opts)
+
+
+def _load_remote(name: str, step: int | str, objs: tuple[Any, ...], rank: int | None,
+                 restore_rng: bool, opts: _LoadOpts, config: Any, remote: str | None
+                 ) -> tuple[int, dict[str, Any]]:
+    from ckptd.torch._remote import RemoteNative
+
+    reader = RemoteNative(name, step, _rank_world(None, None)[0] if rank is None else rank,
+                          opts.map_location, config=config, remote=remote)
+    try:
+        meta = dict(reader.meta)
+        meta["path"] = reader.where
+        if reader.has("extra.pt"):
+            meta["extra"] = reader.load("extra.pt")
+        _apply_all(reader.states(), objs, reader.where, opts)
+        if restore_rng:
+            _restore_rng(reader.rng(), reader.where)
+        return int(meta.get("step", reader.step)), meta
+    finally:
+        reader.close()
 
 
 def _hold(target: Path, root_name: str | None, client: Any) -> Any:
@@ -97,17 +140,26 @@ def _load_into(target: Path, model: torch.nn.Module | None, optimizer: Stateful 
         states = native.states()
         if (target / "extra.pt").exists():
             meta["extra"] = _torch_load(target / "extra.pt", map_location)
+    _apply_all(states, (model, optimizer, scheduler, scaler, ema), target, opts)
+    if restore_rng:
+        _restore_rng(native.rng() if native else None, target)
+    return int(meta["step"]), meta
+
+
+def _apply_all(states: Mapping[str, Callable[[bool], Any]], objs: tuple[Any, ...],
+               where: Path | str, opts: _LoadOpts) -> None:
+    model, optimizer, scheduler, scaler, ema = objs
     for component, obj in (("model", model), ("ema", ema), ("optimizer", optimizer),
                            ("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None:
-            _apply(obj, states.get(component), component, target, opts)
-    if restore_rng:
-        rng = native.rng() if native else None
-        if rng is None:
-            log.warning("ckptd.torch: %s holds no RNG state for this rank; not restored", target)
-        else:
-            _set_rng_state(rng)
-    return int(meta["step"]), meta
+            _apply(obj, states.get(component), component, where, opts)
+
+
+def _restore_rng(rng: Any, where: Path | str) -> None:
+    if rng is None:
+        log.warning("ckptd.torch: %s holds no RNG state for this rank; not restored", where)
+    else:
+        _set_rng_state(rng)
 
 
 @dataclass(frozen=True)
@@ -137,8 +189,8 @@ class _NativeReader:
         return _torch_load(path, "cpu") if path.exists() else None
 
 
-def _apply(obj: Stateful, state: Callable[[bool], Any] | None, component: str, where: Path,
-           opts: _LoadOpts) -> None:
+def _apply(obj: Stateful, state: Callable[[bool], Any] | None, component: str,
+           where: Path | str, opts: _LoadOpts) -> None:
     if state is None:
         raise NotFound(f"{where} holds no {component} state for this rank (saved without "
                        f"{component}=, or by a different number of ranks)")
@@ -215,7 +267,17 @@ def _legacy_step(path: Path, obj: Mapping[str, Any]) -> int:
 
 def resolve(path_or_root: str | os.PathLike[str], step: int | str = "latest", *,
             root_name: str | None = None, client: Any = None) -> Path:
-    """The checkpoint `load` would read: a native step dir or a single legacy file."""
+    """The checkpoint `load` would read: a native step dir or a single legacy file (a step
+    only the remote has is restored to disk first: `load` streams it instead)."""
+    found = _locate(path_or_root, step, root_name, client, stream=False)
+    assert isinstance(found, Path)
+    return found
+
+
+def _locate(path_or_root: str | os.PathLike[str], step: int | str, root_name: str | None,
+            client: Any, stream: bool) -> Path | int:
+    """What `resolve` says, except that with `stream` a latest step only the remote holds is
+    answered by its number (the caller reads it from the remote)."""
     path = Path(path_or_root)
     if path.is_file() or (path / "meta.json").is_file():
         return path
@@ -227,15 +289,17 @@ def resolve(path_or_root: str | os.PathLike[str], step: int | str = "latest", *,
             raise NotFound(f"{found}: no complete native checkpoint (if it lives only in "
                            f"compressed or remote form, run `ckptd restore ROOT {step} --to DIR`)")
         return found
-    return _resolve_latest(path, root_name or path.resolve().name, client)
+    return _resolve_latest(path, root_name or path.resolve().name, client, stream)
 
 
-def _resolve_latest(root: Path, name: str, client: Any) -> Path:
+def _resolve_latest(root: Path, name: str, client: Any, stream: bool) -> Path | int:
     info = _ask_latest(root, name, client)
     if info is not None and info.get("step") is not None:
         where = _under(root, info.get("path"))
         if info.get("local") == "present" and where is not None and where.exists():
             return where
+        if stream and info.get("local") != "compressed" and info.get("remote") == "uploaded":
+            return int(info["step"])
         if info.get("local") == "compressed" or info.get("remote") == "uploaded":
             return _restore(name, int(info["step"]), root)
         log.warning("ckptd.torch: latest %s of %s is not on disk; scanning", info["step"], name)
