@@ -42,6 +42,7 @@ VARIANTS = ("local dcp.load", "aws s3 cp + dcp.load", "s3torchconnector S3Storag
 @dataclass
 class Result:
     wall_s: float = 0.0
+    load_s: float = 0.0  # fetching + loading alone: no interpreter start, imports or checks
     peak_rss: int = 0  # of the loading process
     bucket_bytes: int | None = None  # bytes fetched from the bucket, where known
     server_sent: int | None = None  # what the server process wrote (its wchar), all sockets
@@ -86,8 +87,8 @@ def server_wchar(server: Any) -> int:
 def local_load(b: Bench) -> Result:
     step = b.inputs / "dcp" / f"step-{STEP}"
     ub.evict(step)
-    _, wall, rss = b.child(b.worker("load", "--how", "local", "--path", str(step)))
-    return Result(wall, rss)
+    out, wall, rss = b.child(b.worker("load", "--how", "local", "--path", str(step)))
+    return Result(wall, out["load_s"], rss)
 
 
 def aws_then_load(b: Bench) -> Result:
@@ -96,17 +97,17 @@ def aws_then_load(b: Bench) -> Result:
            b.server.endpoint, b.url(f"plain/step-{STEP}/"), str(dl)]
     try:
         _, wall_dl, _ = b.child(aws)
-        _, wall, rss = b.child(b.worker("load", "--how", "local", "--path", str(dl)))
+        out, wall, rss = b.child(b.worker("load", "--how", "local", "--path", str(dl)))
     finally:
         shutil.rmtree(dl, ignore_errors=True)
-    return Result(wall_dl + wall, rss, b.stored["plain"])
+    return Result(wall_dl + wall, wall_dl + out["load_s"], rss, b.stored["plain"])
 
 
 def s3tc_load(b: Bench) -> Result:
-    _, wall, rss = b.child(b.worker("load", "--how", "s3tc", "--path",
-                                    b.url(f"plain/step-{STEP}"), "--endpoint",
-                                    b.server.endpoint, "--region", b.server.region))
-    return Result(wall, rss)
+    out, wall, rss = b.child(b.worker("load", "--how", "s3tc", "--path",
+                                      b.url(f"plain/step-{STEP}"), "--endpoint",
+                                      b.server.endpoint, "--region", b.server.region))
+    return Result(wall, out["load_s"], rss)
 
 
 def restore_then_load(b: Bench, prefix: str, how: str) -> Result:
@@ -116,22 +117,22 @@ def restore_then_load(b: Bench, prefix: str, how: str) -> Result:
                b.server.secret_key, "--step", str(STEP), "--to", str(to)]
     try:
         _, wall_restore, _ = b.child(restore)
-        _, wall, rss = b.child(b.worker("load", "--how", how, "--path", str(to / f"step-{STEP}")))
+        out, wall, rss = b.child(b.worker("load", "--how", how, "--path", str(to / f"step-{STEP}")))
     finally:
         shutil.rmtree(to, ignore_errors=True)
-    return Result(wall_restore + wall, rss, b.stored[prefix])
+    return Result(wall_restore + wall, wall_restore + out["load_s"], rss, b.stored[prefix])
 
 
 def ckptd_load(b: Bench, part: str = "0/1") -> Result:
     out, wall, rss = b.child(b.worker("load", "--how", "ckptd", "--path", b.url("ckptd-dcp"),
                                       "--part", part))
-    return Result(wall, rss, out.get("bytes_read"))
+    return Result(wall, out["load_s"], rss, out.get("bytes_read"))
 
 
 def native_remote(b: Bench) -> Result:
     out, wall, rss = b.child(b.worker("load", "--how", "native-remote", "--path",
                                       b.url("ckptd-native")))
-    return Result(wall, rss, out.get("bytes_read"))
+    return Result(wall, out["load_s"], rss, out.get("bytes_read"))
 
 
 RUNS: dict[str, Callable[[Bench], Result]] = {
@@ -331,19 +332,20 @@ def report(doc: dict[str, Any]) -> str:
              f"{info['width']}^2 + Adam, {info['tensors']} tensors, DCP in {info['dcp_files']} "
              f"data files; stored: " + ", ".join(f"{k} {n / 1e6:,.0f} MB"
                                                  for k, n in doc["stored"].items()),
-             "", "| way | wall s | / aws + dcp.load | peak RSS MiB | bytes from bucket | "
-             "server wrote |", "|---|---:|---:|---:|---:|---:|"]
+             "", "| way | wall s | / aws + dcp.load | of which loading, s | peak RSS MiB | "
+             "bytes from bucket | server wrote |", "|---|---:|---:|---:|---:|---:|---:|"]
     for name in VARIANTS:
         if not any(name in r for r in doc["rounds"]):
             continue
         runs = [r[name] for r in doc["rounds"] if name in r and not r[name]["error"]]
         if not runs:
-            lines.append(f"| {name} | not available: {errors(doc, name)} | | | | |")
+            lines.append(f"| {name} | not available: {errors(doc, name)} | | | | | |")
             continue
         got = [x["bucket_bytes"] for x in runs if x["bucket_bytes"]]
         lines.append(
             f"| {name} | {fig(walls(doc, name), '{:.1f}')} | "
             f"{fig(ratios(doc, name, VARIANTS[1]))} | "
+            f"{fig([x['load_s'] for x in runs], '{:.1f}')} | "
             f"{fig([x['peak_rss'] / 2**20 for x in runs], '{:,.0f}')} | "
             f"{fig([g / 1e6 for g in got], '{:,.0f}', ' MB')} | "
             f"{fig([x['server_sent'] / 1e6 for x in runs], '{:,.0f}', ' MB')} |")
