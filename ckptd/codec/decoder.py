@@ -1,7 +1,6 @@
-"""Streaming decoders: one stored object in, the original bytes out, one block at a time.
-
-Owns checking everything it reads (framing, lengths, per-block checksums, truncation) and
-raising CorruptData that names the block or frame; never holds more than one block.
+"""Streaming decoders: one stored object in, the original bytes out, one block at a time; and
+one container block on its own, through the same checks (framing, lengths, checksums, the
+index, truncation), raising CorruptData that names the block; never more than one block held.
 """
 
 from __future__ import annotations
