@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +21,7 @@ from torch.distributed.checkpoint.storage import StorageReader as _StorageReader
 
 from ckptd.dcp.meta import MAX_METADATA_BYTES, read_metadata
 from ckptd.dcp.slices import TensorSlice, Want
-from ckptd.errors import BadInput, CorruptData, NotFound
+from ckptd.errors import BadInput, Cancelled, CorruptData, NotFound
 
 if TYPE_CHECKING:  # the backends and the config load only when a read begins
     from ckptd.remote.objects import Ranges
@@ -28,6 +30,7 @@ if TYPE_CHECKING:  # the backends and the config load only when a read begins
 __all__ = ["StorageReader"]
 
 _METADATA = ".metadata"
+FILES_AT_ONCE = 4
 
 
 class StorageReader(_StorageReader):
@@ -134,30 +137,63 @@ class StorageReader(_StorageReader):
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             per_file.setdefault(self._path(str(info.relative_path)), []).append(item)
-        for path, items in per_file.items():
-            self._read_file(step, path, items, planner)
+        # Files at once: a job of many small files is not one request at a time; the blocks
+        # in flight stay bounded across them (RemoteStep.slots).
+        with ThreadPoolExecutor(min(FILES_AT_ONCE, max(1, len(per_file))),
+                                "ckptd-dcp-file") as files:
+            stop = threading.Event()
+            locked = _Locked(planner)
+            futures = [files.submit(self._read_file, step, path, items, locked, stop)
+                       for path, items in per_file.items()]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            stop.set()  # the others stop at their next piece
+            for fut in futures:
+                fut.cancel()
+            errors = [e for f in futures if not f.cancelled() and (e := f.exception())]
+        if errors:  # the failure itself, not the others' stopping because of it
+            raise next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
 
     def _read_file(self, step: RemoteStep, path: str, items: list[ReadItem],
-                   planner: LoadPlanner) -> None:
+                   planner: Any, stop: threading.Event) -> None:
         where = f"{step.url}/{step.stored(path).key}"
         slices: dict[tuple[int, int], list[ReadItem]] = {}
         for item in items:
             info = self.storage_data[item.storage_index]
             slices.setdefault((int(info.offset), int(info.length)), []).append(item)
-        router = _Router(where)
+        router = _Router(where, stop)
         for (offset, length), reqs in sorted(slices.items()):
             router.add(offset, length, _slice(offset, length, reqs, planner, where))
         step.reader(path).read(router.ranges(), router.feed)
         router.finish()
 
 
+class _Locked:
+    """The planner as the file threads see it: one call at a time (DCP's planners are not
+    written for concurrent callers)."""
+
+    def __init__(self, planner: LoadPlanner) -> None:
+        self._planner, self._lock = planner, threading.Lock()
+
+    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
+        with self._lock:
+            return self._planner.resolve_tensor(req)
+
+    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._planner.commit_tensor(req, tensor)
+
+    def load_bytes(self, req: ReadItem, value: io.BytesIO) -> None:
+        with self._lock:
+            self._planner.load_bytes(req, value)
+
+
 class _Bytes:
     """A BYTE_IO item's slice, collected and handed to the planner."""
 
-    def __init__(self, length: int, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    def __init__(self, length: int, reqs: list[ReadItem], planner: Any) -> None:
         self.buf = bytearray()
         self.length, self.reqs, self.planner = length, reqs, planner
 
@@ -171,7 +207,7 @@ class _Bytes:
             self.planner.load_bytes(req, io.BytesIO(self.buf))
 
 
-def _slice(offset: int, length: int, reqs: list[ReadItem], planner: LoadPlanner,
+def _slice(offset: int, length: int, reqs: list[ReadItem], planner: Any,
            where: str) -> TensorSlice | _Bytes:
     if all(r.type == LoadItemType.BYTE_IO for r in reqs):
         return _Bytes(length, reqs, planner)
@@ -180,19 +216,19 @@ def _slice(offset: int, length: int, reqs: list[ReadItem], planner: LoadPlanner,
     return TensorSlice(length, wants, f"{where} [{offset}, +{length})")
 
 
-def _resolver(planner: LoadPlanner, req: ReadItem) -> Any:
+def _resolver(planner: Any, req: ReadItem) -> Any:
     return lambda: planner.resolve_tensor(req).detach()
 
 
-def _committer(planner: LoadPlanner, req: ReadItem) -> Any:
+def _committer(planner: Any, req: ReadItem) -> Any:
     return lambda t: planner.commit_tensor(req, t)
 
 
 class _Router:
     """Pieces of a file in raw order, handed to the slice each belongs to."""
 
-    def __init__(self, where: str) -> None:
-        self.where = where
+    def __init__(self, where: str, stop: threading.Event) -> None:
+        self.where, self.stop = where, stop
         self.starts: list[int] = []
         self.slices: list[tuple[int, int, TensorSlice | _Bytes]] = []
         self.at = 0
@@ -206,6 +242,8 @@ class _Router:
         return [(o, o + n) for o, n, _ in self.slices if n > 0]
 
     def feed(self, at: int, view: memoryview) -> None:
+        if self.stop.is_set():
+            raise Cancelled(f"{self.where}: another file of the load failed")
         slices = self.slices
         while view:
             while self.at < len(slices) and slices[self.at][0] + slices[self.at][1] <= at:

@@ -66,9 +66,11 @@ class ObjectReader:
     or NotFound naming the object's URL."""
 
     def __init__(self, backend: Backend, key: str, f: StoredFile, pool: ThreadPoolExecutor,
-                 stats: ReadStats, window: int) -> None:
+                 stats: ReadStats, window: int, slots: threading.Semaphore | None = None
+                 ) -> None:
         self.backend, self.key, self.f = backend, key, f
         self.pool, self.stats, self.window = pool, stats, max(1, window)
+        self.slots = slots or threading.Semaphore(self.window)
         self.where = f"{backend.url.rstrip('/')}/{key}"
         self._index: BlockIndex | None = None
         self._index_read = False
@@ -136,18 +138,29 @@ class ObjectReader:
         blocks = [needed[i] for i in sorted(needed)]
         whole = len(blocks) == len(index.blocks)
         hasher = HashSink() if whole else None
-        pending: deque[Future[tuple[Block, Any]]] = deque()
+        pending: deque[Future[tuple[Block, Any]]] = deque()  # each holds one of `slots`
         at = 0
+
+        def deliver() -> int:
+            try:
+                return self._deliver(pending.popleft(), wanted, at, sink, hasher)
+            finally:
+                self.slots.release()
+
         try:
             for block in blocks:
-                while len(pending) >= self.window:
-                    at = self._deliver(pending.popleft(), wanted, at, sink, hasher)
+                # A slot for every block in flight, shared by the files read at once; wait for
+                # one only when nothing of this file is pending (else deliver first).
+                while len(pending) >= self.window or not self.slots.acquire(
+                        blocking=not pending):
+                    at = deliver()
                 pending.append(self.pool.submit(self._fetch_block, block, index))
             while pending:
-                at = self._deliver(pending.popleft(), wanted, at, sink, hasher)
+                at = deliver()
         except BaseException:
             for fut in pending:
                 fut.cancel()
+                self.slots.release()
             raise
         if hasher is not None:
             self._check_whole(hasher, index.raw_size)

@@ -7,6 +7,7 @@ each of its files. Reads only; used by the loaders (`ckptd.dcp`, `ckptd.torch`, 
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,9 @@ class RemoteStep:
         self._files = {f.path: f for f in manifest.files}
         self._readers: dict[str, ObjectReader] = {}
         self._pool: ThreadPoolExecutor | None = None
+        # Decoded blocks in flight across every file read at once: what bounds the memory.
+        self.slots = threading.Semaphore(self.threads + 2)
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls, root: str, step: StepArg = "latest", *,
@@ -104,11 +108,15 @@ class RemoteStep:
 
     def reader(self, path: str) -> ObjectReader:
         f = self.stored(path)
+        with self._lock:
+            return self._reader(path, f)
+
+    def _reader(self, path: str, f: StoredFile) -> ObjectReader:
         found = self._readers.get(path)
         if found is None:
             key = f"{step_prefix(self.root, self.step)}/{f.key}"
             found = ObjectReader(self.backend, key, f, self._executor(), self.stats,
-                                 window=self.threads)
+                                 window=self.threads, slots=self.slots)
             self._readers[path] = found
         return found
 
