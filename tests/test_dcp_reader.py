@@ -161,3 +161,18 @@ def test_a_step_from_the_config(tmp_path: Path, local_remote: Any) -> None:
     dest = blank_like(state(9))
     dcp.load(dest, storage_reader=StorageReader(ROOT, config=conf), no_dist=True)
     assert same(dest, state(9))
+
+
+def test_a_step_saved_through_dcp_stream_transforms(tmp_path: Path, local_remote: Any) -> None:
+    """DCP's own zstd extension compresses each item: the reader undoes it as DCP does."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    backend, url = local_remote
+    root = tmp_path / "root"
+    writer = FileSystemWriter(root / "step-4", _extensions=[ZStandard()])
+    dcp.save(state(4), storage_writer=writer, no_dist=True)
+    publish(root, ROOT, 4, backend)
+    dest = blank_like(state(4))
+    dcp.load(dest, storage_reader=StorageReader(ROOT, 4, remote=url), no_dist=True)
+    assert same(dest, state(4))

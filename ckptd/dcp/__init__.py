@@ -160,12 +160,18 @@ class StorageReader(_StorageReader):
                    planner: Any, stop: threading.Event) -> None:
         where = f"{step.url}/{step.stored(path).key}"
         slices: dict[tuple[int, int], list[ReadItem]] = {}
+        transforms: dict[tuple[int, int], tuple[str, ...]] = {}
         for item in items:
             info = self.storage_data[item.storage_index]
-            slices.setdefault((int(info.offset), int(info.length)), []).append(item)
+            at = (int(info.offset), int(info.length))
+            slices.setdefault(at, []).append(item)
+            transforms[at] = tuple(getattr(info, "transform_descriptors", None) or ())
         router = _Router(where, stop)
         for (offset, length), reqs in sorted(slices.items()):
-            router.add(offset, length, _slice(offset, length, reqs, planner, where))
+            what = f"{where} [{offset}, +{length})"
+            sink = (_Transformed(length, reqs, planner, transforms[offset, length], what)
+                    if transforms[offset, length] else _slice(reqs, length, planner, what))
+            router.add(offset, length, sink)
         step.reader(path).read(router.ranges(), router.feed)
         router.finish()
 
@@ -207,13 +213,43 @@ class _Bytes:
             self.planner.load_bytes(req, io.BytesIO(self.buf))
 
 
-def _slice(offset: int, length: int, reqs: list[ReadItem], planner: Any,
-           where: str) -> TensorSlice | _Bytes:
+def _slice(reqs: list[ReadItem], length: int, planner: Any, where: str) -> TensorSlice | _Bytes:
     if all(r.type == LoadItemType.BYTE_IO for r in reqs):
         return _Bytes(length, reqs, planner)
     wants = [Want(r.storage_offsets, r.lengths, _resolver(planner, r), _committer(planner, r))
              for r in reqs]
-    return TensorSlice(length, wants, f"{where} [{offset}, +{length})")
+    return TensorSlice(length, wants, where)
+
+
+class _Transformed(_Bytes):
+    """A slice saved through DCP's stream transforms (its extensions, e.g. compression):
+    collected, undone by DCP's own transforms, then read as its FileSystemReader reads it
+    (`torch.load(weights_only=True)`; the slice is the size of one saved item)."""
+
+    def __init__(self, length: int, reqs: list[ReadItem], planner: Any,
+                 descriptors: tuple[str, ...], where: str) -> None:
+        super().__init__(length, reqs, planner)
+        self.descriptors, self.where = descriptors, where
+
+    def finish(self) -> None:
+        from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+
+        if len(self.buf) != self.length:
+            raise CorruptData(f"{self.where}: got {len(self.buf)} of {self.length} bytes")
+        for req in self.reqs:
+            try:
+                stream = _StorageReaderTransforms().transform_load_stream(
+                    req, self.descriptors, io.BytesIO(self.buf))
+                data = io.BytesIO(stream.read())
+                if req.type == LoadItemType.BYTE_IO:
+                    self.planner.load_bytes(req, data)
+                    continue
+                tensor = torch.load(data, map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise CorruptData(f"{self.where}: DCP transforms {list(self.descriptors)} "
+                                  f"could not be undone ({type(exc).__name__}: {exc})") from None
+            Want(req.storage_offsets, req.lengths, _resolver(self.planner, req),
+                 _committer(self.planner, req)).fill(tensor, self.where)
 
 
 def _resolver(planner: Any, req: ReadItem) -> Any:

@@ -116,6 +116,16 @@ class Want:
     target: Target
     done: Done
 
+    def fill(self, saved: torch.Tensor, where: str) -> None:
+        """Copy this item's hypercube of the saved tensor into its destination."""
+        piece = _narrow(saved, self.storage_offsets, self.lengths)
+        target = self.target()
+        if target.size() != piece.size():
+            raise CorruptData(f"{where}: the saved piece is {tuple(piece.size())}, "
+                              f"the destination {tuple(target.size())}")
+        target.copy_(piece)
+        self.done(target)
+
 
 def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     for dim, (off, n) in enumerate(zip(offsets, lengths, strict=True)):
@@ -325,13 +335,7 @@ class TensorSlice:
 
     def _fill(self, tensor: torch.Tensor) -> None:
         for want in self.wants:
-            piece = _narrow(tensor, want.storage_offsets, want.lengths)
-            target = want.target()
-            if target.size() != piece.size():
-                raise CorruptData(f"{self.where}: the saved piece is {tuple(piece.size())}, "
-                                  f"the destination {tuple(target.size())}")
-            target.copy_(piece)
-            want.done(target)
+            want.fill(tensor, self.where)
 
 
 def _numel(size: tuple[int, ...]) -> int:
