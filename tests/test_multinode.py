@@ -218,6 +218,13 @@ def test_a_three_node_dcp_save_is_committed_once_and_restores_whole(
     dcp.load(got, checkpoint_id=str(out / "step-10"))
     assert torch.equal(got["model"]["w"], want["w"]) and torch.equal(got["model"]["b"], want["b"])
     assert got["step"] == 10
+    # and straight from the bucket, no restore: the commit's files under their nodes' keys
+    from ckptd.dcp import StorageReader
+
+    direct = {"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS)}, "step": 0}
+    dcp.load(direct, storage_reader=StorageReader("job", config=cluster.handles[1].config),
+             no_dist=True)
+    assert torch.equal(direct["model"]["w"], want["w"]) and direct["step"] == 10
 
     one = tmp_path / "one-node"
     cluster.restore(0, 10, one, "--node", "n2")
