@@ -190,7 +190,11 @@ def resume_rows(doc: dict[str, Any]) -> list[Row]:
 
     def ratio(key: str, fmt: str = "{:.2f}", unit: str = "") -> str:
         g = goals[key]
-        return spread(g["values"], fmt, unit) if g["values"] else f"— ({g['why'][:120]})"
+        if not g["values"]:
+            return f"— ({g['why'][:120]})"
+        alone = g.get("loading") or []
+        return spread(g["values"], fmt, unit) + (
+            f"; loading alone {spread(alone, fmt, unit)}" if alone else "")
 
     def met(key: str) -> str:
         g = goals[key]

@@ -15,7 +15,7 @@ import shutil
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ class Result:
     peak_rss: int = 0  # of the loading process
     bucket_bytes: int | None = None  # bytes fetched from the bucket, where known
     server_sent: int | None = None  # what the server process wrote (its wchar), all sockets
+    phases: dict[str, float] = field(default_factory=dict)  # the loading process's, from it
     error: str = ""
 
 
@@ -72,6 +73,13 @@ class Bench:
         lines = stdout.strip().splitlines()
         return (json.loads(lines[-1]) if lines else {}), wall, rss
 
+    def load(self, *argv: str) -> tuple[dict[str, Any], float, int]:
+        """One loading child; its answer carries its phases (`*_s`) as `phases`."""
+        out, wall, rss = self.child(self.worker("load", *argv))
+        out["phases"] = {k: v for k, v in out.items() if k.endswith("_s")}
+        out["phases"]["rest_s"] = wall - sum(out["phases"].values())  # start, exit
+        return out, wall, rss
+
 
 def server_wchar(server: Any) -> int:
     """Bytes the server process has written so far (files and sockets alike)."""
@@ -87,8 +95,8 @@ def server_wchar(server: Any) -> int:
 def local_load(b: Bench) -> Result:
     step = b.inputs / "dcp" / f"step-{STEP}"
     ub.evict(step)
-    out, wall, rss = b.child(b.worker("load", "--how", "local", "--path", str(step)))
-    return Result(wall, out["load_s"], rss)
+    out, wall, rss = b.load("--how", "local", "--path", str(step))
+    return Result(wall, out["load_s"], rss, phases=out["phases"])
 
 
 def aws_then_load(b: Bench) -> Result:
@@ -97,17 +105,17 @@ def aws_then_load(b: Bench) -> Result:
            b.server.endpoint, b.url(f"plain/step-{STEP}/"), str(dl)]
     try:
         _, wall_dl, _ = b.child(aws)
-        out, wall, rss = b.child(b.worker("load", "--how", "local", "--path", str(dl)))
+        out, wall, rss = b.load("--how", "local", "--path", str(dl))
     finally:
         shutil.rmtree(dl, ignore_errors=True)
-    return Result(wall_dl + wall, wall_dl + out["load_s"], rss, b.stored["plain"])
+    return Result(wall_dl + wall, wall_dl + out["load_s"], rss, b.stored["plain"],
+                  phases={"download_s": wall_dl, **out["phases"]})
 
 
 def s3tc_load(b: Bench) -> Result:
-    out, wall, rss = b.child(b.worker("load", "--how", "s3tc", "--path",
-                                      b.url(f"plain/step-{STEP}"), "--endpoint",
-                                      b.server.endpoint, "--region", b.server.region))
-    return Result(wall, out["load_s"], rss)
+    out, wall, rss = b.load("--how", "s3tc", "--path", b.url(f"plain/step-{STEP}"),
+                            "--endpoint", b.server.endpoint, "--region", b.server.region)
+    return Result(wall, out["load_s"], rss, phases=out["phases"])
 
 
 def restore_then_load(b: Bench, prefix: str, how: str) -> Result:
@@ -117,22 +125,21 @@ def restore_then_load(b: Bench, prefix: str, how: str) -> Result:
                b.server.secret_key, "--step", str(STEP), "--to", str(to)]
     try:
         _, wall_restore, _ = b.child(restore)
-        out, wall, rss = b.child(b.worker("load", "--how", how, "--path", str(to / f"step-{STEP}")))
+        out, wall, rss = b.load("--how", how, "--path", str(to / f"step-{STEP}"))
     finally:
         shutil.rmtree(to, ignore_errors=True)
-    return Result(wall_restore + wall, wall_restore + out["load_s"], rss, b.stored[prefix])
+    return Result(wall_restore + wall, wall_restore + out["load_s"], rss, b.stored[prefix],
+                  phases={"restore_s": wall_restore, **out["phases"]})
 
 
 def ckptd_load(b: Bench, part: str = "0/1") -> Result:
-    out, wall, rss = b.child(b.worker("load", "--how", "ckptd", "--path", b.url("ckptd-dcp"),
-                                      "--part", part))
-    return Result(wall, out["load_s"], rss, out.get("bytes_read"))
+    out, wall, rss = b.load("--how", "ckptd", "--path", b.url("ckptd-dcp"), "--part", part)
+    return Result(wall, out["load_s"], rss, out.get("bytes_read"), phases=out["phases"])
 
 
 def native_remote(b: Bench) -> Result:
-    out, wall, rss = b.child(b.worker("load", "--how", "native-remote", "--path",
-                                      b.url("ckptd-native")))
-    return Result(wall, out["load_s"], rss, out.get("bytes_read"))
+    out, wall, rss = b.load("--how", "native-remote", "--path", b.url("ckptd-native"))
+    return Result(wall, out["load_s"], rss, out.get("bytes_read"), phases=out["phases"])
 
 
 RUNS: dict[str, Callable[[Bench], Result]] = {
@@ -158,8 +165,9 @@ def run_variant(b: Bench, name: str) -> Result:
         text = str(exc.code).strip().splitlines()
         return Result(error=text[-1][:300] if text else "failed")
     result.server_sent = server_wchar(b.server) - sent
-    print(f"  {name}: {result.wall_s:.1f} s, peak RSS {result.peak_rss / 2**20:,.0f} MiB, "
-          f"bytes {result.bucket_bytes}", flush=True)
+    phases = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in result.phases.items())
+    print(f"  {name}: {result.wall_s:.1f} s ({phases}), peak RSS "
+          f"{result.peak_rss / 2**20:,.0f} MiB, bytes {result.bucket_bytes}", flush=True)
     return result
 
 
@@ -290,18 +298,21 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
     def goal(key: str, what: str, values: list[float], limit: float | None,
-             why: str = "") -> None:
+             why: str = "", loading: list[float] | None = None) -> None:
         med = statistics.median(values) if values else None
         met = None if med is None or limit is None else med <= limit
         out.append({"id": key, "goal": what, "values": values, "median": med, "limit": limit,
-                    "met": met, "why": "" if values else why or "not run"})
+                    "met": met, "why": "" if values else why or "not run",
+                    "loading": loading or []})
 
-    goal("vs_aws", "ckptd reader / aws s3 cp + dcp.load, wall", ratios(doc, v[4], v[1]), 0.6,
-         errors(doc, v[4]) or errors(doc, v[1]))
-    goal("vs_s3tc", "ckptd reader / s3torchconnector, wall", ratios(doc, v[4], v[2]), 0.8,
-         errors(doc, v[4]) or errors(doc, v[2]))
-    goal("vs_restore", "ckptd reader / ckptd restore + dcp.load, wall",
-         ratios(doc, v[4], v[3]), None, errors(doc, v[4]) or errors(doc, v[3]))
+    def walls_of(num: str, den: str, limit: float | None) -> None:
+        key = {v[1]: "vs_aws", v[2]: "vs_s3tc", v[3]: "vs_restore", v[7]: "native"}[den]
+        goal(key, f"{num} / {den}, wall", ratios(doc, num, den), limit,
+             errors(doc, num) or errors(doc, den), ratios(doc, num, den, "load_s"))
+
+    walls_of(v[4], v[1], 0.6)
+    walls_of(v[4], v[2], 0.8)
+    walls_of(v[4], v[3], None)
     rss = [(r[v[4]]["peak_rss"] - r[v[0]]["peak_rss"]) / 2**20 for r in doc["rounds"]
            if v[4] in r and v[0] in r and not r[v[4]]["error"] and not r[v[0]]["error"]]
     goal("rss", "ckptd reader peak RSS − local dcp.load's, MiB", rss, 128,
@@ -311,8 +322,7 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
             if n in r and not r[n]["error"] and r[n]["bucket_bytes"] and stored]
     goal("half", "half-state load: bytes fetched / step's stored bytes, per rank", half, 0.6,
          errors(doc, v[5]) or errors(doc, v[6]) or "the reader reports no bytes read")
-    goal("native", "ckptd.torch.load(source=remote) / restore + load, wall",
-         ratios(doc, v[8], v[7]), 0.7, errors(doc, v[8]) or errors(doc, v[7]))
+    walls_of(v[8], v[7], 0.7)
     return out
 
 
@@ -353,7 +363,8 @@ def report(doc: dict[str, Any]) -> str:
     for g in doc["goals"]:
         verdict = "not measured" if g["met"] is None else ("met" if g["met"] else "NOT met")
         limit = "" if g["limit"] is None else f" ≤ {g['limit']}"
-        lines.append(f"{g['goal']}{limit}: {fig(g['values'])} → {verdict}"
+        alone = f" (loading alone {fig(g['loading'])})" if g["loading"] else ""
+        lines.append(f"{g['goal']}{limit}: {fig(g['values'])}{alone} → {verdict}"
                      + (f" ({g['why']})" if g["why"] else ""))
     return "\n".join(lines)
 
