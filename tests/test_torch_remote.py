@@ -95,3 +95,20 @@ def test_importing_the_training_side_stays_light() -> None:
                          check=True).stdout.strip()
     assert out == "[]", out
     _ = trained
+
+
+def test_ckptd_open_reads_a_file_of_the_step(tmp_path: Path, published: Any) -> None:
+    """By its path in the step or in the root; seekable; the bytes are the original's."""
+    import ckptd
+
+    root, url, _model, _opt = published
+    want = (root / "step-3" / "model.pt").read_bytes()
+    for name in ("model.pt", "step-3/model.pt"):
+        with ckptd.open("r", 3, name, remote=url) as f:
+            assert f.read() == want
+            f.seek(len(want) // 3)
+            assert f.read(1000) == want[len(want) // 3 : len(want) // 3 + 1000]
+            f.seek(-10, 2)
+            assert f.read() == want[-10:]
+    with pytest.raises(NotFound, match="no file"):
+        ckptd.open("r", 3, "nothing.pt", remote=url)

@@ -7,6 +7,7 @@ Decides nothing about the plan (DCP's planner does) and writes nothing but the d
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import io
 import os
@@ -172,7 +173,7 @@ class StorageReader(_StorageReader):
             sink = (_Transformed(length, reqs, planner, transforms[offset, length], what)
                     if transforms[offset, length] else _slice(reqs, length, planner, what))
             router.add(offset, length, sink)
-        step.reader(path).read(router.ranges(), router.feed)
+        step.reader(path).read(router.ranges(), router.feed, router.place)
         router.finish()
 
 
@@ -265,7 +266,8 @@ class _Router:
 
     def __init__(self, where: str, stop: threading.Event) -> None:
         self.where, self.stop = where, stop
-        self.starts: list[int] = []
+        self.offsets: list[int] = []
+        self.finished: list[bool] = []
         self.slices: list[tuple[int, int, TensorSlice | _Bytes]] = []
         self.at = 0
 
@@ -273,6 +275,8 @@ class _Router:
         if self.slices and offset < self.slices[-1][0] + self.slices[-1][1]:
             raise CorruptData(f"{self.where}: DCP metadata has overlapping slices at {offset}")
         self.slices.append((offset, length, sink))
+        self.offsets.append(offset)
+        self.finished.append(False)
 
     def ranges(self) -> Ranges:
         return [(o, o + n) for o, n, _ in self.slices if n > 0]
@@ -292,7 +296,25 @@ class _Router:
             n = min(len(view), offset + length - at)
             sink.feed(view[:n])
             view, at = view[n:], at + n
+            if at == offset + length:  # whole: its buffer goes now, not with the file's end
+                self._finish(self.at)
+
+    def place(self, start: int, n: int) -> memoryview | None:
+        """The destination memory of raw bytes [start, start+n) when one slice's tensor data
+        holds them all and its destination is known (called on decoding threads)."""
+        i = bisect.bisect_right(self.offsets, start) - 1
+        if i < 0:
+            return None
+        offset, length, sink = self.slices[i]
+        if start + n > offset + length or not isinstance(sink, TensorSlice):
+            return None
+        return sink.placement(start - offset, n)
+
+    def _finish(self, i: int) -> None:
+        if not self.finished[i]:
+            self.finished[i] = True
+            self.slices[i][2].finish()
 
     def finish(self) -> None:
-        for _offset, _length, sink in self.slices:
-            sink.finish()
+        for i in range(len(self.slices)):
+            self._finish(i)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ckptd.errors import CorruptData
@@ -148,6 +149,8 @@ class TensorSlice:
         self._direct: torch.Tensor | None = None
         self._left = 0  # bytes of the storage record still to come
         self._zip64_data = False
+        self._consumed = 0  # bytes of the slice parsed and dropped from the head
+        self._data_at = -1  # where the storage's bytes start in the slice, once known
         self._state = "records"  # records | data | descriptor | done
         self._got = 0
 
@@ -177,7 +180,9 @@ class TensorSlice:
         n = min(self._left, len(view))
         assert self._dest is not None
         at = len(self._dest) - self._left
-        self._dest[at : at + n] = view[:n]
+        target = self._dest[at : at + n]
+        if n and _address(target) != _address(view):  # else decoded in place already
+            target[:] = view[:n]
         self._left -= n
         if self._left == 0:
             self._state = "descriptor"
@@ -227,7 +232,9 @@ class TensorSlice:
             self._layout = read_layout(bytes(head[start:end]))
         elif name.endswith("/byteorder") and bytes(head[start:end]) != b"little":
             raise _Unusual("a big-endian archive")
-        del head[: end + self._descriptor_len(flags, end)]
+        drop = end + self._descriptor_len(flags, end)
+        del head[:drop]
+        self._consumed += drop
         return True
 
     def _small_end(self, start: int, flags: int, csize: int) -> int | None:
@@ -256,6 +263,7 @@ class TensorSlice:
             raise _Unusual(f"record {name!r} before data.pkl, or a second storage")
         nbytes = layout.numel * layout.dtype.itemsize
         self._zip64_data = nbytes >= _ZIP64
+        self._data_at = self._consumed + start  # set before _dest: `placement` reads both
         self._dest = self._destination(layout, nbytes)
         self._left = nbytes
         rest = memoryview(bytes(self._head[start:]))
@@ -275,6 +283,19 @@ class TensorSlice:
                               "data.pkl says otherwise")
 
     # -- where the bytes go ------------------------------------------------------------------
+
+    def placement(self, rel: int, n: int) -> memoryview | None:
+        """The destination of the slice's bytes [rel, rel+n) when they are all tensor data
+        and the destination is known; called on a decoding thread while this slice is fed
+        (`_dest` and `_data_at` are set once, `_data_at` first)."""
+        dest = self._dest
+        data_at = self._data_at
+        if dest is None or self._slow or data_at < 0:
+            return None
+        lo = rel - data_at
+        if lo < 0 or lo + n > len(dest):
+            return None
+        return dest[lo : lo + n]
 
     def _destination(self, layout: _Layout, nbytes: int) -> memoryview:
         if len(self.wants) == 1 and self._fits(layout, self.wants[0]):
@@ -351,6 +372,13 @@ def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(strides))
+
+
+def _address(view: memoryview) -> int:
+    """Where a buffer's first byte lives (0 for an empty one)."""
+    if not len(view):
+        return 0
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

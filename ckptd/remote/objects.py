@@ -6,6 +6,7 @@ nothing, and decides nothing about which files or ranges are wanted (the loaders
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -25,8 +26,14 @@ from ckptd.restore.pipe import Pipe
 
 # (raw offset, bytes) in ascending raw order; the view is only valid during the call.
 Sink = Callable[[int, memoryview], None]
+# (raw offset, length) -> memory those bytes go to, or None: see ObjectReader.read.
+Place = Callable[[int, int], memoryview | None]
 Ranges = list[tuple[int, int]]
 
+# Stored bytes are fetched in spans this big, aligned to multiples of it from the object's
+# start: fewer requests than one per block, and a store that keeps objects in aligned chunks
+# (SeaweedFS) sends each chunk once instead of twice for ranges that straddle them.
+SPAN = 8 << 20
 # An object this small is fetched with one GET and decoded as a stream: a ranged read would
 # cost a request for its index and gain nothing.
 WHOLE_BELOW = 4 << 20
@@ -66,10 +73,13 @@ class ObjectReader:
     or NotFound naming the object's URL."""
 
     def __init__(self, backend: Backend, key: str, f: StoredFile, pool: ThreadPoolExecutor,
-                 stats: ReadStats, window: int, slots: threading.Semaphore | None = None
-                 ) -> None:
+                 stats: ReadStats, window: int, slots: threading.Semaphore | None = None,
+                 fetcher: ThreadPoolExecutor | None = None) -> None:
         self.backend, self.key, self.f = backend, key, f
         self.pool, self.stats, self.window = pool, stats, max(1, window)
+        # Span fetches run apart from decoding: a decoding thread waits on its spans, so the
+        # two must not share one pool (all its threads could be waiting).
+        self.fetcher = fetcher or pool
         self.slots = slots or threading.Semaphore(self.window)
         self.where = f"{backend.url.rstrip('/')}/{key}"
         self._index: BlockIndex | None = None
@@ -115,7 +125,10 @@ class ObjectReader:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def read(self, ranges: Ranges | None, sink: Sink) -> None:
+    def read(self, ranges: Ranges | None, sink: Sink, place: Place | None = None) -> None:
+        """`place(raw_start, raw_len)`, when given, may return the memory a block's bytes
+        are to end up in (called on a decoding thread): the block is decoded straight into
+        it, and the sink then gets that same memory."""
         f = self.f
         wanted = merge(ranges) if ranges is not None else [(0, f.size)]
         if any(s < 0 or e > f.size for s, e in wanted):
@@ -128,9 +141,10 @@ class ObjectReader:
         if index is None:
             self._stream(wanted, sink)
         else:
-            self._blocks(index, wanted, sink)
+            self._blocks(index, wanted, sink, place)
 
-    def _blocks(self, index: BlockIndex, wanted: Ranges, sink: Sink) -> None:
+    def _blocks(self, index: BlockIndex, wanted: Ranges, sink: Sink, place: Place | None
+                ) -> None:
         needed: dict[int, Block] = {}
         for start, end in wanted:
             for b in index.covering(start, end):
@@ -138,34 +152,62 @@ class ObjectReader:
         blocks = [needed[i] for i in sorted(needed)]
         whole = len(blocks) == len(index.blocks)
         hasher = HashSink() if whole else None
+        spans = _Spans(self, blocks)
         pending: deque[Future[tuple[Block, Any]]] = deque()  # each holds one of `slots`
-        at = 0
+        at = done = 0
 
         def deliver() -> int:
+            nonlocal done
             try:
                 return self._deliver(pending.popleft(), wanted, at, sink, hasher)
             finally:
                 self.slots.release()
+                spans.forget(done)
+                done += 1
 
         try:
-            for block in blocks:
+            for i, block in enumerate(blocks):
                 # A slot for every block in flight, shared by the files read at once; wait for
                 # one only when nothing of this file is pending (else deliver first).
                 while len(pending) >= self.window or not self.slots.acquire(
                         blocking=not pending):
                     at = deliver()
-                pending.append(self.pool.submit(self._fetch_block, block, index))
+                pending.append(self.pool.submit(self._decode, block, index, spans.fetch(i),
+                                                place))
             while pending:
                 at = deliver()
         except BaseException:
             for fut in pending:
                 fut.cancel()
                 self.slots.release()
+            spans.cancel()
             raise
         if hasher is not None:
             self._check_whole(hasher, index.raw_size)
 
+    def _decode(self, block: Block, index: BlockIndex, parts: list[tuple[int, Future[Any]]],
+                place: Place | None) -> tuple[Block, Any]:
+        """Decode one block from the spans that hold it, into the place its bytes go to when
+        the sink has one ready (a destination tensor), else into a buffer of its own."""
+        pieces = [(at, memoryview(f.result())) for at, f in parts]
+        stored: bytes | memoryview
+        lo, hi = block.stored_start, block.stored_start + block.stored_len
+        if len(pieces) == 1:
+            at, view = pieces[0]
+            stored = view[lo - at : hi - at]
+        else:  # across a piece boundary: joined (one copy of one block's stored bytes)
+            stored = b"".join(v[max(lo - at, 0) : hi - at] for at, v in pieces)
+        found = place(block.raw_start, block.raw_len) if place is not None else None
+        out = found if found is not None else np.empty(block.raw_len, dtype=np.uint8).data
+        try:
+            decode_block(index.codec, block, memoryview(stored), out, index.version)
+        except CorruptData as exc:
+            raise CorruptData(f"{self.where}: {exc}") from None
+        self.stats.count(0, requests=0, blocks=1)
+        return block, out
+
     def _fetch_block(self, block: Block, index: BlockIndex) -> tuple[Block, Any]:
+        """One block fetched by its own range and decoded (random access: `ckptd.open`)."""
         stored = self._get_view(block.stored_start, block.stored_start + block.stored_len)
         out = np.empty(block.raw_len, dtype=np.uint8)
         try:
@@ -173,14 +215,14 @@ class ObjectReader:
         except CorruptData as exc:
             raise CorruptData(f"{self.where}: {exc}") from None
         self.stats.count(0, requests=0, blocks=1)
-        return block, out
+        return block, out.data
 
     def _deliver(self, fut: Future[tuple[Block, Any]], wanted: Ranges, at: int, sink: Sink,
                  hasher: HashSink | None) -> int:
         """Hand one decoded block's wanted pieces to the sink; `at` is the first range that
         may still overlap (ranges and blocks both ascend)."""
         block, out = fut.result()
-        view = out.data
+        view = memoryview(out).cast("B")
         if hasher is not None:
             hasher.update(block.raw_start, view)
         lo, hi = block.raw_start, block.raw_start + block.raw_len
@@ -232,6 +274,62 @@ class ObjectReader:
             pipe.end(exc)
         else:
             pipe.end(None)
+
+
+class _Spans:
+    """The stored bytes the blocks of one read need: the needed blocks' extents joined where
+    they touch, cut at multiples of SPAN, each piece fetched once (on the fetch pool) and
+    dropped after the last block that needs it is delivered. A whole file is fetched in
+    aligned SPAN pieces; a sparse read fetches only its blocks' bytes."""
+
+    def __init__(self, reader: ObjectReader, blocks: list[Block]) -> None:
+        self.reader, self.blocks = reader, blocks
+        self.pieces: list[tuple[int, int]] = []
+        for run_start, run_end in _runs(blocks):
+            at = run_start
+            while at < run_end:
+                cut = min(run_end, (at // SPAN + 1) * SPAN)
+                self.pieces.append((at, cut))
+                at = cut
+        starts = [p[0] for p in self.pieces]
+        self.uses: list[list[int]] = []
+        self.last: dict[int, int] = {}
+        for i, blk in enumerate(blocks):
+            lo, hi = blk.stored_start, blk.stored_start + blk.stored_len
+            first = bisect.bisect_right(starts, lo) - 1
+            used = [k for k in range(first, len(self.pieces)) if self.pieces[k][0] < hi]
+            self.uses.append(used)
+            for k in used:
+                self.last[k] = i
+        self.futures: dict[int, Future[Any]] = {}
+
+    def fetch(self, i: int) -> list[tuple[int, Future[Any]]]:
+        for k in self.uses[i]:
+            if k not in self.futures:
+                start, end = self.pieces[k]
+                self.futures[k] = self.reader.fetcher.submit(self.reader._get_view, start, end)
+        return [(self.pieces[k][0], self.futures[k]) for k in self.uses[i]]
+
+    def forget(self, i: int) -> None:
+        for k in self.uses[i]:
+            if self.last.get(k) == i:
+                self.futures.pop(k, None)
+
+    def cancel(self) -> None:
+        for fut in self.futures.values():
+            fut.cancel()
+
+
+def _runs(blocks: list[Block]) -> list[tuple[int, int]]:
+    """The stored extents of ascending blocks, joined where one ends where the next starts."""
+    runs: list[tuple[int, int]] = []
+    for blk in blocks:
+        lo, hi = blk.stored_start, blk.stored_start + blk.stored_len
+        if runs and runs[-1][1] == lo:
+            runs[-1] = (runs[-1][0], hi)
+        else:
+            runs.append((lo, hi))
+    return runs
 
 
 class _RangeWriter:

@@ -26,6 +26,8 @@ StepArg = int | str
 # enough that the reader's own memory stays a few tens of MiB (each holds a stored block and
 # its decoded bytes, 4 MiB each at the default block size).
 DEFAULT_THREADS = min(8, 2 * (os.cpu_count() or 1) + 2)
+# Span requests in flight at once (each 8 MiB, remote.objects.SPAN).
+FETCHES = 4
 
 
 def open_backend(root: str, config: str | os.PathLike[str] | None = None,
@@ -76,6 +78,7 @@ class RemoteStep:
         self._files = {f.path: f for f in manifest.files}
         self._readers: dict[str, ObjectReader] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._fetch: ThreadPoolExecutor | None = None
         # Decoded blocks in flight across every file read at once: what bounds the memory.
         self.slots = threading.Semaphore(self.threads + 2)
         self._lock = threading.Lock()
@@ -102,21 +105,28 @@ class RemoteStep:
     def stored(self, path: str) -> StoredFile:
         """The manifest entry of original file `path`; NotFound naming the step otherwise."""
         f = self._files.get(path)
-        if f is None:
-            raise NotFound(f"{self.url}: the step has no file {path!r}")
+        if f is None:  # a path inside the step's checkpoint ("model.safetensors" for
+            # "step-1000/model.safetensors"), when exactly one file ends so
+            ends = [g for p, g in self._files.items() if p.endswith("/" + path)]
+            if len(ends) == 1:
+                return ends[0]
+            raise NotFound(f"{self.url}: the step has no file {path!r}"
+                           + (f" (several end so: {sorted(g.path for g in ends)[:4]})"
+                              if ends else ""))
         return f
 
     def reader(self, path: str) -> ObjectReader:
         f = self.stored(path)
         with self._lock:
-            return self._reader(path, f)
+            return self._reader(f.path, f)
 
     def _reader(self, path: str, f: StoredFile) -> ObjectReader:
         found = self._readers.get(path)
         if found is None:
             key = f"{step_prefix(self.root, self.step)}/{f.key}"
             found = ObjectReader(self.backend, key, f, self._executor(), self.stats,
-                                 window=self.threads, slots=self.slots)
+                                 window=self.threads, slots=self.slots,
+                                 fetcher=self._fetch_executor())
             self._readers[path] = found
         return found
 
@@ -125,10 +135,16 @@ class RemoteStep:
             self._pool = ThreadPoolExecutor(self.threads, "ckptd-read")
         return self._pool
 
+    def _fetch_executor(self) -> ThreadPoolExecutor:
+        if self._fetch is None:
+            self._fetch = ThreadPoolExecutor(FETCHES, "ckptd-fetch")
+        return self._fetch
+
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        for pool in (self._pool, self._fetch):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = self._fetch = None
 
     def __enter__(self) -> RemoteStep:
         return self
