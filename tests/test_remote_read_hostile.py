@@ -12,7 +12,9 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
+import struct
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -31,7 +33,7 @@ import ckptd.torch as ckpt
 from ckptd.backends import LocalBackend
 from ckptd.codec import TAIL_PROBE, Block, make_encoder, read_index
 from ckptd.dcp import StorageReader
-from ckptd.errors import CkptdError, CorruptData, NotFound, ValidationFailed
+from ckptd.errors import CkptdError, CorruptData, NotFound, TransientError, ValidationFailed
 from ckptd.fileio import HashSink
 from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile, parse_manifest, step_prefix
 
@@ -150,16 +152,23 @@ def failure(fn: Callable[[], Any]) -> BaseException:
     return exc
 
 
+def load_error(kind: Kind, url: str) -> BaseException:
+    """The error loading `kind` from `url` ends with. DCP turns a failed metadata read into an
+    AssertionError carrying the reader's message (and its type lost): then the reader's own
+    error, from reading the metadata directly, must be the one that message carried."""
+    exc = failure(lambda: load(kind, url))
+    if isinstance(exc, AssertionError) and "global metadata read failed:" in str(exc):
+        direct = failure(StorageReader(kind.root, kind.step, remote=url).read_metadata)
+        assert f"global metadata read failed: {direct};" in str(exc), (direct, exc)
+        return direct
+    return exc
+
+
 def ckptd_error(exc: BaseException, kind_of: type[CkptdError], *names: str) -> None:
-    """`exc` is a `kind_of` whose message names each of `names`. DCP turns a failed metadata
-    read into an AssertionError carrying the reader's message; that counts as the message."""
-    text = str(exc)
-    if isinstance(exc, AssertionError) and "global metadata read failed:" in text:
-        text = text.split("global metadata read failed:", 1)[1]
-    else:
-        assert isinstance(exc, kind_of), f"{type(exc).__name__}: {text}"
+    """`exc` is a `kind_of` whose message names each of `names`."""
+    assert isinstance(exc, kind_of), f"{type(exc).__name__}: {exc}"
     for name in names:
-        assert name in text, f"{name!r} not in: {text}"
+        assert name in str(exc), f"{name!r} not in: {exc}"
 
 
 # -- damaged data objects ----------------------------------------------------------------------
@@ -180,17 +189,28 @@ def garbage_footer(obj: Path) -> None:
     obj.write_bytes(raw)
 
 
-def lying_footer(obj: Path) -> None:
-    """The footer's magic kept, every number before it all ones: counts and lengths that
-    would ask for gigabytes if believed."""
+def ones_footer(obj: Path) -> None:
+    """The footer's magic kept, every byte before it in the footer all ones."""
     raw = bytearray(obj.read_bytes())
     size = 28 if obj.name.endswith(".zbg") else 9  # the container's footer; the seek table's
     raw[-size:-4] = b"\xff" * (size - 4)
     obj.write_bytes(raw)
 
 
+def lying_footer(obj: Path) -> None:
+    """A well-formed footer (magic, version, flags) claiming 2**32 - 1 blocks or frames: an
+    index of 32 GiB if believed."""
+    raw = bytearray(obj.read_bytes())
+    many = 0xFFFFFFFF
+    if obj.name.endswith(".zbg"):  # index length, blocks, block size, version, flags, reserved
+        raw[-28:-8] = struct.pack("<QIIBBH", many * 8, many, 4 << 20, 3, 0, 0)
+    else:  # the seek table's frame count and descriptor (checksums present)
+        raw[-9:-4] = struct.pack("<IB", many, 0x80)
+    obj.write_bytes(raw)
+
+
 DAMAGE = {"cut-1": cut(1), "cut-half": cut(None), "garbage-footer": garbage_footer,
-          "lying-footer": lying_footer}
+          "ones-footer": ones_footer, "lying-footer": lying_footer}
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -198,7 +218,7 @@ def test_a_missing_data_object(remote: Path, kind: str) -> None:
     k = KINDS[kind]
     obj, f = stored(remote, k, k.data)
     obj.unlink()
-    ckptd_error(failure(lambda: load(k, url_of(remote))), NotFound, f.key, "missing")
+    ckptd_error(load_error(k, url_of(remote)), NotFound, f.key, "missing")
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
@@ -207,7 +227,7 @@ def test_a_damaged_data_object(remote: Path, kind: str, damage: str) -> None:
     k = KINDS[kind]
     obj, f = stored(remote, k, k.data)
     DAMAGE[damage](obj)
-    ckptd_error(failure(lambda: load(k, url_of(remote))), CorruptData, f.key)
+    ckptd_error(load_error(k, url_of(remote)), CorruptData, f.key)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -218,7 +238,7 @@ def test_a_flipped_byte_in_a_block_payload(remote: Path, kind: str) -> None:
     raw = bytearray(obj.read_bytes())
     raw[b.stored_start + b.stored_len // 2] ^= 0x10
     obj.write_bytes(raw)
-    ckptd_error(failure(lambda: load(k, url_of(remote))), CorruptData, f.key,
+    ckptd_error(load_error(k, url_of(remote)), CorruptData, f.key,
                 f"(raw offset {b.raw_start})")
 
 
@@ -229,7 +249,7 @@ def test_bytes_appended_to_a_data_object(remote: Path, kind: str) -> None:
     k = KINDS[kind]
     obj, f = stored(remote, k, k.data)
     obj.write_bytes(obj.read_bytes() + b"\0" * 17)
-    ckptd_error(failure(lambda: load(k, url_of(remote))), CorruptData, f.key)
+    ckptd_error(load_error(k, url_of(remote)), CorruptData, f.key)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -237,7 +257,7 @@ def test_bytes_appended_to_a_small_object(remote: Path, kind: str) -> None:
     k = KINDS[kind]
     obj, f = stored(remote, k, k.small)
     obj.write_bytes(obj.read_bytes() + b"\0" * 17)
-    ckptd_error(failure(lambda: load(k, url_of(remote))), CorruptData, f.key)
+    ckptd_error(load_error(k, url_of(remote)), CorruptData, f.key)
 
 
 def test_a_manifest_size_far_past_the_object(remote: Path) -> None:
@@ -245,7 +265,7 @@ def test_a_manifest_size_far_past_the_object(remote: Path) -> None:
     k = KINDS["dcp"]
     lie_in_manifest(remote, k, k.data, size=1 << 50)
     _obj, f = stored(remote, k, k.data)
-    ckptd_error(failure(lambda: load(k, url_of(remote))), CorruptData, f.key)
+    ckptd_error(load_error(k, url_of(remote)), CorruptData, f.key)
 
 
 # -- a pickle that would run code ------------------------------------------------------------
@@ -292,7 +312,7 @@ def test_dcp_metadata_that_names_os_system_is_refused(remote: Path, tmp_path: Pa
     k = KINDS["dcp"]
     marker = tmp_path / "ran"
     f = replace_file(remote, k, k.small, pickle.dumps(Boom(marker)))
-    exc = failure(lambda: load(k, url_of(remote)))
+    exc = load_error(k, url_of(remote))
     ckptd_error(exc, CorruptData, f.key, "not DCP metadata", "system")
     assert not marker.exists()
 
@@ -303,7 +323,7 @@ def test_a_native_file_that_names_os_system_is_refused(remote: Path, tmp_path: P
     buf = io.BytesIO()
     torch.save({"weight": torch.zeros(2), "x": Boom(marker)}, buf)
     replace_file(remote, k, k.data, buf.getvalue())
-    exc = failure(lambda: load(k, url_of(remote)))
+    exc = load_error(k, url_of(remote))
     ckptd_error(exc, ValidationFailed, k.data, "refused")
     assert not marker.exists()
 
@@ -323,7 +343,7 @@ def lie_in_manifest(remote: Path, kind: Kind, path: str, **fields: Any) -> None:
 def test_a_step_without_its_manifest_is_not_committed(remote: Path, kind: str) -> None:
     k = KINDS[kind]
     (remote / step_prefix(k.root, k.step) / MANIFEST_NAME).unlink()
-    exc = failure(lambda: load(k, url_of(remote)))
+    exc = load_error(k, url_of(remote))
     ckptd_error(exc, NotFound, f"step {k.step}", f"{step_prefix(k.root, k.step)}/{MANIFEST_NAME}")
     # nor is it "latest": the root has no committed step at all now
     with pytest.raises(NotFound, match="no committed step"):
@@ -336,7 +356,7 @@ def test_a_step_without_its_manifest_is_not_committed(remote: Path, kind: str) -
 def test_a_manifest_naming_a_key_outside_the_step(remote: Path, kind: str, key: str) -> None:
     k = KINDS[kind]
     lie_in_manifest(remote, k, k.data, key=key)
-    exc = failure(lambda: load(k, url_of(remote)))
+    exc = load_error(k, url_of(remote))
     ckptd_error(exc, CorruptData, f"{step_prefix(k.root, k.step)}/{MANIFEST_NAME}",
                 "unsafe path")
 
@@ -380,7 +400,7 @@ def test_open_fails_at_the_corrupt_block(source: Path, remote: Path, kind: str) 
     want = original(source, k, k.data)
     with ckptd.open(k.root, k.step, k.data, remote=url_of(remote)) as fh:
         assert fh.read(b.raw_start) == want[: b.raw_start]  # block 0 is whole
-        with pytest.raises(CorruptData, match=f.key.replace(".", r"\.")):
+        with pytest.raises(CorruptData, match=re.escape(f.key)):
             fh.read(4096)
         fh.seek(b.raw_start + b.raw_len)  # past it: the blocks after it still read
         assert fh.read(4096) == want[b.raw_start + b.raw_len :][:4096]
@@ -413,8 +433,9 @@ def behind_proxy(tmp_path: Path, s3_server: S3Server, s3_url: str, fault_proxy: 
     return conf
 
 
-def stalled_load(reader: StorageReader, fault_proxy: Any) -> BaseException:
-    fault_proxy.set("stall", count=1000, stall_s=STALL_S)  # every new connection
+def stalled_load(reader: StorageReader, fault_proxy: Any) -> str:
+    """Stall every new connection, load: the message the load failed with, in bounded time."""
+    fault_proxy.set("stall", count=1000, stall_s=STALL_S)
     started = time.monotonic()
     exc = failure(lambda: dcp.load({"big": torch.zeros(10_000_000)}, storage_reader=reader,
                                    no_dist=True))
@@ -423,13 +444,18 @@ def stalled_load(reader: StorageReader, fault_proxy: Any) -> BaseException:
     # Each try waits one read timeout (see the xfail below for how many tries there are);
     # far less than the stall, and than the default read timeout of a minute.
     assert took < STALL_S / 3, f"the load took {took:.1f} s to fail behind a stalled store"
-    return exc
+    # The metadata read failed: DCP's AssertionError carries the reader's message.
+    assert isinstance(exc, AssertionError), f"{type(exc).__name__}: {exc}"
+    return str(exc).split("global metadata read failed:", 1)[1].split(";")[0]
 
 
 def test_a_store_stalled_from_the_start_fails_the_load_in_time(
         behind_proxy: Path, fault_proxy: Any) -> None:
-    exc = stalled_load(StorageReader("llm", 1, config=behind_proxy), fault_proxy)
-    ckptd_error(exc, CkptdError, f"llm/step-1/{MANIFEST_NAME}", "timed out")
+    message = stalled_load(StorageReader("llm", 1, config=behind_proxy), fault_proxy)
+    key = f"llm/step-1/{MANIFEST_NAME}"
+    assert key in message and "timed out" in message, message
+    with pytest.raises(TransientError, match=re.escape(key)):  # the type DCP's wrapping lost
+        assert StorageReader("llm", 1, config=behind_proxy).step
 
 
 def test_a_store_that_stalls_once_the_step_is_open_fails_the_load_in_time(
@@ -441,8 +467,11 @@ def test_a_store_that_stalls_once_the_step_is_open_fails_the_load_in_time(
     fault_proxy.set("status", count=1000, status=500)
     with pytest.raises(CkptdError, match=r"\.metadata"):
         reader.read_metadata()
-    exc = stalled_load(reader, fault_proxy)
-    ckptd_error(exc, CkptdError, "llm/step-1/step-1/", "timed out")
+    message = stalled_load(reader, fault_proxy)
+    key = "llm/step-1/step-1/.metadata"
+    assert key in message and "timed out" in message, message
+    with pytest.raises(TransientError, match=re.escape(key)):
+        reader.read_metadata()
     reader.close()
 
 
