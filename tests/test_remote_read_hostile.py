@@ -49,8 +49,7 @@ MEMORY_BOUND = 192 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    """One published step: its root, step, big data file (read by ranges through its block
-    index) and a small file read whole."""
+    """A published step: root, step, a big data file (read by ranges) and a small one."""
 
     root: str
     step: int
@@ -117,13 +116,16 @@ def stored(remote: Path, kind: Kind, path: str) -> tuple[Path, StoredFile]:
     return remote / step_prefix(kind.root, kind.step) / f.key, f
 
 
-def block(obj: Path, f: StoredFile, i: int) -> Block:
-    """Block `i` of a stored object, from its own index."""
-    raw = obj.read_bytes()
-    index = read_index(f.codec, f.stored_size, f.size, raw[-TAIL_PROBE:],
-                       lambda s, e: raw[s:e])
+def flip_block(obj: Path, f: StoredFile, i: int) -> Block:
+    """Flip a byte in the middle of block `i` of stored object `obj` (found by its index)."""
+    raw = bytearray(obj.read_bytes())
+    index = read_index(f.codec, f.stored_size, f.size, bytes(raw[-TAIL_PROBE:]),
+                       lambda s, e: bytes(raw[s:e]))
     assert index is not None
-    return index.blocks[i]
+    b = index.blocks[i]
+    raw[b.stored_start + b.stored_len // 2] ^= 0x10
+    obj.write_bytes(raw)
+    return b
 
 
 def load(kind: Kind, url: str) -> None:
@@ -174,86 +176,51 @@ def ckptd_error(exc: BaseException, kind_of: type[CkptdError], *names: str) -> N
 # -- damaged data objects ----------------------------------------------------------------------
 
 
-def cut(n: int | None) -> Callable[[Path], None]:
-    def damage(obj: Path) -> None:
-        raw = obj.read_bytes()
-        obj.write_bytes(raw[: len(raw) // 2 if n is None else len(raw) - n])
-    return damage
-
-
-def garbage_footer(obj: Path) -> None:
-    """The last 28 bytes (the container's index footer; the zstd seek table's footer and
-    more) replaced by garbage: no index magic left."""
-    raw = bytearray(obj.read_bytes())
-    raw[-28:] = bytes(range(100, 128))
-    obj.write_bytes(raw)
-
-
-def ones_footer(obj: Path) -> None:
-    """The footer's magic kept, every byte before it in the footer all ones."""
-    raw = bytearray(obj.read_bytes())
-    size = 28 if obj.name.endswith(".zbg") else 9  # the container's footer; the seek table's
-    raw[-size:-4] = b"\xff" * (size - 4)
-    obj.write_bytes(raw)
-
-
-def lying_footer(obj: Path) -> None:
-    """A well-formed footer (magic, version, flags) claiming 2**32 - 1 blocks or frames: an
-    index of 32 GiB if believed."""
+def damage(obj: Path, f: StoredFile, how: str) -> str:
+    """Damage stored object `obj` (manifest entry `f`) `how`; what the error must also say."""
     raw = bytearray(obj.read_bytes())
     many = 0xFFFFFFFF
-    if obj.name.endswith(".zbg"):  # index length, blocks, block size, version, flags, reserved
-        raw[-28:-8] = struct.pack("<QIIBBH", many * 8, many, 4 << 20, 3, 0, 0)
-    else:  # the seek table's frame count and descriptor (checksums present)
-        raw[-9:-4] = struct.pack("<IB", many, 0x80)
+    footer = 28 if f.codec == "zstd-bytegroup" else 9  # the container's; the seek table's
+    if how == "missing":
+        obj.unlink()
+        return "missing"
+    if how == "flipped-block":
+        return f"(raw offset {flip_block(obj, f, 1).raw_start})"
+    if how in ("cut-1", "cut-half"):
+        del raw[len(raw) - 1 if how == "cut-1" else len(raw) // 2 :]
+    elif how == "appended":
+        raw += b"\0" * 17
+    elif how == "garbage-footer":  # no index magic left
+        raw[-28:] = bytes(range(100, 128))
+    elif how == "ones-footer":  # the magic kept, all ones before it
+        raw[-footer:-4] = b"\xff" * (footer - 4)
+    elif how == "lying-footer":  # well formed, claiming 2**32-1 blocks: 32 GiB if believed
+        if f.codec == "zstd-bytegroup":  # index length, blocks, block size, version, flags
+            raw[-28:-8] = struct.pack("<QIIBBH", many * 8, many, 4 << 20, 3, 0, 0)
+        else:  # frames, descriptor (checksums present)
+            raw[-9:-4] = struct.pack("<IB", many, 0x80)
     obj.write_bytes(raw)
+    return ""
 
 
-DAMAGE = {"cut-1": cut(1), "cut-half": cut(None), "garbage-footer": garbage_footer,
-          "ones-footer": ones_footer, "lying-footer": lying_footer}
-
-
+@pytest.mark.parametrize("how", [
+    "missing", "cut-1", "cut-half", "garbage-footer", "ones-footer", "lying-footer",
+    "flipped-block",
+    pytest.param("appended", marks=pytest.mark.xfail(strict=True, reason=(
+        "an indexed object read by ranges is never checked against the manifest's "
+        "stored_size: bytes appended after it go unseen")))])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_a_missing_data_object(remote: Path, kind: str) -> None:
+def test_a_damaged_data_object(remote: Path, kind: str, how: str) -> None:
     k = KINDS[kind]
     obj, f = stored(remote, k, k.data)
-    obj.unlink()
-    ckptd_error(load_error(k, url_of(remote)), NotFound, f.key, "missing")
-
-
-@pytest.mark.parametrize("damage", sorted(DAMAGE))
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_a_damaged_data_object(remote: Path, kind: str, damage: str) -> None:
-    k = KINDS[kind]
-    obj, f = stored(remote, k, k.data)
-    DAMAGE[damage](obj)
-    ckptd_error(load_error(k, url_of(remote)), CorruptData, f.key)
-
-
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_a_flipped_byte_in_a_block_payload(remote: Path, kind: str) -> None:
-    k = KINDS[kind]
-    obj, f = stored(remote, k, k.data)
-    b = block(obj, f, 1)
-    raw = bytearray(obj.read_bytes())
-    raw[b.stored_start + b.stored_len // 2] ^= 0x10
-    obj.write_bytes(raw)
-    ckptd_error(load_error(k, url_of(remote)), CorruptData, f.key,
-                f"(raw offset {b.raw_start})")
-
-
-@pytest.mark.xfail(strict=True, reason="an indexed object read by ranges is never checked "
-                   "against the manifest's stored_size: bytes appended after it go unseen")
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_bytes_appended_to_a_data_object(remote: Path, kind: str) -> None:
-    k = KINDS[kind]
-    obj, f = stored(remote, k, k.data)
-    obj.write_bytes(obj.read_bytes() + b"\0" * 17)
-    ckptd_error(load_error(k, url_of(remote)), CorruptData, f.key)
+    also = damage(obj, f, how)
+    error = NotFound if how == "missing" else CorruptData
+    ckptd_error(load_error(k, url_of(remote)), error, f.key, also)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_bytes_appended_to_a_small_object(remote: Path, kind: str) -> None:
+    """Read whole as one stream (no index), a small object is checked to its last byte."""
     k = KINDS[kind]
     obj, f = stored(remote, k, k.small)
     obj.write_bytes(obj.read_bytes() + b"\0" * 17)
@@ -364,10 +331,6 @@ def test_a_manifest_naming_a_key_outside_the_step(remote: Path, kind: str, key: 
 # -- ckptd.open ------------------------------------------------------------------------------
 
 
-def original(source: Path, kind: Kind, path: str) -> bytes:
-    return (source / kind.root / path).read_bytes()
-
-
 def test_open_a_file_the_step_does_not_have(remote: Path) -> None:
     k = KINDS["dcp"]
     with pytest.raises(NotFound, match="step-1/__9_0.distcp"):
@@ -377,7 +340,7 @@ def test_open_a_file_the_step_does_not_have(remote: Path) -> None:
 @pytest.mark.parametrize("kind", [*sorted(KINDS), "streamed"])
 def test_open_reads_the_same_bytes_again_after_a_seek_back(source: Path, kind: str) -> None:
     k = STREAMED if kind == "streamed" else KINDS[kind]
-    want = original(source, k, k.data)
+    want = (source / k.root / k.data).read_bytes()
     with ckptd.open(k.root, k.step, k.data, remote=url_of(source / "remote")) as f:
         assert f.read() == want
         assert f.read() == b""
@@ -393,11 +356,8 @@ def test_open_reads_the_same_bytes_again_after_a_seek_back(source: Path, kind: s
 def test_open_fails_at_the_corrupt_block(source: Path, remote: Path, kind: str) -> None:
     k = KINDS[kind]
     obj, f = stored(remote, k, k.data)
-    b = block(obj, f, 1)
-    raw = bytearray(obj.read_bytes())
-    raw[b.stored_start + b.stored_len // 2] ^= 0x10
-    obj.write_bytes(raw)
-    want = original(source, k, k.data)
+    b = flip_block(obj, f, 1)
+    want = (source / k.root / k.data).read_bytes()
     with ckptd.open(k.root, k.step, k.data, remote=url_of(remote)) as fh:
         assert fh.read(b.raw_start) == want[: b.raw_start]  # block 0 is whole
         with pytest.raises(CorruptData, match=re.escape(f.key)):
