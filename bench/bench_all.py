@@ -188,12 +188,12 @@ def resume_rows(doc: dict[str, Any]) -> list[Row]:
     def mib(name: str) -> str:
         return spread([x / MiB for x in runs(name, "peak_rss")], "{:,.0f}", " MiB")
 
-    def ratio(key: str, fmt: str = "{:.2f}", unit: str = "") -> str:
+    def ratio(key: str, fmt: str = "{:.2f}", unit: str = "", of: str = "run") -> str:
         g = goals[key]
         if not g["values"]:
             return f"— ({g['why'][:120]})"
         alone = g.get("loading") or []
-        return spread(g["values"], fmt, unit) + (
+        return spread(g["values"], fmt, unit, of) + (
             f"; loading alone {spread(alone, fmt, unit)}" if alone else "")
 
     def met(key: str) -> str:
@@ -218,7 +218,7 @@ def resume_rows(doc: dict[str, Any]) -> list[Row]:
             mib(reader), ratio("rss", "{:+.0f}", " MiB"), "≤ +128 MiB", met("rss")),
         Row("half the state (one rank of two, resharded): bytes fetched", "the step's stored "
             "bytes", f"{stored / 1e6:,.0f} MB", spread(halves, "{:,.0f}", " MB", "rank"),
-            ratio("half", "{:.2f}"), "≤ 0.6×", met("half")),
+            ratio("half", "{:.2f}", of="rank load"), "≤ 0.6×", met("half")),
         Row("resume a native step (`ckptd.torch.save`) into model and optimizer",
             "`ckptd restore` + `ckptd.torch.load`", secs("ckptd restore + ckptd.torch.load"),
             secs(native), ratio("native"), "≤ 0.7×", met("native")),

@@ -330,9 +330,8 @@ def fig(values: list[float], fmt: str = "{:.2f}", unit: str = "") -> str:
     if not values:
         return "—"
     med = fmt.format(statistics.median(values)) + unit
-    if len(values) == 1:
-        return med
-    return f"{med} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return med if low == high else f"{med} ({low}–{high})"
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -362,9 +361,12 @@ def report(doc: dict[str, Any]) -> str:
     lines.append("")
     for g in doc["goals"]:
         verdict = "not measured" if g["met"] is None else ("met" if g["met"] else "NOT met")
+        if g["limit"] is None:
+            verdict = "no goal"
         limit = "" if g["limit"] is None else f" ≤ {g['limit']}"
         alone = f" (loading alone {fig(g['loading'])})" if g["loading"] else ""
-        lines.append(f"{g['goal']}{limit}: {fig(g['values'])}{alone} → {verdict}"
+        value = fig(g["values"], "{:+.0f}" if g["id"] == "rss" else "{:.2f}")
+        lines.append(f"- {g['goal']}{limit}: {value}{alone} → {verdict}"
                      + (f" ({g['why']})" if g["why"] else ""))
     return "\n".join(lines)
 
