@@ -202,10 +202,13 @@ def upload_all(b: Bench, codec: str) -> dict[str, Any]:
         shutil.rmtree(root / ".ckptd", ignore_errors=True)  # the local compressed copy
         info[prefix] = out | {"wall_s": wall}
     step = b.inputs / "dcp" / f"step-{STEP}"
-    _, wall, _ = b.child(["aws", "s3", "cp", "--recursive", "--only-show-errors",
-                          "--endpoint-url", b.server.endpoint, str(step),
-                          b.url(f"plain/step-{STEP}/")])
-    info["plain"] = {"wall_s": wall}
+    try:  # without the AWS CLI, the rows that read the plain copy say why they are missing
+        _, wall, _ = b.child(["aws", "s3", "cp", "--recursive", "--only-show-errors",
+                              "--endpoint-url", b.server.endpoint, str(step),
+                              b.url(f"plain/step-{STEP}/")])
+        info["plain"] = {"wall_s": wall}
+    except SystemExit as exc:
+        info["plain"] = {"error": str(exc.code)[-300:]}
     for prefix in ("ckptd-dcp", "ckptd-native", "plain"):
         b.stored[prefix] = ub.prefix_bytes(b.server, prefix)
     return info
@@ -321,7 +324,8 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
     half = [r[n]["bucket_bytes"] / stored for r in doc["rounds"] for n in (v[5], v[6])
             if n in r and not r[n]["error"] and r[n]["bucket_bytes"] and stored]
     goal("half", "half-state load: bytes fetched / step's stored bytes, per rank", half, 0.6,
-         errors(doc, v[5]) or errors(doc, v[6]) or "the reader reports no bytes read")
+         errors(doc, v[5]) or errors(doc, v[6])
+         or ("the reader reports no bytes read" if walls(doc, v[5]) else "not run"))
     walls_of(v[8], v[7], 0.7)
     return out
 
