@@ -84,6 +84,7 @@ class ObjectReader:
         self.where = f"{backend.url.rstrip('/')}/{key}"
         self._index: BlockIndex | None = None
         self._index_read = False
+        self._etag: str | None = None
         self._lock = threading.Lock()
 
     # -- the block index ---------------------------------------------------------------------
@@ -101,6 +102,17 @@ class ObjectReader:
         f = self.f
         if f.codec == "none" or f.stored_size == 0:
             return None
+        # One HEAD: the object must be the manifest's size (bytes appended after a valid
+        # object would otherwise go unseen by ranged reads), and every range is pinned to the
+        # version seen here, so an object replaced mid-read fails instead of mixing two.
+        try:
+            meta = self.backend.stat(self.key)
+        except ObjectNotFound:
+            raise NotFound(f"{self.where}: the object the manifest names is missing") from None
+        if meta.size != f.stored_size:
+            raise CorruptData(f"{self.where}: the object has {meta.size} bytes, the manifest "
+                              f"says {f.stored_size}")
+        self._etag = meta.etag or None
         tail = self._get(max(0, f.stored_size - TAIL_PROBE), f.stored_size)
         try:
             found = read_index(f.codec, f.stored_size, f.size, tail, self._get)
@@ -113,7 +125,7 @@ class ObjectReader:
 
     def _get_view(self, start: int, end: int) -> bytes | memoryview:
         try:
-            data = self.backend.get_range(self.key, start, end)
+            data = self.backend.get_range(self.key, start, end, self._etag)
         except ObjectNotFound:
             raise NotFound(f"{self.where}: the object the manifest names is missing") from None
         except PreconditionFailed:
