@@ -53,6 +53,7 @@ class StorageReader(_StorageReader):
         self.root, self.requested, self.config, self.remote = root, step, config, remote
         self.threads = threads
         self._step: RemoteStep | None = None
+        self._failed: Exception | None = None
         self._base: str | None = None
         self.storage_data: dict[MetadataIndex, Any] = {}
 
@@ -67,12 +68,18 @@ class StorageReader(_StorageReader):
         return self._open().stats
 
     def _open(self) -> RemoteStep:
+        if self._failed is not None:  # DCP asks again per rank: one failure is enough
+            raise self._failed
         if self._step is None:
             from ckptd.remote.step import DEFAULT_THREADS, RemoteStep
 
-            self._step = RemoteStep.open(self.root, self.requested, config=self.config,
-                                         remote=self.remote,
-                                         threads=self.threads or DEFAULT_THREADS)
+            try:
+                self._step = RemoteStep.open(self.root, self.requested, config=self.config,
+                                             remote=self.remote,
+                                             threads=self.threads or DEFAULT_THREADS)
+            except Exception as exc:
+                self._failed = exc
+                raise
         return self._step
 
     def _path(self, name: str) -> str:
