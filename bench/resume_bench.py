@@ -46,6 +46,8 @@ class Result:
     peak_rss: int = 0  # of the loading process
     bucket_bytes: int | None = None  # bytes fetched from the bucket, where known
     server_sent: int | None = None  # what the server process wrote (its wchar), all sockets
+    cpu_s: float = 0.0  # user + system of this way's own processes
+    server_cpu_s: float = 0.0  # the server's, meanwhile
     phases: dict[str, float] = field(default_factory=dict)  # the loading process's, from it
     error: str = ""
 
@@ -60,6 +62,7 @@ class Bench:
     scratch: Path
     weed: Path
     stored: dict[str, int]  # bytes under each uploaded prefix
+    cpu_s: float = 0.0  # CPU seconds of the children run so far
 
     def url(self, prefix: str) -> str:
         return str(self.server.url(prefix))
@@ -69,7 +72,8 @@ class Bench:
 
     def child(self, argv: list[str]) -> tuple[dict[str, Any], float, int]:
         """One child's JSON answer, wall time and peak RSS; SystemExit with its error."""
-        stdout, wall, _, rss = ub.run_child(argv, self.env)
+        stdout, wall, cpu, rss = ub.run_child(argv, self.env)
+        self.cpu_s += cpu
         lines = stdout.strip().splitlines()
         return (json.loads(lines[-1]) if lines else {}), wall, rss
 
@@ -79,6 +83,12 @@ class Bench:
         out["phases"] = {k: v for k, v in out.items() if k.endswith("_s")}
         out["phases"]["rest_s"] = wall - sum(out["phases"].values())  # start, exit
         return out, wall, rss
+
+
+def server_cpu(server: Any) -> float:
+    """CPU seconds (user + system) the server process has used so far."""
+    fields = Path(f"/proc/{server.process.pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def server_wchar(server: Any) -> int:
@@ -158,15 +168,17 @@ RUNS: dict[str, Callable[[Bench], Result]] = {
 def run_variant(b: Bench, name: str) -> Result:
     """One variant from a cold cache; a failure is recorded with its last line, not raised."""
     ub.evict(b.weed)
-    sent = server_wchar(b.server)
+    sent, cpu, server_was = server_wchar(b.server), b.cpu_s, server_cpu(b.server)
     try:
         result = RUNS[name](b)
     except SystemExit as exc:
         text = str(exc.code).strip().splitlines()
         return Result(error=text[-1][:300] if text else "failed")
     result.server_sent = server_wchar(b.server) - sent
+    result.cpu_s, result.server_cpu_s = b.cpu_s - cpu, server_cpu(b.server) - server_was
     phases = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in result.phases.items())
-    print(f"  {name}: {result.wall_s:.1f} s ({phases}), peak RSS "
+    print(f"  {name}: {result.wall_s:.1f} s ({phases}), CPU {result.cpu_s:.1f} s, server "
+          f"CPU {result.server_cpu_s:.1f} s, peak RSS "
           f"{result.peak_rss / 2**20:,.0f} MiB, bytes {result.bucket_bytes}", flush=True)
     return result
 
@@ -345,20 +357,23 @@ def report(doc: dict[str, Any]) -> str:
              f"{info['width']}^2 + Adam, {info['tensors']} tensors, DCP in {info['dcp_files']} "
              f"data files; stored: " + ", ".join(f"{k} {n / 1e6:,.0f} MB"
                                                  for k, n in doc["stored"].items()),
-             "", "| way | wall s | / aws + dcp.load | of which loading, s | peak RSS MiB | "
-             "bytes from bucket | server wrote |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "", "| way | wall s | / aws + dcp.load | of which loading, s | CPU s | server CPU s | "
+             "peak RSS MiB | bytes from bucket | server wrote |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in VARIANTS:
         if not any(name in r for r in doc["rounds"]):
             continue
         runs = [r[name] for r in doc["rounds"] if name in r and not r[name]["error"]]
         if not runs:
-            lines.append(f"| {name} | not available: {errors(doc, name)} | | | | | |")
+            lines.append(f"| {name} | not available: {errors(doc, name)} | | | | | | | |")
             continue
         got = [x["bucket_bytes"] for x in runs if x["bucket_bytes"]]
         lines.append(
             f"| {name} | {fig(walls(doc, name), '{:.1f}')} | "
             f"{fig(ratios(doc, name, VARIANTS[1]))} | "
             f"{fig([x['load_s'] for x in runs], '{:.1f}')} | "
+            f"{fig([x.get('cpu_s', 0.0) for x in runs], '{:.1f}')} | "
+            f"{fig([x.get('server_cpu_s', 0.0) for x in runs], '{:.1f}')} | "
             f"{fig([x['peak_rss'] / 2**20 for x in runs], '{:,.0f}')} | "
             f"{fig([g / 1e6 for g in got], '{:,.0f}', ' MB')} | "
             f"{fig([x['server_sent'] / 1e6 for x in runs], '{:,.0f}', ' MB')} |")
