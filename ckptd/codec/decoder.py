@@ -175,6 +175,13 @@ def _coder(version: int) -> Iterator[_BlockCoder]:
                 _idle.append(coder)
 
 
+def release_idle() -> None:
+    """Drop the idle block decoders (each holds one block's arrays): for a caller that is done
+    decoding for a while and wants the memory back, as a training process after a load."""
+    with _idle_lock:
+        _idle.clear()
+
+
 def decode_container_block(
     stored: memoryview, out: memoryview, index: int, offset: int, version: int
 ) -> None:

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, TypeVar, cast
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from ckptd.fileio import HASH_ALG, HashSink
 from ckptd.remote.manifest import StoredFile
 from ckptd.restore.pipe import Pipe
 
+R = TypeVar("R")
 # (raw offset, bytes) in ascending raw order; the view is only valid during the call.
 Sink = Callable[[int, memoryview], None]
 # (raw offset, length) -> memory those bytes go to, or None: see ObjectReader.read.
@@ -184,8 +185,9 @@ class ObjectReader:
                 while len(pending) >= self.window or not self.slots.acquire(
                         blocking=not pending):
                     at = deliver()
-                pending.append(self.pool.submit(self._decode, block, index, spans.fetch(i),
-                                                place))
+                parts = spans.fetch(i)
+                pending.append(_when_done([f for _, f in parts], self.pool, self._decode,
+                                          block, index, parts, place))
             while pending:
                 at = deliver()
         except BaseException:
@@ -286,6 +288,37 @@ class ObjectReader:
             pipe.end(exc)
         else:
             pipe.end(None)
+
+
+def _when_done(waits: list[Future[Any]], pool: ThreadPoolExecutor, fn: Callable[..., R],
+               *args: Any) -> Future[R]:
+    """`fn(*args)` run on `pool` once every future in `waits` is done: a decoding thread is
+    never held waiting on a fetch. Its outcome (or the pool's refusal) is the future's."""
+    out: Future[R] = Future()
+    left = [len(waits)]
+    lock = threading.Lock()
+
+    def chain(inner: Future[R]) -> None:
+        if inner.cancelled():
+            out.cancel()
+        elif (exc := inner.exception()) is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(inner.result())
+
+    def ready(_: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            pool.submit(fn, *args).add_done_callback(chain)
+        except RuntimeError as exc:  # the pool was shut down (the read is being abandoned)
+            out.set_exception(exc)
+
+    for fut in waits:
+        fut.add_done_callback(ready)
+    return out
 
 
 class _Spans:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.backends import Backend, backend_for_upload, make_backend, wrap_backend
+from ckptd.codec.decoder import release_idle
 from ckptd.config import find_config, load_config
 from ckptd.errors import ConfigError, CorruptData, NotFound, PermanentError
 from ckptd.remote.layout import is_committed
@@ -22,10 +23,9 @@ from ckptd.restore.source import best_step, list_remote_steps, read_remote_manif
 
 StepArg = int | str
 
-# Blocks fetched and decoded at once: enough to keep the network and every core busy, few
-# enough that the reader's own memory stays a few tens of MiB (each holds a stored block and
-# its decoded bytes, 4 MiB each at the default block size).
-DEFAULT_THREADS = min(8, 2 * (os.cpu_count() or 1) + 2)
+# Decoding threads: decoding is CPU work and fetches run on their own pool (FETCHES), so one
+# per core; each keeps one block's workspace, so more would only add memory.
+DEFAULT_THREADS = min(8, os.cpu_count() or 1)
 # Span requests in flight at once (each 8 MiB, remote.objects.SPAN).
 FETCHES = 4
 
@@ -74,13 +74,16 @@ class RemoteStep:
                  threads: int = DEFAULT_THREADS) -> None:
         self.backend, self.root, self.step, self.manifest = backend, root, step, manifest
         self.threads = max(1, threads)
+        # Blocks in flight (fetched, decoding or decoded and not yet delivered) across the
+        # files read at once: what bounds the reader's memory (a few blocks each way).
+        self.window = 2 * self.threads + 2
         self.stats = ReadStats()
         self._files = {f.path: f for f in manifest.files}
         self._readers: dict[str, ObjectReader] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._fetch: ThreadPoolExecutor | None = None
         # Decoded blocks in flight across every file read at once: what bounds the memory.
-        self.slots = threading.Semaphore(self.threads + 2)
+        self.slots = threading.Semaphore(self.window)
         self._lock = threading.Lock()
 
     @classmethod
@@ -125,7 +128,7 @@ class RemoteStep:
         if found is None:
             key = f"{step_prefix(self.root, self.step)}/{f.key}"
             found = ObjectReader(self.backend, key, f, self._executor(), self.stats,
-                                 window=self.threads, slots=self.slots,
+                                 window=self.window, slots=self.slots,
                                  fetcher=self._fetch_executor())
             self._readers[path] = found
         return found
@@ -145,6 +148,7 @@ class RemoteStep:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
         self._pool = self._fetch = None
+        release_idle()  # the decoders' block arrays: a training process wants them back
 
     def __enter__(self) -> RemoteStep:
         return self
