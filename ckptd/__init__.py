@@ -5,6 +5,7 @@ Finds complete checkpoints, validates them, compresses, uploads and prunes them,
 """
 
 __version__ = "0.1.0"
+__all__ = ["__version__", "open"]  # `open` is resolved on first use (`__getattr__`)
 
 
 

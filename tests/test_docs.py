@@ -85,6 +85,9 @@ def _top_names(module: Path) -> set[str]:
             out.add(node.name)
         elif isinstance(node, ast.Assign):
             out.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets) and \
+                    isinstance(node.value, ast.List | ast.Tuple):  # names served lazily too
+                out.update(e.value for e in node.value.elts if isinstance(e, ast.Constant))
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             out.add(node.target.id)
         elif isinstance(node, ast.Import | ast.ImportFrom):
