@@ -185,9 +185,8 @@ class ObjectReader:
                 while len(pending) >= self.window or not self.slots.acquire(
                         blocking=not pending):
                     at = deliver()
-                parts = spans.fetch(i)
-                pending.append(_when_done([f for _, f in parts], self.pool, self._decode,
-                                          block, index, parts, place))
+                pending.append(_when_done(spans.fetch(i), self.pool, self._decode,
+                                          block, index, place))
             while pending:
                 at = deliver()
         except BaseException:
@@ -199,11 +198,11 @@ class ObjectReader:
         if hasher is not None:
             self._check_whole(hasher, index.raw_size)
 
-    def _decode(self, block: Block, index: BlockIndex, parts: list[tuple[int, Future[Any]]],
+    def _decode(self, parts: list[tuple[int, Any]], block: Block, index: BlockIndex,
                 place: Place | None) -> tuple[Block, Any]:
-        """Decode one block from the spans that hold it, into the place its bytes go to when
-        the sink has one ready (a destination tensor), else into a buffer of its own."""
-        pieces = [(at, memoryview(f.result())) for at, f in parts]
+        """Decode one block from the fetched pieces that hold it, into the place its bytes go
+        to when the sink has one ready (a destination tensor), else a buffer of its own."""
+        pieces = [(at, memoryview(data)) for at, data in parts]
         stored: bytes | memoryview
         lo, hi = block.stored_start, block.stored_start + block.stored_len
         if len(pieces) == 1:
@@ -290,12 +289,17 @@ class ObjectReader:
             pipe.end(None)
 
 
-def _when_done(waits: list[Future[Any]], pool: ThreadPoolExecutor, fn: Callable[..., R],
-               *args: Any) -> Future[R]:
-    """`fn(*args)` run on `pool` once every future in `waits` is done: a decoding thread is
-    never held waiting on a fetch. Its outcome (or the pool's refusal) is the future's."""
+def _when_done(waits: list[tuple[int, Future[Any]]], pool: ThreadPoolExecutor,
+               fn: Callable[..., R], *args: Any) -> Future[R]:
+    """`fn(pieces, *args)` run on `pool` once every future in `waits` is done, `pieces` being
+    their (offset, result) pairs: a decoding thread is never held waiting on a fetch. Its
+    outcome (or the pool's refusal) is the future's.
+
+    The waits' callbacks would keep the futures (and their 8 MiB of bytes) in a reference
+    cycle until the cycle collector runs: the arguments are dropped as soon as they are used.
+    """
     out: Future[R] = Future()
-    left = [len(waits)]
+    held: list[Any] = [waits, args]
     lock = threading.Lock()
 
     def chain(inner: Future[R]) -> None:
@@ -308,15 +312,21 @@ def _when_done(waits: list[Future[Any]], pool: ThreadPoolExecutor, fn: Callable[
 
     def ready(_: Future[Any]) -> None:
         with lock:
-            left[0] -= 1
-            if left[0]:
+            if not held or not all(f.done() for _, f in held[0]):
                 return
+            got, rest = held
+            held.clear()
         try:
-            pool.submit(fn, *args).add_done_callback(chain)
+            pieces = [(at, f.result()) for at, f in got]
+        except BaseException as exc:  # a fetch failed: the block fails with it
+            out.set_exception(exc)
+            return
+        try:
+            pool.submit(fn, pieces, *rest).add_done_callback(chain)
         except RuntimeError as exc:  # the pool was shut down (the read is being abandoned)
             out.set_exception(exc)
 
-    for fut in waits:
+    for _, fut in waits:
         fut.add_done_callback(ready)
     return out
 
