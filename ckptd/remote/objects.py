@@ -7,10 +7,11 @@ nothing, and decides nothing about which files or ranges are wanted (the loaders
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TypeVar, cast
 
@@ -306,9 +307,9 @@ def _when_done(waits: list[tuple[int, Future[Any]]], pool: ThreadPoolExecutor,
         if inner.cancelled():
             out.cancel()
         elif (exc := inner.exception()) is not None:
-            out.set_exception(exc)
+            _settle(out.set_exception, exc)
         else:
-            out.set_result(inner.result())
+            _settle(out.set_result, inner.result())
 
     def ready(_: Future[Any]) -> None:
         with lock:
@@ -319,16 +320,22 @@ def _when_done(waits: list[tuple[int, Future[Any]]], pool: ThreadPoolExecutor,
         try:
             pieces = [(at, f.result()) for at, f in got]
         except BaseException as exc:  # a fetch failed: the block fails with it
-            out.set_exception(exc)
+            _settle(out.set_exception, exc)
             return
         try:
             pool.submit(fn, pieces, *rest).add_done_callback(chain)
         except RuntimeError as exc:  # the pool was shut down (the read is being abandoned)
-            out.set_exception(exc)
+            _settle(out.set_exception, exc)
 
     for _, fut in waits:
         fut.add_done_callback(ready)
     return out
+
+
+def _settle(how: Callable[[Any], None], value: Any) -> None:
+    """Set a future's outcome unless the reader cancelled it meanwhile (it gave up)."""
+    with contextlib.suppress(InvalidStateError):
+        how(value)
 
 
 class _Spans:
