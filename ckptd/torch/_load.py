@@ -100,6 +100,11 @@ def _load_remote(name: str, step: int | str, objs: tuple[Any, ...], rank: int | 
     reader = RemoteNative(name, step, _rank_world(None, None)[0] if rank is None else rank,
                           opts.map_location, config=config, remote=remote)
     try:
+        if reader.single is not None:  # one legacy file, split into components as on disk
+            where = f"{reader.where}/{reader.single}"
+            states, meta = _legacy_split(reader.load(reader.single), where)
+            _apply_all(states, objs, where, opts)
+            return int(meta["step"]), meta
         meta = dict(reader.meta)
         meta["path"] = reader.where
         if reader.has("extra.pt"):
@@ -231,7 +236,11 @@ _STEP_IN_NAME = re.compile(r"(?:step[_=-]|iter_|_)(\d+)(?:\.|$)")
 
 def _legacy_states(path: Path, map_location: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """A single-file checkpoint: one dict, split into components by the usual key names."""
-    obj = _torch_load(path, map_location)
+    return _legacy_split(_torch_load(path, map_location), str(path))
+
+
+def _legacy_split(obj: Any, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What `_legacy_states` makes of a loaded single file found at `path` (a file or URL)."""
     if not isinstance(obj, dict):
         raise ValidationFailed("bad_metadata", f"{path}: not a dict of states", str(path))
     if all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -253,12 +262,12 @@ def _given(value: Any) -> Callable[[bool], Any]:
     return lambda _mmap: value  # already in memory: a legacy file loads in one piece
 
 
-def _legacy_step(path: Path, obj: Mapping[str, Any]) -> int:
+def _legacy_step(path: str, obj: Mapping[str, Any]) -> int:
     for key in _STEP_KEYS:
         value = obj.get(key)
         if isinstance(value, int | torch.Tensor) and not isinstance(value, bool):
             return int(value)
-    match = _STEP_IN_NAME.search(path.name)
+    match = _STEP_IN_NAME.search(path.rpartition("/")[2])
     return int(match.group(1)) if match else 0
 
 

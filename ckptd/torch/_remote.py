@@ -52,13 +52,17 @@ class RemoteNative:
 
         self.opened = RemoteStep.open(root, step, config=config, remote=remote)
         self.rank, self.map_location = rank, map_location
-        metas = [f.path for f in self.opened.files() if f.path.rpartition("/")[2] == "meta.json"]
-        if len(metas) != 1:
+        files = self.opened.files()
+        metas = [f.path for f in files if f.path.rpartition("/")[2] == "meta.json"]
+        # A single-file (legacy) checkpoint: its one file, else None (a native step).
+        self.single: str | None = files[0].path if not metas and len(files) == 1 else None
+        if len(metas) != 1 and self.single is None:
             self.opened.close()
-            raise NotFound(f"{self.opened.url}: not a native checkpoint ({len(metas)} meta.json)")
-        self.base = metas[0].rpartition("/")[0]
+            raise NotFound(f"{self.opened.url}: neither a native checkpoint ({len(metas)} "
+                           f"meta.json) nor a single file ({len(files)} files)")
+        self.base = metas[0].rpartition("/")[0] if metas else ""
         self.where = f"{self.opened.url}/{self.base}" if self.base else self.opened.url
-        self.meta = self._json("meta.json")
+        self.meta = self._json("meta.json") if metas else {}
 
     @property
     def step(self) -> int:
