@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -235,6 +236,18 @@ def environment(server: Any, scratch: Path) -> dict[str, str]:
     bench_bin = REPO / ".venv-bench" / "bin"
     if not shutil.which("aws") and (bench_bin / "aws").exists():
         env["PATH"] = f"{bench_bin}{os.pathsep}{env.get('PATH', '')}"
+    # Every way starts a fresh Python that imports torch: with bytecode writing off (as some
+    # environments set it) each start compiles torch from source (~4 s for torch, ~9 s with
+    # torch.distributed.checkpoint, measured here) and swamps the loads. A user's install has
+    # its bytecode; so do the children here, cached outside the tree and warmed once.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(scratch / "pycache")
+    subprocess.run([sys.executable, "-c", "import torch, torch.distributed.checkpoint, "
+                    "ckptd.dcp, ckptd.torch, ckptd.remote.step, ckptd.cli.main"], env=env,
+                   check=True)
+    for aws in (shutil.which("aws", path=env.get("PATH")),):
+        if aws:  # the AWS CLI is Python too
+            subprocess.run([aws, "--version"], env=env, check=True, capture_output=True)
     return env
 
 
