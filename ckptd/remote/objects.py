@@ -48,13 +48,15 @@ class ReadStats:
     stored_bytes: int = 0
     requests: int = 0
     blocks: int = 0
+    placed: int = 0  # blocks decoded straight into their destination
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def count(self, stored: int, requests: int = 1, blocks: int = 0) -> None:
+    def count(self, stored: int, requests: int = 1, blocks: int = 0, placed: int = 0) -> None:
         with self._lock:
             self.stored_bytes += stored
             self.requests += requests
             self.blocks += blocks
+            self.placed += placed
 
 
 def merge(ranges: Iterable[tuple[int, int]]) -> Ranges:
@@ -217,7 +219,7 @@ class ObjectReader:
             decode_block(index.codec, block, memoryview(stored), out, index.version)
         except CorruptData as exc:
             raise CorruptData(f"{self.where}: {exc}") from None
-        self.stats.count(0, requests=0, blocks=1)
+        self.stats.count(0, requests=0, blocks=1, placed=int(found is not None))
         return block, out
 
     def _fetch_block(self, block: Block, index: BlockIndex) -> tuple[Block, Any]:
