@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from structlog.testing import capture_logs
+from test_upload import s3_backend
 
 from ckptd.backends import (
     Backend,
     LimitedBackend,
     LocalBackend,
-    ObstoreBackend,
     RetryingBackend,
     ThrottledBackend,
     wrap_backend,
@@ -44,23 +44,6 @@ pytest_plugins = ["s3server"]  # fixtures: s3_server, s3_url, fault_proxy
 MiB = 1024 * 1024
 PART = 5 * MiB
 SIZE = 3 * MiB + 17  # not a multiple of anything the client might split by
-
-
-def s3_backend(server: S3Server, url: str, endpoint: str = "", **kw: Any) -> ObstoreBackend:
-    """An ObstoreBackend on the test server; obstore's own retries off so ours decide."""
-    options: dict[str, Any] = {
-        "endpoint": endpoint or server.endpoint,
-        "region": server.region,
-        "access_key_id": server.access_key,
-        "secret_access_key": server.secret_key,
-        "part_size": PART,
-        "concurrency": 2,
-        "request_retries": 0,
-        "read_timeout_s": 5.0,
-        "request_timeout_s": 30.0,
-    }
-    options.update(kw)
-    return ObstoreBackend(url, **options)
 
 
 def payload(n: int, seed: int = 0) -> bytes:

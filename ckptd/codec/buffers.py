@@ -11,6 +11,8 @@ import functools
 import threading
 from collections.abc import Iterable
 
+import numpy as np
+
 from ckptd.codec.blocks import Coders
 from ckptd.codec.planes import Workspace
 
@@ -56,3 +58,11 @@ def release() -> None:
 def coders(level: int) -> Coders:
     """zstd contexts for `level`, one set per thread (Coders is thread-local)."""
     return Coders(level)
+
+def same_memory(a: memoryview, b: memoryview) -> bool:
+    """Whether two buffers start at the same address (a block decoded in place is handed on
+    as a view of its destination: copying it onto itself is skipped). Empty ones are."""
+    if not len(a) or not len(b):
+        return not len(a) and not len(b)
+    where = [np.frombuffer(v, dtype=np.uint8).__array_interface__["data"][0] for v in (a, b)]
+    return bool(where[0] == where[1])

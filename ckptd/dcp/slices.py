@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
+from ckptd.codec.buffers import same_memory
 from ckptd.errors import CorruptData
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # zip local file header
@@ -181,7 +181,7 @@ class TensorSlice:
         assert self._dest is not None
         at = len(self._dest) - self._left
         target = self._dest[at : at + n]
-        if n and _address(target) != _address(view):  # else decoded in place already
+        if n and not same_memory(target, view[:n]):  # else decoded in place already
             target[:] = view[:n]
         self._left -= n
         if self._left == 0:
@@ -372,13 +372,6 @@ def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(strides))
-
-
-def _address(view: memoryview) -> int:
-    """Where a buffer's first byte lives (0 for an empty one)."""
-    if not len(view):
-        return 0
-    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

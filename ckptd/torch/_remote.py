@@ -14,9 +14,9 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
+from ckptd.codec.buffers import same_memory
 from ckptd.errors import CorruptData, NotFound, ValidationFailed
 
 _NAMES = {"model": "model.pt", "ema": "ema.pt", "scheduler": "scheduler.pt",
@@ -32,15 +32,8 @@ class _Into:
 
     def __call__(self, at: int, data: memoryview) -> None:
         target = self.view[at : at + len(data)]
-        if not _same(target, data):
+        if not same_memory(target, data):
             target[:] = data
-
-
-def _same(a: memoryview, b: memoryview) -> bool:
-    if not len(a):
-        return True
-    where = [np.frombuffer(v, dtype=np.uint8).__array_interface__["data"][0] for v in (a, b)]
-    return bool(where[0] == where[1])
 
 
 class RemoteNative:
