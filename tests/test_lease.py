@@ -398,7 +398,9 @@ def test_a_root_that_disappears_and_reappears_is_taken_again(tmp_path: Path) -> 
     assert "does not exist" in leases.store.root_info("r")["last_error"]
     clock(leases).advance(0.19)
     assert leases.holds("r")
-    clock(leases).advance(0.01)  # half the timeout without a renewal: it stops acting
+    # just past half the timeout without a renewal: it stops acting (not at exactly half:
+    # the clock starts at the real monotonic time, so `start + 0.2 - start` may round below 0.2)
+    clock(leases).advance(0.02)
     assert not leases.holds("r")
     root.mkdir()
     leases.tick()
