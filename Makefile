@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install demo test lint clean bench test-frameworks
+.PHONY: install demo test lint clean bench test-frameworks dist
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: a range left open would pull a newer build with CUDA packages.
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[torch,dev]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -37,7 +37,7 @@ $(FWSTAMP): pyproject.toml tests/frameworks/requirements.txt
 	$(FWPY) -m pip install --quiet $(TORCH)
 	DS_BUILD_OPS=0 $(FWPY) -m pip install --quiet -c tests/frameworks/constraints.txt \
 		-r tests/frameworks/requirements.txt
-	$(FWPY) -m pip install --quiet -c tests/frameworks/constraints.txt -e '.[dev]'
+	$(FWPY) -m pip install --quiet -c tests/frameworks/constraints.txt -e '.[torch,dev]'
 	@touch $(FWSTAMP)
 
 test-frameworks: $(FWSTAMP)
@@ -65,6 +65,12 @@ bench: install $(BENCHSTAMP)
 	PATH="$(abspath $(BENCHVENV))/bin:$$PATH" AWS_EC2_METADATA_DISABLED=true \
 		$(PY) bench/bench_all.py $(BENCH_ARGS)
 
+# The release artifacts: sdist and wheel into dist/ (the wheel installs the slim daemon, CLI
+# and client; torch comes with the `torch` extra).
+dist: install
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
 # The layering in docs/DESIGN.md is checked by import-linter (contracts in pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check ckptd tests
@@ -72,4 +78,4 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) $(FWVENV) $(BENCHVENV) .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FWVENV) $(BENCHVENV) dist .demo .pytest_cache .mypy_cache .ruff_cache
