@@ -20,7 +20,7 @@ from ckptd.api.documents import ApiContext
 from ckptd.api.server import UnixHttpServer
 from ckptd.backends import BackendCache
 from ckptd.clock import SYSTEM, Clock
-from ckptd.config import Config, RootConfig, load_config, needs_restart
+from ckptd.config import Config, RootConfig, check_installed, load_config, needs_restart
 from ckptd.errors import ConfigError
 from ckptd.lifecycle.changes import Changes
 from ckptd.log import get_logger
@@ -31,7 +31,7 @@ from ckptd.service.effects import Effects
 from ckptd.service.jobs import policy_of
 from ckptd.service.lease import Leases
 from ckptd.service.metrics import Metrics, MetricsServer
-from ckptd.service.observe import root_samples, summary
+from ckptd.service.observe import SafeTimes, root_samples, summary
 from ckptd.service.persist import PersistService
 from ckptd.service.recovery import StateDirLock
 from ckptd.service.retention import RUN_BOUND_S as RETENTION_S
@@ -109,10 +109,11 @@ class Daemon:
                                    clock=self.clock)
         self.effects = Effects(store, acting, self.changes, self.workers, self.retention,
                                self.scanner)
-        self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention))
+        self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention,
+                                                      leases.holds, self.clock.time()))
         self.metrics.set_health(lambda: (self.ctx.state() == "degraded",
                                          self.supervisor.stuck()))
-        store.set_on_commit(self.effects)
+        store.set_on_commit(SafeTimes(store, self.metrics, self.clock, self.effects))
         self.scanner.set_roots(self.roots())
         leases.tick()  # takes what is free, then scans and publishes only those
         self.persist = PersistService(store, self.roots, self.scanner.wake,
@@ -231,7 +232,9 @@ class Daemon:
         try:
             if self.config_path is None:
                 raise ConfigError("the daemon was not started from a config file")
-            self._apply(load_config(self.config_path))
+            new = load_config(self.config_path)
+            check_installed(new, str(self.config_path))
+            self._apply(new)
             ok = True
         except ConfigError as exc:
             self.log.error("config_reload_rejected", error=str(exc))

@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptd import fileio
+from ckptd import fileio, needs_torch, torch_version
 from ckptd.client import Client, ClientError
+from ckptd.errors import UsageError
 
 DEMO_DIR = Path(".demo")
 EXAMPLE = Path("config.example.toml")
@@ -27,6 +28,8 @@ STEPS = 120
 
 
 def run_demo() -> int:
+    if torch_version() is None:  # it trains a model; the daemon itself needs no torch
+        raise UsageError(f"ckptd {needs_torch('demo')}")
     config_path = _config_file()
     from ckptd.config import load_config
 

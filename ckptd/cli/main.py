@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ckptd import needs_torch, torch_version
 from ckptd.cli.parser import build_parser
 from ckptd.client import Client, ClientError, DaemonUnavailable
 from ckptd.errors import (
@@ -108,11 +109,13 @@ def _print_json(doc: Any) -> None:
 # -- commands ----------------------------------------------------------------------------------
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from ckptd.config import check_installed
     from ckptd.daemon import Daemon
     from ckptd.log import configure
 
     path = _config_path(args)
     cfg = _load_config(args, required=True)
+    check_installed(cfg, str(path))
     if getattr(args, "socket", None):  # --socket overrides daemon.socket for this run
         cfg = cfg.model_copy(update={"daemon": cfg.daemon.model_copy(
             update={"socket": Path(args.socket).absolute()})})
@@ -290,6 +293,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         trusted = frozenset(check_trusted_globals(list(args.trust)))
     except ValueError as exc:
         raise UsageError(f"ckptd verify: --trust {exc}") from None
+    if args.deep and torch_version() is None:
+        raise UsageError(f"ckptd {needs_torch('verify --deep')}")
     doc = verify_path(Path(args.path), deep=args.deep, trusted=trusted)
     if args.json:
         _print_json(doc)
@@ -302,12 +307,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from ckptd.config import load_config, render_toml
+    from ckptd.config import check_installed, load_config, render_toml
 
     path = args.path or getattr(args, "config", None) or os.environ.get("CKPTD_CONFIG")
     if not path:
         raise UsageError("ckptd config check: give the config file's path")
     cfg = load_config(Path(path))
+    check_installed(cfg, str(path))
     print(f"# {path}: OK ({len(cfg.roots)} root(s))")
     print(render_toml(cfg.redacted()))
     return 0

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from ckptd import __version__
+from ckptd import build_info
 from ckptd.errors import UsageError
 
 
@@ -16,6 +16,20 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # usage errors exit 2 with a clear line
         self.print_usage(sys.stderr)
         raise UsageError(f"{self.prog}: {message}")
+
+
+class _Version(argparse.Action):
+    """`--version`: the version, Python, the platform and torch (or its absence), each on a
+    line, for a bug report; worked out only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:  # noqa: A002
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(build_info())
+        parser.exit()
 
 
 def _common() -> _Parser:
@@ -78,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Checkpoint daemon for ML training: finds complete checkpoints,"
                             " validates, compresses, uploads and prunes them.",
                 epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"ckptd {__version__}")
+    p.add_argument("--version", action=_Version,
+                   help="print the version, Python, the platform and torch's version, and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def cmd(name: str, help: str) -> argparse.ArgumentParser:  # noqa: A002

@@ -9,7 +9,13 @@ from ckptd.config.fields import (
     node_of_host,
     render_toml,
 )
-from ckptd.config.load import DEFAULT_CONFIG_PATH, find_config, load_config, parse_config
+from ckptd.config.load import (
+    DEFAULT_CONFIG_PATH,
+    check_installed,
+    find_config,
+    load_config,
+    parse_config,
+)
 from ckptd.config.schema import (
     CompressConfig,
     Config,
@@ -40,6 +46,7 @@ __all__ = [
     "RootConfig",
     "UploadConfig",
     "load_config",
+    "check_installed",
     "check_trusted_globals",
     "needs_restart",
     "node_of_host",

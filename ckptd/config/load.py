@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+from ckptd import needs_torch, torch_version
 from ckptd.config.errors import _key_path, _unknown_key, _validate
 from ckptd.config.fields import (
     _show,
@@ -97,6 +98,19 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, *, source: str = "conf
     if daemon is None or metrics is None or problems:
         raise ConfigError(_summary(source, problems))
     return Config(daemon=daemon, metrics=metrics, roots=tuple(roots.values()))
+
+
+def check_installed(cfg: Config, source: str = "config") -> None:
+    """Raise ConfigError when this install cannot run what a valid config asks for: a root's
+    `deep_validate = true` without PyTorch (the slim `pip install ckptd`). The daemon (start,
+    reload) and `ckptd config check` ask this; commands that only read the config do not, so
+    a slim install still finds the socket and restores from a daemon's config that uses it."""
+    if torch_version() is not None:
+        return
+    problems = [needs_torch(f"roots[{i}].deep_validate = true")
+                for i, root in enumerate(cfg.roots) if root.deep_validate]
+    if problems:
+        raise ConfigError(_summary(source, problems))
 
 
 def _summary(source: str, problems: list[str]) -> str:

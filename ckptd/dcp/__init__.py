@@ -15,7 +15,15 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-import torch
+from ckptd import needs_torch
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # the slim install (`pip install ckptd`) brings no torch
+    if exc.name != "torch":
+        raise
+    raise ModuleNotFoundError(needs_torch("ckptd.dcp"), name="torch") from None
+
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader as _StorageReader

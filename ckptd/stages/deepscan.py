@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ckptd import needs_torch
 from ckptd.errors import CkptdError, ValidationFailed
 from ckptd.model import Reason
 
@@ -77,7 +78,12 @@ def main(argv: list[str]) -> int:
 
 def _scan(path: Path, rel: str) -> None:
     """In the child: load weights-only and scan; ValidationFailed says what is wrong."""
-    import torch
+    try:
+        import torch
+    except ModuleNotFoundError as exc:  # not the file's fault: the daemon's job fails instead
+        if exc.name != "torch":
+            raise
+        raise SystemExit(needs_torch("deep_validate")) from None
 
     try:
         with torch.serialization.safe_globals(_numpy_safe_globals()):

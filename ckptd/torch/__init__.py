@@ -12,7 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, overload
 
-import torch
+from ckptd import needs_torch
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # the slim install (`pip install ckptd`) brings no torch
+    if exc.name != "torch":
+        raise
+    raise ModuleNotFoundError(needs_torch("ckptd.torch"), name="torch") from None
 
 from ckptd.torch import _native, _nodelocal
 from ckptd.torch._async import SaveHandle, flush, save_async
