@@ -21,8 +21,19 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/ckptd demo
 
+# Azurite (the Azure Blob emulator the az:// tests run against) from npm, into a folder the
+# tests own; node and npm come from the machine.
+AZURITE_VERSION := 3.37.0
+AZURITE := .cache/azurite/.installed-$(AZURITE_VERSION)
+
+$(AZURITE):
+	@command -v npm >/dev/null || { echo "the az:// tests need node and npm (Azurite)"; exit 1; }
+	npm install --prefix .cache/azurite --no-audit --no-fund --ignore-scripts --silent \
+		azurite@$(AZURITE_VERSION)
+	@touch $(AZURITE)
+
 # Two workers: most tests wait on a daemon, a server or a subprocess, so two cores keep busy.
-test: install lint
+test: install lint $(AZURITE)
 	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q -n 2
 
 # The real-framework suite: DeepSpeed, megatron-core, HF Trainer, Lightning, DCP and Orbax
