@@ -12,7 +12,7 @@ import platform
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -38,6 +38,10 @@ from ckptd.model import State
 # Stages run from well under a second (a small file) to hours (a 1 TB upload).
 STAGE_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
                  3600.0, 7200.0, 14400.0)
+# From a completed save to its remote copy verified: seconds (a small file, an idle queue) to
+# hours (a large save behind a slow link, or a remote that was away).
+SAFE_BUCKETS = (1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0,
+                7200.0, 14400.0)
 BYTE_KINDS = ("read", "written", "uploaded")
 
 
@@ -64,6 +68,10 @@ class Metrics:
                       for kind in BYTE_KINDS}
         self.errors = Counter("ckptd_errors", "Errors by kind.", ("kind",),
                               registry=self.registry)
+        self.time_to_safe = Histogram(
+            "ckptd_time_to_safe_seconds", "From a save found complete to its remote copy"
+            " verified, observed once per save when it is.", ("root",), buckets=SAFE_BUCKETS,
+            registry=self.registry)
         self.bad = Gauge("ckptd_bad_inputs", "Outside inputs set aside as bad at the last look"
                          " (kind: remote = a remote step's MANIFEST.json, metadata = a root's"
                          " metadata files).",
@@ -97,6 +105,11 @@ class Metrics:
         self._roots.add(root)
         counter.labels(root).inc(n)
 
+    def observe_safe(self, root: str, seconds: float) -> None:
+        """A save of `root` became remote-verified `seconds` after it was found complete."""
+        self._roots.add(root)
+        self.time_to_safe.labels(root).observe(max(0.0, seconds))
+
     def error(self, kind: str) -> None:
         """Count an error; `kind` is a short fixed word (scan, stage, upload, notify, ...)."""
         self.errors.labels(kind).inc()
@@ -128,6 +141,7 @@ class Metrics:
             _drop(counter, root)
         for kind in self._bad_kinds:
             _drop(self.bad, root, kind)
+        _drop(self.time_to_safe, root)
 
     def roots(self) -> set[str]:
         return set(self._roots)
@@ -160,6 +174,13 @@ class RootSample:
     steps_since_remote: int | None = None
     preflight_warning: bool = False
     ratio: float | None = None
+    uploaded: int | None = None  # newest step with a remote copy recorded
+    remote_verified: int | None = None  # the remote tier's latest (valid, committed remotely)
+    unsafe_s: float | None = None  # None: the root has no remote
+    held: bool = False  # this daemon holds the root's lease and acts on it
+    min_free: int | None = None  # the configured min_free in bytes on the root's disk
+    saved: int | None = None  # original minus stored bytes of its compressed checkpoints
+    invalid: Mapping[str, int] = field(default_factory=dict)  # invalid checkpoints by reason
 
 
 _GAUGES = (
@@ -173,7 +194,22 @@ _GAUGES = (
     ("ckptd_preflight_warning", "1 when the root's preflight check warns, else 0.",
      "preflight_warning"),
     ("ckptd_latest_step", "Latest valid step of the root.", "latest"),
+    ("ckptd_latest_uploaded_step", "Newest step whose remote copy the store records.",
+     "uploaded"),
+    ("ckptd_latest_remote_verified_step",
+     "Newest valid step whose remote copy is committed and verified (the remote's latest).",
+     "remote_verified"),
+    ("ckptd_unsafe_seconds",
+     "Seconds since the oldest valid step newer than the latest remote-verified one became"
+     " valid (0 when none waits; absent for a root with no remote).", "unsafe_s"),
+    ("ckptd_root_held", "1 while this daemon holds the root's lease and acts on it, else 0.",
+     "held"),
+    ("ckptd_min_free_bytes", "The root's configured min_free, in bytes of its disk.",
+     "min_free"),
+    ("ckptd_compression_saved_bytes",
+     "Original minus stored bytes of the root's compressed checkpoints.", "saved"),
 )
+_INVALID_DOC = "Invalid checkpoints by root and the reason validation gave."
 
 
 class _RootCollector(Collector):
@@ -185,6 +221,8 @@ class _RootCollector(Collector):
     def describe(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("ckptd_checkpoints", "Checkpoints by root and state.",
                                 labels=["root", "state"])
+        yield GaugeMetricFamily("ckptd_invalid_checkpoints", _INVALID_DOC,
+                                labels=["root", "reason"])
         for name, doc, _ in _GAUGES:
             yield GaugeMetricFamily(name, doc, labels=["root"])
 
@@ -197,10 +235,16 @@ class _RootCollector(Collector):
             for state in [x.value for x in State] + sorted(set(s.counts) - set(State)):
                 counts.add_metric([s.root, state], s.counts.get(state, 0))
         yield counts
-        for name, doc, field in _GAUGES:
+        invalid = GaugeMetricFamily("ckptd_invalid_checkpoints", _INVALID_DOC,
+                                    labels=["root", "reason"])
+        for s in samples:
+            for reason, n in sorted(s.invalid.items()):
+                invalid.add_metric([s.root, reason or "unknown"], n)
+        yield invalid
+        for name, doc, attr in _GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["root"])
             for s in samples:
-                value = getattr(s, field)
+                value = getattr(s, attr)
                 if value is not None:
                     family.add_metric([s.root], float(value))
             yield family

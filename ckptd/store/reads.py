@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptd.lifecycle import answers
 from ckptd.lifecycle.answers import MetricMode
-from ckptd.lifecycle.table import Policy, Status
+from ckptd.lifecycle.table import Event, Policy, Status
 from ckptd.model import CheckpointRecord, FileRecord, State, Tier
 from ckptd.remote.manifest import StoredFile
 from ckptd.store.rows import record_of, status_of
@@ -37,6 +37,16 @@ class Reads:
         rows = self._rows("SELECT event, source, target FROM transitions WHERE root=? AND"
                           " step=? ORDER BY id", (root, step))
         return [(r["event"], r["source"], r["target"]) for r in rows]
+
+    def reached(self, root: str, event: Event, above: int = -1) -> dict[int, float]:
+        """Step -> when the current save of each step of `root` above `above` last went
+        through `event` (the transition log's wall time, so it outlives a restart). A step
+        whose log rows were trimmed away is left out."""
+        rows = self._rows("SELECT c.step AS step, MAX(t.at) AS at FROM transitions t"
+                          " JOIN checkpoints c ON c.id = t.checkpoint_id"
+                          " WHERE t.root=? AND t.step>? AND t.event=? AND c.superseded=0"
+                          " GROUP BY c.step", (root, above, event.value))
+        return {int(r["step"]): float(r["at"]) for r in rows}
 
     def registrations(self, root: str) -> dict[int, tuple[str, ...]]:
         rows = self._rows("SELECT step, paths FROM registrations WHERE root=?", (root,))
