@@ -40,8 +40,10 @@ def test_every_family_is_exported_with_its_type() -> None:
     m.add_bytes("uploaded", "llm-7b", 1)
     m.observe_stage("validate", 1.0)
     m.error("scan")
+    m.observe_safe("llm-7b", 30.0)
     set_roots(m, RootSample("llm-7b", counts={}, queue=0, disk_free=1, latest=1,
-                            steps_since_remote=1, ratio=0.5))
+                            steps_since_remote=1, ratio=0.5, uploaded=1, remote_verified=1,
+                            unsafe_s=0.0, min_free=1, saved=1, invalid={"nan": 1}))
     types = {f.name: f.type for f in text_string_to_metric_families(m.render())}
     expected = {
         "ckptd_checkpoints": "gauge", "ckptd_stage_duration_seconds": "histogram",
@@ -52,6 +54,10 @@ def test_every_family_is_exported_with_its_type() -> None:
         "ckptd_errors": "counter", "ckptd_latest_step": "gauge", "ckptd_up": "gauge",
         "ckptd_build_info": "gauge", "ckptd_config_last_reload_successful": "gauge",
         "process_resident_memory_bytes": "gauge",
+        "ckptd_latest_uploaded_step": "gauge", "ckptd_latest_remote_verified_step": "gauge",
+        "ckptd_unsafe_seconds": "gauge", "ckptd_time_to_safe_seconds": "histogram",
+        "ckptd_root_held": "gauge", "ckptd_min_free_bytes": "gauge",
+        "ckptd_compression_saved_bytes": "gauge", "ckptd_invalid_checkpoints": "gauge",
     }
     assert {k: types.get(k) for k in expected} == expected
 
@@ -74,6 +80,39 @@ def test_root_gauges_carry_labels_and_values() -> None:
     assert value(m, "ckptd_preflight_warning", root="vit") == 0
     assert value(m, "ckptd_compression_ratio", root="llm-7b") == pytest.approx(0.62)
     assert value(m, "ckptd_latest_step", root="vit") is None  # unknown is absent, not 0
+
+
+def test_safety_gauges_and_invalid_reasons() -> None:
+    m = Metrics(process=False)
+    set_roots(m, RootSample("llm-7b", counts={}, queue=0, latest=1300, uploaded=1200,
+                            remote_verified=1100, unsafe_s=42.5, held=True, min_free=10**9,
+                            saved=3 * 10**8, invalid={"crc_mismatch": 2, "": 1}),
+              RootSample("vit", counts={}, queue=0))
+    assert value(m, "ckptd_latest_uploaded_step", root="llm-7b") == 1200
+    assert value(m, "ckptd_latest_remote_verified_step", root="llm-7b") == 1100
+    assert value(m, "ckptd_unsafe_seconds", root="llm-7b") == 42.5
+    assert value(m, "ckptd_root_held", root="llm-7b") == 1
+    assert value(m, "ckptd_min_free_bytes", root="llm-7b") == 10**9
+    assert value(m, "ckptd_compression_saved_bytes", root="llm-7b") == 3 * 10**8
+    assert value(m, "ckptd_invalid_checkpoints", root="llm-7b", reason="crc_mismatch") == 2
+    assert value(m, "ckptd_invalid_checkpoints", root="llm-7b", reason="unknown") == 1
+    assert value(m, "ckptd_root_held", root="vit") == 0  # always there: 0 is a fact
+    for name in ("ckptd_latest_uploaded_step", "ckptd_latest_remote_verified_step",
+                 "ckptd_unsafe_seconds", "ckptd_min_free_bytes"):
+        assert value(m, name, root="vit") is None  # unknown, or no remote: absent
+
+
+def test_time_to_safe_buckets_span_a_second_to_four_hours() -> None:
+    m = Metrics(process=False)
+    for seconds in (0.4, 90.0, 20000.0, -1.0):  # a clock step back counts as 0
+        m.observe_safe("r", seconds)
+    assert value(m, "ckptd_time_to_safe_seconds_count", root="r") == 4
+    assert value(m, "ckptd_time_to_safe_seconds_bucket", root="r", le="1.0") == 2
+    assert value(m, "ckptd_time_to_safe_seconds_bucket", root="r", le="120.0") == 3
+    assert value(m, "ckptd_time_to_safe_seconds_bucket", root="r", le="14400.0") == 3
+    assert value(m, "ckptd_time_to_safe_seconds_bucket", root="r", le="+Inf") == 4
+    m.remove_root("r")
+    assert value(m, "ckptd_time_to_safe_seconds_count", root="r") is None
 
 
 def test_unknown_values_drop_their_series() -> None:
