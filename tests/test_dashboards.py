@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,7 @@ from support.wait import wait_until
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "ckptd.json"
 RULES = DEPLOY / "prometheus" / "ckptd-rules.yaml"
+PROMTOOL = shutil.which("promtool")
 
 TARGET_LABELS = frozenset({"instance", "job"})  # Prometheus adds them to every scraped series
 DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
@@ -313,6 +316,17 @@ def test_every_rule_names_only_what_the_daemon_exports(exported: Exported) -> No
     assert not problems, "\n".join(problems)
     assert {"up", "ckptd_unsafe_seconds", "ckptd_errors_total", "ckptd_degraded",
             "ckptd_disk_free_bytes", "ckptd_min_free_bytes", "ckptd_root_held"} <= used
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool (Prometheus' own checker) not on PATH")
+def test_promtool_checks_the_rules_and_runs_their_unit_tests() -> None:
+    """Where Prometheus' promtool is at hand: its own check, and ckptd-rules.test.yaml (each
+    alert fires on the series it watches once its `for` has passed, quiet before)."""
+    assert PROMTOOL is not None
+    for args in (["check", "rules", RULES.name], ["test", "rules", "ckptd-rules.test.yaml"]):
+        done = subprocess.run([PROMTOOL, *args], cwd=RULES.parent, capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("expr, why", [
