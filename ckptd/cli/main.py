@@ -208,6 +208,42 @@ def cmd_wait(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from ckptd.cli.probe import verdict
+
+    if not (0 < args.timeout <= 60):
+        raise UsageError("ckptd probe: --timeout must be above 0 and at most 60 seconds")
+    c = Client(_socket(args), timeout=args.timeout, strict=True)
+    health = _call(lambda: c.request_json("GET", "/v1/health"))
+    why = verdict(args.kind, health)
+    if why is not None:
+        print(f"ckptd is not {args.kind}: {why}", file=sys.stderr)
+        return EXIT_NO
+    print(f"ckptd is {args.kind} ({health.get('status')}, up {health.get('uptime_s')}s)")
+    return 0
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    import math
+
+    from ckptd.cli.flush import flush
+
+    if not (math.isfinite(args.timeout) and 0 <= args.timeout <= 7 * 86400):
+        raise UsageError("ckptd flush: --timeout must be from 0 to 604800 seconds")
+    done = _call(lambda: flush(_client(args), args.timeout, wait=not args.no_wait))
+    if args.json:
+        _print_json({"flushed": [f.as_json() for f in done]})
+    elif not done:
+        print("nothing to flush: the newest valid step of every uploading root is uploaded")
+    else:
+        for f in done:
+            if f.uploaded is False:
+                print(f"{f.root} step {f.step}: not uploaded: {f.message}", file=sys.stderr)
+            else:
+                print(f"{f.root} step {f.step} {f.message}")
+    return EXIT_NO if any(f.uploaded is False for f in done) else 0
+
+
 def cmd_register(args: argparse.Namespace) -> int:
     c = _client(args)
     paths = [os.path.abspath(p) for p in args.paths]
@@ -354,7 +390,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run, "status": cmd_status, "ls": cmd_ls, "latest": cmd_latest,
     "register": cmd_register, "wait": cmd_wait, "pin": lambda a: _pin(a, "PUT"),
     "unpin": lambda a: _pin(a, "DELETE"), "hold": cmd_hold, "prune": cmd_prune,
-    "restore": cmd_restore,
+    "restore": cmd_restore, "flush": cmd_flush, "probe": cmd_probe,
     "verify": cmd_verify, "config": cmd_config,
     "demo": cmd_demo, "doctor": cmd_doctor,
 }

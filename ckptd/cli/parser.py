@@ -53,6 +53,8 @@ _EXAMPLES = """examples:
   ckptd verify /data/ckpt/llm-7b/step-1200     offline check of one checkpoint
   ckptd restore llm-7b latest --to /scratch/resume
   ckptd doctor                                 check the setup; each problem with its fix
+  ckptd flush --timeout 240                    upload each root's newest step first, wait
+  ckptd probe ready                            exit 0 when the daemon serves (for probes)
 exit codes: 0 ok, 1 no/invalid, 2 usage, 69 daemon unreachable or unable to do it now,
 75 state dir locked, 78 bad config or environment (docs/CLI.md)."""
 
@@ -81,6 +83,13 @@ _COMMAND_EXAMPLES = {
               "  ckptd verify model_step_1200.pt --deep --json",
     "config": "  ckptd config check /etc/ckptd/ckptd.toml",
     "demo": "  ckptd demo   (or `make demo` from the repository)",
+    "flush": "  ckptd flush --timeout 240   (a preStop hook, or before a node is released)\n"
+             "  ckptd flush --no-wait\nexit 0 when every flushed step is uploaded (or none"
+             " needed it), 1 when one is not\n(its upload failed, it became invalid, or the"
+             " time ran out), 69 daemon unreachable or stopping.",
+    "probe": "  ckptd probe live    (liveness: restart the daemon when this fails)\n"
+             "  ckptd probe ready   (readiness and start-up)\nexit 0 yes, 1 the daemon"
+             " answered no (the reason on stderr), 69 no answer within --timeout.",
     "doctor": "  ckptd doctor\n  ckptd doctor --config ./ckptd.toml --no-remote\n"
               "exit 0 when no problem was found, 1 otherwise.",
 }
@@ -121,6 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--until", choices=["valid", "uploaded"], default="valid")
     s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="give up after this long (default 600); exit 1")
+    s = cmd("flush", "preemption: upload each uploading root's newest valid step before other"
+                     " work, and wait until it is uploaded")
+    s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="stop waiting after this long (default 600); exit 1")
+    s.add_argument("--no-wait", action="store_true", help="ask for the flush and return")
+    s.add_argument("--json", action="store_true")
+    s = cmd("probe", "one health check for a liveness or readiness probe (exit 0 yes, 1 no,"
+                     " 69 no answer)")
+    s.add_argument("kind", choices=["live", "ready"],
+                   help="live: the daemon makes progress (restart it otherwise); ready: it"
+                        " answers and serves its roots")
+    s.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="how long to wait for the answer (default 5)")
     s = cmd("register", "tell the daemon a save finished")
     s.add_argument("root")
     s.add_argument("step", type=_nonneg_int)
