@@ -1,4 +1,4 @@
-"""The object-store backend for s3:// (any S3-compatible endpoint), gs:// and az://, on obstore.
+"""The object-store backend on obstore: s3:// (any S3-compatible endpoint), gs://, az://, abfs[s]://.
 
 Owns store construction and the calls, each through `objstore_errors.guard`: no obstore type
 or exception leaves the backend. Retries with backoff live in `wrappers`, not here.
@@ -44,22 +44,27 @@ from ckptd.errors import (
     ObjectNotFound,
     PermanentError,
     PreconditionFailed,
+    StorageError,
     TransientError,
 )
 
 if TYPE_CHECKING:
     from obstore import GetOptions, PutMode
-    from obstore.store import ClientConfig, RetryConfig, S3Config
+    from obstore.store import AzureConfig, ClientConfig, RetryConfig, S3Config
 
 # A get of a larger object fetches ranges this big, `concurrency` of them at once.
 _GET_RANGE = 8 << 20
 
-# A ranged GET starting at or past the object's end: HTTP 416 (S3's code InvalidRange).
-_UNSATISFIABLE = re.compile(r"status(?: code)?: 416\b|<Code>InvalidRange</Code>")
+# A ranged GET starting at or past the object's end: HTTP 416 (S3's code InvalidRange), or
+# obstore's own check when the store answers a range starting exactly at the end (Azurite).
+_UNSATISFIABLE = re.compile(
+    r"status(?: code)?: 416\b|<Code>InvalidRange</Code>"
+    r"|Wanted range starting at \d+, but object was only \d+ bytes long"
+)
 
 S3_SCHEMES = ("s3", "s3a")
-SCHEMES = (*S3_SCHEMES, "gs", "az")
-
+AZURE_SCHEMES = ("az", "abfs", "abfss")
+SCHEMES = (*S3_SCHEMES, "gs", *AZURE_SCHEMES)
 
 
 class ObstoreBackend:
@@ -99,7 +104,9 @@ class ObstoreBackend:
         creds = Creds(access_key_id, secret_access_key)
 
         def open_store(read_timeout: float | None) -> Any:
-            opts = _client_options(endpoint, connect_timeout_s, read_timeout, request_timeout_s)
+            opts = _client_options(
+                self.url, endpoint, connect_timeout_s, read_timeout, request_timeout_s
+            )
             return _open_store(self.url, endpoint, region, creds, opts, retry)
 
         self._range_slots = threading.Semaphore(2 * self.concurrency)
@@ -275,6 +282,7 @@ class ObstoreBackend:
             return obstore.get(self._store, key, options=options)
         except (obx.BaseError, OSError, ValueError) as exc:
             if isinstance(exc, obx.PreconditionError):
+                self._raise_if_missing(key)  # Azure answers If-Match on no object with 412
                 raise PreconditionFailed(
                     f"get_range {where}: not version {options.get('if_match')}"
                 ) from None
@@ -284,6 +292,16 @@ class ObstoreBackend:
                     "object's end"
                 ) from None
             raise translate(exc, "get", where) from None
+
+    def _raise_if_missing(self, key: str) -> None:
+        """ObjectNotFound when `key` is gone; any other answer (or error) leaves it to the
+        caller's own error."""
+        try:
+            self.stat(key)
+        except ObjectNotFound:
+            raise
+        except StorageError:
+            return
 
     def _get_small(self, key: str, limit: int) -> tuple[bytes, str | None]:
         """A small object's bytes and ETag. Its size comes with the GET's answer, before the
@@ -351,17 +369,38 @@ def _open_store(
                 "file); access_key_id/secret_access_key are for s3:// and az://"
             )
         return GCSStore.from_url(url, client_options=options, retry_config=retry)
-    if parts.scheme == "az":
-        if creds.key_id:
-            return AzureStore.from_url(
-                url,
-                client_options=options,
-                retry_config=retry,
-                account_name=creds.key_id,
-                account_key=creds.secret,
+    if parts.scheme in AZURE_SCHEMES:
+        return _azure_store(url, endpoint, creds, options, retry)
+    raise PermanentError(
+        f"unsupported storage URL {url!r}: use s3://, gs://, az://, abfs:// or file://"
+    )
+
+
+def _azure_store(
+    url: str, endpoint: str, creds: Creds, options: ClientConfig, retry: RetryConfig
+) -> Any:
+    """`az://container/prefix` or `abfs[s]://container@account.dfs.core.windows.net/prefix`.
+
+    `access_key_id` is the storage account, `secret_access_key` its key; without them obstore
+    reads the AZURE_STORAGE_* variables. `endpoint` replaces the account's blob URL (Azurite:
+    `http://127.0.0.1:10000/devstoreaccount1`)."""
+    container, at, host = urlsplit(url).netloc.partition("@")
+    if not container:
+        raise PermanentError(f"{url} names no container: use az://container/prefix")
+    config: AzureConfig = {}
+    if creds.key_id:
+        in_url = host.split(".", 1)[0] if at else ""
+        if in_url and in_url != creds.key_id:
+            raise PermanentError(
+                f"{url} names the storage account {in_url!r} but access_key_id is "
+                f"{creds.key_id!r}: they must agree"
             )
-        return AzureStore.from_url(url, client_options=options, retry_config=retry)
-    raise PermanentError(f"unsupported storage URL {url!r}: use s3://, gs://, az:// or file://")
+        if not in_url:  # obstore refuses the account given twice
+            config["account_name"] = creds.key_id
+        config["account_key"] = creds.secret
+    if endpoint:
+        config["endpoint"] = endpoint
+    return AzureStore.from_url(url, config=config, client_options=options, retry_config=retry)
 
 
 def _s3_store(
@@ -390,11 +429,21 @@ def _s3_store(
     )
 
 
+# Where obstore finds an endpoint when the config names none: plain http is allowed only
+# when the endpoint in force says http://.
+_ENDPOINT_VARIABLES = {
+    **dict.fromkeys(S3_SCHEMES, ("AWS_ENDPOINT_URL", "AWS_ENDPOINT")),
+    **dict.fromkeys(AZURE_SCHEMES, ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")),
+}
+
+
 def _client_options(
-    endpoint: str, connect_s: float, read_s: float | None, request_s: float
+    url: str, endpoint: str, connect_s: float, read_s: float | None, request_s: float
 ) -> ClientConfig:
     # The endpoint may also come from the standard variables obstore reads itself.
-    effective = endpoint or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT", "")
+    env = os.environ
+    names = _ENDPOINT_VARIABLES.get(urlsplit(url).scheme, ())
+    effective = endpoint or next((env[name] for name in names if env.get(name)), "")
     options: ClientConfig = {
         "allow_http": effective.startswith("http://"),
         "connect_timeout": timedelta(seconds=connect_s),

@@ -33,6 +33,9 @@ _TRANSIENT_CODES = frozenset(
         "ConditionalRequestConflict",
     }
 )
+# A missing bucket (S3) or container (Azure); Azure's batch delete says so only in words.
+_MISSING_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound"})
+_MISSING_CONTAINER = re.compile(r"specified container does not exist")
 _STATUS = re.compile(r"status code: (\d{3})|status: (\d{3})")
 _S3_CODE = re.compile(r"<Code>([^<]+)</Code>")
 _S3_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
@@ -55,7 +58,7 @@ def translate(exc: BaseException, op: str, where: str) -> StorageError:
     code = _first(_S3_CODE, text)
     detail = _detail(text, status, code, type(exc).__name__)
     prefix = f"{op} {where}"
-    if code == "NoSuchBucket":
+    if code in _MISSING_BUCKET_CODES or _MISSING_CONTAINER.search(text):
         return PermanentError(f"{prefix}: the bucket does not exist ({detail})")
     if isinstance(exc, obx.AlreadyExistsError | obx.PreconditionError):
         if op == "put" and isinstance(exc, obx.PreconditionError):  # If-Match: another version

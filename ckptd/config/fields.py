@@ -38,7 +38,7 @@ DEFAULT_SOCKET_PATH = Path("/run/ckptd/ckptd.sock")
 _SOCKET_PATH_MAX = 107
 _ROOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_REMOTE_SCHEMES = ("s3", "gs", "az")
+_REMOTE_SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
 
 Layout = Literal[
     "auto", "native", "registered", "dcp", "split", "ranked",
@@ -256,7 +256,8 @@ def _upload_url(value: str, info: ValidationInfo) -> str:
     if not sep or scheme not in _REMOTE_SCHEMES:
         raise ValueError(
             f"{_show(value)} is not a supported URL: use s3://bucket/prefix, gs://bucket/prefix, "
-            "az://container/prefix, file:///absolute/dir or file:relative/dir"
+            "az://container/prefix, abfs://container@account.dfs.core.windows.net/prefix, "
+            "file:///absolute/dir or file:relative/dir"
         )
     if not rest.split("/", 1)[0]:
         raise ValueError(f"{_show(value)} names no bucket: use {scheme}://bucket/prefix")
