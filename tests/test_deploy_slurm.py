@@ -1,0 +1,288 @@
+"""deploy/slurm run for real, no Slurm needed: train.sbatch with a one-node stand-in for srun
+starts a real daemon through ckptd-job.sh, a real trainer saves when USR1 reaches the batch
+script, the drain waits until that save is in the file:// remote and stops the daemon; and a
+drain gives up, saying why, when the remote does not answer. Every process is ended by its id
+(its process group) even when a test fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.proc import parse_events
+from support.wait import wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM = REPO / "deploy" / "slurm"
+HELPER = SLURM / "ckptd-job.sh"
+SBATCH = SLURM / "train.sbatch"
+SCRIPTS = sorted([*SLURM.glob("*.sh"), *SLURM.glob("*.sbatch")])
+VENV_BIN = Path(sys.executable).parent
+
+# srun on one node: drop the options (train.sbatch writes each as --name=value) and run the
+# command in place, so the PID the batch script signals is the task's, as srun forwards it.
+FAKE_SRUN = """#!/bin/bash
+while [[ $# -gt 0 && $1 == -* ]]; do shift; done
+exec "$@"
+"""
+
+
+# The trainer train.sbatch runs, without torch (train_example.py imports it: seconds per start):
+# it trains until USR1, then saves one safetensors file, registers it and exits 0.
+TRAINER = """
+import argparse, json, pathlib, signal, struct, sys, time
+from ckptd.client import Client
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--root")
+ap.add_argument("--root-name")
+args = ap.parse_args()
+stop = False
+def on_usr1(signum, frame):
+    global stop
+    stop = True
+signal.signal(signal.SIGUSR1, on_usr1)
+print("training from step 0", flush=True)
+step = 0
+while not stop:
+    step += 1
+    time.sleep(0.02)
+header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+root = pathlib.Path(args.root)
+root.mkdir(parents=True, exist_ok=True)
+(root / f"model_step_{step}.safetensors").write_bytes(
+    struct.pack("<Q", len(header)) + header + bytes(16))
+assert Client(strict=True).register(args.root_name, step)
+print(f"saved step {step}", flush=True)
+print(f"stopping after step {step} (SIGUSR1)", flush=True)
+"""
+
+
+class Procs:
+    """Processes a test starts, each in its own process group, ended by that id at teardown."""
+
+    def __init__(self) -> None:
+        self.groups: list[subprocess.Popen[bytes]] = []
+        self.pidfiles: list[Path] = []
+
+    def popen(self, args: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+        proc: subprocess.Popen[bytes] = subprocess.Popen(args, start_new_session=True, **kw)
+        self.groups.append(proc)
+        return proc
+
+    def run(self, args: list[str], timeout: float, **kw: Any) -> tuple[int, str, str]:
+        """(status, stdout, stderr) of a command run to its end."""
+        proc = self.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+    def close(self) -> None:
+        for pidfile in self.pidfiles:  # a daemon `start` left behind outlives its group leader
+            pid = _read_pid(pidfile)
+            if pid is not None and _is_ckptd(pid):
+                os.kill(pid, signal.SIGKILL)
+        for proc in self.groups:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+
+def _read_pid(pidfile: Path) -> int | None:
+    try:
+        return int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _is_ckptd(pid: int) -> bool:
+    """Alive (not a zombie) and running `ckptd ... run`."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in "ZX" and "ckptd" in cmd and " run " in cmd
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def job_env(tmp_path: Path, short_dir: Path) -> dict[str, str]:
+    """The environment Slurm gives a one-node job, the stand-in srun first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text(FAKE_SRUN)
+    srun.chmod(0o755)
+    ckptd = VENV_BIN / "ckptd"
+    if not ckptd.exists():  # an environment without the console script
+        ckptd = bin_dir / "ckptd"
+        ckptd.write_text(f'#!/bin/sh\nexec {sys.executable} -m ckptd "$@"\n')
+        ckptd.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "CKPTD_"))}
+    env.update(
+        PATH=f"{bin_dir}:{VENV_BIN}:{env.get('PATH', '/usr/bin:/bin')}",
+        AWS_EC2_METADATA_DISABLED="true", PYTHONUNBUFFERED="1",
+        SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_NUM_NODES="1",
+        SLURMD_NODENAME="node0",
+        CKPTD_JOB_DIR=str(short_dir / "job"), CKPTD_BIN=str(ckptd),
+        CKPTD_PYTHON=sys.executable, CKPTD_SCAN_INTERVAL="1s",
+    )
+    return env
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_parse(script: Path) -> None:
+    res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+
+
+def test_example_trainer_compiles() -> None:
+    example = SLURM / "train_example.py"
+    compile(example.read_text(), str(example), "exec")
+
+
+def test_scripts_pass_shellcheck() -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed")
+    res = subprocess.run(["shellcheck", "-x", *map(str, SCRIPTS)], capture_output=True,
+                         text=True, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_usr1_saves_uploads_then_stops(tmp_path: Path, job_env: dict[str, str],
+                                       procs: Procs) -> None:
+    """USR1 to the batch script: the trainer saves and exits, the drain waits until that step
+    is committed in the remote, the daemon stops cleanly, the script exits 0."""
+    root, remote = tmp_path / "ckpt" / "run1", tmp_path / "remote"
+    remote.mkdir()
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    env = {**job_env, "CKPTD_ROOT": str(root), "CKPTD_ROOT_NAME": "run1",
+           "CKPTD_UPLOAD_URL": f"file://{remote}", "CKPTD_NODES": "1", "CKPTD_SETTLE": "200ms",
+           "TRAIN_SCRIPT": str(trainer), "SAVE_GRACE": "60", "DRAIN_TIMEOUT": "60",
+           "REQUEUE": "no"}
+    log = tmp_path / "job.out"
+    with open(log, "wb") as sink:
+        batch = procs.popen(["bash", str(SBATCH)], cwd=tmp_path, env=env, stdout=sink,
+                            stderr=subprocess.STDOUT)
+
+    def text() -> str:
+        return log.read_text(errors="replace")
+
+    wait_until(lambda: "training from step 0" in text() or batch.poll() is not None, 60,
+               "the trainer to start", detail=text)
+    assert batch.poll() is None, text()
+    os.kill(batch.pid, signal.SIGUSR1)  # what --signal=B:USR1@600 does
+    assert batch.wait(timeout=120) == 0, text()
+
+    out = text()
+    saved = [int(s) for s in re.findall(r"^saved step (\d+)$", out, re.M)]
+    assert len(saved) == 1 and f"stopping after step {saved[0]} (SIGUSR1)" in out, out
+    step = saved[0]
+    manifest = json.loads((remote / "run1" / f"step-{step}" / "MANIFEST.json").read_text())
+    assert (manifest["root"], manifest["step"]) == ("run1", step)
+    assert f"run1 step {step}: uploaded" in out
+    assert "trainer exited 0, drain 0, ckptd 0" in out  # ckptd's own exit status, via srun
+    assert parse_events(out, "daemon_stopped") and parse_events(out, "flush_requested")
+    job_dir = Path(env["CKPTD_JOB_DIR"])
+    assert not (job_dir / "ckptd.pid").exists() and not (job_dir / "ckptd.sock").exists()
+
+
+def _refused_port() -> socket.socket:
+    """A bound TCP port nobody listens on: connecting is refused at once."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def _safetensors(path: Path) -> None:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+
+
+def test_drain_gives_up_when_the_remote_is_unreachable(tmp_path: Path, job_env: dict[str, str],
+                                                      procs: Procs) -> None:
+    """The remote refuses every connection: the drain stops waiting at its timeout, says which
+    step and why, exits 1, and still stops the daemon."""
+    root = tmp_path / "ckpt" / "r"
+    root.mkdir(parents=True)
+    _safetensors(root / "model_step_7.safetensors")
+    with _refused_port() as port:
+        roots = tmp_path / "roots.toml"
+        roots.write_text(f"""
+[[roots]]
+name = "r"
+path = "{root}"
+settle = "200ms"
+[roots.upload]
+url = "s3://bucket/prefix"
+endpoint = "http://127.0.0.1:{port.getsockname()[1]}"
+region = "us-east-1"
+access_key_id = "test-key"
+secret_access_key = "test-secret"
+connect_timeout = "1s"
+attempts = 1
+""")
+        env = {**job_env, "CKPTD_JOB_ROOTS": str(roots)}
+        job_dir = Path(env["CKPTD_JOB_DIR"])
+        procs.pidfiles.append(job_dir / "ckptd.pid")
+        rc, out, err = procs.run([str(HELPER), "start", "--timeout", "60"], 90, env=env)
+        assert rc == 0, err
+        assert f"export CKPTD_SOCKET={job_dir / 'ckptd.sock'}" in out.splitlines()
+        pid = _read_pid(job_dir / "ckptd.pid")
+        assert pid is not None and _is_ckptd(pid)
+
+        t0 = time.monotonic()
+        rc, out, err = procs.run([str(HELPER), "drain", "--timeout", "3", "r=7"], 90, env=env)
+        took = time.monotonic() - t0
+    assert rc == 1, err
+    assert re.search(r"r step 7 is not uploaded after 3 s \(state valid, remote \w+; last error:"
+                     r" upload: .+\): giving up", err), err
+    assert f"ckptd (pid {pid}) stopped" in err
+    assert 3 <= took < 60, took
+    wait_until(lambda: not _is_ckptd(pid), 10, "the daemon to be gone")
+    log = (job_dir / "ckptd.log").read_text()
+    assert parse_events(log, "daemon_stopped"), log[-3000:]
+
+
+def test_helper_says_what_is_missing(tmp_path: Path, job_env: dict[str, str]) -> None:
+    """No job id, no daemon, a bad argument: a clear line and the documented exit status."""
+    def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(HELPER), *args], env=env, capture_output=True, text=True,
+                              timeout=30, check=False)
+
+    no_job = {k: v for k, v in job_env.items() if k not in ("SLURM_JOB_ID", "CKPTD_JOB_DIR")}
+    res = run(["env"], no_job)
+    assert res.returncode == 2 and "SLURM_JOB_ID is not set" in res.stderr
+    res = run(["env"], job_env)
+    assert res.returncode == 0 and "export CKPTD_SOCKET=" in res.stdout
+    res = run(["drain", "--timeout", "1"], job_env)
+    assert res.returncode == 69 and "no ckptd of this job runs on" in res.stderr
+    res = run(["drain", "r=latest"], job_env)
+    assert res.returncode == 2 and "not ROOT or ROOT=STEP" in res.stderr
+    res = run(["start"], {**job_env, "CKPTD_ROOT": ""})
+    assert res.returncode == 78 and "no roots: set CKPTD_ROOT" in res.stderr
+    res = run(["frobnicate"], job_env)
+    assert res.returncode == 2 and "ckptd-job.sh run" in res.stderr
