@@ -45,7 +45,7 @@ RUN groupadd --system --gid "$CKPTD_GID" ckptd \
 # The wheels come in through a bind mount: none of them stays in a layer of the image.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links /wheels \
-        "ckptd${CKPTD_EXTRAS:+[$CKPTD_EXTRAS]}" \
+        "$(ls /wheels/ckptd-*.whl)${CKPTD_EXTRAS:+[$CKPTD_EXTRAS]}" \
  && ckptd --version
 COPY config.example.toml /usr/share/doc/ckptd/config.example.toml
 
