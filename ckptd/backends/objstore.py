@@ -1,4 +1,4 @@
-"""The object-store backend on obstore: s3:// (any S3-compatible endpoint), gs://, az://, abfs[s]://.
+"""The object-store backend on obstore: s3:// (any S3-compatible endpoint), gs://, az://, abfs://.
 
 Owns store construction and the calls, each through `objstore_errors.guard`: no obstore type
 or exception leaves the backend. Retries with backoff live in `wrappers`, not here.
