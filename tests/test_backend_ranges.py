@@ -1,5 +1,5 @@
-"""`Backend.get_range` on every backend (a directory and a real SeaweedFS) and through every
-wrapper: exact bytes, the version pin, the errors, a stall and a retried fault.
+"""`Backend.get_range` on every backend (a directory, a real SeaweedFS and a real Azurite) and
+through every wrapper: exact bytes, the version pin, the errors, a stall and a retried fault.
 
 Faults go through the real TCP proxy process (tests/faultproxy.py), never through fake backends.
 """
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from faultproxy import FaultProxy
     from s3server import S3Server
 
-pytest_plugins = ["s3server"]  # fixtures: s3_server, s3_url, fault_proxy
+pytest_plugins = ["s3server", "azurite"]  # fixtures: s3_server, s3_url, fault_proxy; az_url
 
 MiB = 1024 * 1024
 PART = 5 * MiB
@@ -60,11 +60,13 @@ def retry_events(logs: list[MutableMapping[str, Any]]) -> list[MutableMapping[st
     return [e for e in logs if e["event"] == "storage_retry"]
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "azure"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     """Each implementation of the contract, empty, under a fresh base prefix."""
     if request.param == "local":
         return LocalBackend(tmp_path / "remote", part_size=PART)
+    if request.param == "azure":
+        return request.getfixturevalue("azurite").backend(request.getfixturevalue("az_url"))
     server = request.getfixturevalue("s3_server")
     return s3_backend(server, request.getfixturevalue("s3_url"))
 
