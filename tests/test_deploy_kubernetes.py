@@ -417,6 +417,23 @@ def test_the_image_and_the_pods_agree_on_user_paths_and_port() -> None:
     assert owned == set(volumes) == set(chown.group(3).split())
 
 
+def test_the_sidecar_job_fits_the_restricted_pod_security_level() -> None:
+    """What the "restricted" level asks of every container of the sidecar example's pod: no
+    host namespaces or hostPath, a non-root user, no privilege escalation, no capabilities,
+    the runtime's seccomp profile."""
+    spec = pod_spec(by_kind("Job")[0])
+    assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+    assert all("hostPath" not in v for v in spec["volumes"])
+    pod_ctx = spec["securityContext"]
+    assert pod_ctx["runAsNonRoot"] is True and pod_ctx["runAsUser"] != 0
+    assert pod_ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+    for c in spec["initContainers"] + spec["containers"]:
+        ctx = c["securityContext"]
+        assert ctx["allowPrivilegeEscalation"] is False, c["name"]
+        assert ctx["capabilities"] == {"drop": ["ALL"]}, c["name"]
+        assert ctx.get("runAsUser", pod_ctx["runAsUser"]) != 0, c["name"]
+
+
 def dockerignored(rel: str, patterns: list[str]) -> bool:
     """Whether .dockerignore leaves `rel` out of the build context: the last pattern that
     matches the path or one of its parent directories decides ('!' brings it back)."""
