@@ -1,0 +1,231 @@
+"""The release as a user gets it: the wheel built from this tree (`python -m build`, as
+`make dist` does), installed by pip into a fresh virtualenv whose dependencies come from the
+package index as `pip install ckptd` gets them, and no torch there. In it the command line, the
+client and a real `ckptd run` work (a torch file validated, compressed and uploaded to a
+`file://` remote), and each feature that needs torch says so in one line.
+
+The wheel and the virtualenv are made once for the whole run: under xdist the first worker to
+need them makes them in the workers' shared temp dir while the other waits (pip's cache makes a
+rerun quick; the first run fills it).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from support.config import write_layout
+from support.proc import parse_events
+from support.wait import wait_until
+
+import ckptd
+
+ROOT = Path(__file__).resolve().parents[1]
+# What the sdist holds beside the package (MANIFEST.in), copied so the build never writes into
+# the checkout (no build/ or egg-info left to mix into a later wheel).
+SOURCES = ("ckptd", "pyproject.toml", "README.md", "MANIFEST.in", "CHANGELOG.md",
+           "config.example.toml", "systemd")
+TORCH_LINE = "ModuleNotFoundError: {} needs PyTorch: pip install 'ckptd[torch]'"
+INSTALL_S = 600.0  # a first run downloads the dependencies into pip's cache
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass(frozen=True)
+class Slim:
+    """The built wheel and the fresh virtualenv it is installed into."""
+
+    wheel: Path
+    venv: Path
+
+    def bin(self, name: str) -> str:
+        return str(self.venv / "bin" / name)
+
+
+def _env() -> dict[str, str]:
+    """The test's environment without what would point the slim install at this checkout or
+    at another daemon."""
+    drop = {"PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "CKPTD_CONFIG", "CKPTD_SOCKET"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def _run(argv: list[str], cwd: Path, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def _checked(argv: list[str], cwd: Path, timeout: float) -> str:
+    done = _run(argv, cwd, timeout)
+    assert done.returncode == 0, f"{argv} exited {done.returncode}:\n{done.stdout}{done.stderr}"
+    return done.stdout
+
+
+def _torch_file(root: Path, step: int) -> Path:
+    """A plain `torch.save` file of the `single` layout, written by this process's torch."""
+    import torch
+
+    path = root / f"model_step_{step}.pt"
+    torch.save({"w": torch.arange(64.0).reshape(8, 8), "step": step}, path)
+    return path
+
+
+def _make(base: Path) -> None:
+    src, dist, venv = base / "src", base / "dist", base / "venv"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    src.mkdir(parents=True)
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=ignore)
+        else:
+            shutil.copy2(ROOT / name, src / name)
+    _checked([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(src)],
+             base, INSTALL_S)
+    # A bare venv, and this environment's pip installing into it: the same install as the
+    # venv's own pip would do, without seconds of bootstrapping pip into it first.
+    _checked([sys.executable, "-m", "venv", "--without-pip", str(venv)], base, 60)
+    wheel, = dist.glob("ckptd-*.whl")
+    _checked([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+              "--quiet", str(wheel)], base, INSTALL_S)
+
+
+@pytest.fixture(scope="module")
+def slim(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Slim:
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent
+    base = shared / "slim-install"
+    with open(shared / "slim-install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (base / "done").exists():
+            shutil.rmtree(base, ignore_errors=True)
+            _make(base)
+            (base / "done").touch()
+    wheel, = (base / "dist").glob("ckptd-*.whl")
+    return Slim(wheel, base / "venv")
+
+
+def test_the_wheel_holds_every_module_and_needs_no_torch(slim: Slim) -> None:
+    assert slim.wheel.name == f"ckptd-{ckptd.__version__}-py3-none-any.whl"
+    with zipfile.ZipFile(slim.wheel) as whl:
+        names = set(whl.namelist())
+        meta = whl.read(f"ckptd-{ckptd.__version__}.dist-info/METADATA").decode()
+        scripts = whl.read(f"ckptd-{ckptd.__version__}.dist-info/entry_points.txt").decode()
+    package = {str(p.relative_to(ROOT)) for p in (ROOT / "ckptd").rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts}
+    assert package - names == set(), "files of ckptd/ missing from the wheel"
+    assert f"Version: {ckptd.__version__}" in meta.splitlines()
+    requires = [line for line in meta.splitlines() if line.startswith("Requires-Dist: ")]
+    torch_req = [r for r in requires if re.match(r"Requires-Dist: torch\b", r)]
+    assert torch_req == ['Requires-Dist: torch<3,>=2.3; extra == "torch"'], requires
+    assert "ckptd = ckptd.cli.main:main" in scripts
+
+
+def test_the_slim_install_has_no_torch_and_says_what_needs_it(slim: Slim,
+                                                               tmp_path: Path) -> None:
+    py = slim.bin("python")
+    no_torch = _run([py, "-c", "import torch"], tmp_path)
+    assert no_torch.returncode == 1
+    assert "No module named 'torch'" in no_torch.stderr
+    # The installed package, not this checkout; the daemon's side imports with no torch.
+    where = _checked([py, "-c", "import sys, ckptd, ckptd.client, ckptd.cli.main, ckptd.daemon;"
+                      " print(ckptd.__file__); print(sorted(m for m in sys.modules"
+                      " if m.split('.')[0] == 'torch'))"], tmp_path, 60).splitlines()
+    assert Path(where[0]).is_relative_to(slim.venv), where
+    assert where[1] == "[]"
+    for module in ("ckptd.torch", "ckptd.dcp"):
+        done = _run([py, "-c", f"import {module}"], tmp_path)
+        assert done.returncode == 1
+        assert done.stderr.splitlines()[-1] == TORCH_LINE.format(module), done.stderr
+
+
+def test_version_names_python_the_platform_and_torchs_absence(slim: Slim,
+                                                               tmp_path: Path) -> None:
+    lines = _checked([slim.bin("ckptd"), "--version"], tmp_path, 30).splitlines()
+    assert lines[0] == f"ckptd {ckptd.__version__}"
+    assert re.fullmatch(r"python 3\.\d+\.\d+ \(CPython, .*\)", lines[1]), lines
+    assert lines[2].startswith("platform Linux-"), lines
+    assert lines[3] == ("torch not installed: deep_validate, ckptd.torch, ckptd.dcp and"
+                        " ckptd demo need it (pip install 'ckptd[torch]')"), lines
+    assert len(lines) == 4
+
+
+def test_config_check_and_the_torch_features_of_the_command_line(slim: Slim,
+                                                                 tmp_path: Path) -> None:
+    ckptd_bin = slim.bin("ckptd")
+    example = tmp_path / "ckptd.toml"  # relative paths count from here: all under tmp_path
+    shutil.copy(ROOT / "config.example.toml", example)
+    out = _checked([ckptd_bin, "config", "check", str(example)], tmp_path, 30)
+    assert out.startswith(f"# {example}: OK (2 root(s))")
+    assert f'state_dir = "{tmp_path / ".demo" / "state"}"' in out
+
+    deep = tmp_path / "deep.toml"
+    deep.write_text(example.read_text().replace("deep_validate = false", "deep_validate = true"))
+    line = ("roots[{}].deep_validate = true needs PyTorch: pip install 'ckptd[torch]'")
+    for argv in ([ckptd_bin, "config", "check", str(deep)],
+                 [ckptd_bin, "run", "--config", str(deep)]):
+        done = _run(argv, tmp_path)
+        assert done.returncode == 78, done.stderr
+        assert done.stderr.splitlines() == [f"ckptd: {deep}: 2 problems:",
+                                            f"  {line.format(0)}", f"  {line.format(1)}"]
+    assert not (tmp_path / ".demo").exists(), "a refused `ckptd run` created its dirs"
+
+    ckpt = _torch_file(tmp_path, 5)
+    for argv, what in (([ckptd_bin, "verify", str(ckpt), "--deep"], "verify --deep"),
+                       ([ckptd_bin, "demo"], "demo")):
+        done = _run(argv, tmp_path)
+        assert (done.returncode, done.stdout) == (2, ""), done.stderr
+        assert done.stderr == f"ckptd {what} needs PyTorch: pip install 'ckptd[torch]'\n"
+    out = _checked([ckptd_bin, "verify", str(ckpt)], tmp_path, 30)
+    assert out.startswith(f"{ckpt}: single step 5: valid"), out
+
+
+def test_the_slim_daemon_validates_and_uploads_a_torch_file(slim: Slim, tmp_path: Path,
+                                                            short_dir: Path) -> None:
+    ckptd_bin = slim.bin("ckptd")
+    remote = tmp_path / "remote"
+    layout = write_layout(tmp_path, short_dir / "ckptd.sock",
+                          [{"name": "r1", "upload": {"url": f"file://{remote}"}}])
+    sock = ["--socket", str(layout.socket)]
+    log = tmp_path / "daemon.log"
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen([ckptd_bin, "run", "--config", str(layout.config)],
+                                cwd=tmp_path, env=_env(), stdout=logf,
+                                stderr=subprocess.STDOUT)
+    try:
+        def answers() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"the daemon exited {proc.returncode}:\n{log.read_text()}")
+            return _run([ckptd_bin, "status", *sock], tmp_path, 30).returncode == 0
+
+        wait_until(answers, 30, "`ckptd status` to answer", interval=0.1,
+                   detail=log.read_text)
+        _torch_file(layout.roots["r1"], 100)
+        _checked([ckptd_bin, "wait", "r1", "100", "--until", "uploaded", "--timeout", "60",
+                  *sock], tmp_path, 90)
+        latest = json.loads(_checked([ckptd_bin, "latest", "r1", "--tier", "remote", "--json",
+                                      *sock], tmp_path, 30))
+        assert (latest["step"], latest["state"], latest["remote"]) == (100, "valid", "uploaded")
+        assert list(remote.rglob("MANIFEST.json")), "no committed step on the remote"
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+        assert time.monotonic() - started < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = log.read_text()
+    assert parse_events(text, "daemon_stopped"), text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    assert not layout.socket.exists()
