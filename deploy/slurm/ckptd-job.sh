@@ -270,12 +270,11 @@ root_field() {  # $1 root, $2 mode of PYREAD (with $3): one line, empty when not
 
 # -- drain -------------------------------------------------------------------------------------
 
-flush() {
+flush() {  # the newest valid step of each uploading root goes before other copies and uploads
+    ck flush --no-wait >/dev/null 2>&1 && return
     if [[ -n $PID ]]; then
-        kill -USR1 "$PID" 2>/dev/null || true
-    elif ! "$PY" -c 'import sys; from ckptd.client import Client
-Client(sys.argv[1], timeout=10, strict=True).request_json("POST", "/v1/flush")' "$SOCKET" \
-            >/dev/null 2>&1; then
+        kill -USR1 "$PID" 2>/dev/null || true  # what `ckptd flush` asks for, by signal
+    else
         say "could not ask $SOCKET for a flush; waiting all the same"
     fi
 }
