@@ -28,6 +28,7 @@ import pytest
 import yaml
 from support.wait import wait_until
 
+from ckptd.cli.main import main
 from ckptd.cli.parser import build_parser
 from ckptd.cli.probe import LIVE, READY, verdict
 from ckptd.config import load_config
@@ -642,6 +643,15 @@ def test_what_each_health_means_to_the_probes(doc: dict[str, Any], live: str | N
             assert got is not None and want in got, (kind, got)
 
 
+@pytest.mark.parametrize("argv", [
+    ["probe", "live", "--timeout", "0"], ["probe", "ready", "--timeout", "61"],
+    ["probe", "ready", "--timeout", "nan"], ["probe", "alive"],
+    ["flush", "--timeout", "-1"], ["flush", "--timeout", "inf"],
+])
+def test_bad_probe_and_flush_command_lines_exit_2(argv: list[str], short_dir: Path) -> None:
+    assert main([*argv, "--socket", str(short_dir / "s.sock")]) == 2
+
+
 # -- ckptd flush ---------------------------------------------------------------------------------
 
 
@@ -685,10 +695,15 @@ def test_flush_says_which_step_was_not_uploaded_and_why(stalled_upload: tuple[An
     """The remote still fails: the daemon gives the flush up at the first failed try, and
     `ckptd flush` returns then (exit 1, the reason), not at its timeout."""
     d, _ = stalled_upload
+    r = flush_cli(d, "--no-wait", "--json")  # asks, and returns at once
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"flushed": [{"root": "r1", "step": 1, "uploaded": None,
+                                                 "message": "put first"}]}
+    d.wait_event("flush_abandoned")
     r = flush_cli(d, "--timeout", "100")
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "r1 step 1: not uploaded: no longer flushed: its upload failed" in r.stderr
     assert "Not a directory" in r.stderr
-    d.wait_event("flush_abandoned")
+    d.wait_event("flush_abandoned", count=2)
     assert run_cli(["ckptd", "flush", "--socket", str(d.socket.parent / "none.sock")],
                    ENV).returncode == 69
