@@ -50,7 +50,7 @@ from ckptd.errors import (
 
 if TYPE_CHECKING:
     from obstore import GetOptions, PutMode
-    from obstore.store import AzureConfig, ClientConfig, RetryConfig, S3Config
+    from obstore.store import AzureConfig, ClientConfig, GCSConfig, RetryConfig, S3Config
 
 # A get of a larger object fetches ranges this big, `concurrency` of them at once.
 _GET_RANGE = 8 << 20
@@ -368,7 +368,9 @@ def _open_store(
                 "gs:// takes credentials from GOOGLE_APPLICATION_CREDENTIALS (a service account "
                 "file); access_key_id/secret_access_key are for s3:// and az://"
             )
-        return GCSStore.from_url(url, client_options=options, retry_config=retry)
+        # endpoint: another GCS-compatible server (an emulator), as GOOGLE_BASE_URL would.
+        config: GCSConfig = {"base_url": endpoint} if endpoint else {}
+        return GCSStore.from_url(url, config=config, client_options=options, retry_config=retry)
     if parts.scheme in AZURE_SCHEMES:
         return _azure_store(url, endpoint, creds, options, retry)
     raise PermanentError(
@@ -433,6 +435,7 @@ def _s3_store(
 # when the endpoint in force says http://.
 _ENDPOINT_VARIABLES = {
     **dict.fromkeys(S3_SCHEMES, ("AWS_ENDPOINT_URL", "AWS_ENDPOINT")),
+    "gs": ("GOOGLE_BASE_URL",),
     **dict.fromkeys(AZURE_SCHEMES, ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")),
 }
 

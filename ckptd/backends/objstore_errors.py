@@ -58,6 +58,8 @@ def translate(exc: BaseException, op: str, where: str) -> StorageError:
     code = _first(_S3_CODE, text)
     detail = _detail(text, status, code, type(exc).__name__)
     prefix = f"{op} {where}"
+    if op == "open":  # building a store sends nothing: what fails there is the configuration
+        return PermanentError(f"{prefix}: {detail}")
     if code in _MISSING_BUCKET_CODES or _MISSING_CONTAINER.search(text):
         return PermanentError(f"{prefix}: the bucket does not exist ({detail})")
     if isinstance(exc, obx.AlreadyExistsError | obx.PreconditionError):
