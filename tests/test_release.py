@@ -147,6 +147,11 @@ def test_the_slim_install_has_no_torch_and_says_what_needs_it(slim: Slim,
         done = _run([py, "-c", f"import {module}"], tmp_path)
         assert done.returncode == 1
         assert done.stderr.splitlines()[-1] == TORCH_LINE.format(module), done.stderr
+    # The deep check's child, were torch gone from under a running daemon: the job fails
+    # with this line (retried later); the checkpoint is not called invalid for it.
+    done = _run([py, "-m", "ckptd.stages.deepscan", "0", "model.pt"], tmp_path)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == "deep_validate needs PyTorch: pip install 'ckptd[torch]'\n"
 
 
 def test_version_names_python_the_platform_and_torchs_absence(slim: Slim,
@@ -158,6 +163,21 @@ def test_version_names_python_the_platform_and_torchs_absence(slim: Slim,
     assert lines[3] == ("torch not installed: deep_validate, ckptd.torch, ckptd.dcp and"
                         " ckptd demo need it (pip install 'ckptd[torch]')"), lines
     assert len(lines) == 4
+
+
+def test_version_with_torch_names_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """This environment's (torch installed): the version pip installed, torch never imported
+    for it."""
+    import importlib.metadata
+
+    from ckptd.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"ckptd {ckptd.__version__}"
+    assert lines[3] == f"torch {importlib.metadata.version('torch')}"
 
 
 def test_config_check_and_the_torch_features_of_the_command_line(slim: Slim,
@@ -217,6 +237,17 @@ def test_the_slim_daemon_validates_and_uploads_a_torch_file(slim: Slim, tmp_path
                                       *sock], tmp_path, 30))
         assert (latest["step"], latest["state"], latest["remote"]) == (100, "valid", "uploaded")
         assert list(remote.rglob("MANIFEST.json")), "no committed step on the remote"
+
+        # A reload that asks for deep_validate is refused in one line; the daemon goes on.
+        text = layout.config.read_text()
+        layout.config.write_text(text.replace('settle = "300ms"\n',
+                                              'settle = "300ms"\ndeep_validate = true\n', 1))
+        proc.send_signal(signal.SIGHUP)
+        rejected = wait_until(lambda: parse_events(log.read_text(), "config_reload_rejected"),
+                              30, "the reload to be refused", detail=log.read_text)
+        assert rejected[0]["error"] == (f"{layout.config}: roots[0].deep_validate = true needs"
+                                        " PyTorch: pip install 'ckptd[torch]'")
+        _checked([ckptd_bin, "status", *sock], tmp_path, 30)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()
