@@ -253,6 +253,15 @@ attempts = 1
         assert f"export CKPTD_SOCKET={job_dir / 'ckptd.sock'}" in out.splitlines()
         pid = _read_pid(job_dir / "ckptd.pid")
         assert pid is not None and _is_ckptd(pid)
+        rc, _, err = procs.run([str(HELPER), "start"], 30, env=env)
+        assert rc == 75 and f"already runs here (pid {pid})" in err, err
+        # --keep (a node's service): the same wait, over the socket, and the daemon stays up.
+        service = {**env, "CKPTD_SOCKET": str(job_dir / "ckptd.sock"),
+                   "CKPTD_CONFIG": str(job_dir / "ckptd.toml")}
+        rc, _, err = procs.run([str(HELPER), "drain", "--keep", "--timeout", "1", "r=7"], 30,
+                               env=service)
+        assert rc == 1 and "r step 7 is not uploaded after 1 s" in err, err
+        assert _is_ckptd(pid) and "stopping" not in err
 
         t0 = time.monotonic()
         rc, out, err = procs.run([str(HELPER), "drain", "--timeout", "3", "r=7"], 90, env=env)
@@ -265,6 +274,42 @@ attempts = 1
     wait_until(lambda: not _is_ckptd(pid), 10, "the daemon to be gone")
     log = (job_dir / "ckptd.log").read_text()
     assert parse_events(log, "daemon_stopped"), log[-3000:]
+
+
+def test_drain_on_a_standby_waits_for_the_acting_daemon(tmp_path: Path, short_dir: Path,
+                                                        job_env: dict[str, str],
+                                                        procs: Procs) -> None:
+    """Two daemons on one shared root: the second stands by. A drain there (--keep, as on a
+    node's service) waits for what the acting daemon publishes; `stop` ends each by its PID."""
+    root, remote = tmp_path / "shared" / "r", tmp_path / "remote"
+    root.mkdir(parents=True)
+    remote.mkdir()
+    roots = tmp_path / "roots.toml"
+    roots.write_text(f'[[roots]]\nname = "r"\npath = "{root}"\nsettle = "200ms"\n'
+                     f'upload.url = "file://{remote}"\n')
+    envs = []
+    for node in ("a", "b"):
+        env = {**job_env, "CKPTD_JOB_ROOTS": str(roots), "CKPTD_NODE": node,
+               "CKPTD_JOB_DIR": str(short_dir / node)}
+        procs.pidfiles.append(short_dir / node / "ckptd.pid")
+        rc, _, err = procs.run([str(HELPER), "start", "--timeout", "60"], 90, env=env)
+        assert rc == 0, err
+        envs.append(env)
+    _safetensors(root / "model_step_3.safetensors")
+
+    standby = {**envs[1], "CKPTD_SOCKET": str(short_dir / "b" / "ckptd.sock"),
+               "CKPTD_CONFIG": str(short_dir / "b" / "ckptd.toml")}
+    rc, _, err = procs.run([str(HELPER), "drain", "--keep", "--timeout", "60", "r=3"], 90,
+                           env=standby)
+    assert rc == 0, err
+    assert "r: a acts on this root" in err and "r step 3: uploaded (by a)" in err, err
+    assert (remote / "r" / "step-3" / "MANIFEST.json").is_file()
+    for node, env in zip("ab", envs, strict=True):
+        pid = _read_pid(short_dir / node / "ckptd.pid")
+        assert pid is not None and _is_ckptd(pid)
+        rc, _, err = procs.run([str(HELPER), "stop"], 90, env=env)
+        assert rc == 0 and f"ckptd (pid {pid}) stopped" in err, err
+        assert not _is_ckptd(pid)  # `stop` returns once the process is gone
 
 
 def test_helper_says_what_is_missing(tmp_path: Path, job_env: dict[str, str]) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ckptd-job.sh: ckptd beside one Slurm job (docs/DEPLOY.md, "Slurm: ckptd as a job step").
+# ckptd-job.sh: ckptd beside one Slurm job (docs/DEPLOY.md, "2.2 ckptd as a step of the job").
 #
 # One daemon per node of the job. Its socket, state, PID file and generated config live in a
 # node-local directory named after the job (default /tmp/ckptd-$SLURM_JOB_ID): nodes that share
