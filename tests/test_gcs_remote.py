@@ -1,5 +1,5 @@
-"""gs:// reads on a GCS-compatible server (fake-gcs-server): get, ranges, stat, list, delete,
-missing objects, and `ckptd restore` of a step a daemon uploaded, byte for byte.
+"""gs:// reads on a GCS-compatible server (fake-gcs-server): get, ranges, version tags, stat,
+list, delete, missing objects, and `ckptd restore` of a step a daemon uploaded, byte for byte.
 
 Only reads: fake-gcs-server does not serve the XML API writes obstore's GCS client makes
 (a plain object PUT, multipart uploads, x-goog-if-generation-match), and it ignores If-Match on
@@ -53,7 +53,13 @@ def test_gets_and_ranges(gcs_server: GCSServer, gs_url: str) -> None:
     assert out.getvalue() == big
     assert backend.get_bytes("LATEST") == b'{"step": 1}'
     data, tag = backend.get_versioned("LATEST")
-    assert data == b'{"step": 1}' and tag
+    # GCS swaps on the generation: the version tag carries it beside the ETag.
+    generation, _, etag = tag.partition("#")
+    assert data == b'{"step": 1}' and generation.isdigit()
+    assert etag == backend.stat("LATEST").etag
+    assert bytes(backend.get_range("LATEST", 2, 6, etag=tag)) == b"step"
+    with pytest.raises(PermanentError, match="version tag"):  # refused before any request
+        backend.put("LATEST", b'{"step": 2}', if_match=etag)
     for start, end in ((0, 1), (MiB + 3, 2 * MiB + 5), (len(big) - 10, len(big))):
         assert bytes(backend.get_range("step-1/shard", start, end)) == big[start:end]
     for start, end in ((len(big) - 5, len(big) + 5), (len(big), len(big) + 1)):

@@ -98,6 +98,7 @@ class ObstoreBackend:
             # S3 rejects multipart parts under 5 MiB (except the last): fail here, not mid-upload.
             raise PermanentError(f"part_size {part_size} is below S3's minimum of 5 MiB")
         self.url = url.rstrip("/")
+        self._gcs = urlsplit(url).scheme == "gs"  # version tags carry the generation
         self.part_size = part_size
         self.concurrency = max(1, concurrency)
         retry = _retry_config(request_retries, request_timeout_s)
@@ -132,7 +133,7 @@ class ObstoreBackend:
         check_key(key)
         where = join_url(self.url, key)
         # A file's pages are sent from a mapping of it, not copies: see mapped.MappedBody.
-        mode = _put_mode(create_only, if_match)
+        mode = _put_mode(create_only, if_match, self._gcs, where)
         whole = mode != "overwrite"  # create-only and If-Match go in one request
         depth = (self.concurrency + 1) * self.part_size
         mapped = None if whole else open_body(src, size, depth, where)
@@ -196,7 +197,7 @@ class ObstoreBackend:
         where = join_url(self.url, key)
         options: GetOptions = {"range": (start, end)}
         if etag is not None:
-            options["if_match"] = etag
+            options["if_match"] = _split_tag(etag)[1]
         result = self._get_span(key, where, start, end, options)
         size = int(result.meta["size"])
         if end > size:  # the store answered what there is; the body is dropped unread
@@ -323,7 +324,7 @@ class ObstoreBackend:
             chunks.append(bytes(chunk))
         if got != size:
             raise TransientError(f"get {where}: got {got} bytes of {size}")
-        return b"".join(chunks), result.meta["e_tag"]
+        return b"".join(chunks), _version_tag(result.meta, self._gcs)
 
     def _get_into(self, key: str, where: str, options: GetOptions, dst: BinaryIO) -> int:
         result = guard("get", where, lambda: obstore.get(self._store, key, options=options))
@@ -342,12 +343,36 @@ def _write(dst: BinaryIO, data: Any, where: str) -> int:
     return len(data)
 
 
-def _put_mode(create_only: bool, if_match: str | None) -> PutMode:
-    """obstore's mode: If-None-Match: * (create), If-Match: <etag> (update), or plain."""
+def _put_mode(create_only: bool, if_match: str | None, gcs: bool, where: str) -> PutMode:
+    """obstore's mode: If-None-Match: * (create), If-Match: <etag> (update), or plain; GCS
+    swaps on the generation (x-goog-if-generation-match) that its version tags carry."""
     check_put_mode(create_only, if_match)
     if if_match is not None:
-        return {"e_tag": if_match}
+        generation, etag = _split_tag(if_match)
+        if gcs and generation is None:
+            raise PermanentError(
+                f"put {where}: a gs:// swap needs the version tag get_versioned gives, "
+                f"not {if_match!r}"
+            )
+        return {"e_tag": etag, "version": generation} if generation else {"e_tag": etag}
     return "create" if create_only else "overwrite"
+
+
+# GCS compares a swap with the object's generation, not its ETag: its version tags read
+# "<generation>#<etag>", the ETag kept for pinned reads (If-Match). '#' is in no ETag.
+_TAG_SEP = "#"
+
+
+def _version_tag(meta: Any, gcs: bool) -> str | None:
+    etag: str | None = meta.get("e_tag")
+    generation = meta.get("version") if gcs else None  # S3's and Azure's are version ids
+    return f"{generation}{_TAG_SEP}{etag}" if etag and generation else etag
+
+
+def _split_tag(tag: str) -> tuple[str | None, str]:
+    """(generation, etag) of a version tag; no generation outside GCS."""
+    generation, sep, etag = tag.partition(_TAG_SEP)
+    return (generation, etag) if sep else (None, tag)
 
 
 def _open_store(
