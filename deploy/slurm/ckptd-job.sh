@@ -107,7 +107,7 @@ make_job_dir() {  # node-local and ours: /tmp is shared by every user of the nod
 
 toml() {  # $1 as a TOML basic string, in REPLY
     local s=$1
-    [[ $s != *[[:cntrl:]]* ]] || die 78 "a control character in config value ${s@Q}"
+    [[ $s != *[[:cntrl:]]* ]] || die 78 "a control character in config value $(printf %q "$s")"
     s=${s//\\/\\\\}
     REPLY="\"${s//\"/\\\"}\""
 }
@@ -389,7 +389,7 @@ cmd_drain() {
         esac
     done
     [[ $TIMEOUT =~ ^[0-9]+$ ]] || die 2 "--timeout must be whole seconds, got $TIMEOUT"
-    for spec in "${specs[@]}"; do
+    for spec in ${specs[@]+"${specs[@]}"}; do  # bash before 4.4: an empty array is unset
         [[ $spec =~ ^[^=]+(=[0-9]+)?$ ]] || die 2 "drain: $spec is not ROOT or ROOT=STEP"
         [[ $spec == *=* ]] || explicit=0
     done
