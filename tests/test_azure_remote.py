@@ -8,9 +8,12 @@ The contract itself runs on Azurite in test_backends.py and test_backend_ranges.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,3 +103,45 @@ def test_missing_container_is_permanent_not_not_found(azurite: Azurite) -> None:
         with pytest.raises(PermanentError, match="does not exist") as info:
             op()
         assert not isinstance(info.value, ObjectNotFound)
+
+
+_CHILD = """
+import io, os, sys
+from ckptd.backends import make_backend
+url, endpoint, account, key = sys.argv[1:5]
+b = make_backend(url, endpoint=endpoint, access_key_id=account, secret_access_key=key,
+                 part_size=5 * 1024 * 1024)
+b.put("x/one", b"1")
+b.put("x/big", io.BytesIO(os.urandom(6 * 1024 * 1024)))
+assert b.get_bytes("x/one") == b"1"
+b.get("x/big", io.BytesIO())
+b.stat("x/one")
+assert sorted(m.key for m in b.list("x")) == ["x/big", "x/one"]
+b.delete("x/one")
+print("done")
+"""
+
+
+def test_only_the_configured_endpoint_is_contacted(
+        azurite: Azurite, az_url: str, tmp_path: Path) -> None:
+    """With the account and key configured, a client process connects to Azurite and to
+    nothing else: no instance metadata service, no DNS (traced with strace)."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace not installed")
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(_CHILD))
+    trace = tmp_path / "trace.txt"
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(Path(__file__).parent.parent),
+           "HOME": str(tmp_path)}
+    cmd = [strace, "-f", "-qq", "-e", "trace=connect,sendto,sendmsg", "-o", str(trace),
+           sys.executable, str(script), az_url, azurite.endpoint, azurite.account, azurite.key]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0 and "ptrace" in done.stderr:
+        pytest.skip(f"strace cannot trace here: {done.stderr.strip()[:200]}")
+    assert done.returncode == 0, done.stderr
+    assert "done" in done.stdout
+    text = trace.read_text()
+    v4 = re.findall(r'sin_port=htons\((\d+)\), sin_addr=inet_addr\("([^"]+)"\)', text)
+    v6 = re.findall(r'sin6_port=htons\((\d+)\).*?inet_pton\(AF_INET6, "([^"]+)"', text)
+    assert {(addr, int(port)) for port, addr in v4 + v6} == {("127.0.0.1", azurite.port)}

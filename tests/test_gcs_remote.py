@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+import re
+import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,3 +125,41 @@ def test_restore_from_gcs_brings_back_what_a_daemon_uploaded(
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert (out / "model_step_7.pt").read_bytes() == original  # byte for byte
+
+
+_CHILD = """
+import io, sys
+from ckptd.backends import make_backend
+b = make_backend(sys.argv[1], endpoint=sys.argv[2])
+assert b.get_bytes("x/one") == b"1"
+b.get("x/one", io.BytesIO())
+assert [m.key for m in b.list("x")] == ["x/one"]
+b.stat("x/one")
+print("done")
+"""
+
+
+def test_only_the_configured_endpoint_is_contacted(
+        gcs_server: GCSServer, gs_url: str, tmp_path: Path) -> None:
+    """With a service-account file that turns OAuth off, a client process connects to the
+    server and to nothing else: no token endpoint, no metadata server (traced with strace)."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace not installed")
+    seed(gcs_server, gs_url, {"x/one": b"1"})
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(_CHILD))
+    trace = tmp_path / "trace.txt"
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(Path(__file__).parent.parent),
+           "HOME": str(tmp_path), "GOOGLE_SERVICE_ACCOUNT": str(gcs_server.service_account)}
+    cmd = [strace, "-f", "-qq", "-e", "trace=connect,sendto,sendmsg", "-o", str(trace),
+           sys.executable, str(script), gs_url, gcs_server.endpoint]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0 and "ptrace" in done.stderr:
+        pytest.skip(f"strace cannot trace here: {done.stderr.strip()[:200]}")
+    assert done.returncode == 0, done.stderr
+    assert "done" in done.stdout
+    text = trace.read_text()
+    v4 = re.findall(r'sin_port=htons\((\d+)\), sin_addr=inet_addr\("([^"]+)"\)', text)
+    v6 = re.findall(r'sin6_port=htons\((\d+)\).*?inet_pton\(AF_INET6, "([^"]+)"', text)
+    assert {(addr, int(port)) for port, addr in v4 + v6} == {("127.0.0.1", gcs_server.port)}
