@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import http.client
 import os
+import random
 import shutil
 import signal
 import socket
@@ -38,6 +39,7 @@ ACCOUNT_KEY = (
 CONTAINER = "ckptd-test"
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0
+_PORT_RANGE = (11000, 14900)
 _API_VERSION = "2021-08-06"
 REPO = Path(__file__).resolve().parent.parent
 INSTALL_DIR = REPO / ".cache" / "azurite"
@@ -125,10 +127,19 @@ def azurite_binary() -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range, so no outgoing connection
+    takes it between this check and the server's bind, and apart from s3server.py's ports
+    (15000-22701 and 10000 above them)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*_PORT_RANGE)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
         return port
+    raise RuntimeError("no free loopback port found")
 
 
 def _die_with_parent() -> None:

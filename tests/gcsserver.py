@@ -17,6 +17,7 @@ import http.client
 import json
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0
+_PORT_RANGE = (11000, 14900)
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
 
@@ -115,10 +117,19 @@ def fake_gcs_binary() -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range, so no outgoing connection
+    takes it between this check and the server's bind, and apart from s3server.py's ports
+    (15000-22701 and 10000 above them)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*_PORT_RANGE)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
         return port
+    raise RuntimeError("no free loopback port found")
 
 
 def _die_with_parent() -> None:
