@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from support.ckpts import save_single
+from support.config import write_layout
 from support.wait import wait_until
 
-from ckptd.backends import make_backend
+from ckptd.backends import backend_for_upload, make_backend
+from ckptd.config import load_config
 from ckptd.errors import ObjectNotFound, PermanentError
 
 if TYPE_CHECKING:
@@ -63,12 +65,18 @@ def test_daemon_uploads_to_azure_and_restore_brings_it_back(
     assert (out / "model_step_7.pt").read_bytes() == original  # byte for byte
 
 
-def test_abfs_url_with_the_account_in_it(azurite: Azurite, az_url: str) -> None:
-    """`abfs://container@account.dfs.core.windows.net/prefix` reaches the same objects as
-    `az://container/prefix`; an access_key_id naming another account is refused."""
+def test_abfs_url_with_the_account_in_it(
+        azurite: Azurite, az_url: str, tmp_path: Path, short_dir: Path) -> None:
+    """`abfs://container@account.dfs.core.windows.net/prefix`, from a config file as the
+    daemon and `ckptd restore` read it, reaches the same objects as `az://container/prefix`;
+    an access_key_id naming another account is refused."""
     container = az_url.removeprefix("az://").split("/", 1)[0]
     abfs = f"abfs://{container}@{azurite.account}.dfs.core.windows.net/ckpt"
-    backend = azurite.backend(abfs)
+    layout = write_layout(tmp_path, short_dir / "s.sock",
+                          roots=[{"name": "r1", "upload": az_upload(abfs, azurite)}])
+    (root,) = load_config(layout.config).roots
+    assert root.upload.url == abfs
+    backend = backend_for_upload(root.upload)
     backend.put("a/b", b"via abfs")
     assert azurite.backend(az_url).get_bytes("a/b") == b"via abfs"
     assert [m.key for m in backend.list("a")] == ["a/b"]
