@@ -29,6 +29,7 @@ TEMP_PREFIX = ".ckptd-tmp-"
 # Drop cached pages in steps of this many bytes rather than after every chunk: one syscall per
 # step keeps the pass cheap while the cache footprint stays a few chunks.
 _DROP_STEP = 64 << 20
+_MIN_BUFFER = 64 << 10  # the smallest read_pass buffer
 
 
 class Sink(Protocol):
@@ -83,7 +84,10 @@ def read_pass(
     try:
         size_at_open = os.fstat(fd).st_size
         advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
-        total = _stream(fd, sinks, chunk_size, drop_cache)
+        # A buffer no bigger than the file (+1 so one read finds its end): a fresh 8 MiB
+        # buffer per 60 KiB file was 0.6 ms of zeroing each, most of a small file's read.
+        buf_size = min(chunk_size, max(size_at_open + 1, _MIN_BUFFER))
+        total = _stream(fd, sinks, buf_size, drop_cache)
         if total != size_at_open or os.fstat(fd).st_size != total:
             raise ValidationFailed(
                 Reason.CHANGED, f"{path} changed size while being read", str(path)

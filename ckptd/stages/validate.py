@@ -95,6 +95,7 @@ class _Run:
         self.members: list[_Member] = []
         self.dcp_ranges: dict[str, tuple[tuple[int, int], ...]] = {}
         self._fds: list[int] = []
+        self._by_rel: dict[str, _Member] = {}
 
     def records(self) -> tuple[FileRecord, ...]:
         return tuple(m.record for m in self.members if m.record is not None)
@@ -269,10 +270,10 @@ class _Run:
                                    f" missing: {shown}", gone[0])
 
     def _size_of(self, rel: str) -> int:
-        for m in self.members:
-            if m.rel == rel:
-                return m.size
-        return self._stat(rel).size  # opened beneath the root like every member
+        if len(self._by_rel) != len(self.members):  # one dict, not a scan per reference
+            self._by_rel = {m.rel: m for m in self.members}
+        m = self._by_rel.get(rel)
+        return m.size if m is not None else self._stat(rel).size  # opened beneath the root
 
     def _check_dcp_items(self) -> None:
         """Each item DCP wrote into a zip-framed data file must be exactly one torch archive;
