@@ -86,6 +86,11 @@ class ValidationFailed(CkptdError):
         self.path = path
 
 
+class TooManyFiles(CkptdError):
+    """A step has more files than this process may hold open at once (RLIMIT_NOFILE): not a
+    fault of the checkpoint, so its stage is retried later rather than marked invalid."""
+
+
 class UnsafePath(CkptdError):
     """A path leaves its root (directly or through a symlink)."""
 

@@ -205,6 +205,35 @@ def atomic_write_json(
     atomic_write_bytes(path, data, dir_fd=dir_fd)
 
 
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit; return the limit in
+    force. Validation holds every file of a step open at once (a file swapped after it was
+    opened is never what gets read), so a 10,000-file DCP step needs more than the 1,024 a
+    login shell or a Slurm step often starts with; the hard limit is the administrator's."""
+    try:
+        import resource
+    except ImportError:  # not on this platform: nothing to raise
+        return 1 << 20
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return want if soft == resource.RLIM_INFINITY else soft
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        return want
+    return soft
+
+
+def open_file_limit() -> int:
+    """The soft limit on open files in force now (1 << 20 where there is none)."""
+    try:
+        import resource
+    except ImportError:
+        return 1 << 20
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
 def fsync_file(path: str | os.PathLike[str], drop: bool = False) -> None:
     """Flush a file's data and metadata to disk (it may have been written by another process).
     With `drop`, then forget its cached pages: the ones the writer's own writes brought in were

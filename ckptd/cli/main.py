@@ -34,6 +34,10 @@ DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if args.command in ("run", "verify", "restore"):
+            from ckptd.fileio import raise_open_file_limit
+
+            raise_open_file_limit()  # a step's files are all held open while it is checked
         return int(COMMANDS[args.command](args))
     except UsageError as err:
         print(str(err), file=sys.stderr)

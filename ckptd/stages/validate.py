@@ -6,6 +6,7 @@ never unpickles with the full machinery. Knows nothing of the store, the pipelin
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import posixpath
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd import fileio, layouts
-from ckptd.errors import UnsafePath, ValidationFailed
+from ckptd.errors import TooManyFiles, UnsafePath, ValidationFailed
 from ckptd.fileio import HASH_ALG, HashSink, Sink
 from ckptd.formats import dcpmeta, picklescan, safetensors, torchpickle, zipcheck
 from ckptd.model import (
@@ -66,7 +67,8 @@ def validate(
     each file's single read pass. `deep` also loads torch files and safetensors and rejects
     NaN/Inf in floating tensors. Valid means every file was also fsynced. `trusted` adds the
     root's trusted globals to the weights-only allow-list of pickle checks (to which the
-    candidate's layout adds its framework's own, `layouts.trusted_globals`)."""
+    candidate's layout adds its framework's own, `layouts.trusted_globals`). Raises
+    TooManyFiles (retry later) when the step has more files than the process may open."""
     if cand.invalid_reason:
         return ValidationResult(False, cand.invalid_reason, cand.invalid_message)
     run = _Run(Path(root_dir), cand, deep, extra_sinks, trusted)
@@ -108,6 +110,9 @@ class _Run:
         except FileNotFoundError as exc:
             raise ValidationFailed(Reason.MISSING_FILE, f"{exc.filename}: vanished") from None
         except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # the process's limit, not the step
+                raise TooManyFiles(f"{self.cand.path}: {exc.strerror} while its"
+                                   f" {len(self.cand.files)} files were open") from None
             raise ValidationFailed(Reason.IO_ERROR, f"{exc.filename}: {exc}") from None
         finally:
             for fd in self._fds:
@@ -122,6 +127,7 @@ class _Run:
         rels = dict.fromkeys([*self.cand.files, *self.cand.expected_sizes, *self.cand.min_sizes])
         if not rels:
             raise ValidationFailed(Reason.MISSING_FILE, f"{self.cand.path}: no files")
+        _check_open_files(self.cand.path, len(rels))
         self.members = [self._stat(rel) for rel in rels]
         for m in self.members:
             self._check_size(m)
@@ -302,6 +308,23 @@ class _Run:
                 dirs[self.root.joinpath(*parts[:i])] = None
         for d in dirs:
             fileio.fsync_dir(d)
+
+
+# Descriptors the rest of the process may hold while a step's files are all open: the
+# socket's clients, the store, the backends' connections, the compressed copy being written.
+_FD_HEADROOM = 256
+
+
+def _check_open_files(path: str, files: int) -> None:
+    """Every file of a step is held open during its pass: a step with more files than the
+    process may open fails here, as a retryable error saying which limit to raise, rather than
+    as an I/O error that would make a good checkpoint invalid."""
+    limit = fileio.open_file_limit()
+    if files + _FD_HEADROOM > limit:
+        raise TooManyFiles(
+            f"{path} has {files} files, more than this process may hold open at once (its"
+            f" open-file limit is {limit}); raise it: LimitNOFILE= in the unit, ulimit -n"
+            f" before `ckptd run`, or the container's nofile limit")
 
 
 def _check_storages(m: _Member, refs: dict[str, list[tuple[str, str, int]]]) -> None:
