@@ -89,4 +89,4 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) $(FWVENV) $(BENCHVENV) dist .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FWVENV) $(BENCHVENV) dist .demo .pytest_cache .mypy_cache .ruff_cache .cache/azurite
