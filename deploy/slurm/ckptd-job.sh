@@ -41,9 +41,10 @@
 #   CKPTD_PYTHON           Python 3.11+ to read ckptd's JSON and TOML output (default: the
 #                          python3 beside ckptd, else python3 on PATH)
 #
-# Exit status: 0 done; 1 drain gave up (a step not uploaded in time, or invalid); 2 usage;
-# 69 no daemon answers (not running, or gone); 75 this job's daemon already runs here;
-# 78 no usable config. The daemon's own exit status is the `srun ... run` step's.
+# Exit status: 0 done; 1 drain gave up (a step not uploaded in time, or invalid), or stop
+# had to SIGKILL the daemon; 2 usage; 69 no daemon answers (not running, or gone); 75 this
+# job's daemon already runs here; 78 no usable config. The daemon's own exit status is the
+# `srun ... run` step's.
 set -euo pipefail
 
 PROG=${0##*/}
