@@ -13,6 +13,7 @@ import posixpath
 import secrets
 import stat
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -247,6 +248,39 @@ def fsync_file(path: str | os.PathLike[str], drop: bool = False) -> None:
         os.close(fd)
 
 
+# fsyncs in flight at once by `fsync_many`: concurrent fsyncs share the filesystem's journal
+# commits (ext4, XFS), so a step of 10,000 small files does not pay 10,000 commits in a row.
+FSYNC_THREADS = 8
+
+
+def fsync_many(files: Sequence[int | str | os.PathLike[str]], drop: bool = False) -> None:
+    """`fsync_file` (an open descriptor as is, a path opened for it) for every item, several at
+    once; every item is attempted, and the first OSError is raised after all have been. The
+    durability of each file is what one fsync of it gives; only the waiting is shared."""
+    def one(item: int | str | os.PathLike[str]) -> None:
+        if not isinstance(item, int):
+            fsync_file(item, drop=drop)
+            return
+        os.fsync(item)
+        if drop:
+            advise(item, 0, 0, "POSIX_FADV_DONTNEED")
+
+    if len(files) <= 1:
+        for item in files:
+            one(item)
+        return
+    errors: list[OSError] = []
+    with ThreadPoolExecutor(min(FSYNC_THREADS, len(files)), "ckptd-fsync") as pool:
+        for fut in [pool.submit(one, item) for item in files]:
+            exc = fut.exception()
+            if isinstance(exc, OSError):
+                errors.append(exc)
+            elif exc is not None:
+                raise exc
+    if errors:
+        raise errors[0]
+
+
 def fsync_dir(path: str | os.PathLike[str], *, quiet: bool = False) -> None:
     """Make the names in a directory durable (after a create, rename or delete). With `quiet`,
     an OSError is swallowed: for a delete, whose durability is best effort (the name is gone
@@ -448,6 +482,12 @@ class DurableWriter:
         finally:
             advise(self._fd, 0, 0)
             self.close()
+
+    def close_written(self) -> None:
+        """Close with writeback started but not waited for: the caller makes the file durable
+        later (`fsync_many` over many files at once), before anything names it as done."""
+        advise(self._fd, self._cleaned, 0)
+        self.close()
 
     def close(self) -> None:
         if self._open:

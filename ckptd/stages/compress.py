@@ -50,7 +50,7 @@ class _ObjectSink:
 
     def finish(self, total: int) -> None:
         self.encoder.finish(total)
-        self.out.close_durably()
+        self.out.close_written()  # made durable with the others at commit (`fsync_many`)
         enc = self.encoder
         self.result = _Stored(self.tmp, enc.codec, enc.suffix, enc.raw_size, enc.stored_size)
 
@@ -118,6 +118,10 @@ class Stager:
             _check_keys(files)
             manifest = Manifest(self.root_name, self.step, self.layout, tuple(files),
                                 metrics=dict(metrics))
+            # Every object durable before any name or the manifest says it is done; fsyncs
+            # in flight together share journal commits (one per file in a row cost 0.15-5 ms
+            # each, 10,000 times for a 10,000-file step).
+            fileio.fsync_many([self._sinks[f.path].tmp for f in files], drop=True)
             self._name_objects(files)
             fileio.atomic_write_bytes(self.staging / MANIFEST_NAME, manifest.to_bytes())
             self._install(self.staging, self.final)

@@ -301,8 +301,9 @@ class _Run:
         # The files, and every directory from theirs up to the root: a checkpoint directory
         # created moments ago is not durable until its parent's entry for it is.
         dirs: dict[Path, None] = {}
+        # durable and hashed: out of the page cache; through the descriptors read, together
+        fileio.fsync_many([m.fd for m in self.members], drop=True)
         for m in self.members:
-            fileio.fsync_file(m.path, drop=True)  # durable and hashed: out of the page cache
             parts = m.rel.split("/")[:-1]
             for i in range(len(parts), -1, -1):
                 dirs[self.root.joinpath(*parts[:i])] = None
