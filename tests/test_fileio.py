@@ -297,3 +297,22 @@ def test_remove_tree_raises_what_it_cannot_remove(tmp_path: Path) -> None:
     finally:
         locked.chmod(0o700)
     assert (locked / "sub").is_dir()
+
+
+def test_fsync_many_syncs_paths_and_descriptors_and_reports_the_first_error(
+        tmp_path: Path) -> None:
+    paths = []
+    for i in range(20):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(b"x" * 100)
+        paths.append(p)
+    fd = os.open(paths[0], os.O_RDONLY)
+    try:
+        fileio.fsync_many([fd, *paths[1:]], drop=True)
+        fileio.fsync_many([])
+        with pytest.raises(FileNotFoundError):
+            fileio.fsync_many([*paths, tmp_path / "gone", *paths])
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):  # a descriptor no file is open on (EBADF)
+        fileio.fsync_many([paths[0], 1 << 20])
