@@ -117,6 +117,23 @@ def many_rows(doc: dict[str, Any]) -> list[Row]:
                 "≤ 1.5×", verdict(statistics.median(ratios) <= 1.5))]
 
 
+def safe_rows(doc: dict[str, Any]) -> list[Row]:
+    """Rows from `bench/time_to_safe_bench.py --json`: a step renamed into a root until
+    remote-verified, against `aws s3 cp --recursive` of the same files."""
+    rows: list[Row] = []
+    for case, res in doc.items():
+        aws, ck = res.get("aws", []), [r["wall_s"] for r in res.get("ckptd", [])]
+        if not aws or not ck:
+            continue
+        ratios = [c / a for c, a in zip(ck, aws, strict=False)]
+        info = res["inputs"]
+        rows.append(Row(f"time to safe: {info['files']:,}-file step ({info['bytes'] / 1e9:.2f} GB"
+                        f", {case}), renamed in → remote-verified", "`aws s3 cp --recursive`",
+                        spread(aws, "{:.1f}", " s"), spread(ck, "{:.1f}", " s"),
+                        spread(ratios), "≤ 1.5×", verdict(statistics.median(ratios) <= 1.5)))
+    return rows
+
+
 def codec_rows(doc: Any) -> list[Row]:
     """Rows from `bench/compress_bench.py --runs N --json` (schema `ckptd-compress-bench/1`):
     its `checks` carry each input's verdict against the targets, its `rows` the medians of the
@@ -264,6 +281,9 @@ def collect(args: argparse.Namespace, out: Path) -> tuple[list[Row], list[str]]:
         ("many", [py, str(HERE / "many_files_bench.py"), "--files", str(args.files),
                   "--repeat", str(args.repeat), "--workdir", str(args.workdir / "many-files")],
          many_rows),
+        ("safe", [py, str(HERE / "time_to_safe_bench.py"), "--case", "many", "--files",
+                  str(args.files), "--repeat", str(args.repeat), "--workdir",
+                  str(args.workdir / "time-to-safe")], safe_rows),
         ("codec", [py, str(HERE / "compress_bench.py"), "--runs", str(args.repeat),
                    "--encoders", "ckptd-auto,ckptd-auto+hash+crc,pyzstd-1,zipnn",
                    "--workdir", str(args.workdir / "compress")], codec_rows),
