@@ -11,6 +11,7 @@ rerun quick; the first run fills it).
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import json
 import os
@@ -20,12 +21,13 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
-from support.config import write_layout
 from support.proc import parse_events
 from support.wait import wait_until
 
@@ -180,6 +182,17 @@ def test_version_with_torch_names_its_version(capsys: pytest.CaptureFixture[str]
     assert lines[3] == f"torch {importlib.metadata.version('torch')}"
 
 
+def test_the_changelog_names_this_version_as_the_newest_release() -> None:
+    """The wheel built from this tree is `ckptd.__version__`: the changelog's newest release
+    section is that version, and everything since is under an Unreleased heading on top."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    headings = re.findall(r"^## \[([^]]+)\](.*)$", text, re.MULTILINE)
+    assert headings[0] == ("Unreleased", ""), headings
+    assert headings[1][0] == ckptd.__version__, headings
+    assert re.fullmatch(r" - \d{4}-\d{2}-\d{2}", headings[1][1]), headings
+    assert [h for h, _ in headings].count(ckptd.__version__) == 1, headings
+
+
 def test_config_check_and_the_torch_features_of_the_command_line(slim: Slim,
                                                                  tmp_path: Path) -> None:
     ckptd_bin = slim.bin("ckptd")
@@ -210,44 +223,102 @@ def test_config_check_and_the_torch_features_of_the_command_line(slim: Slim,
     assert out.startswith(f"{ckpt}: single step 5: valid"), out
 
 
-def test_the_slim_daemon_validates_and_uploads_a_torch_file(slim: Slim, tmp_path: Path,
-                                                            short_dir: Path) -> None:
+def _example_moved(base: Path, sock: Path) -> tuple[Path, dict[str, Any]]:
+    """config.example.toml as shipped, with only its paths moved: each `.demo/...` path to
+    `base/.demo/...` (absolute), the socket to `sock` (a short path: at most 107 bytes) and the
+    `file:` remote to a `file://` URL under `base`. Every other line, comments and values, is the
+    example's own; the rewritten file and its parsed form are returned."""
+    text = (ROOT / "config.example.toml").read_text()
+    example = tomllib.loads(text)
+
+    def moved(value: str) -> str:
+        if value.startswith("file:"):
+            rel = value.removeprefix("file:")
+            assert rel.startswith(".demo/"), value
+            return f"file://{base / rel}"
+        assert value.startswith(".demo/"), value
+        return str(sock) if value == example["daemon"]["socket"] else str(base / value)
+
+    # Every path the example holds (a root's own upload.url too, were there one).
+    paths = [example["daemon"]["state_dir"], example["daemon"]["socket"],
+             example["defaults"]["upload"]["url"]]
+    paths += [r["path"] for r in example["roots"]]
+    paths += [r["upload"]["url"] for r in example["roots"] if "url" in r.get("upload", {})]
+    for value in paths:
+        quoted = f'= "{value}"\n'
+        assert text.count(quoted) == 1, f"{value!r} is not one plain value of the example"
+        text = text.replace(quoted, f'= "{moved(value)}"\n')
+    config = base / "ckptd.toml"
+    config.write_text(text)
+    parsed = tomllib.loads(text)
+    # Nothing but the paths changed.
+    expect = copy.deepcopy(example)
+    for keys in (("daemon", "state_dir"), ("daemon", "socket"), ("defaults", "upload", "url")):
+        table = expect
+        for key in keys[:-1]:
+            table = table[key]
+        table[keys[-1]] = moved(table[keys[-1]])
+    for root in expect["roots"]:
+        root["path"] = moved(root["path"])
+        if "url" in root.get("upload", {}):
+            root["upload"]["url"] = moved(root["upload"]["url"])
+    assert parsed == expect
+    assert ".demo" not in json.dumps(parsed).replace(
+        str(base / ".demo"), ""), "a path of the example was left relative"
+    return config, parsed
+
+
+def test_the_slim_daemon_runs_the_example_config(slim: Slim, tmp_path: Path,
+                                                 short_dir: Path) -> None:
+    """`ckptd run` on config.example.toml itself (its paths moved under tmp_path): it answers
+    `status` and `probe ready` through the example's socket setting, uploads a torch file
+    dropped into the example's `demo-single` root to the example's file remote, refuses a reload
+    that asks for deep_validate, and stops on SIGTERM."""
     ckptd_bin = slim.bin("ckptd")
-    remote = tmp_path / "remote"
-    layout = write_layout(tmp_path, short_dir / "ckptd.sock",
-                          [{"name": "r1", "upload": {"url": f"file://{remote}"}}])
-    sock = ["--socket", str(layout.socket)]
+    config, example = _example_moved(tmp_path, short_dir / "ckptd.sock")
+    roots = {r["name"]: Path(r["path"]) for r in example["roots"]}
+    assert list(roots) == ["demo", "demo-single"]
+    remote = Path(example["defaults"]["upload"]["url"].removeprefix("file://"))
+    socket = Path(example["daemon"]["socket"])
+    cfg = ["--config", str(config)]  # the clients find the socket through the config
+    for path in roots.values():  # the daemon watches roots; it does not make them
+        path.mkdir(parents=True)
     log = tmp_path / "daemon.log"
     with open(log, "wb") as logf:
-        proc = subprocess.Popen([ckptd_bin, "run", "--config", str(layout.config)],
-                                cwd=tmp_path, env=_env(), stdout=logf,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([ckptd_bin, "run", *cfg], cwd=tmp_path, env=_env(),
+                                stdout=logf, stderr=subprocess.STDOUT)
     try:
-        def answers() -> bool:
+        def answers(argv: list[str]) -> bool:
             if proc.poll() is not None:
                 raise AssertionError(f"the daemon exited {proc.returncode}:\n{log.read_text()}")
-            return _run([ckptd_bin, "status", *sock], tmp_path, 30).returncode == 0
+            return _run([ckptd_bin, *argv, *cfg], tmp_path, 30).returncode == 0
 
-        wait_until(answers, 30, "`ckptd status` to answer", interval=0.1,
+        wait_until(lambda: answers(["status"]), 30, "`ckptd status` to answer", interval=0.1,
                    detail=log.read_text)
-        _torch_file(layout.roots["r1"], 100)
-        _checked([ckptd_bin, "wait", "r1", "100", "--until", "uploaded", "--timeout", "60",
-                  *sock], tmp_path, 90)
-        latest = json.loads(_checked([ckptd_bin, "latest", "r1", "--tier", "remote", "--json",
-                                      *sock], tmp_path, 30))
+        wait_until(lambda: answers(["probe", "ready"]), 30, "`ckptd probe ready` to say yes",
+                   interval=0.1, detail=log.read_text)
+        status = json.loads(_checked([ckptd_bin, "status", "--json", *cfg], tmp_path, 30))
+        assert sorted(r["name"] for r in status["roots"]) == ["demo", "demo-single"], status
+        _torch_file(roots["demo-single"], 100)
+        _checked([ckptd_bin, "wait", "demo-single", "100", "--until", "uploaded",
+                  "--timeout", "60", *cfg], tmp_path, 90)
+        latest = json.loads(_checked([ckptd_bin, "latest", "demo-single", "--tier", "remote",
+                                      "--json", *cfg], tmp_path, 30))
         assert (latest["step"], latest["state"], latest["remote"]) == (100, "valid", "uploaded")
-        assert list(remote.rglob("MANIFEST.json")), "no committed step on the remote"
+        assert list((remote / "demo-single").rglob("MANIFEST.json")), \
+            "no committed step on the example's remote"
 
         # A reload that asks for deep_validate is refused in one line; the daemon goes on.
-        text = layout.config.read_text()
-        layout.config.write_text(text.replace('settle = "300ms"\n',
-                                              'settle = "300ms"\ndeep_validate = true\n', 1))
+        text = config.read_text()
+        assert text.rstrip().endswith('name = "demo-single"\npath = "{}"\nmetric = "val_loss"'
+                                      .format(roots["demo-single"]))
+        config.write_text(text + "deep_validate = true\n")  # into the last table: roots[1]
         proc.send_signal(signal.SIGHUP)
         rejected = wait_until(lambda: parse_events(log.read_text(), "config_reload_rejected"),
                               30, "the reload to be refused", detail=log.read_text)
-        assert rejected[0]["error"] == (f"{layout.config}: roots[0].deep_validate = true needs"
+        assert rejected[0]["error"] == (f"{config}: roots[1].deep_validate = true needs"
                                         " PyTorch: pip install 'ckptd[torch]'")
-        _checked([ckptd_bin, "status", *sock], tmp_path, 30)
+        _checked([ckptd_bin, "status", *cfg], tmp_path, 30)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()
@@ -259,4 +330,4 @@ def test_the_slim_daemon_validates_and_uploads_a_torch_file(slim: Slim, tmp_path
     text = log.read_text()
     assert parse_events(text, "daemon_stopped"), text[-4000:]
     assert "Traceback" not in text, text[-4000:]
-    assert not layout.socket.exists()
+    assert not socket.exists()
