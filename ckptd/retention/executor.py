@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ckptd import fileio
-from ckptd.backends import Backend
-from ckptd.errors import CkptdError, StorageError
+from ckptd.backends import Backend, ObjectMeta
+from ckptd.errors import CkptdError, ObjectNotFound, StorageError
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote
+from ckptd.remote.layout import manifest_key
 from ckptd.remote.manifest import step_prefix
 from ckptd.retention import trash as trashcan  # (`trash` is the guarded move below)
 from ckptd.retention.nets import (
@@ -369,6 +370,39 @@ def replace_remote(
         return got
     log.warning("remote_step_replaced", step=step, bytes_freed=got)
     return Outcome(step, "remote", "deleted", "replace_remote", got)
+
+
+def discard_early(backend: Backend, root_name: str, step: int,
+                  sent: Mapping[str, ObjectMeta]) -> int:
+    """Delete the objects an early sender put for `step` (`stages.early`) when the step turned
+    out invalid: only while the step is uncommitted remotely, and only each object that is
+    still the very one put (same size and etag, else mtime). Best effort: what is left is a
+    straggler the next upload of the step replaces; never raises. Returns how many went."""
+    log = get_logger(root=root_name)
+    prefix = step_prefix(root_name, step)
+    try:
+        backend.stat(manifest_key(root_name, step))
+        log.warning("early_objects_kept", step=step, why="the step is committed remotely")
+        return 0
+    except ObjectNotFound:
+        pass
+    except (StorageError, OSError) as exc:
+        log.warning("early_objects_kept", step=step, why=str(exc))
+        return 0
+    gone = 0
+    for key, meta in sent.items():
+        try:
+            now = backend.stat(f"{prefix}/{key}")
+            same = now.size == meta.size and (
+                (now.etag or "").strip('"') == (meta.etag or "").strip('"') if meta.etag
+                else now.mtime == meta.mtime)
+            if same:
+                backend.delete(f"{prefix}/{key}")
+                gone += 1
+        except (StorageError, OSError):
+            continue  # gone already, or the store fails: a straggler at worst
+    log.info("early_objects_discarded", step=step, objects=gone, of=len(sent))
+    return gone
 
 
 # --- outcomes and their events ---------------------------------------------------------------

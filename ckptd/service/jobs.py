@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from ckptd.backends import Backend
 from ckptd.config import RootConfig
 from ckptd.errors import DiskFull
 from ckptd.lifecycle.table import Policy
@@ -19,6 +20,7 @@ from ckptd.remote.manifest import StoredFile
 from ckptd.retention import executor
 from ckptd.service.progress import Progress
 from ckptd.stages import compress
+from ckptd.stages.early import EarlySender
 from ckptd.stages.validate import validate
 from ckptd.store import Job
 
@@ -79,8 +81,11 @@ def stager_for(root: RootConfig, job: Job) -> compress.Stager:
                            install=partial(executor.install_copy, root.path, step))
 
 
-def run_validate(root: RootConfig, job: Job, progress: Progress) -> Validated:
-    """Validate, and when the root wants a compressed copy, build it in the same read pass."""
+def run_validate(root: RootConfig, job: Job, progress: Progress,
+                 backend: Backend | None = None) -> Validated:
+    """Validate, and when the root wants a compressed copy, build it in the same read pass.
+    With `backend` (a single-node root that uploads), each object is also sent as soon as it
+    is finished (`stages.early`); the upload stage still verifies and commits."""
     cand = candidate_of(job, node_share=root.multi_node)
     if cand.invalid_reason:
         return Validated(ValidationResult(False, cand.invalid_reason, cand.invalid_message))
@@ -88,6 +93,11 @@ def run_validate(root: RootConfig, job: Job, progress: Progress) -> Validated:
         return Validated(validate(root.path, cand, **_checks(root),
                                   extra_sinks=lambda _rel: [progress]))
     stager = stager_for(root, job)
+    if backend is not None and root.upload.enabled and not root.multi_node:
+        step = job.checkpoint.step
+        stager.send_early(
+            EarlySender(backend, root.name, step, stager.staging, root.upload.concurrency),
+            partial(executor.discard_early, backend, root.name, step))
     try:
         result = validate(root.path, cand, **_checks(root),
                           extra_sinks=lambda rel: [progress, *stager.sinks_for(rel)])

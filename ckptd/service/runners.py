@@ -79,7 +79,17 @@ def _written(metrics: Metrics, root: str, progress: Progress,
 
 class ValidateRunner(Runner[Validated]):
     def run(self, root: RootConfig, job: Job, progress: Progress) -> Validated:
-        return jobs.run_validate(root, job, progress)
+        return jobs.run_validate(root, job, progress, self._early_backend(root))
+
+    def _early_backend(self, root: RootConfig) -> Backend | None:
+        """Where objects may be sent while validation goes on; None if it cannot be had
+        (the upload stage reports why): validation never fails for the store's sake."""
+        if not root.upload.enabled or root.multi_node:
+            return None
+        try:
+            return self.crew.backend_for(root)
+        except Exception:  # noqa: BLE001 - a bad remote is the upload stage's error to report
+            return None
 
     def record(self, done: Done, outcome: Validated) -> Changed | None:
         job, result, log = done.job, outcome.result, done.log

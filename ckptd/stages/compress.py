@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import BinaryIO, cast
 
 from ckptd import fileio
+from ckptd.backends.base import ObjectMeta
 from ckptd.codec import make_encoder
 from ckptd.codec.encoder import Encoder
 from ckptd.copies.store import objects_dir
@@ -23,6 +24,7 @@ from ckptd.errors import CkptdError
 from ckptd.fileio import DurableWriter, Sink, write_error
 from ckptd.model import FileRecord
 from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile
+from ckptd.stages.early import EarlySender
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,10 @@ class _Stored:
 class _ObjectSink:
     """One file's encoder, fed by the validation read pass; records what it wrote on finish."""
 
-    def __init__(self, rel: str, tmp: Path, make: Callable[[BinaryIO], Encoder]) -> None:
+    def __init__(self, rel: str, tmp: Path, make: Callable[[BinaryIO], Encoder],
+                 on_done: Callable[[str, Path, int], None] | None = None) -> None:
         self.rel, self.tmp = rel, tmp
+        self.on_done = on_done
         self.out = DurableWriter(tmp, f"the compressed copy of {rel}")
         self.encoder = make(cast(BinaryIO, self.out))
         self.result: _Stored | None = None
@@ -53,6 +57,8 @@ class _ObjectSink:
         self.out.close_written()  # made durable with the others at commit (`fsync_many`)
         enc = self.encoder
         self.result = _Stored(self.tmp, enc.codec, enc.suffix, enc.raw_size, enc.stored_size)
+        if self.on_done is not None:  # its object, as the manifest will name it
+            self.on_done(self.rel + enc.suffix, self.tmp, enc.stored_size)
 
     def close(self) -> None:
         self.encoder.close()
@@ -96,6 +102,14 @@ class Stager:
         )
         make_encoder(codec, io.BytesIO(), level, threads, min_saving).close()  # bad args fail here
         self._sinks: dict[str, _ObjectSink] = {}
+        self._early: EarlySender | None = None
+        self._discard: Callable[[Mapping[str, ObjectMeta]], object] = lambda sent: None
+
+    def send_early(self, early: EarlySender,
+                   discard: Callable[[Mapping[str, ObjectMeta]], object]) -> None:
+        """Offer each object to `early` as it is finished; on `abort`, hand what it sent to
+        `discard` (the executor's `discard_early`). Call before the read pass."""
+        self._early, self._discard = early, discard
 
     def sinks_for(self, rel: str) -> list[Sink]:
         """The sinks to add to `rel`'s read pass: its encoder, writing into the staging dir."""
@@ -106,7 +120,9 @@ class Stager:
             dest.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise write_error(exc, f"the staging dir {self.staging}") from exc
-        sink = _ObjectSink(rel, fileio.temp_name(dest), self._make)
+        early = self._early
+        sink = _ObjectSink(rel, fileio.temp_name(dest), self._make,
+                           early.offer if early is not None else None)
         self._sinks[rel] = sink
         return [sink]
 
@@ -118,6 +134,9 @@ class Stager:
             _check_keys(files)
             manifest = Manifest(self.root_name, self.step, self.layout, tuple(files),
                                 metrics=dict(metrics))
+            if self._early is not None:  # its puts end before any object is renamed
+                self._early.finish()
+                self._early = None
             # Every object durable before any name or the manifest says it is done; fsyncs
             # in flight together share journal commits (one per file in a row cost 0.15-5 ms
             # each, 10,000 times for a 10,000-file step).
@@ -134,7 +153,13 @@ class Stager:
         return manifest
 
     def abort(self) -> None:
-        """Drop everything staged (idempotent); the originals are never touched."""
+        """Drop everything staged (idempotent), and what was sent early; the originals are
+        never touched."""
+        early, self._early = self._early, None
+        if early is not None:
+            sent = early.abandon()
+            if sent:
+                self._discard(sent)
         for sink in self._sinks.values():
             sink.close()
         self._sinks.clear()

@@ -1,0 +1,198 @@
+"""Objects sent while the rest of their step is still being validated: the overlap of the save
+and the upload (docs/UPLOAD.md, "Sending early").
+
+As validation finishes each file's compressed object, `EarlySender.offer` queues it; a few
+threads put it, create-only, under the step's remote prefix, and record it in the upload ledger
+of the staging dir, which the copy keeps. The upload stage then finds those objects vouched for
+by the ledger and skips them: it still verifies every object and alone writes MANIFEST.json,
+after validation passed for every file. Nothing here ever commits, overwrites or deletes:
+create-only puts never replace an object, and the objects of a step that turns out invalid are
+handed to the retention executor (`executor.discard_early`), which removes only what this
+sender put and only while the step is uncommitted.
+
+Validation never waits on the store: offers beyond the queue's bound are dropped (the upload
+stage sends them), a failed put stops early sending for the step, and `finish` waits at most
+`FINISH_WAIT_S` for the puts in flight (each at most one part: larger objects are left to the upload
+stage).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, cast
+
+from ckptd.backends.base import Backend, ObjectMeta
+from ckptd.errors import CkptdError, ObjectExists, ObjectNotFound
+from ckptd.log import get_logger
+from ckptd.remote.layout import manifest_key
+from ckptd.remote.manifest import step_prefix
+from ckptd.stages.upload_local import LEDGER_NAME, Ledger, Meter, ObjectReader, bare
+
+# Offers waiting for a thread, at most: a path and a few numbers each, so a step of a million
+# files holds a bounded queue; what does not fit is left to the upload stage.
+QUEUE_MAX = 4096
+# How long the end of validation waits for the puts in flight before going on without them
+# (a put that ends later is not recorded: the upload stage compares or re-sends its object),
+# and how long an invalid step's end waits, so that what it sent can be discarded.
+FINISH_WAIT_S = 2.0
+ABANDON_WAIT_S = 10.0
+_MD5_SCHEMES = ("s3://", "s3a://")
+
+
+@dataclass(frozen=True)
+class _Offer:
+    key: str  # relative to the step's prefix, as the manifest will name it
+    path: Path
+    size: int
+
+
+class EarlySender:
+    """One step's early puts. `offer` from the validating thread; then exactly one of `finish`
+    (valid: the ledger keeps what was sent) or `abandon` (invalid, or an error: what was sent
+    is returned for the executor to discard)."""
+
+    def __init__(self, backend: Backend, root_name: str, step: int, staging: Path,
+                 concurrency: int) -> None:
+        self.backend, self.root_name, self.step = backend, root_name, step
+        self.prefix = step_prefix(root_name, step)
+        self.max_object = max(1, backend.part_size)  # one request each; larger: upload stage
+        self.sent: dict[str, ObjectMeta] = {}
+        self._fingerprints: dict[str, list[int]] = {}
+        self._staging = staging
+        self._queue: deque[_Offer] = deque()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._md5 = backend.url.startswith(_MD5_SCHEMES)
+        self._threads = max(1, concurrency)
+        self._pool: ThreadPoolExecutor | None = None
+        self._running = 0
+        self._futures: list[Future[None]] = []
+        self._frozen = False  # after `_stop`: what ends later is not recorded
+        self._checked = threading.Lock()
+        self._committed: bool | None = None  # looked up by the first put, off the reader
+
+    def _uncommitted(self) -> bool:
+        """Early puts only into a step nobody committed: a committed step's objects are
+        compared and verified by the upload stage, never written into. One lookup, by the
+        first thread to put; a failing store stops early sending."""
+        with self._checked:
+            if self._committed is None:
+                try:
+                    self.backend.stat(manifest_key(self.root_name, self.step))
+                    self._committed = True
+                except ObjectNotFound:
+                    self._committed = False
+                except (CkptdError, OSError) as exc:
+                    self._committed = True
+                    get_logger().info("early_upload_off", root=self.root_name,
+                                      step=self.step, error=str(exc))
+                if self._committed:
+                    self._stopped.set()
+            return not self._committed
+
+    def offer(self, key: str, path: Path, size: int) -> None:
+        """`path` holds the finished object `key` (`size` bytes): send it if there is room."""
+        if self._stopped.is_set() or size > self.max_object:
+            return
+        with self._lock:
+            if len(self._queue) >= QUEUE_MAX:
+                return
+            self._queue.append(_Offer(key, path, size))
+            if self._running >= self._threads:
+                return
+            self._running += 1
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads, "ckptd-early")
+            self._futures.append(self._pool.submit(self._drain))
+
+    def pending(self) -> int:
+        """Offers queued or being put now."""
+        with self._lock:
+            return len(self._queue) + self._running
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:  # the check and the count together: an offer never strands
+                if self._stopped.is_set():
+                    self._queue.clear()  # never to be put: the upload stage sends them
+                if not self._queue:
+                    self._running -= 1
+                    return
+                offer = self._queue.popleft()
+            try:
+                self._put(offer)
+            except Exception as exc:  # never let one object end the sending silently
+                self._stopped.set()
+                get_logger().warning("early_upload_stopped", root=self.root_name,
+                                     step=self.step, key=offer.key, error=repr(exc))
+
+    def _put(self, offer: _Offer) -> None:
+        if not self._uncommitted():
+            return
+        try:
+            with ObjectReader(offer.path, Meter(None), self.backend.part_size,
+                              self._md5) as src:
+                if src.size != offer.size:
+                    return
+                meta = self.backend.put(f"{self.prefix}/{offer.key}", cast(BinaryIO, src),
+                                        offer.size, create_only=True)
+                sent_md5 = src.etag()
+                fingerprint = src.fingerprint
+        except ObjectExists:
+            return  # a straggler of an earlier try: the upload stage compares it
+        except (CkptdError, OSError) as exc:
+            self._stopped.set()  # the store is failing: leave the rest to the upload stage
+            get_logger().info("early_upload_stopped", root=self.root_name, step=self.step,
+                              key=offer.key, error=str(exc))
+            return
+        if sent_md5 is not None and meta.etag and bare(meta.etag) != sent_md5:
+            return  # not vouched for: the upload stage sends it again
+        with self._lock:
+            if not self._frozen:
+                self.sent[offer.key] = meta
+                self._fingerprints[offer.key] = fingerprint
+
+    def _stop(self, timeout: float) -> None:
+        """No more puts: drop the queue, wait up to `timeout` for the ones in flight; a put
+        that ends later goes unrecorded (`sent` is frozen here)."""
+        self._stopped.set()
+        with self._lock:
+            self._queue.clear()
+            pool, futures = self._pool, list(self._futures)
+        if pool is not None:
+            _done, late = wait(futures, timeout=timeout)
+            pool.shutdown(wait=False, cancel_futures=True)
+            if late:
+                get_logger().info("early_upload_late", root=self.root_name, step=self.step,
+                                  in_flight=len(late), waited_s=timeout)
+        with self._lock:
+            self._frozen = True
+
+    def finish(self) -> int:
+        """Validation passed: stop, and record what was sent in the staging dir's ledger, for
+        the upload stage to skip. Returns how many objects were sent."""
+        self._stop(FINISH_WAIT_S)
+        with self._lock:
+            sent, fingerprints = dict(self.sent), dict(self._fingerprints)
+        if not sent:
+            return 0
+        ledger = Ledger.load(self._staging / LEDGER_NAME, self.backend.url)
+        try:
+            for key, meta in sent.items():
+                ledger.record(key, fingerprints[key], meta)
+        finally:
+            ledger.close()
+        get_logger().info("early_upload_done", root=self.root_name, step=self.step,
+                          objects=len(sent), bytes=sum(m.size for m in sent.values()))
+        return len(sent)
+
+    def abandon(self) -> Mapping[str, ObjectMeta]:
+        """Validation failed or was given up: stop; what was sent, for the executor."""
+        self._stop(ABANDON_WAIT_S)
+        with self._lock:
+            return dict(self.sent)
