@@ -163,6 +163,131 @@ def test_example_trainer_compiles() -> None:
     compile(example.read_text(), str(example), "exec")
 
 
+# `scontrol show hostnames LIST` for a job whose first node is this machine.
+FAKE_SCONTROL = """#!/bin/bash
+[[ $1 == show && $2 == hostnames && -n $3 ]] || { echo "scontrol: unexpected: $*" >&2; exit 1; }
+printf 'localhost\\nnode1\\n'
+"""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ranks(procs: Procs, tmp_path: Path, run: str, argv: list[str],
+           env: dict[str, str]) -> list[tuple[subprocess.Popen[bytes], Path]]:
+    """train_example.py as srun starts it for a 2-task job on one node: each task its own
+    SLURM_PROCID, the rendezvous left to the trainer (no MASTER_ADDR)."""
+    port = str(_free_port())
+    started = []
+    for rank in range(2):
+        out = tmp_path / f"{run}.rank{rank}.out"
+        with open(out, "wb") as sink:
+            started.append((procs.popen(
+                [sys.executable, str(SLURM / "train_example.py"), *argv], cwd=tmp_path,
+                env={**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+                     "MASTER_PORT": port},
+                stdout=sink, stderr=subprocess.STDOUT), out))
+    return started
+
+
+def _wait_for_line(proc: subprocess.Popen[bytes], out: Path, line: str) -> None:
+    wait_until(lambda: line in out.read_text().splitlines() or proc.poll() is not None, 60,
+               repr(line), detail=out.read_text)
+    assert proc.poll() is None, out.read_text()
+
+
+def _meta(root: Path, step: int) -> dict[str, Any]:
+    """step-<step>/meta.json, checked to name both ranks' files in the one node directory."""
+    meta: dict[str, Any] = json.loads((root / f"step-{step}" / "meta.json").read_text())
+    assert (meta["step"], meta["world_size"], meta["nodes"]) == (step, 2, 1)
+    assert {(f["path"], f.get("rank")) for f in meta["files"]} == {
+        ("model.pt", None), ("optim.rank0.pt", 0), ("optim.rank1.pt", 1),
+        ("rng.rank0.pt", 0), ("rng.rank1.pt", 1)}
+    return meta
+
+
+class _Taken:
+    """An optimizer's state as `ckptd.torch.load` hands it over. (A torch.optim optimizer here
+    would import torch._dynamo on first use: seconds of this test's time, for nothing it
+    checks; the trainers resume real AdamW optimizers.)"""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+
+def test_example_trainer_runs_as_two_ranks(tmp_path: Path, procs: Procs) -> None:
+    """train_example.py as two tasks of a job on this machine, no daemon: torch.distributed
+    over gloo from the Slurm variables (the first node from scontrol). Both ranks save step 2;
+    USR1 reaching one rank only stops both after saving the same step; a rerun resumes every
+    rank from that step, each with its own optimizer state, and its save loads back."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
+    (bin_dir / "scontrol").chmod(0o755)
+    root = tmp_path / "ckpt" / "run1"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM", "CKPTD_", "MASTER_"))}
+    env.update(PATH=f"{bin_dir}:{env.get('PATH', '/usr/bin:/bin')}", PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1", SLURM_JOB_ID="4242", SLURM_NTASKS="2", SLURM_NODEID="0",
+               SLURM_JOB_NODELIST="localhost,node1",
+               CKPTD_SOCKET=str(tmp_path / "no-daemon.sock"))  # registering fails: a warning
+    args = ["--root", str(root), "--root-name", "run1"]
+
+    first = _ranks(procs, tmp_path, "first", [*args, "--save-every", "2",
+                                              "--step-seconds", "0.05"], env)
+    for rank, (proc, out) in enumerate(first):
+        _wait_for_line(proc, out, f"rank {rank}/2: training from step 0")
+        _wait_for_line(proc, out, f"rank {rank}: saved step 2")
+    os.kill(first[1][0].pid, signal.SIGUSR1)  # one rank hears it
+    stopped = set()
+    for rank, (proc, out) in enumerate(first):
+        assert proc.wait(timeout=60) == 0, out.read_text()
+        text = out.read_text()
+        saved = [int(s) for s in re.findall(rf"^rank {rank}: saved step (\d+)$", text, re.M)]
+        # Every second step, then the step USR1 stopped at.
+        assert saved[:-1] == list(range(2, saved[-1], 2)) and saved[-1] > 2, text
+        assert f"rank {rank}: stopping after step {saved[-1]} (SIGUSR1)" in text, text
+        stopped.add(saved[-1])
+    step, = stopped  # the same step on every rank
+    _meta(root, 2)
+    _meta(root, step)
+
+    second = _ranks(procs, tmp_path, "second", [*args, "--steps", str(step + 1)], env)
+    for rank, (proc, out) in enumerate(second):
+        assert proc.wait(timeout=60) == 0, out.read_text()
+        lines = out.read_text().splitlines()
+        assert f"rank {rank}/2: training from step {step}" in lines, lines
+        assert f"rank {rank}: saved step {step + 1}" in lines, lines
+    assert _meta(root, step + 1)["metrics"].keys() == {"loss"}
+
+    import torch
+
+    import ckptd.torch as ct
+
+    loaded = []
+    for rank in range(2):
+        model, opt = torch.nn.Linear(64, 64), _Taken()
+        assert ct.load(root, step + 1, model=model, optimizer=opt, rank=rank)[0] == step + 1
+        loaded.append((model.state_dict(), opt.state_dict()))
+    (model0, optim0), (model1, optim1) = loaded
+    assert all(torch.equal(model0[k], model1[k]) for k in model0)
+    assert optim0["param_groups"][0]["lr"] == optim1["param_groups"][0]["lr"] == 1e-3
+    for state0, state1 in zip(optim0["state"].values(), optim1["state"].values(), strict=True):
+        # Each rank's Adam state went on from the saved step: it was loaded, not started anew.
+        assert float(state0["step"]) == float(state1["step"]) == step + 1
+        # DDP averaged the ranks' gradients: both ranks' moments are the same, bit for bit.
+        assert all(torch.equal(state0[k], state1[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
 def test_scripts_pass_shellcheck() -> None:
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed")
