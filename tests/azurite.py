@@ -14,6 +14,7 @@ import hmac
 import http.client
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -43,6 +44,17 @@ _PORT_RANGE = (11000, 14900)
 _API_VERSION = "2021-08-06"
 REPO = Path(__file__).resolve().parent.parent
 INSTALL_DIR = REPO / ".cache" / "azurite"
+
+
+def pinned_version() -> str:
+    """The Azurite version the Makefile installs (`AZURITE_VERSION := X`), the one place it is
+    written; "" when the Makefile does not say."""
+    try:
+        text = (REPO / "Makefile").read_text()
+    except OSError:
+        return ""
+    found = re.search(r"^AZURITE_VERSION\s*:?=\s*(\S+)\s*$", text, re.MULTILINE)
+    return found.group(1) if found else ""
 
 
 @dataclass
@@ -156,9 +168,11 @@ def start_azurite(base: Path) -> Azurite:
     wait until the test container can be created."""
     binary = azurite_binary()
     if binary is None:
+        version = pinned_version()
+        package = f"azurite@{version}" if version else "azurite"
         pytest.fail(
             "Azurite is not installed: run `make test` (it installs it into .cache/azurite) "
-            "or `npm install --prefix .cache/azurite azurite`"
+            f"or `npm install --prefix .cache/azurite {package}`"
         )
     base.mkdir(parents=True, exist_ok=True)
     port = _free_port()
