@@ -309,10 +309,9 @@ def test_the_slim_daemon_runs_the_example_config(slim: Slim, tmp_path: Path,
             "no committed step on the example's remote"
 
         # A reload that asks for deep_validate is refused in one line; the daemon goes on.
-        text = config.read_text()
-        assert text.rstrip().endswith('name = "demo-single"\npath = "{}"\nmetric = "val_loss"'
-                                      .format(roots["demo-single"]))
-        config.write_text(text + "deep_validate = true\n")  # into the last table: roots[1]
+        text = config.read_text() + "deep_validate = true\n"  # into the last table
+        assert tomllib.loads(text)["roots"][1] == {**example["roots"][1], "deep_validate": True}
+        config.write_text(text)
         proc.send_signal(signal.SIGHUP)
         rejected = wait_until(lambda: parse_events(log.read_text(), "config_reload_rejected"),
                               30, "the reload to be refused", detail=log.read_text)
