@@ -85,7 +85,6 @@ def config(work: Path, server: s3server.S3Server, prefix: str, layout: str) -> P
 [daemon]
 state_dir = "{work}/state"
 socket = "{work}/ckptd.sock"
-scan_interval = "1s"
 log_format = "json"
 log_level = "warning"
 
@@ -181,10 +180,12 @@ def stages(db: Path, t0: float) -> dict[str, float]:
 
 def run_aws(server: s3server.S3Server, source: Path, prefix: str, scratch: Path) -> float:
     evict(source)
+    scratch.mkdir(parents=True, exist_ok=True)
     env = aws_env(server, {}, scratch)
     t0 = time.monotonic()
-    subprocess.run(["aws", "s3", "cp", "--recursive", "--quiet", str(source),
-                    server.url(prefix)], check=True, env=env)
+    subprocess.run(["aws", "s3", "cp", "--recursive", "--only-show-errors", "--endpoint-url",
+                    server.endpoint, str(source), server.url(prefix)], check=True, env=env,
+                   timeout=1800)
     return time.monotonic() - t0
 
 
