@@ -174,7 +174,8 @@ def stages(db: Path, t0: float) -> dict[str, float]:
     if created:
         out["detected"] = created[0] - t0
     for event, target, at in rows:
-        out.setdefault(f"{event}->{target}", at - t0)
+        if at >= t0:  # transitions recorded with no time of their own are left out
+            out.setdefault(f"{event}->{target}", at - t0)
     return out
 
 
