@@ -11,6 +11,7 @@ import hashlib
 import os
 import stat
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,6 +283,11 @@ class EventWatcher:
         from watchdog.observers import Observer
         from watchdog.observers.polling import PollingObserver
 
+        # watchdog warns, with its whole watch table, each time a directory moved within a
+        # watched tree gets its watch again (ckptd's trash and copy renames do this); the new
+        # watch replaces the old one, which is what is wanted.
+        warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning,
+                                module="watchdog")
         self._wake = wake
         self._clock = clock
         self._observer: Any = (PollingObserver(timeout=poll_interval) if polling else Observer())
