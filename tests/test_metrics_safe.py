@@ -77,6 +77,7 @@ def test_a_remote_verified_step_shows_in_every_new_series(inproc_daemon: Any,
     m = scrape(c)
     assert value(m, "ckptd_time_to_safe_seconds_count", root="r1") == 2
     assert value(m, "ckptd_latest_remote_verified_step", root="r1") == 20
+    assert value(m, "ckptd_steps_since_remote_verified", root="r1") == 0  # 30 is invalid
     invalid = {dict(labels)["reason"]: v for (name, labels), v in m.items()
                if name == "ckptd_invalid_checkpoints" and dict(labels)["root"] == "r1"}
     assert sum(invalid.values()) == 1 and set(invalid) <= {r.value for r in Reason}, invalid

@@ -36,11 +36,11 @@ def _sample(store: Store, root: RootConfig, retention: Health, held: bool,
     records = store.checkpoints(root.name)
     latest = store.latest(root.name)
     remote = store.latest(root.name, Tier.REMOTE)
-    newest = max((r.step for r in records), default=None)
     since = None
-    if root.upload.enabled and newest is not None:
-        # Steps saved since the newest remote-verified one: the data a node loss would cost.
-        since = newest - remote.step if remote else newest
+    if root.upload.enabled and latest is not None:
+        # Valid steps since the newest remote-verified one: what a node loss would cost. A
+        # newer step still pending or invalid is not one (the gauge's help says "valid").
+        since = latest.step - remote.step if remote else latest.step
     raw = sum(r.bytes for r in records if r.stored_bytes)
     stored = sum(r.stored_bytes for r in records if r.stored_bytes)
     health = retention.health(root.name)
