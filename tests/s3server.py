@@ -6,12 +6,10 @@ process in front of the server). Logs and data stay under pytest's tmp dirs.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from faultproxy import FaultProxy
+from support.servers import die_with_parent, stop_process
 from support.wait import wait_until
 
 ACCESS_KEY = "ckptd-test-key"
@@ -102,15 +101,6 @@ def _pick_ports() -> dict[str, int]:
     return ports
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when pytest dies, even by SIGKILL, so no server outlives it."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the session finalizer still stops it
-
-
 def _write_s3_config(path: Path) -> None:
     identity = {
         "name": "ckptd-test",
@@ -173,7 +163,7 @@ def start_server(base: Path) -> S3Server:
             env=env,
             cwd=base,
             start_new_session=True,  # a Ctrl-C aimed at pytest does not hit it first
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
     server = S3Server(
         endpoint=f"http://127.0.0.1:{ports['s3']}",
@@ -234,14 +224,7 @@ def _wait_ready(server: S3Server) -> None:
 
 def stop_server(server: S3Server) -> None:
     """SIGTERM by PID, SIGKILL after a grace period; remove the /tmp sockets weed left."""
-    proc = server.process
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_TIMEOUT_S)
+    stop_process(server.process, STOP_TIMEOUT_S)
     _remove_grpc_sockets(server.ports)
 
 
