@@ -1026,8 +1026,9 @@ def _object_file(tmp_path: Path, n: int, seed: int) -> tuple[Path, bytes]:
 def test_an_object_file_is_sent_from_its_pages_and_hashed_as_read(
     s3_server: S3Server, s3_url: str, tmp_path: Path, size: int
 ) -> None:
+    from ckptd.backends.base import bare
     from ckptd.backends.mapped import TRIMMER
-    from ckptd.stages.upload_local import Meter, ObjectReader, bare
+    from ckptd.stages.upload_local import Meter, ObjectReader
 
     path, data = _object_file(tmp_path, size, seed=size)
     backend = retrying(s3_backend(s3_server, s3_url))

@@ -173,6 +173,21 @@ def check_prefix(prefix: str) -> str:
     return check_key(stripped) if stripped else ""
 
 
+def bare(etag: str) -> str:
+    """An etag without its quotes and case: stores quote it, some in upper case."""
+    return etag.strip().strip('"').lower()
+
+
+def same_object(a: ObjectMeta, b: ObjectMeta) -> bool:
+    """Are `a` and `b` the same stored object (same size, and same etag, else same mtime)?"""
+    # A listing's mtime is finer than a HEAD's on S3: compare mtimes only where there is no etag.
+    if a.size != b.size:
+        return False
+    if a.etag and b.etag:
+        return bare(a.etag) == bare(b.etag)
+    return a.etag is None and b.etag is None and a.mtime == b.mtime
+
+
 def check_put_mode(create_only: bool, if_match: str | None) -> None:
     """Refuse a put that is both create-only and conditional on a version."""
     if create_only and if_match is not None:

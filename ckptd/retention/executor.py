@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from ckptd import fileio
 from ckptd.backends import Backend, ObjectMeta
+from ckptd.backends.base import same_object
 from ckptd.errors import CkptdError, ObjectNotFound, StorageError
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote
@@ -392,11 +393,7 @@ def discard_early(backend: Backend, root_name: str, step: int,
     gone = 0
     for key, meta in sent.items():
         try:
-            now = backend.stat(f"{prefix}/{key}")
-            same = now.size == meta.size and (
-                (now.etag or "").strip('"') == (meta.etag or "").strip('"') if meta.etag
-                else now.mtime == meta.mtime)
-            if same:
+            if same_object(meta, backend.stat(f"{prefix}/{key}")):
                 backend.delete(f"{prefix}/{key}")
                 gone += 1
         except (StorageError, OSError):

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import BinaryIO, cast
 
 from ckptd import fileio
-from ckptd.backends.base import Backend, ObjectMeta
+from ckptd.backends.base import Backend, ObjectMeta, bare
 from ckptd.errors import CkptdError, ObjectExists, ObjectNotFound
 from ckptd.log import get_logger
 from ckptd.remote.layout import manifest_key
 from ckptd.remote.manifest import step_prefix
-from ckptd.stages.upload_local import LEDGER_NAME, Ledger, Meter, ObjectReader, bare
+from ckptd.stages.upload_local import LEDGER_NAME, Ledger, Meter, ObjectReader
 
 # Offers waiting for a thread, at most: a path and a few numbers each, so a step of a million
 # files holds a bounded queue; what does not fit is left to the upload stage.

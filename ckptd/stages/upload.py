@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, cast
 from urllib.parse import urlsplit
 
 from ckptd import fileio
-from ckptd.backends.base import Backend, ObjectMeta
+from ckptd.backends.base import Backend, ObjectMeta, bare, same_object
 from ckptd.errors import (
     CkptdError,
     CorruptData,
@@ -44,11 +44,9 @@ from ckptd.stages.upload_local import (
     Ledger,
     Meter,
     ObjectReader,
-    bare,
     etag_matches_file,
     fingerprint,
     release_memory,
-    same_object,
 )
 
 Progress = Callable[[int], None]

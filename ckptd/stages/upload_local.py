@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import fileio, inputs
-from ckptd.backends.base import ObjectMeta, os_error
+from ckptd.backends.base import ObjectMeta, bare, os_error, same_object
 from ckptd.errors import BadInput, CkptdError, PermanentError
 from ckptd.log import get_logger
 
@@ -32,16 +32,6 @@ _READ_LIMIT = 8 << 20  # largest single read from an object file
 _DROP_STEP = 64 << 20  # drop cached pages behind the cursor in steps this big
 
 Progress = Callable[[int], None]
-
-
-def same_object(a: ObjectMeta, b: ObjectMeta) -> bool:
-    """Are `a` and `b` the same stored object (same size, and same etag, else same mtime)?"""
-    # A listing's mtime is finer than a HEAD's on S3: compare mtimes only where there is no etag.
-    if a.size != b.size:
-        return False
-    if a.etag and b.etag:
-        return bare(a.etag) == bare(b.etag)
-    return a.etag is None and b.etag is None and a.mtime == b.mtime
 
 
 class Meter:
@@ -137,10 +127,6 @@ def release_memory() -> None:
     """
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
-
-
-def bare(etag: str) -> str:
-    return etag.strip().strip('"').lower()
 
 
 def fingerprint(path: Path) -> list[int] | None:
