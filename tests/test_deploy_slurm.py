@@ -452,6 +452,11 @@ def test_helper_says_what_is_missing(tmp_path: Path, job_env: dict[str, str]) ->
     assert res.returncode == 69 and "no ckptd of this job runs on" in res.stderr
     res = run(["drain", "r=latest"], job_env)
     assert res.returncode == 2 and "not ROOT or ROOT=STEP" in res.stderr
+    for bad in ("1.5", "-1", "9" * 19):  # 19 digits would overflow the deadline's arithmetic
+        res = run(["drain", "--timeout", bad], job_env)
+        assert res.returncode == 2 and "--timeout must be whole seconds" in res.stderr, bad
+    res = run(["drain", "r=latest"], job_env)
+    assert res.returncode == 2 and "not ROOT or ROOT=STEP" in res.stderr
     res = run(["start"], {**job_env, "CKPTD_ROOT": ""})
     assert res.returncode == 78 and "no roots: set CKPTD_ROOT" in res.stderr
     res = run(["frobnicate"], job_env)

@@ -56,6 +56,11 @@ die() {
     say "$*"
     exit "$code"
 }
+# Deadlines use /proc/uptime, monotonic and in hundredths of a second: bash's SECONDS ticks
+# with the wall clock in whole seconds, so a wait on it could end up to a second early.
+now() { local u _; read -r u _ </proc/uptime; NOW=$((10#${u/./})); }  # NOW: hundredths
+until_after() { now; UNTIL=$((NOW + $1 * 100)); }                      # UNTIL: $1 s from now
+past() { now; (( NOW >= $1 )); }                                       # is the time $1 past?
 usage() {
     sed -n '2,/^set -euo pipefail/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' >&2
     exit 2
@@ -188,13 +193,15 @@ daemon_pid() {  # the job's daemon on this node, in PID; false when none runs
 answers() { "$CKPTD_BIN" status --json --socket "$SOCKET" >/dev/null 2>&1; }
 
 wait_ready() {  # $1: seconds; $2: the daemon's PID when we started it (fail at once if it dies)
-    local end=$((SECONDS + $1)) rc
+    local end rc
+    until_after "$1"
+    end=$UNTIL
     until answers; do
         if [[ -n ${2:-} ]] && ! alive "$2"; then
             wait "$2" && rc=0 || rc=$?
             die 69 "ckptd exited (status $rc) before it answered; its log: $JOB_DIR/ckptd.log"
         fi
-        (( SECONDS < end )) || die 69 "ckptd did not answer at $SOCKET within $1 s" \
+        ! past "$end" || die 69 "ckptd did not answer at $SOCKET within $1 s" \
             "($(daemon_pid && echo "pid $PID runs" || echo "no ckptd of this job runs here"))"
         sleep 0.2
     done
@@ -207,12 +214,14 @@ export_lines() {
 }
 
 stop_daemon() {  # $1: seconds after SIGTERM before SIGKILL
-    local end=$((SECONDS + $1))
+    local end
     [[ -n $PID ]] || return 0
+    until_after "$1"
+    end=$UNTIL
     say "stopping ckptd (pid $PID)"
     kill -TERM "$PID" 2>/dev/null || return 0
     while is_ckptd "$PID"; do
-        if (( SECONDS >= end )); then
+        if past "$end"; then
             say "ckptd (pid $PID) still runs $1 s after SIGTERM: SIGKILL (unfinished work" \
                 "resumes at its next start on this root)"
             kill -KILL "$PID" 2>/dev/null || true
@@ -284,7 +293,7 @@ wait_scans() {  # two more full scans: whatever was on disk before now is known 
     local s0 n
     s0=$(scans) || die 69 "ckptd at $SOCKET does not answer"
     while n=$(scans) && (( n < s0 + 2 )); do
-        (( SECONDS < DEADLINE )) || return 0
+        ! past "$DEADLINE" || return 0
         sleep 0.2
     done
 }
@@ -300,7 +309,7 @@ wait_published() {  # $1 root, $2 step or "", $3 holder: another daemon acts on 
             say "$1 step $s: uploaded (by $3)"
             return 0
         fi
-        if (( SECONDS >= DEADLINE )); then
+        if past "$DEADLINE"; then
             say "$1: the latest step $3 publishes${s:+ ($s, remote ${r:-none})} is not" \
                 "uploaded after $TIMEOUT s: giving up"
             return 1
@@ -310,10 +319,13 @@ wait_published() {  # $1 root, $2 step or "", $3 holder: another daemon acts on 
 }
 
 wait_step() {  # $1 root, $2 step, $3 valid|uploaded, until the deadline; WAIT_RC: ckptd's
-    local left=$((DEADLINE - SECONDS))
+    local left
     WAIT_RC=1
+    now
+    left=$((DEADLINE - NOW))
     (( left > 0 )) || return 1
-    ck wait "$1" "$2" --until "$3" --timeout "$left" >/dev/null && WAIT_RC=0 || WAIT_RC=$?
+    ck wait "$1" "$2" --until "$3" --timeout "$((left / 100)).$((left % 100 / 10))$((left % 10))" \
+        >/dev/null && WAIT_RC=0 || WAIT_RC=$?
     return "$WAIT_RC"
 }
 
@@ -365,7 +377,7 @@ drain_root() {  # $1: ROOT or ROOT=STEP
             say "$name step $target is invalid ($reason): waiting for the one before it"
             continue
         fi
-        if (( SECONDS >= DEADLINE )); then
+        if past "$DEADLINE"; then
             info=$(ck status --json 2>/dev/null | read_doc root "$name") || info=
             IFS=$'\t' read -r acting holder err <<<"$info" || true
             say "$name step $target is not uploaded after $TIMEOUT s (state $state, remote" \
@@ -389,13 +401,14 @@ cmd_drain() {
             *) specs+=("$1"); shift ;;
         esac
     done
-    [[ $TIMEOUT =~ ^[0-9]+$ ]] || die 2 "--timeout must be whole seconds, got $TIMEOUT"
+    [[ $TIMEOUT =~ ^[0-9]{1,9}$ ]] || die 2 "--timeout must be whole seconds (up to 9 digits), got $TIMEOUT"
     for spec in ${specs[@]+"${specs[@]}"}; do  # bash before 4.4: an empty array is unset
         [[ $spec =~ ^[^=]+(=[0-9]+)?$ ]] || die 2 "drain: $spec is not ROOT or ROOT=STEP"
         [[ $spec == *=* ]] || explicit=0
     done
     setup "$keep"
-    DEADLINE=$((SECONDS + TIMEOUT))
+    until_after "$TIMEOUT"
+    DEADLINE=$UNTIL
     if (( ! keep )); then
         daemon_pid || die 69 "no ckptd of this job runs on $HOSTNAME (PID file $PIDFILE)"
     fi
@@ -431,7 +444,7 @@ timeout_opt() {  # parse [--timeout S] into TIMEOUT (default $1); nothing else i
         '') ;;
         *) usage ;;
     esac
-    [[ $TIMEOUT =~ ^[0-9]+$ ]] || die 2 "--timeout must be whole seconds, got $TIMEOUT"
+    [[ $TIMEOUT =~ ^[0-9]{1,9}$ ]] || die 2 "--timeout must be whole seconds (up to 9 digits), got $TIMEOUT"
 }
 
 cmd_run() {
