@@ -2,7 +2,9 @@
 
 `python tests/faultproxy.py --target HOST:PORT --dir DIR` listens on 127.0.0.1 (free port,
 written to DIR/port), reads faults from DIR/control.json at each new request and keeps counts in
-DIR/stats.json. It exits by itself when its parent dies or after --max-lifetime seconds.
+DIR/stats.json (each request line is appended to DIR/requests.log, so that thousands of
+requests cost no more to count than a few). It exits by itself when its parent dies or after
+--max-lifetime seconds.
 
 Modes (control.json {"mode": ..., "count": K, ...}; faults apply to the first K occurrences):
   pass    forward everything
@@ -84,6 +86,8 @@ class FaultProxy:
         if not path.exists():
             return {"connections": 0, "requests": 0, "faults": 0, "peers": [], "log": []}
         data: dict[str, Any] = json.loads(path.read_text())
+        log = self.dir / "requests.log"
+        data["log"] = log.read_text("latin-1").splitlines() if log.exists() else []
         return data
 
     def stop(self) -> None:
@@ -134,7 +138,6 @@ class Control:
             "requests": 0,
             "faults": 0,
             "peers": [],
-            "log": [],
         }
 
     def _reload(self) -> None:
@@ -161,8 +164,11 @@ class Control:
     def count(self, what: str, entry: Any = None) -> None:
         with self.lock:
             self.stats[what] += 1
-            if entry is not None:
-                self.stats["peers" if what == "connections" else "log"].append(entry)
+            if entry is not None and what == "connections":
+                self.stats["peers"].append(entry)
+            elif entry is not None:
+                with open(self.dir / "requests.log", "a", encoding="latin-1") as log:
+                    log.write(f"{entry}\n")
             self._save()
 
     def _save(self) -> None:

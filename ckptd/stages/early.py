@@ -32,7 +32,7 @@ from ckptd import fileio
 from ckptd.backends.base import Backend, ObjectMeta, bare
 from ckptd.errors import CkptdError, ObjectExists, ObjectNotFound
 from ckptd.log import get_logger
-from ckptd.remote.layout import manifest_key
+from ckptd.remote.layout import manifest_key, step_objects
 from ckptd.remote.manifest import step_prefix
 from ckptd.stages.upload_local import LEDGER_NAME, Ledger, Meter, ObjectReader
 
@@ -80,11 +80,14 @@ class EarlySender:
         self._frozen = False  # after `_stop`: what ends later is not recorded
         self._checked = threading.Lock()
         self._committed: bool | None = None  # looked up by the first put, off the reader
+        self._present: frozenset[str] = frozenset()  # keys an earlier try left: not re-sent
 
     def _uncommitted(self) -> bool:
         """Early puts only into a step nobody committed: a committed step's objects are
         compared and verified by the upload stage, never written into. One lookup, by the
-        first thread to put; a failing store stops early sending."""
+        first thread to put, then one listing of the step's prefix: what an earlier try left
+        there (a daemon killed mid-way) is not sent again but left to the upload stage, which
+        compares it. A failing store stops early sending."""
         with self._checked:
             if self._committed is None:
                 try:
@@ -92,6 +95,8 @@ class EarlySender:
                     self._committed = True
                 except ObjectNotFound:
                     self._committed = False
+                    self._present = frozenset(step_objects(self.backend, self.root_name,
+                                                           self.step))
                 except (CkptdError, OSError) as exc:
                     self._committed = True
                     get_logger().info("early_upload_off", root=self.root_name,
@@ -137,7 +142,7 @@ class EarlySender:
                                      step=self.step, key=offer.key, error=repr(exc))
 
     def _put(self, offer: _Offer) -> None:
-        if not self._uncommitted():
+        if not self._uncommitted() or offer.key in self._present:
             return
         try:
             if offer.size <= WHOLE_MAX:
