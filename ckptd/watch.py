@@ -81,6 +81,10 @@ class RootScanner:
         self._seen: dict[str, _Seen] = {}
         self._contents: dict[str, tuple[int, int, bool, bytes | str]] = {}
         self._fields: dict[str, tuple[int, int, dict[str, PlainValue] | None]] = {}
+        # Per path, whether a layout wants its bytes and its pickle's plain values: a function
+        # of the name alone, asked once while the path exists (a scan of 10,000 files would
+        # otherwise ask every layout about every file each time).
+        self._wants: dict[str, tuple[bool, bool]] = {}
         self._real_root = os.path.realpath(path)
         self._top = top  # which top-level entries (name, is_dir) to walk; None = all
         # Directories (root-relative; "" = the root) the last scan could not read.
@@ -113,6 +117,9 @@ class RootScanner:
                                   self.open_files.is_open(abspath, changed_at, now, expiry),
                                   seen_at, link, first_mtime_ns / 1e9)
         self._seen = seen
+        self._wants = {rel: self._wants.get(rel) or (layouts.wants_content(rel, self.layout),
+                                                     layouts.wants_torch_fields(rel, self.layout))
+                       for rel in seen}
         contents, refused = self._read_contents(seen, files)
         snap = Snapshot(files=files, dirs=frozenset(dirs), contents=contents,
                         registrations=dict(registrations or {}),
@@ -165,7 +172,7 @@ class RootScanner:
         refused: dict[str, str] = {}
         cache: dict[str, tuple[int, int, bool, bytes | str]] = {}
         for rel, s in seen.items():
-            if not layouts.wants_content(rel, self.layout):
+            if not self._wants[rel][0]:
                 continue
             link = files[rel].symlink
             hit = self._contents.get(rel)
@@ -193,7 +200,7 @@ class RootScanner:
         out: dict[str, dict[str, PlainValue]] = {}
         cache: dict[str, tuple[int, int, dict[str, PlainValue] | None]] = {}
         for rel, s in seen.items():
-            if rel in changing or not layouts.wants_torch_fields(rel, self.layout):
+            if rel in changing or not self._wants[rel][1]:
                 continue
             hit = self._fields.get(rel)
             if hit and hit[0] == s.size and hit[1] == s.mtime_ns:

@@ -4,6 +4,8 @@ Pure: functions of a `Snapshot`, `RootOptions` and `now`; no I/O, no clock."""
 
 from __future__ import annotations
 
+import functools
+
 from ckptd import inputs
 from ckptd.layouts import (
     common,
@@ -111,8 +113,14 @@ def content_kind(rel: str) -> inputs.Kind:
 
 def wants_torch_fields(rel: str, layout: str = "auto") -> bool:
     """True when some layout run for this root needs the plain values of `rel`'s pickle."""
-    return any(isinstance(lay, ReadsTorchFields) and lay.wants_torch_fields(rel)
-               for lay in _plan(layout))
+    return any(lay.wants_torch_fields(rel) for lay in _field_readers(layout))
+
+
+@functools.cache
+def _field_readers(layout: str) -> tuple[ReadsTorchFields, ...]:
+    """The layouts of a plan that read pickles' plain values. Asked once per plan: the check
+    against a runtime protocol costs tens of microseconds, and a scan asks for every file."""
+    return tuple(lay for lay in _plan(layout) if isinstance(lay, ReadsTorchFields))
 
 
 def trusted_globals(name: str) -> frozenset[str]:

@@ -7,15 +7,11 @@ come."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import threading
 from typing import Any
 
-import xxhash
-
 from ckptd.errors import ValidationFailed
-from ckptd.formats.dcpmeta import DcpMetadata, parse_dcp_metadata
+from ckptd.formats.dcpmeta import DcpMetadata, parse_once
 from ckptd.layouts import common
 from ckptd.model import Candidate, FileInfo, Reason, RootOptions, Snapshot
 
@@ -178,29 +174,13 @@ def _data_files(tree: common.Tree, dcp_dir: str) -> list[str]:
             and not common.is_temp_path(f)]
 
 
-_PARSED: collections.OrderedDict[tuple[str, int, str], DcpMetadata | ValidationFailed] = (
-    collections.OrderedDict())
-_PARSED_KEPT = 64
-_PARSED_LOCK = threading.Lock()
-
-
 def _parsed(data: bytes, meta_rel: str) -> DcpMetadata | ValidationFailed:
-    """One parse per `.metadata` content, its verdict included, remembered by digest (not by
-    the bytes): a rescan (every few seconds while a root settles) never parses an unchanged
-    file again, a hostile one least of all."""
-    key = (xxhash.xxh3_128_hexdigest(data), len(data), meta_rel)
-    with _PARSED_LOCK:
-        hit = _PARSED.get(key)
-        if hit is None:
-            try:
-                hit = parse_dcp_metadata(data, meta_rel)
-            except ValidationFailed as exc:
-                hit = exc
-            _PARSED[key] = hit
-            while len(_PARSED) > _PARSED_KEPT:
-                _PARSED.popitem(last=False)
-        _PARSED.move_to_end(key)
-        return hit
+    """One parse per `.metadata` content (`dcpmeta.parse_once`): a rescan (every few seconds
+    while a root settles) and the validation after it never parse an unchanged file again."""
+    try:
+        return parse_once(data, meta_rel)
+    except ValidationFailed as exc:
+        return exc
 
 
 def _check_references(snap: Snapshot, dcp_dir: str, meta_rel: str, data: bytes,

@@ -15,7 +15,7 @@ import xxhash
 from ckptd import fileio, inputs
 from ckptd.cluster import commit as cc
 from ckptd.errors import BadInput, PermanentError, TransientError, ValidationFailed
-from ckptd.formats.dcpmeta import parse_dcp_metadata
+from ckptd.formats.dcpmeta import parse_once
 from ckptd.formats.torchhead import HEAD_BYTES, leading_fields
 from ckptd.layouts import ranked
 from ckptd.remote.manifest import Manifest, StoredFile
@@ -32,7 +32,7 @@ def dcp_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]
         return None
     data = _validated_bytes(root_dir, f.path, f.size, f.hash)
     try:
-        meta = parse_dcp_metadata(data, f.path)
+        meta = parse_once(data, f.path)
     except ValidationFailed as exc:
         raise PermanentError(str(exc)) from None
     base = posixpath.dirname(f.path)

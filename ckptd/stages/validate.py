@@ -242,7 +242,7 @@ class _Run:
     def _dcp_metadata(self, m: _Member, capture: _CaptureSink) -> None:
         if capture.overflow:
             raise ValidationFailed(Reason.BAD_METADATA, f"{m.rel} is too large to parse", m.rel)
-        meta = dcpmeta.parse_dcp_metadata(bytes(capture.data), m.rel)
+        meta = dcpmeta.parse_once(bytes(capture.data), m.rel)
         base = posixpath.dirname(m.rel)
         for name, least in sorted(meta.references.items()):
             rel = posixpath.join(base, name)
