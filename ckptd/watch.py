@@ -21,6 +21,8 @@ from ckptd import inputs, layouts
 from ckptd.clock import SYSTEM, Clock
 from ckptd.errors import BadInput
 from ckptd.formats import torchhead
+from ckptd.inotify import Inotify
+from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Candidate, FileInfo, PlainValue, RootOptions, Snapshot
 
 # ckptd's own transient names (temp files, a restore's staging directory): never checkpoint data.
@@ -282,12 +284,19 @@ def stats_fingerprint(files: tuple[str, ...], stats: Mapping[str, os.stat_result
 
 
 class EventWatcher:
-    """Watchdog observers over the roots; each relevant event marks open/closed files and
-    calls `wake`. Polling mode uses watchdog's polling observer (NFS, CIFS)."""
+    """Watches over the roots; each relevant event marks open/closed files and calls `wake`.
+    inotify read directly (`ckptd.inotify`: ckptd's own directories left out), or watchdog's
+    polling observer in polling mode (NFS, CIFS) or where inotify cannot be had."""
 
     def __init__(self, wake: Callable[[], None], polling: bool, poll_interval: float,
                  clock: Clock = SYSTEM) -> None:
-        from watchdog.observers import Observer
+        self._kernel: Inotify | None = None
+        if not polling:
+            try:
+                self._kernel = Inotify(wake, clock)
+                return
+            except OSError as exc:  # no inotify here, or the instance limit is reached
+                get_logger().warning("watch_polling", error=str(exc))
         from watchdog.observers.polling import PollingObserver
 
         # watchdog warns, with its whole watch table, each time a directory moved within a
@@ -297,21 +306,31 @@ class EventWatcher:
                                 module="watchdog")
         self._wake = wake
         self._clock = clock
-        self._observer: Any = (PollingObserver(timeout=poll_interval) if polling else Observer())
+        self._observer: Any = PollingObserver(timeout=poll_interval)
         self._watches: dict[str, Any] = {}
         self._open: dict[str, OpenFiles] = {}
         self._lock = threading.Lock()
 
     def start(self) -> None:
+        if self._kernel is not None:
+            self._kernel.start()
+            return
         self._observer.start()
 
     def alive(self) -> bool:
+        if self._kernel is not None:
+            return self._kernel.alive()
         return bool(self._observer.is_alive())
 
     def started(self) -> bool:
+        if self._kernel is not None:
+            return self._kernel.started()
         return self._observer.ident is not None
 
     def stop(self) -> None:
+        if self._kernel is not None:
+            self._kernel.stop()
+            return
         if not self._observer.is_alive():
             return
         self._observer.stop()
@@ -320,6 +339,8 @@ class EventWatcher:
     def watch(self, path: Path, open_files: OpenFiles) -> bool:
         """Start watching `path` (idempotent). False when it does not exist yet."""
         key = str(path)
+        if self._kernel is not None:
+            return self._kernel.watch(key, open_files)
         with self._lock:
             if key in self._watches:
                 return True
@@ -334,6 +355,9 @@ class EventWatcher:
             return True
 
     def unwatch(self, path: Path) -> None:
+        if self._kernel is not None:
+            self._kernel.unwatch(str(path))
+            return
         with self._lock:
             w = self._watches.pop(str(path), None)
             if w is not None:
@@ -344,11 +368,8 @@ class EventWatcher:
 
 
 def _events_wanted() -> list[Any]:
-    """Every event the handler acts on, and not "opened" or "closed without a write": those
-    would come for every read of a watched file, ckptd's own validation reads included (three
-    opens per file, 60,000 events for a 10,000-file step), and the handler ignores them. With
-    the filter, the kernel does not queue them at all (watchdog builds the inotify mask from it).
-    """
+    """Every event the handler acts on, and not "opened" or "closed without a write" (every
+    read of a watched file would be one; `ckptd.inotify.MASK` leaves them out the same way)."""
     from watchdog.events import (
         DirCreatedEvent,
         DirDeletedEvent,
