@@ -90,7 +90,9 @@ def upload_rows(doc: dict[str, Any]) -> list[Row]:
         return f"{secs(r)}, {r['sent_bytes'] / 1e6:,.0f} MB sent"
 
     return [
-        Row(f"save end to end, {size} fp32 model+Adam into the test S3 server",
+        Row(f"save, {size} fp32 model+Adam into the test S3 server: validate+compress, then"
+            " upload (the stages in one process; the daemon's whole path is the time-to-safe"
+            " row)",
             "`sha256sum; zstd -T0 -3; aws s3 cp`", sent(scripted), sent(ckptd),
             f"wall {spread(save)}; bytes {ckptd['sent_bytes'] / scripted['sent_bytes']:.3f}",
             "≤ 0.5× wall", verdict(statistics.median(save) <= 0.5)),
@@ -119,7 +121,8 @@ def many_rows(doc: dict[str, Any]) -> list[Row]:
 
 def safe_rows(doc: dict[str, Any]) -> list[Row]:
     """Rows from `bench/time_to_safe_bench.py --json`: a step renamed into a root until
-    remote-verified, against `aws s3 cp --recursive` of the same files."""
+    remote-verified, against `aws s3 cp --recursive` of the same files (many files) or the
+    scripted hash + zstd + upload (one 2.1 GB checkpoint)."""
     rows: list[Row] = []
     for case, res in doc.items():
         aws, ck = res.get("aws", []), [r["wall_s"] for r in res.get("ckptd", [])]
@@ -127,10 +130,13 @@ def safe_rows(doc: dict[str, Any]) -> list[Row]:
             continue
         ratios = [c / a for c, a in zip(ck, aws, strict=False)]
         info = res["inputs"]
+        goal = 1.5 if case == "many" else 0.5
+        baseline = res.get("baseline", "aws s3 cp --recursive")
         rows.append(Row(f"time to safe: {info['files']:,}-file step ({info['bytes'] / 1e9:.2f} GB"
-                        f", {case}), renamed in → remote-verified", "`aws s3 cp --recursive`",
+                        f", {case}), renamed in → remote-verified", f"`{baseline}`",
                         spread(aws, "{:.1f}", " s"), spread(ck, "{:.1f}", " s"),
-                        spread(ratios), "≤ 1.5×", verdict(statistics.median(ratios) <= 1.5)))
+                        spread(ratios), f"≤ {goal}×",
+                        verdict(statistics.median(ratios) <= goal)))
     return rows
 
 
@@ -281,8 +287,8 @@ def collect(args: argparse.Namespace, out: Path) -> tuple[list[Row], list[str]]:
         ("many", [py, str(HERE / "many_files_bench.py"), "--files", str(args.files),
                   "--repeat", str(args.repeat), "--workdir", str(args.workdir / "many-files")],
          many_rows),
-        ("safe", [py, str(HERE / "time_to_safe_bench.py"), "--case", "many", "--files",
-                  str(args.files), "--repeat", str(args.repeat), "--workdir",
+        ("safe", [py, str(HERE / "time_to_safe_bench.py"), "--case", "both", "--files",
+                  str(args.files), "--size", args.size, "--repeat", str(args.repeat), "--workdir",
                   str(args.workdir / "time-to-safe")], safe_rows),
         ("codec", [py, str(HERE / "compress_bench.py"), "--runs", str(args.repeat),
                    "--encoders", "ckptd-auto,ckptd-auto+hash+crc,pyzstd-1,zipnn",

@@ -1,10 +1,13 @@
 """Time to safe, end to end: from the moment a finished checkpoint appears in a watched root
 (renamed in, as a trainer commits a save) until ckptd has it verified in the bucket, against
-`aws s3 cp --recursive` of the same files, side by side in one run into the same SeaweedFS
-server on loopback, alternating per round.
+what a user would otherwise run, side by side in one run into the same SeaweedFS server on
+loopback, alternating per round.
 
 Two inputs: `many` is a real `dcp.save` of 10,000 tensors with one file per tensor (about
-0.6 GB); `big` is a 2.1 GB fp32 model + Adam state in one torch file per component. For ckptd
+0.6 GB), against `aws s3 cp --recursive` of the same files; `big` is a 2.1 GB fp32 model + Adam
+state in one torch file per component (registered through the client as it lands, as
+`ckptd.torch.save` does), against the script a user would write to keep it safe
+compressed (`sha256sum; zstd -T0 -3; aws s3 cp`, upload_bench's). For ckptd
 the daemon runs as a service does (its own process, a fresh state directory each round) and
 the breakdown per stage comes from its own transitions (detected, settled, valid, compressed,
 uploaded, verified).
@@ -33,7 +36,13 @@ sys.path.insert(0, str(REPO / "tests"))  # the SeaweedFS launcher the tests use
 sys.path.insert(0, str(HERE))
 
 import s3server  # noqa: E402
-from upload_bench import aws_env, drop_prefix, evict, warm_up  # noqa: E402
+from upload_bench import (  # noqa: E402
+    aws_env,
+    drop_prefix,
+    evict,
+    scripted_upload,
+    warm_up,
+)
 
 ROOT = "bench"
 STEP = 100
@@ -112,7 +121,7 @@ layout = "{layout}"
 
 
 def run_ckptd(server: s3server.S3Server, source: Path, work: Path, prefix: str,
-              layout: str, name: str) -> dict[str, Any]:
+              layout: str, name: str, register: bool = False) -> dict[str, Any]:
     """One round: a fresh daemon; the step renamed into its root; wall time until the step is
     remote-verified, as the daemon reports it; the stage breakdown from its transitions."""
     shutil.rmtree(work, ignore_errors=True)
@@ -140,6 +149,8 @@ def run_ckptd(server: s3server.S3Server, source: Path, work: Path, prefix: str,
         print(f"daemon answers after {time.monotonic() - deadline + 60:.1f} s", flush=True)
         t0 = time.time()
         staged.rename(work / "root" / name)
+        if register:  # files with no commit record of their own: the trainer says it is done
+            client.register(ROOT, STEP, paths=sorted(f"{name}/{p.name}" for p in source.iterdir()))
         while True:
             try:
                 rec = client.checkpoint(ROOT, STEP)
@@ -190,6 +201,16 @@ def run_aws(server: s3server.S3Server, source: Path, prefix: str, scratch: Path)
     return time.monotonic() - t0
 
 
+BASELINE = {"many": "aws s3 cp --recursive", "big": "sha256sum; zstd -T0 -3; aws s3 cp"}
+
+
+def run_script(server: s3server.S3Server, source: Path, prefix: str, scratch: Path) -> float:
+    """The big case's baseline: upload_bench's script (hash, compress, upload) on the files."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    return scripted_upload(server, source, scratch, prefix).wall_s
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -223,18 +244,23 @@ def main() -> None:
                 layout, name = "auto", f"step_{STEP}"
             rows: dict[str, list[Any]] = {"ckptd": [], "aws": []}
             for r in range(args.repeat):
-                if args.only in ("aws", "both"):
-                    prefix = f"aws-{case}-{r}"
-                    rows["aws"].append(run_aws(server, source, prefix, args.workdir / "aws"))
-                    drop_prefix(server, prefix)
-                if args.only in ("ckptd", "both"):
-                    prefix = f"ckptd-{case}-{r}"
-                    res = run_ckptd(server, source, args.workdir / "ckptd", prefix, layout, name)
-                    rows["ckptd"].append(res)
+                order = ("aws", "ckptd") if r % 2 == 0 else ("ckptd", "aws")
+                for who in order:
+                    if args.only not in (who, "both"):
+                        continue
+                    prefix = f"{who}-{case}-{r}"
+                    if who == "ckptd":
+                        rows["ckptd"].append(run_ckptd(server, source, args.workdir / "ckptd",
+                                                       prefix, layout, name, case == "big"))
+                    elif case == "many":
+                        rows["aws"].append(run_aws(server, source, prefix, args.workdir / "aws"))
+                    else:
+                        rows["aws"].append(run_script(server, source, prefix,
+                                                      args.workdir / "aws"))
                     drop_prefix(server, prefix)
                 print(f"{case} round {r}: aws {rows['aws'][-1:]} ckptd "
                       f"{[x['wall_s'] for x in rows['ckptd'][-1:]]}", flush=True)
-            results[case] = {"inputs": info, **rows}
+            results[case] = {"inputs": info, "baseline": BASELINE[case], **rows}
             report(case, info, rows)
     finally:
         s3server.stop_server(server)
@@ -247,7 +273,7 @@ def report(case: str, info: dict[str, Any], rows: dict[str, list[Any]]) -> None:
     aws = rows["aws"]
     ck = [x["wall_s"] for x in rows["ckptd"]]
     if aws:
-        print(f"aws s3 cp --recursive: median {statistics.median(aws):.1f} s "
+        print(f"{BASELINE[case]}: median {statistics.median(aws):.1f} s "
               f"({min(aws):.1f}-{max(aws):.1f})")
     if ck:
         print(f"ckptd rename -> remote-verified: median {statistics.median(ck):.1f} s "
