@@ -166,7 +166,10 @@ class Inotify:
     # -- watches -----------------------------------------------------------------------------
 
     def _add(self, root: str, directory: str) -> int | None:
-        wd = int(self._libc.add(self._fd, os.fsencode(directory), MASK))
+        # The root itself may be a link to its directory (as the scanner's walk allows); no
+        # link below it is ever followed.
+        mask = MASK & ~IN_DONT_FOLLOW if directory == root else MASK
+        wd = int(self._libc.add(self._fd, os.fsencode(directory), mask))
         if wd < 0:
             err = ctypes.get_errno()
             if err in (errno.ENOSPC, errno.ENOMEM) and root not in self._short:

@@ -126,3 +126,23 @@ def test_a_root_that_goes_away_is_watched_again_when_it_is_back(tmp_path: Path) 
         assert not kernel.watch(str(root), OpenFiles())  # not there: not watched
     finally:
         kernel.stop()
+
+
+def test_a_root_given_as_a_link_is_watched_and_links_below_it_are_not(tmp_path: Path) -> None:
+    real, outside = tmp_path / "real", tmp_path / "outside"
+    (real / "step-1").mkdir(parents=True)
+    outside.mkdir()
+    (real / "escape").symlink_to(outside)  # a link out of the root: never watched
+    link = tmp_path / "root-link"
+    link.symlink_to(real)
+    wakes = _Wakes()
+    kernel = Inotify(wakes, SYSTEM)
+    assert kernel.watch(str(link), OpenFiles())
+    kernel.start()
+    try:
+        assert kernel.watched(str(link)) == [str(link), str(link / "step-1")]
+        (outside / "x.pt").write_bytes(b"x")  # outside: no event
+        (real / "step-1" / "y.pt").write_bytes(b"y")
+        wakes.wait("a write through the root's link")
+    finally:
+        kernel.stop()
