@@ -10,6 +10,7 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
 from support.wait import wait_until
 
 from ckptd import inotify
@@ -144,5 +145,30 @@ def test_a_root_given_as_a_link_is_watched_and_links_below_it_are_not(tmp_path: 
         (outside / "x.pt").write_bytes(b"x")  # outside: no event
         (real / "step-1" / "y.pt").write_bytes(b"y")
         wakes.wait("a write through the root's link")
+    finally:
+        kernel.stop()
+
+
+def test_an_overflowed_queue_wakes_the_scanner_and_watches_what_it_missed(
+        tmp_path: Path) -> None:
+    """More events than the kernel queues (its limit, `max_queued_events`) before the reader
+    runs: the overflow wakes the scanner and every root's watches are added again, so a
+    directory made while events were lost is watched all the same."""
+    (tmp_path / "a").mkdir()
+    wakes = _Wakes()
+    kernel = Inotify(wakes, SYSTEM)
+    assert kernel.watch(str(tmp_path), OpenFiles())
+    queued = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+    if queued > 1 << 17:
+        pytest.skip(f"max_queued_events is {queued}: too many files to overflow it here")
+    for i in range(queued // 2 + 100):  # a create and a close each
+        (tmp_path / "a" / f"f{i}").touch()
+    (tmp_path / "a" / "new" / "deeper").mkdir(parents=True)
+    kernel.start()  # the reader starts only now: the queue has overflowed
+    try:
+        wakes.wait("the overflow waking the scanner")
+        deeper = str(tmp_path / "a" / "new" / "deeper")
+        wait_until(lambda: deeper in kernel.watched(str(tmp_path)), 5.0, "the lost dir watched")
+        assert kernel.alive()
     finally:
         kernel.stop()
