@@ -1,7 +1,8 @@
 """Client for training processes: talk to the local ckptd daemon over its Unix socket.
 
 Standard library only and cheap to import. Never raises into a training loop unless
-`strict=True`: failures log a warning and return None/False. Imports nothing else of ckptd.
+`strict=True`: failures log a warning and return None/False; except `latest()`, which raises
+when it cannot tell (a resume must never silently start over). Imports nothing else of ckptd.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import json
 import logging
 import os
 import socket as _socket
+import stat
 import time
+import tomllib
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,9 @@ class ClientError(Exception):
 
 
 class DaemonUnavailable(ClientError):
-    """Nothing answered on the socket."""
+    """Nothing answered on the socket (no daemon, a wrong path, a refused connection, a
+    daemon shutting down). `latest()` raises it, `strict` or not, when `latest.json` cannot
+    answer for the daemon either."""
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -50,38 +55,131 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+# Where the daemon reads its config (ckptd.config.find_config, which this mirrors: the client
+# imports nothing of ckptd): $CKPTD_CONFIG, else the first of these that is a file.
+DEFAULT_CONFIG = "/etc/ckptd/ckptd.toml"
+LOCAL_CONFIG = "ckptd.toml"
+CONFIG_FILE_MAX = 1024 * 1024  # ckptd.config.load.MAX_CONFIG_BYTES
+_SOCKET_PATH_MAX = 107  # sun_path, less its NUL
+
+
 def default_socket() -> str:
-    return os.environ.get("CKPTD_SOCKET") or DEFAULT_SOCKET
+    """The daemon's socket, found as the command line finds it: $CKPTD_SOCKET, else
+    `[daemon] socket` of the config the daemon reads (`config_path()`), else the default."""
+    return os.environ.get("CKPTD_SOCKET") or config_socket(config_path()) or DEFAULT_SOCKET
+
+
+def config_path() -> str | None:
+    """The config file the daemon reads: $CKPTD_CONFIG, else /etc/ckptd/ckptd.toml, else
+    ./ckptd.toml (the first that is a file), else None."""
+    chosen = os.environ.get("CKPTD_CONFIG")
+    if chosen:
+        return chosen
+    for candidate in (DEFAULT_CONFIG, os.path.join(os.getcwd(), LOCAL_CONFIG)):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def config_socket(path: str | os.PathLike[str] | None) -> str | None:
+    """`[daemon] socket` of the config at `path`, resolved as the daemon resolves it (`~`
+    expanded, relative to the file's directory), or None when the file has none. Reads at
+    most 1 MiB of a regular file and only that key; a config that cannot be read is named in
+    a warning and gives None (the default socket is tried)."""
+    if path is None:
+        return None
+    try:
+        raw = _read_regular(path, CONFIG_FILE_MAX)
+        daemon = tomllib.loads(raw.decode("utf-8")).get("daemon", {})
+    except (OSError, ValueError, RecursionError) as exc:  # TOMLDecodeError, UnicodeError
+        log.warning("ckptd: config %s not read for the daemon's socket: %s", path, exc)
+        return None
+    value = daemon.get("socket") if isinstance(daemon, dict) else None
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        log.warning("ckptd: config %s: daemon.socket is not a path; using the default", path)
+        return None
+    base = os.path.dirname(os.path.abspath(path))
+    sock = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+    if len(os.fsencode(sock)) > _SOCKET_PATH_MAX:
+        log.warning("ckptd: config %s: daemon.socket is too long for a socket path", path)
+        return None
+    return sock
+
+
+def _read_regular(path: str | os.PathLike[str], cap: int, dir_fd: int | None = None) -> bytes:
+    """At most `cap` bytes of a regular file (ValueError over it); never blocks on a FIFO
+    and never follows a link at the last component."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
+    fd = os.open(path, flags, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        chunks, got = [], 0
+        while got <= cap:
+            chunk = os.read(fd, cap + 1 - got)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    finally:
+        os.close(fd)
+    if got > cap:
+        raise ValueError(f"over {cap} bytes")
+    return b"".join(chunks)
 
 
 LATEST_FILE_MAX = 64 * 1024
 
 
-def read_latest_file(root_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The daemon's last word on a root, from `<root>/.ckptd/latest.json` (no daemon needed):
-    None unless it is a sound one. Neither `.ckptd` nor the file is followed if a symlink, a
-    FIFO never blocks the read, and at most 64 KiB are read."""
+class _NoAnswer(Exception):
+    """latest.json cannot answer: missing, unreadable or not a latest.json document."""
+
+
+def _latest_doc(root_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """`<root>/.ckptd/latest.json`: its document, whose `step` is a step or None (the root
+    has no valid checkpoint). `_NoAnswer` says why there is none to be had. Neither `.ckptd`
+    nor the file is followed if a symlink, a FIFO never blocks the read, and at most 64 KiB
+    are read."""
+    where = os.path.join(root_dir, ".ckptd", "latest.json")
     nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         dfd = os.open(Path(root_dir) / ".ckptd", os.O_RDONLY | os.O_DIRECTORY | nofollow)
         try:
-            fd = os.open("latest.json", os.O_RDONLY | os.O_NONBLOCK | nofollow, dir_fd=dfd)
+            raw = _read_regular("latest.json", LATEST_FILE_MAX, dir_fd=dfd)
         finally:
             os.close(dfd)
-        try:
-            raw = os.read(fd, LATEST_FILE_MAX + 1)
-        finally:
-            os.close(fd)
-        data = json.loads(raw) if len(raw) <= LATEST_FILE_MAX else None
-    except (OSError, ValueError, RecursionError):
+        data = json.loads(raw, parse_constant=_no_constant)
+    except FileNotFoundError:
+        raise _NoAnswer(f"{where}: no such file") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise _NoAnswer(f"{where}: unreadable ({exc})") from None
+    step = data.get("step", ...) if isinstance(data, dict) else ...
+    if step is not None and not _is_step(step):
+        raise _NoAnswer(f"{where}: not a latest.json document (step {str(step)[:40]!r})")
+    if step is not None and not isinstance(data.get("path"), str):
+        raise _NoAnswer(f"{where}: not a latest.json document (no path)")
+    return data  # type: ignore[no-any-return]
+
+
+def _is_step(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def read_latest_file(root_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The daemon's last word on a root, from `<root>/.ckptd/latest.json` (no daemon needed):
+    its document when it names a step, else None (no file, an unreadable one, or a root
+    with no valid checkpoint)."""
+    try:
+        doc = _latest_doc(root_dir)
+    except _NoAnswer:
         return None
-    if not isinstance(data, dict):
-        return None
-    step = data.get("step")
-    if (not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63
-            or not isinstance(data.get("path"), str)):
-        return None
-    return data
+    return doc if doc.get("step") is not None else None
 
 
 class Client:
@@ -172,27 +270,29 @@ class Client:
 
     def latest(self, root: str, tier: str = "any",
                root_dir: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
-        """The latest valid checkpoint of `root` or None. Falls back to
-        `<root_dir>/.ckptd/latest.json` when the daemon is unreachable (`root_dir` defaults to
-        `root` when that is a directory)."""
+        """The latest valid checkpoint of `root`, or None when the daemon says the root has
+        none. Without an answering daemon, `<root_dir>/.ckptd/latest.json` answers (`root_dir`
+        defaults to `root` when that is a directory): its step, or None when it says the root
+        has none. When neither can tell (no daemon and no readable latest.json) this raises
+        DaemonUnavailable, `strict` or not: a job resuming from the answer must not start
+        again from step 0 because the daemon was not reached. Any other refusal of the daemon
+        (no such root, a bad tier) raises ClientError."""
         path = f"/v1/roots/{_q(root)}/latest?tier={_q(tier)}"
         try:
-            return self.request_json("GET", path)  # type: ignore[no-any-return]
+            doc = self.request_json("GET", path)
         except DaemonUnavailable as exc:
-            fallback = _fallback_latest(root, root_dir)
-            if fallback is not None:
-                return fallback
-            if self.strict:
-                raise
-            log.warning("ckptd latest failed: %s", exc)
-            return None
+            return _latest_without_daemon(root, tier, root_dir, exc)
         except ClientError as exc:
             if exc.status == 404 and exc.code == "no_checkpoint":
                 return None
-            if self.strict:
-                raise
-            log.warning("ckptd latest failed: %s", exc)
-            return None
+            if exc.status == 503:  # shutting down: as good as not there
+                unavailable = DaemonUnavailable(exc.status, exc.code, exc.message)
+                return _latest_without_daemon(root, tier, root_dir, unavailable)
+            raise
+        if not isinstance(doc, dict) or not _is_step(doc.get("step")):
+            raise ClientError(200, "bad_answer", f"ckptd at {self.socket}: latest of {root!r}"
+                              f" is not a checkpoint: {str(doc)[:200]}")
+        return doc
 
     def wait(self, root: str, step: int, until: str = "valid", timeout: float = 600.0) -> bool:
         """Block until `step` reaches `until` (valid | uploaded). False on timeout or failure."""
@@ -277,16 +377,27 @@ class Hold:
                               self._path())
 
 
-def _fallback_latest(root: str, root_dir: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+def _latest_without_daemon(root: str, tier: str, root_dir: str | os.PathLike[str] | None,
+                           unreached: DaemonUnavailable) -> dict[str, Any] | None:
+    """`latest()`'s answer from latest.json; DaemonUnavailable naming both when it has none."""
     directory = root_dir if root_dir is not None else (root if os.path.isdir(root) else None)
     if directory is None:
-        return None
-    data = read_latest_file(directory)
-    if data is None:
-        return None
-    return {"root": root, "step": data["step"], "path": data.get("path"), "state": "valid",
-            "local": data.get("local", "present"), "remote": data.get("remote", "none"),
-            "source": "latest.json"}
+        why = "no root_dir to read <root>/.ckptd/latest.json from"
+        raise DaemonUnavailable(0, "unreachable", f"{unreached.message}; and {why}") from None
+    try:
+        data = _latest_doc(directory)
+    except _NoAnswer as exc:
+        raise DaemonUnavailable(0, "unreachable", f"{unreached.message}; and {exc}") from None
+    if data["step"] is None:
+        return None  # the daemon's last word: the root has no valid checkpoint
+    local, remote = str(data.get("local", "present")), str(data.get("remote", "none"))
+    in_tier = {"any": True, "local": local in ("present", "compressed"),
+               "remote": remote == "uploaded"}.get(tier, False)
+    if not in_tier:
+        raise DaemonUnavailable(0, "unreachable", f"{unreached.message}; and latest.json names"
+                                f" step {data['step']}, which is not in tier {tier!r}") from None
+    return {"root": root, "step": data["step"], "path": data["path"], "state": "valid",
+            "local": local, "remote": remote, "source": "latest.json"}
 
 
 def _q(s: str) -> str:
