@@ -23,16 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptd.errors import CkptdError, ConfigError, NotFound, ValidationFailed
+from ckptd.errors import BadInput, CkptdError, ConfigError, NotFound, ValidationFailed
 from ckptd.model import CKPTD_DIR
 from ckptd.restore import answer
+from ckptd.torch import _meta
 from ckptd.torch._native import (
     _STEP_DIR,
     PREFIX,
     Stateful,
     _rank_world,
-    _read_json,
-    _try_read_json,
     _unwrap,
 )
 
@@ -103,16 +102,19 @@ def _load_remote(name: str, step: int | str, objs: tuple[Any, ...], rank: int | 
         if reader.single is not None:  # one legacy file, split into components as on disk
             where = f"{reader.where}/{reader.single}"
             states, meta = _legacy_split(reader.load(reader.single), where)
+            _check_wanted(states, objs, where)
             _apply_all(states, objs, where, opts)
             return int(meta["step"]), meta
-        meta = dict(reader.meta)
+        meta = dict(reader.meta)  # checked when the reader opened the step
         meta["path"] = reader.where
+        states = reader.states()
+        _check_wanted(states, objs, reader.where)
         if reader.has("extra.pt"):
             meta["extra"] = reader.load("extra.pt")
-        _apply_all(reader.states(), objs, reader.where, opts)
+        _apply_all(states, objs, reader.where, opts)
         if restore_rng:
             _restore_rng(reader.rng(), reader.where)
-        return int(meta.get("step", reader.step)), meta
+        return reader.step, meta
     finally:
         reader.close()
 
@@ -134,21 +136,41 @@ def _load_into(target: Path, model: torch.nn.Module | None, optimizer: Stateful 
                scheduler: Stateful | None, scaler: Stateful | None, ema: Stateful | None,
                rank: int | None, restore_rng: bool, opts: _LoadOpts) -> tuple[int, dict[str, Any]]:
     map_location = opts.map_location
+    objs = (model, optimizer, scheduler, scaler, ema)
     if target.is_file():
         states, meta = _legacy_states(target, map_location)
         native = None
     else:
-        meta = _read_json(target / "meta.json")
-        meta["path"] = str(target)
+        # Every value of meta.json the load acts on is checked before a tensor is touched.
+        checked = _meta.read(target / _meta.NAME, _dir_step(target))
+        meta = {**checked.doc, "path": str(target)}
         native = _NativeReader(target, _rank_world(None, None)[0] if rank is None else rank,
-                               map_location)
+                               map_location, checked)
         states = native.states()
-        if (target / "extra.pt").exists():
-            meta["extra"] = _torch_load(target / "extra.pt", map_location)
-    _apply_all(states, (model, optimizer, scheduler, scaler, ema), target, opts)
+        if "extra.pt" in checked.files:
+            meta["extra"] = _torch_load(native.listed("extra.pt"), map_location)
+    _check_wanted(states, objs, target)
+    _apply_all(states, objs, target, opts)
     if restore_rng:
         _restore_rng(native.rng() if native else None, target)
     return int(meta["step"]), meta
+
+
+def _dir_step(target: Path) -> int | None:
+    """The step a native checkpoint's directory is named for (`step-<N>`), if it is."""
+    match = _STEP_DIR.match(target.name)
+    return int(match.group(1)) if match else None
+
+
+def _check_wanted(states: Mapping[str, Any], objs: tuple[Any, ...], where: Path | str) -> None:
+    """Every object given has its state in the checkpoint: refused before any is filled."""
+    for component, obj in zip(_ORDER, objs, strict=True):
+        if obj is not None and states.get(component) is None:
+            raise NotFound(f"{where} holds no {component} state for this rank (saved without "
+                           f"{component}=, or by a different number of ranks)")
+
+
+_ORDER = ("model", "optimizer", "scheduler", "scaler", "ema")  # load()'s objects, in order
 
 
 def _apply_all(states: Mapping[str, Callable[[bool], Any]], objs: tuple[Any, ...],
@@ -176,29 +198,40 @@ class _LoadOpts:
 
 
 class _NativeReader:
-    """Hands out one component's state at a time, so only one is in memory at once."""
+    """Hands out one component's state at a time, so only one is in memory at once. Reads
+    only the files meta.json lists, each checked at its listed size before any is read."""
 
-    def __init__(self, path: Path, rank: int, map_location: Any) -> None:
-        self.path, self.rank, self.map_location = path, rank, map_location
+    def __init__(self, path: Path, rank: int, map_location: Any, meta: _meta.Meta) -> None:
+        self.path, self.rank, self.map_location, self.meta = path, rank, map_location, meta
 
     def states(self) -> dict[str, Callable[[bool], Any]]:
-        names = {"model": "model.pt", "ema": "ema.pt", "scheduler": "scheduler.pt",
-                 "scaler": "scaler.pt", "optimizer": f"optim.rank{self.rank}.pt"}
-        return {c: self._loader(n) for c, n in names.items() if (self.path / n).exists()}
+        files = self.meta.component_files(self.rank)
+        return {c: self._loader(self.listed(n)) for c, n in files.items()}
 
-    def _loader(self, name: str) -> Callable[[bool], Any]:
-        return lambda mmap: _torch_load(self.path / name, self.map_location, mmap=mmap)
+    def listed(self, name: str) -> Path:
+        """`name` of the step, there at the size meta.json lists (BadInput otherwise)."""
+        path = self.path / name
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise BadInput(f"{path}: listed in {_meta.NAME}, but {exc.strerror}") from None
+        if size != self.meta.files[name]:
+            raise BadInput(f"{path}: {size} bytes, {_meta.NAME} lists "
+                           f"{self.meta.files[name]}")
+        return path
+
+    def _loader(self, path: Path) -> Callable[[bool], Any]:
+        return lambda mmap: _torch_load(path, self.map_location, mmap=mmap)
 
     def rng(self) -> Any:
-        path = self.path / f"rng.rank{self.rank}.pt"
-        return _torch_load(path, "cpu") if path.exists() else None
+        name = f"rng.rank{self.rank}.pt"
+        return _torch_load(self.listed(name), "cpu") if name in self.meta.files else None
 
 
 def _apply(obj: Stateful, state: Callable[[bool], Any] | None, component: str,
            where: Path | str, opts: _LoadOpts) -> None:
-    if state is None:
-        raise NotFound(f"{where} holds no {component} state for this rank (saved without "
-                       f"{component}=, or by a different number of ranks)")
+    if state is None:  # _check_wanted refuses this before the first object is filled
+        raise NotFound(f"{where} holds no {component} state for this rank")
     if not isinstance(obj, torch.nn.Module):
         obj.load_state_dict(state(False))
         return
@@ -320,6 +353,8 @@ def _resolve_latest(root: Path, name: str, client: Any, stream: bool) -> Path | 
 
 
 def _ask_latest(root: Path, name: str, client: Any) -> dict[str, Any] | None:
+    """The daemon's latest, else latest.json's (the client reads it when no daemon answers);
+    None when neither names a step (the caller then scans the root's step dirs)."""
     try:
         if client is None:
             from ckptd.client import Client
@@ -330,11 +365,7 @@ def _ask_latest(root: Path, name: str, client: Any) -> dict[str, Any] | None:
         if getattr(client, "strict", False):
             raise
         log.warning("ckptd.torch: could not ask ckptd for the latest of %s: %s", name, exc)
-        info = None
-    if info is None:  # the daemon's last word, written next to the data
-        info = _try_read_json(root / CKPTD_DIR / "latest.json")
-        if info is not None:
-            info = {"local": "present", **info}
+        return None
     return info if isinstance(info, dict) else None
 
 
@@ -351,12 +382,10 @@ def _step_dirs(root: Path) -> Iterator[tuple[int, Path]]:
 
 def _complete(step_dir: Path) -> bool:
     """The native commit rule: meta.json there and every file it lists at its listed size."""
-    meta = _try_read_json(step_dir / "meta.json")
-    if meta is None:
-        return False
     try:
-        return all((step_dir / f["path"]).stat().st_size == f["size"] for f in meta["files"])
-    except (OSError, KeyError, TypeError):
+        meta = _meta.read(step_dir / _meta.NAME, _dir_step(step_dir))
+        return all((step_dir / p).stat().st_size == size for p, size in meta.files.items())
+    except (OSError, BadInput):
         return False
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import mmap
 import os
 import pickle
@@ -17,11 +16,8 @@ from typing import Any
 import torch
 
 from ckptd.codec.buffers import same_memory
-from ckptd.errors import CorruptData, NotFound, ValidationFailed
-
-_NAMES = {"model": "model.pt", "ema": "ema.pt", "scheduler": "scheduler.pt",
-          "scaler": "scaler.pt"}
-_META_MAX = 64 << 20
+from ckptd.errors import BadInput, NotFound, ValidationFailed
+from ckptd.torch import _meta
 
 
 class _Into:
@@ -55,7 +51,12 @@ class RemoteNative:
                            f"meta.json) nor a single file ({len(files)} files)")
         self.base = metas[0].rpartition("/")[0] if metas else ""
         self.where = f"{self.opened.url}/{self.base}" if self.base else self.opened.url
-        self.meta = self._json("meta.json") if metas else {}
+        try:
+            self.checked = self._meta() if metas else None
+        except BaseException:
+            self.opened.close()
+            raise
+        self.meta: dict[str, Any] = self.checked.doc if self.checked else {}
 
     @property
     def step(self) -> int:
@@ -68,21 +69,38 @@ class RemoteNative:
         return f"{self.base}/{name}" if self.base else name
 
     def has(self, name: str) -> bool:
-        return any(f.path == self._path(name) for f in self.opened.files())
+        """Whether the step holds `name`: listed in its meta.json (a legacy file: its one)."""
+        if self.checked is None:
+            return name == self.single
+        return name in self.checked.files
 
-    def _json(self, name: str) -> dict[str, Any]:
-        f = self.opened.stored(self._path(name))
-        if f.size > _META_MAX:
-            raise CorruptData(f"{self.where}/{name}: {f.size} bytes, over {_META_MAX}")
+    def _meta(self) -> _meta.Meta:
+        """meta.json through the bounded strict reader, every value a load acts on checked,
+        and every file it lists held by the manifest at the listed size: all before the
+        first tensor is read. BadInput (a CorruptData) naming the object otherwise."""
+        where = f"{self.where}/{_meta.NAME}"
+        f = self.opened.stored(self._path(_meta.NAME))
+        if f.size > _meta.KIND.cap:
+            raise BadInput(f"{where}: {f.size} bytes, over the {_meta.KIND.name} cap of "
+                           f"{_meta.KIND.cap}")
         buf = bytearray()
-        self.opened.reader(f.path).read(None, lambda _at, view: buf.extend(view))
-        try:
-            doc = json.loads(bytes(buf))
-        except ValueError as exc:
-            raise CorruptData(f"{self.where}/{name}: not JSON ({exc})") from None
-        if not isinstance(doc, dict):
-            raise CorruptData(f"{self.where}/{name}: not a JSON object")
-        return doc
+
+        def sink(_at: int, view: memoryview) -> None:
+            if len(buf) + len(view) > _meta.KIND.cap:
+                raise BadInput(f"{where}: over the {_meta.KIND.name} cap of {_meta.KIND.cap}")
+            buf.extend(view)
+
+        self.opened.reader(f.path).read(None, sink)
+        meta = _meta.parse(bytes(buf), where, self.opened.step)
+        held = {g.path: g.size for g in self.opened.files()}
+        for name, size in meta.files.items():
+            stored = held.get(self._path(name))
+            if stored is None:
+                raise BadInput(f"{where}: lists {name}, which the step's manifest does not hold")
+            if stored != size:
+                raise BadInput(f"{self.where}/{name}: {stored} bytes in the manifest, {size} "
+                               f"in {_meta.NAME}")
+        return meta
 
     def load(self, name: str, map_location: Any = None) -> Any:
         """torch.load of one file of the step. Where the system has anonymous memory files
@@ -140,8 +158,8 @@ class RemoteNative:
                 f"tensors and containers to load ({exc})", name) from exc
 
     def states(self) -> dict[str, Callable[[bool], Any]]:
-        names = {**_NAMES, "optimizer": f"optim.rank{self.rank}.pt"}
-        return {c: self._loader(n) for c, n in names.items() if self.has(n)}
+        files = self.checked.component_files(self.rank) if self.checked else {}
+        return {c: self._loader(n) for c, n in files.items()}
 
     def _loader(self, name: str) -> Callable[[bool], Any]:
         return lambda _mmap: self.load(name)
