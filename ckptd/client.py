@@ -14,7 +14,6 @@ import os
 import socket as _socket
 import stat
 import time
-import tomllib
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -88,9 +87,14 @@ def config_socket(path: str | os.PathLike[str] | None) -> str | None:
     a warning and gives None (the default socket is tried)."""
     if path is None:
         return None
+    import tomllib  # only where no $CKPTD_SOCKET says it: the client stays cheap to import
+
     try:
         raw = _read_regular(path, CONFIG_FILE_MAX)
         daemon = tomllib.loads(raw.decode("utf-8")).get("daemon", {})
+    except PermissionError:  # a config kept from training users (it may hold secrets)
+        log.debug("ckptd: config %s not readable; the default socket is tried", path)
+        return None
     except (OSError, ValueError, RecursionError) as exc:  # TOMLDecodeError, UnicodeError
         log.warning("ckptd: config %s not read for the daemon's socket: %s", path, exc)
         return None
