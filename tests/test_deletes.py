@@ -72,6 +72,8 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.arena_write", "_fresh_dir"): "a stale half-written save dir of the door",
     ("ckptd.arena_write", "_write_one"): "a file of the save it is writing, written again",
     ("ckptd.remote.layout", "retreat_latest"): "the LATEST pointer object, not a step's bytes",
+    ("ckptd.remote.holds", "sweep_stale"): "readers' hold objects no longer fresh, not a step's",
+    ("ckptd.remote.holds", "_Held.end"): "the reader's own hold object, at the end of its read",
     ("ckptd.remote.layout", "_swap"): "an unreadable LATEST pointer object, rewritten",
     ("ckptd.service.effects", "LatestPublisher.publish"): "<root>/.ckptd/latest.json",
     ("ckptd.service.recovery", "remove_stale_temps"): "ckptd's own temp files",

@@ -16,6 +16,7 @@ from ckptd.backends import Backend, backend_for_upload, make_backend, wrap_backe
 from ckptd.codec.decoder import release_idle
 from ckptd.config import find_config, load_config
 from ckptd.errors import ConfigError, CorruptData, NotFound, PermanentError
+from ckptd.remote.holds import ReaderHold, daemon_socket
 from ckptd.remote.layout import is_committed
 from ckptd.remote.manifest import Manifest, StoredFile, step_prefix
 from ckptd.remote.objects import ObjectReader, ReadStats
@@ -69,8 +70,9 @@ class RemoteStep:
     """A committed step of a root's remote, open for ranged reads of its files."""
 
     def __init__(self, backend: Backend, root: str, step: int, manifest: Manifest,
-                 threads: int = DEFAULT_THREADS) -> None:
+                 threads: int = DEFAULT_THREADS, hold: ReaderHold | None = None) -> None:
         self.backend, self.root, self.step, self.manifest = backend, root, step, manifest
+        self.hold = hold  # the reader's hold on the step, ended by close()
         self.threads = max(1, threads)
         # Blocks in flight (fetched, decoding or decoded and not yet delivered) across the
         # files read at once: what bounds the reader's memory (a few blocks each way).
@@ -94,11 +96,18 @@ class RemoteStep:
              threads: int = DEFAULT_THREADS) -> RemoteStep:
         backend = open_backend(root, config, remote)
         n = choose_step(backend, root, step)
+        # Held before the manifest is read: a step deleted before the hold landed is not
+        # read at all, one held is not deleted while it is read (docs/REMOTE_LOAD.md).
+        hold = ReaderHold(backend, root, n, socket=daemon_socket(config, remote))
         try:
             manifest = read_remote_manifest(backend, root, n)
         except (CorruptData, PermanentError) as exc:
+            hold.close()
             raise CorruptData(f"step {n} of {root!r}: {exc}") from None
-        return cls(backend, root, n, manifest, threads)
+        except BaseException:
+            hold.close()
+            raise
+        return cls(backend, root, n, manifest, threads, hold)
 
     @property
     def url(self) -> str:
@@ -150,7 +159,13 @@ class RemoteStep:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
         self._pool = self._fetch = None
+        self.release_hold()
         release_idle()  # the decoders' block arrays: a training process wants them back
+
+    def release_hold(self) -> None:
+        """End the reader's hold on the step (the read is over; close() does it too)."""
+        if self.hold is not None:
+            self.hold.close()
 
     def __enter__(self) -> RemoteStep:
         return self

@@ -5,6 +5,7 @@ decides nothing (the planner) and deletes nothing itself (the executor does).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from ckptd.errors import CkptdError
 from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, State, Tier
+from ckptd.remote import holds
 from ckptd.remote import layout as remote
 from ckptd.retention import executor, planner, trash
 from ckptd.retention.inplace import InPlace
@@ -108,8 +110,28 @@ class Runner:
             return []
         from ckptd.stages.upload import delete_step
 
-        return executor.execute_remote(backend, root.name, plan, self._guards(root, now),
-                                       delete_step)
+        guards = self._guards(root, now)
+        held = self._bucket_holds(root, backend, plan)
+        guards = dataclasses.replace(guards, in_use=guards.in_use | held)
+        return executor.execute_remote(backend, root.name, plan, guards, delete_step)
+
+    def _bucket_holds(self, root: RootConfig, backend: Backend, plan: planner.Plan
+                      ) -> frozenset[int]:
+        """Steps readers hold in the bucket (`<root>/_holds/`, docs/RETENTION.md): read just
+        before the remote deletes, by the clock now; the stale hold objects are removed."""
+        try:
+            found = holds.read_holds(backend, root.name, time.time())
+        except CkptdError as exc:  # a hold cannot be ruled out: no remote delete this run
+            self.log.warning("remote_holds_unread", root=root.name, error=str(exc))
+            return frozenset(i.step for i in plan.items)
+        if found.over_cap:
+            self.log.warning("remote_holds_over_cap", root=root.name,
+                             limit=holds.MAX_HOLD_OBJECTS)
+        try:
+            holds.sweep_stale(backend, root.name, found.stale)
+        except CkptdError as exc:  # they hold nothing: removing them can wait
+            self.log.warning("remote_holds_sweep_failed", root=root.name, error=str(exc))
+        return frozenset(i.step for i in plan.items if found.held(i.step))
 
     def _coordinates(self, root: RootConfig, backend: Backend) -> bool:
         """Whether this node makes the multi-node root's remote deletes (`coordinates`)."""

@@ -1,0 +1,277 @@
+"""A reader's hold on a remote step while it is read: through the daemon where it answers, else
+a hold object in the bucket that the daemon's remote retention honours while it is fresh, on
+file:// and a real S3 server (SeaweedFS). Stale and hostile hold objects hold nothing for long
+and cost a bounded listing; a step deleted under a read that holds nothing fails it with
+NotFound naming the object."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pytest
+from support.ckpts import save_single
+from support.published import publish
+from support.wait import wait_until
+from test_backends import s3_backend
+from test_upload_daemon import upload_cfg, wait_remote
+
+from ckptd.backends import Backend, LocalBackend
+from ckptd.backends.base import SMALL_OBJECT_MAX, ObjectMeta, Source
+from ckptd.errors import NotFound, PermanentError
+from ckptd.remote import holds
+from ckptd.remote.layout import is_committed
+from ckptd.remote.openfile import RemoteFile
+from ckptd.remote.step import RemoteStep
+from ckptd.restore.source import read_remote_manifest
+from ckptd.stages.upload import delete_step
+
+pytest_plugins = ["s3server"]  # fixtures: s3_server, s3_url
+
+KEEP_ONE = {"remote": {"keep_last": 1, "keep_best": 0, "keep_every": 0, "keep_within": ""}}
+
+
+class ReadOnly:
+    """A backend whose credentials may read but not write (a put is refused, as S3 refuses it
+    with 403): every read passes through."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    @property
+    def part_size(self) -> int:
+        return self.inner.part_size
+
+    def put(self, key: str, src: Source, size: int | None = None, *,
+            create_only: bool = False, if_match: str | None = None) -> ObjectMeta:
+        raise PermanentError(f"{self.url}/{key}: access denied (read-only credentials)")
+
+    def get(self, key: str, dst: BinaryIO) -> int:
+        return self.inner.get(key, dst)
+
+    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
+        return self.inner.get_bytes(key, limit)
+
+    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
+        return self.inner.get_versioned(key, limit)
+
+    def get_range(self, key: str, start: int, end: int, etag: str | None = None
+                  ) -> bytes | memoryview:
+        return self.inner.get_range(key, start, end, etag)
+
+    def stat(self, key: str) -> ObjectMeta:
+        return self.inner.stat(key)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        raise PermanentError(f"{self.url}/{key}: access denied (read-only credentials)")
+
+
+@pytest.fixture
+def no_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No daemon answers at the client's default socket: a reader holds through the bucket."""
+    monkeypatch.setenv("CKPTD_SOCKET", str(tmp_path / "nobody.sock"))
+
+
+def s3_env(monkeypatch: pytest.MonkeyPatch, s3: Any) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_key)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    monkeypatch.setenv("AWS_REGION", s3.region)
+
+
+@pytest.fixture(params=["file", "s3"])
+def remote(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+           ) -> tuple[str, Backend, dict[str, Any]]:
+    """(url, a backend on it, the daemon's upload table) on a directory or on SeaweedFS."""
+    if request.param == "file":
+        url = f"file://{tmp_path / 'remote'}"
+        return url, LocalBackend(str(tmp_path / "remote")), upload_cfg(url)
+    s3 = request.getfixturevalue("s3_server")
+    url = request.getfixturevalue("s3_url")
+    s3_env(monkeypatch, s3)
+    return url, s3_backend(s3, url), upload_cfg(url, s3)
+
+
+def published(tmp_path: Path, backend: Backend, steps: tuple[int, ...] = (3,)) -> None:
+    root = tmp_path / "r"
+    root.mkdir(exist_ok=True)
+    for step in steps:
+        save_single(root, step)
+        publish(root, "r", step, backend)
+
+
+def listed(backend: Backend, prefix: str) -> list[str]:
+    return sorted(m.key for m in backend.list(prefix))
+
+
+# --- the hold object ------------------------------------------------------------------------
+
+
+def test_a_reader_without_a_daemon_holds_its_step_in_the_bucket(
+        tmp_path: Path, remote: Any, no_daemon: None) -> None:
+    url, backend, _ = remote
+    published(tmp_path, backend)
+    with RemoteStep.open("r", 3, remote=url) as step:
+        assert step.hold is not None and step.hold.how == "bucket"
+        (key,) = listed(backend, "r/_holds")
+        assert key == holds.hold_key("r", 3, step.hold.owner)
+        doc = json.loads(backend.get_bytes(key))
+        assert doc["step"] == 3 and doc["owner"] == step.hold.owner
+        assert holds.read_holds(backend, "r", time.time()).steps == {3}
+        # what lists the remote prefix sees the same steps as before
+        assert [s for s in (3,) if is_committed(backend, "r", s)] == [3]
+        from ckptd.remote.layout import list_steps
+        assert list_steps(backend, "r") == [3]
+    assert listed(backend, "r/_holds") == []  # released with the read
+
+
+def test_ckptd_open_holds_until_the_file_is_closed(tmp_path: Path, no_daemon: None) -> None:
+    backend = LocalBackend(str(tmp_path / "remote"))
+    published(tmp_path, backend)
+    import ckptd
+
+    with ckptd.open("r", 3, "model_step_3.pt", remote=f"file://{tmp_path / 'remote'}") as f:
+        assert f.read(2) == b"PK"
+        assert holds.read_holds(backend, "r", time.time()).steps == {3}
+    assert listed(backend, "r/_holds") == []
+
+
+def test_a_read_that_cannot_hold_goes_on_and_a_deleted_step_is_not_found(
+        tmp_path: Path, remote: Any, no_daemon: None) -> None:
+    _url, backend, _ = remote
+    published(tmp_path, backend)
+    ro = ReadOnly(backend)
+    hold = holds.ReaderHold(ro, "r", 3)
+    assert hold.how == "none"  # read-only credentials: no hold, and no error
+    step = RemoteStep(ro, "r", 3, read_remote_manifest(ro, "r", 3), hold=hold)
+    with step, RemoteFile(step, "model_step_3.pt") as f:  # its block index read already
+        delete_step(backend, "r", 3)  # remote retention, with nothing to stop it
+        with pytest.raises(NotFound) as err:
+            f.read()
+    key = step.manifest.files[0].key
+    assert f"r/step-3/{key}" in str(err.value) and "missing" in str(err.value)
+
+
+def test_stale_future_and_hostile_hold_objects_hold_nothing_for_long(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path / "remote"))
+    now = time.time()
+    held = tmp_path / "remote" / "r" / "_holds"
+    held.mkdir(parents=True)
+    # garbage and a ttl of years in the body: the body is never read, the store's clock decides
+    (held / "step-5.a.json").write_bytes(b"\xff{not json")
+    (held / "step-6.b.json").write_text(json.dumps({"step": 6, "ttl_s": 10**12}))
+    (held / "step-7.c.json").write_text("{}")
+    os.utime(held / "step-7.c.json", (now + 100 * holds.HOLD_TTL_S,) * 2)  # far ahead
+    (held / "step-8.d.json").write_text("{}")
+    os.utime(held / "step-8.d.json", (now - 2 * holds.HOLD_TTL_S,) * 2)  # expired
+    (held / "notes.txt").write_text("not a hold")
+    (held / "step-007.e.json").write_text("{}")  # not the canonical step name
+    got = holds.read_holds(backend, "r", now)
+    assert got.steps == {5, 6} and not got.over_cap
+    assert sorted(got.stale) == ["r/_holds/step-7.c.json", "r/_holds/step-8.d.json"]
+    later = holds.read_holds(backend, "r", now + holds.HOLD_TTL_S + 1)
+    assert later.steps == frozenset()  # the huge ttl did not stretch it
+    assert holds.sweep_stale(backend, "r", later.stale + ("r/step-5/MANIFEST.json",)) == 4
+    assert sorted(p.name for p in held.iterdir()) == ["notes.txt", "step-007.e.json"]
+
+
+def test_thousands_of_hold_objects_cost_a_bounded_listing(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path / "remote"))
+    held = tmp_path / "remote" / "r" / "_holds"
+    held.mkdir(parents=True)
+    for i in range(holds.MAX_HOLD_OBJECTS + 500):
+        (held / f"step-{i}.x.json").write_text("{}")
+    t0, c0 = time.monotonic(), time.process_time()
+    got = holds.read_holds(backend, "r", time.time())
+    assert got.over_cap and got.held(10**9)  # past the cap, every step counts as held
+    assert len(got.steps) <= holds.MAX_HOLD_OBJECTS
+    assert time.process_time() - c0 < 5 and time.monotonic() - t0 < 10
+
+
+# --- the daemon's remote retention ----------------------------------------------------------
+
+
+def _keep_one(inproc_daemon: Any, upload: dict[str, Any]) -> Any:
+    return inproc_daemon(roots=[{"name": "r1", "upload": upload, "retention": KEEP_ONE}])
+
+
+def _saved(d: Any, step: int) -> None:
+    save_single(d.roots["r1"], step)
+    assert d.client.wait("r1", step, until="uploaded", timeout=60)
+    wait_remote(d.client, "r1", step)
+
+
+def _prune(d: Any) -> None:
+    d.client.request_json("POST", "/v1/roots/r1/prune", timeout=120)
+
+
+def _newer_steps_arrive(d: Any, steps: tuple[int, ...]) -> None:
+    for step in steps:
+        _saved(d, step)
+    _prune(d)
+
+
+def test_the_daemon_keeps_a_step_a_reader_holds_through_it(inproc_daemon: Any,
+                                                           tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'remote'}"
+    d = _keep_one(inproc_daemon, upload_cfg(url))
+    backend = LocalBackend(str(tmp_path / "remote"))
+    _saved(d, 1)
+    step = RemoteStep.open("r1", 1, config=d.config)
+    try:
+        _newer_steps_arrive(d, (2, 3))
+        assert not is_committed(backend, "r1", 2)  # retention ran and deleted what it could
+        assert is_committed(backend, "r1", 1)
+        assert step.hold is not None and step.hold.how == "daemon"
+        assert listed(backend, "r1/_holds") == []  # the daemon holds it: nothing in the bucket
+        sink = io.BytesIO()
+        step.reader(step.files()[0].path).read(None, lambda _at, v: sink.write(v))
+        assert sink.getvalue()[:2] == b"PK"
+    finally:
+        step.close()
+    _prune(d)
+    assert not is_committed(backend, "r1", 1)
+
+
+def test_the_daemon_keeps_a_step_held_in_the_bucket(inproc_daemon: Any, remote: Any,
+                                                    no_daemon: None) -> None:
+    url, backend, upload = remote
+    d = _keep_one(inproc_daemon, upload)
+    _saved(d, 1)
+    with RemoteStep.open("r1", 1, remote=url) as step:
+        _newer_steps_arrive(d, (2, 3))
+        assert not is_committed(backend, "r1", 2)
+        assert is_committed(backend, "r1", 1)
+        assert step.hold is not None and step.hold.how == "bucket"
+        sink = io.BytesIO()
+        step.reader(step.files()[0].path).read(None, lambda _at, v: sink.write(v))
+        assert sink.getvalue()[:2] == b"PK"
+    _prune(d)
+    wait_until(lambda: not is_committed(backend, "r1", 1), 30, "step 1 deleted once released")
+
+
+def test_an_expired_hold_object_does_not_keep_a_step(inproc_daemon: Any, tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'remote'}"
+    d = _keep_one(inproc_daemon, upload_cfg(url))
+    backend = LocalBackend(str(tmp_path / "remote"))
+    _saved(d, 1)
+    left = tmp_path / "remote" / "r1" / "_holds" / "step-1.crashed-reader.json"
+    left.parent.mkdir()
+    left.write_text("{}")  # a reader that died without releasing it, long ago
+    old = time.time() - 2 * holds.HOLD_TTL_S
+    os.utime(left, (old, old))
+    _newer_steps_arrive(d, (2,))
+    wait_until(lambda: not is_committed(backend, "r1", 1), 30, "step 1 deleted")
+    assert not left.exists()  # swept: it held nothing
