@@ -23,11 +23,13 @@ from test_upload_daemon import upload_cfg, wait_remote
 
 from ckptd.backends import Backend, LocalBackend
 from ckptd.backends.base import SMALL_OBJECT_MAX, ObjectMeta, Source
+from ckptd.config import parse_config
 from ckptd.errors import NotFound, PermanentError
 from ckptd.remote import holds
 from ckptd.remote.layout import is_committed
 from ckptd.remote.openfile import RemoteFile
 from ckptd.remote.step import RemoteStep
+from ckptd.restore.files import restore
 from ckptd.restore.source import read_remote_manifest
 from ckptd.stages.upload import delete_step
 
@@ -275,3 +277,62 @@ def test_an_expired_hold_object_does_not_keep_a_step(inproc_daemon: Any, tmp_pat
     _newer_steps_arrive(d, (2,))
     wait_until(lambda: not is_committed(backend, "r1", 1), 30, "step 1 deleted")
     assert not left.exists()  # swept: it held nothing
+
+
+# --- every way in holds the step while it reads ---------------------------------------------
+
+
+def test_ckptd_restore_holds_the_step_while_it_restores(tmp_path: Path, remote: Any) -> None:
+    url, backend, upload = remote
+    published(tmp_path, backend)
+    cfg = parse_config({"daemon": {"state_dir": str(tmp_path / "state"),
+                                   "socket": str(tmp_path / "nobody.sock")},
+                        "roots": [{"name": "r", "path": str(tmp_path / "elsewhere"),
+                                   "upload": upload}]}, tmp_path)
+    seen: list[list[str]] = []
+    step, paths = restore(cfg, "r", 3, tmp_path / "out",
+                          progress=lambda _done, _total: seen.append(listed(backend, "r/_holds")))
+    assert step == 3 and [p.name for p in paths] == ["model_step_3.pt"]
+    assert seen and all(len(keys) == 1 and "/step-3." in keys[0] for keys in seen)
+    assert listed(backend, "r/_holds") == []
+
+
+def test_the_dcp_reader_holds_the_step_until_its_last_read(tmp_path: Path, no_daemon: None
+                                                           ) -> None:
+    import torch.distributed.checkpoint as dcp
+    from test_dcp_reader import ROOT, blank_like, same, saved, state
+
+    from ckptd.dcp import StorageReader
+
+    backend = LocalBackend(str(tmp_path / "remote"))
+    saved(tmp_path, backend, 3)
+    reader = StorageReader(ROOT, step=3, remote=f"file://{tmp_path / 'remote'}")
+    reader.read_metadata()  # what dcp.load asks first: the step is open and held from here
+    assert holds.read_holds(backend, ROOT, time.time()).steps == {3}
+    dest = blank_like(state(3))
+    dcp.load(dest, storage_reader=reader, no_dist=True)
+    assert same(dest, state(3))
+    assert listed(backend, f"{ROOT}/_holds") == []  # released after its read_data
+
+
+def test_a_remote_torch_load_holds_the_step_while_it_fills(tmp_path: Path,
+                                                           no_daemon: None) -> None:
+    import torch
+
+    import ckptd.torch as ckpt
+
+    backend = LocalBackend(str(tmp_path / "remote"))
+    root = tmp_path / "r"
+    ckpt.save(root, 3, model=torch.nn.Linear(8, 4), register=False)
+    publish(root, "r", 3, backend)
+    seen: list[list[str]] = []
+
+    class Watched(torch.nn.Linear):
+        def load_state_dict(self, *args: Any, **kw: Any) -> Any:
+            seen.append(listed(backend, "r/_holds"))
+            return super().load_state_dict(*args, **kw)
+
+    step, _ = ckpt.load(tmp_path / "fresh" / "r", model=Watched(8, 4), source="remote",
+                        remote=f"file://{tmp_path / 'remote'}")
+    assert step == 3 and len(seen) == 1 and len(seen[0]) == 1 and "/step-3." in seen[0][0]
+    assert listed(backend, "r/_holds") == []

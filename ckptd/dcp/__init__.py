@@ -166,6 +166,7 @@ class StorageReader(_StorageReader):
             for fut in futures:
                 fut.cancel()
             errors = [e for f in futures if not f.cancelled() and (e := f.exception())]
+        step.release_hold()  # DCP's last call to the reader: the step is read
         if errors:  # the failure itself, not the others' stopping because of it
             raise next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
         done: torch.futures.Future[None] = torch.futures.Future()

@@ -27,6 +27,7 @@ from ckptd.copies.store import objects_dir, read_local_manifest
 from ckptd.errors import CorruptData, NotFound, UnsafePath
 from ckptd.fileio import DurableWriter, write_error
 from ckptd.log import get_logger
+from ckptd.remote.holds import ReaderHold
 from ckptd.remote.manifest import Manifest, StoredFile, for_node, step_prefix
 from ckptd.restore import pipe as restore_pipe
 from ckptd.restore.source import (
@@ -183,7 +184,7 @@ def restore(
     backend = remote_backend(root)
     if root.multi_node:
         return _restore_nodes(root, backend, step, to, progress,
-                              node or config.daemon.node_id)
+                              node or config.daemon.node_id, str(config.daemon.socket))
     n, where = resolve_step(root.path, root.name, step, backend)
     if where == "local":
         manifest = read_local_manifest(root.path, n)
@@ -195,15 +196,18 @@ def restore(
                                  restore_from_dir(objects_dir(root.path, n), manifest,
                                                   staging, cb)))
     assert backend is not None
-    remote = read_remote_manifest(backend, root.name, n)
-    check_target(Path(to), [f.path for f in remote.files])
-    cb = _cumulative(progress, remote.size)
-    return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging: restore_remote(
-        backend, remote, staging, root.upload.concurrency, cb)))
+    with ReaderHold(backend, root.name, n, socket=str(config.daemon.socket)):
+        remote = read_remote_manifest(backend, root.name, n)
+        check_target(Path(to), [f.path for f in remote.files])
+        cb = _cumulative(progress, remote.size)
+        return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging:
+                                 restore_remote(backend, remote, staging,
+                                                root.upload.concurrency, cb)))
 
 
 def _restore_nodes(root: RootConfig, backend: Backend | None, step: StepArg, to: Path,
-                   progress: TotalProgress | None, node: str) -> tuple[int, list[Path]]:
+                   progress: TotalProgress | None, node: str, socket: str
+                   ) -> tuple[int, list[Path]]:
     """A multi-node step from its commit (docs/MULTINODE.md): no node's disk holds it whole."""
     if backend is None:
         raise NotFound(f"root {root.name!r} has no upload.url: a multi-node step is restored"
@@ -212,14 +216,16 @@ def _restore_nodes(root: RootConfig, backend: Backend | None, step: StepArg, to:
                                             backend, root.name)
     if n is None:
         raise NotFound(f"no committed step of {root.name!r} at {backend.url}")
-    try:
-        remote = for_node(read_remote_manifest(backend, root.name, n), node)
-    except ValueError as exc:
-        raise NotFound(str(exc)) from None
-    check_target(Path(to), [f.path for f in remote.files])
-    cb = _cumulative(progress, remote.size)
-    return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging: restore_remote(
-        backend, remote, staging, root.upload.concurrency, cb)))
+    with ReaderHold(backend, root.name, n, socket=socket):
+        try:
+            remote = for_node(read_remote_manifest(backend, root.name, n), node)
+        except ValueError as exc:
+            raise NotFound(str(exc)) from None
+        check_target(Path(to), [f.path for f in remote.files])
+        cb = _cumulative(progress, remote.size)
+        return n, all_or_nothing(Path(to), with_pointers(remote, lambda staging:
+                                 restore_remote(backend, remote, staging,
+                                                root.upload.concurrency, cb)))
 
 
 def all_or_nothing(to: Path, fill: Callable[[Path], list[Path]]) -> list[Path]:
