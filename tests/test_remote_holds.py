@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support.ckpts import save_single
 from support.published import publish
 from support.wait import wait_until
@@ -336,3 +338,44 @@ def test_a_remote_torch_load_holds_the_step_while_it_fills(tmp_path: Path,
                         remote=f"file://{tmp_path / 'remote'}")
     assert step == 3 and len(seen) == 1 and len(seen[0]) == 1 and "/step-3." in seen[0][0]
     assert listed(backend, "r/_holds") == []
+
+
+# --- the hold objects' names and times as input ---------------------------------------------
+
+names = st.one_of(
+    st.text(max_size=80),
+    st.builds(lambda s, o, x: f"step-{s}.{o}{x}", st.integers(-5, 2**64),
+              st.text(max_size=70) | st.from_regex(r"[A-Za-z0-9_.-]{1,66}", fullmatch=True),
+              st.sampled_from([".json", ".json.tmp", "", ".JSON"])))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(names)
+def test_fuzz_a_hold_key_parses_only_as_written(name: str) -> None:
+    got = holds.parse_hold_key("r", f"r/_holds/{name}")
+    if got is not None:
+        step, owner = got
+        assert 0 <= step < 2**63
+        assert holds.hold_key("r", step, owner) == f"r/_holds/{name}"
+
+
+class Listing:
+    """A bucket that only lists (all `read_holds` asks of one)."""
+
+    def __init__(self, metas: list[ObjectMeta]) -> None:
+        self.metas = metas
+
+    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
+        return iter(m for m in self.metas if m.key.startswith(prefix + "/"))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(names, st.floats(allow_nan=True, allow_infinity=True)), max_size=30))
+def test_fuzz_any_listing_of_holds_is_read_within_its_rule(objs: list[tuple[str, float]]) -> None:
+    now = 1.8e9
+    metas = [ObjectMeta(f"r/_holds/{n}", 2, t) for n, t in objs]
+    got = holds.read_holds(Listing(metas), "r", now)  # type: ignore[arg-type]
+    fresh = {p[0] for m in metas if (p := holds.parse_hold_key("r", m.key))
+             and abs(m.mtime - now) <= holds.HOLD_TTL_S}
+    assert got.steps == fresh and not got.over_cap
+    assert all(holds.parse_hold_key("r", k) is not None for k in got.stale)
