@@ -15,6 +15,7 @@ from support.docs import DOCS, ROOT, MiB, doc_lines, spec, where
 from ckptd import inputs
 from ckptd.api import checks, door, server
 from ckptd.config import UploadConfig
+from ckptd.remote import holds
 from ckptd.service import discovery, persist, supervisor
 
 
@@ -74,6 +75,15 @@ CLAIMS: list[tuple[str, str, Callable[[], tuple[float, ...]], tuple[Number, ...]
     ("docs/OPERATIONS.md", r"restarted after the backoff \(([\d.]+) s doubling up to (\d+) s\)",
      lambda: (supervisor.BACKOFF_BASE_S, supervisor.BACKOFF_MAX_S), (_n, _n)),
     ("SPEC.md", r"413 \(body over (\d+) MiB\)", lambda: (server.MAX_BODY,), (_mib,)),
+    ("docs/RETENTION.md", r"`HOLD_TTL_S` = (\d+) s", lambda: (holds.HOLD_TTL_S,), (_n,)),
+    ("docs/RETENTION.md", r"`MAX_HOLD_OBJECTS` = ([\d,]+) entries",
+     lambda: (holds.MAX_HOLD_OBJECTS,), (_n,)),
+    ("docs/RETENTION.md", r"rewrites it every (\d+) s", lambda: (holds.RENEW_S,), (_n,)),
+    ("docs/REMOTE_LOAD.md", r"renews it every (\d+) s \(`RENEW_S`", lambda: (holds.RENEW_S,),
+     (_n,)),
+    ("docs/REMOTE_LOAD.md", r"and `ttl=(\d+)`", lambda: (holds.HOLD_TTL_S,), (_n,)),
+    ("docs/OPERATIONS.md", r"over ([\d,]+) objects under `<root>/_holds/`",
+     lambda: (holds.MAX_HOLD_OBJECTS,), (_n,)),
 ]
 
 
