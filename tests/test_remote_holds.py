@@ -152,6 +152,19 @@ def test_ckptd_open_holds_until_the_file_is_closed(tmp_path: Path, no_daemon: No
     assert listed(backend, "r/_holds") == []
 
 
+def test_a_hold_object_is_renewed_while_the_read_lasts(tmp_path: Path, no_daemon: None) -> None:
+    backend = LocalBackend(str(tmp_path / "remote"))
+    with holds.ReaderHold(backend, "r", 3, renew_s=0.05) as hold:
+        path = tmp_path / "remote" / hold.key
+        old = time.time() - 2 * holds.HOLD_TTL_S
+        os.utime(path, (old, old))  # as if the read had gone on for ten minutes
+        wait_until(lambda: path.stat().st_mtime > old, 10, "the hold object rewritten")
+        path.unlink()  # swept by a retention run that judged it stale meanwhile
+        wait_until(path.exists, 10, "the hold object written again")
+        assert holds.read_holds(backend, "r", time.time()).steps == {3}
+    assert not path.exists()
+
+
 def test_a_read_that_cannot_hold_goes_on_and_a_deleted_step_is_not_found(
         tmp_path: Path, remote: Any, no_daemon: None) -> None:
     _url, backend, _ = remote

@@ -131,11 +131,12 @@ class ReaderHold:
     under it fails the read with NotFound naming the object."""
 
     def __init__(self, backend: Backend, root_name: str, step: int, *,
-                 socket: str | None = None, daemon: bool = True) -> None:
+                 socket: str | None = None, daemon: bool = True,
+                 renew_s: float = RENEW_S) -> None:
         self.root, self.step = root_name, int(step)
         self.owner = new_owner()
         self.key = hold_key(root_name, self.step, self.owner)
-        self._held = _Held(backend, root_name, self.step, self.owner, self.key)
+        self._held = _Held(backend, root_name, self.step, self.owner, self.key, renew_s)
         if not (daemon and self._held.by_daemon(socket)):
             self._held.by_bucket()
         self.how = self._held.how
@@ -157,8 +158,10 @@ class ReaderHold:
 class _Held:
     """The hold itself, its renewal thread and its release."""
 
-    def __init__(self, backend: Backend, root: str, step: int, owner: str, key: str) -> None:
+    def __init__(self, backend: Backend, root: str, step: int, owner: str, key: str,
+                 renew_s: float) -> None:
         self.backend, self.root, self.step, self.owner, self.key = backend, root, step, owner, key
+        self.renew_s = min(max(renew_s, 0.01), RENEW_S)
         self.how = "none"
         self._daemon: Any = None
         self._stop = threading.Event()
@@ -200,7 +203,7 @@ class _Held:
             self._thread.start()
 
     def _renew(self) -> None:
-        while not self._stop.wait(RENEW_S):
+        while not self._stop.wait(self.renew_s):
             try:
                 if self.how == "daemon":
                     self._daemon.__enter__()
