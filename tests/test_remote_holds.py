@@ -116,6 +116,10 @@ def published(tmp_path: Path, backend: Backend, steps: tuple[int, ...] = (3,)) -
         publish(root, "r", step, backend)
 
 
+def _ignore(_n: int) -> None:
+    return None
+
+
 def listed(backend: Backend, prefix: str) -> list[str]:
     return sorted(m.key for m in backend.list(prefix))
 
@@ -146,7 +150,8 @@ def test_ckptd_open_holds_until_the_file_is_closed(tmp_path: Path, no_daemon: No
     published(tmp_path, backend)
     import ckptd
 
-    with ckptd.open("r", 3, "model_step_3.pt", remote=f"file://{tmp_path / 'remote'}") as f:
+    opener: Any = ckptd.open  # resolved on first use
+    with opener("r", 3, "model_step_3.pt", remote=f"file://{tmp_path / 'remote'}") as f:
         assert f.read(2) == b"PK"
         assert holds.read_holds(backend, "r", time.time()).steps == {3}
     assert listed(backend, "r/_holds") == []
@@ -254,7 +259,7 @@ def test_the_daemon_keeps_a_step_a_reader_holds_through_it(inproc_daemon: Any,
         assert step.hold is not None and step.hold.how == "daemon"
         assert listed(backend, "r1/_holds") == []  # the daemon holds it: nothing in the bucket
         sink = io.BytesIO()
-        step.reader(step.files()[0].path).read(None, lambda _at, v: sink.write(v))
+        step.reader(step.files()[0].path).read(None, lambda _at, v: _ignore(sink.write(v)))
         assert sink.getvalue()[:2] == b"PK"
     finally:
         step.close()
@@ -273,7 +278,7 @@ def test_the_daemon_keeps_a_step_held_in_the_bucket(inproc_daemon: Any, remote: 
         assert is_committed(backend, "r1", 1)
         assert step.hold is not None and step.hold.how == "bucket"
         sink = io.BytesIO()
-        step.reader(step.files()[0].path).read(None, lambda _at, v: sink.write(v))
+        step.reader(step.files()[0].path).read(None, lambda _at, v: _ignore(sink.write(v)))
         assert sink.getvalue()[:2] == b"PK"
     _prune(d)
     wait_until(lambda: not is_committed(backend, "r1", 1), 30, "step 1 deleted once released")
@@ -325,7 +330,7 @@ def test_the_dcp_reader_holds_the_step_until_its_last_read(tmp_path: Path, no_da
     reader.read_metadata()  # what dcp.load asks first: the step is open and held from here
     assert holds.read_holds(backend, ROOT, time.time()).steps == {3}
     dest = blank_like(state(3))
-    dcp.load(dest, storage_reader=reader, no_dist=True)
+    dcp.load(dest, storage_reader=reader, no_dist=True)  # type: ignore[attr-defined]
     assert same(dest, state(3))
     assert listed(backend, f"{ROOT}/_holds") == []  # released after its read_data
 
