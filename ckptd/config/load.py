@@ -1,5 +1,6 @@
 """Loading the configuration: read the TOML file (bounded), merge [defaults] into each [[roots]]
-entry, resolve paths, check overlaps, and turn every problem into one sentence naming its key.
+entry, resolve paths (a root's through its links: the one place a root link is followed), check
+overlaps, and turn every problem into one sentence naming its key.
 Reads only the config file; never creates, opens or watches anything.
 """
 
@@ -170,8 +171,16 @@ def _roots(
             if _has(raw, loc) or not _has(defaults, loc)
         ]
         if root is not None:
-            roots[i] = root
+            roots[i] = _followed(root)
     return roots
+
+
+def _followed(root: RootConfig) -> RootConfig:
+    """The root with its path resolved: a root given as a link (or below one) is followed here,
+    once per load (start, each reload), and every component then opens the directory it names
+    and never follows a link below it. A path that does not exist yet resolves as far as it
+    can; a link made there later is refused by the lease until a reload follows it."""
+    return root.model_copy(update={"path": Path(os.path.realpath(root.path))})
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

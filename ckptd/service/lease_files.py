@@ -33,12 +33,18 @@ class LeaseProblem(Exception):
 
 
 def open_dir(root: Path, create: bool) -> int:
-    """`<root>/.ckptd`, opened without following a symlink at either step."""
+    """`<root>/.ckptd`, opened without following a symlink at either step. `root` is the path
+    the config resolved (`ckptd.config.load`): a link there now was made after the config was
+    read, and is refused until a reload follows it."""
     try:
         rfd = os.open(root, _DIR_FLAGS)
     except FileNotFoundError:
         raise LeaseProblem(f"root path {root} does not exist") from None
     except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(root):
+            raise LeaseProblem(f"lease: root path {root} became a symlink after the config was"
+                               " read; a root's link is followed only when the config is read"
+                               " (`systemctl reload ckptd`)") from exc
         raise LeaseProblem(f"lease: cannot open root {root}: {exc.strerror}") from exc
     try:
         if create:
