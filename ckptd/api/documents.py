@@ -73,14 +73,26 @@ class ApiContext:
     # -- views -------------------------------------------------------------------------------
 
     def state(self) -> str:
-        """ok, degraded (a service crashed and is being restarted) or stopping."""
+        """ok, degraded (a service crashed and is being restarted, a root cannot act) or
+        stopping."""
         if self.stopping.is_set():
             return "stopping"
-        return "ok" if self.services.alive() and self.problem is None else "degraded"
+        fine = self.services.alive() and self.problem is None and not self.not_acting()
+        return "ok" if fine else "degraded"
+
+    def not_acting(self) -> list[dict[str, str]]:
+        """The configured roots that cannot act, each with why (`RootLeases.problem`)."""
+        out = []
+        for name in self.roots():
+            why = self.leases.problem(name)
+            if why is not None:
+                out.append({"root": name, "problem": why})
+        return out
 
     def health(self) -> dict[str, Any]:
         return {"status": self.state(), "version": __version__, "uptime_s": self.uptime(),
-                "services": self.services.health(), "problem": self.problem}
+                "services": self.services.health(), "problem": self.problem,
+                "roots_not_acting": self.not_acting()}
 
     def status(self) -> dict[str, Any]:
         roots = [self.root_status(r) for r in self.roots().values()]
@@ -89,7 +101,8 @@ class ApiContext:
                 "in_flight": self.workers.in_flight() + self.persist.in_flight(),
                 "flushing": [{"root": r, "step": s}
                              for r, s in self.workers.flushing().items()],
-                "services": self.services.health(), "problem": self.problem}
+                "services": self.services.health(), "problem": self.problem,
+                "roots_not_acting": self.not_acting()}
 
     def root_status(self, root: RootConfig) -> dict[str, Any]:
         info = self.store.root_info(root.name)
@@ -110,6 +123,7 @@ class ApiContext:
             "bad_remote": self.discovery.bad_remote(root.name),
             "holder": self.leases.holder_json(root.name),
             "acting": self.leases.holds(root.name),
+            "not_acting": self.leases.problem(root.name),
             "uncommitted": (self.workers.uncommitted(root.name, root.nodes) if root.multi_node
                             else None),
         }

@@ -62,6 +62,10 @@ class RootLeases(Protocol):
 
     def holds(self, name: str) -> bool: ...
     def holder_json(self, name: str) -> dict[str, Any] | None: ...
+    def problem(self, name: str) -> str | None:
+        """Why the root cannot act (its lease cannot be looked at, taken or renewed: the root
+        missing or unopenable, `.ckptd` a link); None when it acts or stands by."""
+        ...
 
 
 class Persist(Protocol):
@@ -92,4 +96,7 @@ class NoRootLeases:
         return True
 
     def holder_json(self, name: str) -> dict[str, Any] | None:
+        return None
+
+    def problem(self, name: str) -> str | None:
         return None

@@ -114,7 +114,16 @@ def socket_checks(config: Config) -> list[Check]:
     out.append(Check("daemon", OK, f"answers on {sock} ({health['status']})") if health else
                Check("daemon", WARN, f"nothing answers on {sock}",
                      "start it (`systemctl start ckptd`, or `ckptd run --config ...`)"))
-    return out
+    return out + (_not_acting(health) if health else [])
+
+
+def _not_acting(health: dict[str, Any]) -> list[Check]:
+    """The roots the running daemon says it cannot act on, with its reason."""
+    return [Check(f"root {r.get('root')}", PROBLEM,
+                  f"the daemon does not act on it: {r.get('problem')}",
+                  "fix what the reason names (see OPERATIONS.md, \"status says NOT ACTING\");"
+                  " the daemon looks again every few seconds and acts once it can")
+            for r in health.get("roots_not_acting") or [] if isinstance(r, dict)]
 
 
 # -- roots -------------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ _DOWN = frozenset({"restarting", "stopped"})
 def verdict(kind: str, health: dict[str, Any]) -> str | None:
     """None when the daemon whose health this is is `kind` (live or ready), else why not.
 
-    ready: it answers and serves clients: not stopping, still acting on its roots (a stuck
-    call is degraded health, set aside, and still ready).
+    ready: it answers and serves clients: not stopping, still acting on its roots, each of
+    which can act (a root whose lease cannot be taken is not; one another daemon holds is
+    standing by, and ready; a stuck call is degraded health, set aside, and still ready).
     live: what the systemd watchdog vouches for, as far as health shows it: no service down,
     the scan loop turning, at least one stage worker free of a stuck call, the state database
     still its own. A daemon that is stopping is live: a restart would not stop it sooner."""
@@ -24,7 +25,9 @@ def verdict(kind: str, health: dict[str, Any]) -> str | None:
     if kind == READY:
         if status == "stopping":
             return "the daemon is stopping"
-        return f"the daemon stopped acting on its roots: {problem}" if problem else None
+        if problem:
+            return f"the daemon stopped acting on its roots: {problem}"
+        return _not_acting(health)
     if status == "stopping":
         return None
     if problem:
@@ -39,6 +42,13 @@ def verdict(kind: str, health: dict[str, Any]) -> str | None:
     if workers and all(s.get("state") == "stuck" for s in workers):
         return f"every stage worker is stuck: {_stuck_items(workers)}"
     return None
+
+
+def _not_acting(health: dict[str, Any]) -> str | None:
+    roots = [r for r in health.get("roots_not_acting") or [] if isinstance(r, dict)]
+    if not roots:
+        return None
+    return "; ".join(f"root {r.get('root')} cannot act: {r.get('problem')}" for r in roots)
 
 
 def _stuck_items(workers: list[dict[str, Any]]) -> str:

@@ -50,7 +50,9 @@ def render_status(doc: dict[str, Any]) -> str:
                     f" last error: {svc['last_error']}"]
     for r in doc["roots"]:
         h = r.get("holder")
-        if r.get("acting") is False:
+        if r.get("not_acting"):
+            out += ["", f"{r['name']}: NOT ACTING: {r['not_acting']}"]
+        elif r.get("acting") is False:
             who = (f"{h['node']} (pid {h['pid']} on {h['host']}, since {h['since']})" if h
                    else "no daemon yet")
             out += ["", f"{r['name']}: STANDBY: acted on by {who}; this daemon takes over"
