@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptd import inputs, layouts
+from ckptd import fileio, inputs, layouts
 from ckptd.clock import SYSTEM, Clock
-from ckptd.errors import BadInput
+from ckptd.errors import BadInput, UnsafePath
 from ckptd.formats import torchhead
 from ckptd.inotify import Inotify
 from ckptd.log import get_logger
@@ -125,7 +125,7 @@ class RootScanner:
         contents, refused = self._read_contents(seen, files)
         snap = Snapshot(files=files, dirs=frozenset(dirs), contents=contents,
                         registrations=dict(registrations or {}),
-                        torch_fields=self._read_torch_fields(seen, changing),
+                        torch_fields=self._read_torch_fields(seen, files, changing),
                         bad_contents=refused)
         cands, self.unrecognised = layouts.detect_all(snap, self.opts, now, self.layout)
         return snap, [(c, fingerprint(c, seen)) for c in cands]
@@ -194,8 +194,8 @@ class RootScanner:
         return out, refused
 
 
-    def _read_torch_fields(self, seen: dict[str, _Seen], changing: set[str]
-                           ) -> dict[str, dict[str, PlainValue]]:
+    def _read_torch_fields(self, seen: dict[str, _Seen], files: Mapping[str, FileInfo],
+                           changing: set[str]) -> dict[str, dict[str, PlainValue]]:
         """The plain values of the pickles layouts asked for, from each file's first bytes:
         once per size and mtime, and not while the file changes from scan to scan (a large
         file being written would be read and parsed at every scan it wakes)."""
@@ -207,10 +207,8 @@ class RootScanner:
             hit = self._fields.get(rel)
             if hit and hit[0] == s.size and hit[1] == s.mtime_ns:
                 fields = hit[2]
-            else:
-                real = os.path.realpath(os.path.join(self.path, rel))
-                inside = real.startswith(self._real_root + os.sep)
-                fields = torchhead.read_leading_fields(real) if inside else None
+            else:  # never through a link below the root: a linked file is not its own step
+                fields = _leading_fields(self.path, rel) if not files[rel].symlink else None
             cache[rel] = (s.size, s.mtime_ns, fields)
             if fields is not None:
                 out[rel] = fields
@@ -228,6 +226,21 @@ def stat_member(real_root: str, path: str) -> tuple[os.stat_result, bool]:
     if target == real_root or target.startswith(real_root + os.sep):
         return os.stat(path), False
     return st, True
+
+
+def _leading_fields(root: Path, rel: str) -> dict[str, PlainValue] | None:
+    """A pickle's leading plain values, from at most `HEAD_BYTES` of the file opened beneath
+    the root (`fileio.open_beneath`: no link followed anywhere along the way)."""
+    try:
+        fd = fileio.open_beneath(root, rel)
+    except (OSError, UnsafePath):
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            head = f.read(torchhead.HEAD_BYTES)
+    except OSError:
+        return None
+    return torchhead.leading_fields(head, rel)
 
 
 def _read_small(root: Path, rel: str, kind: inputs.Kind) -> bytes | str | None:

@@ -7,9 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckptd import fileio
 from ckptd.errors import UnsafePath
+from ckptd.model import RootOptions
+from ckptd.watch import RootScanner
 
 
 def test_a_plain_file_is_opened_and_read_from_its_descriptor(tmp_path: Path) -> None:
@@ -85,3 +88,21 @@ def test_a_file_swapped_for_a_link_before_validation_is_unsafe_never_read(tmp_pa
                                       True), extra_sinks=lambda rel: [Spy()])
     assert not result.valid and result.reason == "unsafe_path", result
     assert seen == []  # not a byte of it reached a sink (hash, copy, upload)
+
+
+def test_the_scanner_reads_no_pickle_header_through_a_link_below_the_root(tmp_path: Path
+                                                                          ) -> None:
+    """The scan's look at a DeepSpeed model-states file's leading values (`dp_world_size`)
+    opens the file beneath the root: a link in its place, even to a file inside the root, is
+    not read (a linked file is not a step's own), while the real file beside it is."""
+    own, linked = tmp_path / "global_step5", tmp_path / "global_step6"
+    own.mkdir()
+    linked.mkdir()
+    torch.save({"dp_world_size": 2, "ds_version": "0.19.8"}, own / "mp_rank_00_model_states.pt")
+    torch.save({"dp_world_size": 4, "ds_version": "0.19.8"}, tmp_path / "elsewhere.pt")
+    (linked / "mp_rank_00_model_states.pt").symlink_to(tmp_path / "elsewhere.pt")
+    snap, _ = RootScanner("r", tmp_path, "auto", RootOptions(settle=0.0)).scan(0.0)
+    assert snap.files["global_step6/mp_rank_00_model_states.pt"].symlink
+    assert snap.torch_fields.get("global_step5/mp_rank_00_model_states.pt", {}).get(
+        "dp_world_size") == 2
+    assert "global_step6/mp_rank_00_model_states.pt" not in snap.torch_fields
