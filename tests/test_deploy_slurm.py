@@ -15,12 +15,16 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from support.proc import parse_events
 from support.wait import wait_until
 
@@ -461,3 +465,142 @@ def test_helper_says_what_is_missing(tmp_path: Path, job_env: dict[str, str]) ->
     assert res.returncode == 78 and "no roots: set CKPTD_ROOT" in res.stderr
     res = run(["frobnicate"], job_env)
     assert res.returncode == 2 and "ckptd-job.sh run" in res.stderr
+
+
+# -- values from the environment -----------------------------------------------------------------
+
+# `ckptd run` stood in for: the helper's `run` execs it once the config is written; it records
+# its arguments and exits, so each case costs one bash start, not a daemon.
+STUB_CKPTD = """#!/bin/sh
+printf '%s\\n' "$@" > "$(dirname "$0")/argv"
+"""
+
+
+def _stub(where: Path) -> Path:
+    where.mkdir(parents=True, exist_ok=True)
+    stub = where / "ckptd"
+    stub.write_text(STUB_CKPTD)
+    stub.chmod(0o755)
+    return stub
+
+
+def _helper_run(env: dict[str, str | bytes], cwd: Path) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["bash", str(HELPER), "run"], env=env, cwd=cwd,
+                          capture_output=True, timeout=30, check=False)
+
+
+def _tree(top: Path) -> set[str]:
+    return {str(p.relative_to(top)) for p in top.rglob("*")}
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("SLURM_JOB_ID", "../../escaped"),
+    ("SLURM_JOB_ID", "1/../../escaped"),
+    ("SLURM_JOB_ID", "1\n[[roots]]\nname = \"x\"\npath = \"/etc\""),
+    ("SLURM_JOB_ID", ".."),
+    ("HOSTNAME", "node0\n[[roots]]\nname = \"x\"\npath = \"/etc\""),
+    ("CKPTD_JOB_BASE", "base/../../escaped"),
+    ("CKPTD_JOB_BASE", "base\nx"),
+    ("CKPTD_JOB_DIR", "job/../../escaped"),
+    ("CKPTD_ROOT", "r\"\n[[roots]]\nname = \"x\"\npath = \"/etc"),
+    ("CKPTD_ROOT", "../escaped"),
+    ("CKPTD_ROOT_NAME", "x\"\n[[roots]]\nname = \"y"),
+    ("CKPTD_ROOT_NAME", "x]]"),
+    ("CKPTD_NODE", "n\"\nsocket = \"/tmp/x.sock"),
+    ("CKPTD_UPLOAD_URL", "s3://b/p\"\n[[roots]]\nname = \"x\"\npath = \"/etc"),
+    ("CKPTD_UPLOAD_ENDPOINT", "http://h\" \"x"),
+    ("CKPTD_SETTLE", "5s\"\n[[roots]]"),
+    ("CKPTD_SCAN_INTERVAL", "1s\nstate_dir = \"/etc\""),
+    ("CKPTD_NODES", "2\n[[roots]]"),
+    ("CKPTD_NICE", "-n 0 /bin/sh"),
+    ("CKPTD_JOB_ROOTS", "roots.toml\n[[roots]]"),
+])
+def test_a_crafted_environment_value_is_refused_before_anything_is_written(
+        tmp_path: Path, short_dir: Path, name: str, value: str) -> None:
+    """A value that would lead a write out of the job's base directory or add a line to the
+    config is refused, naming the variable, exit 2; nothing is written, no daemon started."""
+    base, cwd = short_dir / "base", tmp_path / "cwd"
+    base.mkdir()
+    cwd.mkdir()
+    stub = _stub(tmp_path / "bin")
+    env: dict[str, str | bytes] = {
+        "PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "4242", "HOSTNAME": "node0",
+        "CKPTD_JOB_BASE": str(base), "CKPTD_BIN": str(stub), "CKPTD_ROOT": str(cwd / "root")}
+    env[name] = value
+    if name == "CKPTD_JOB_BASE":
+        env[name] = f"{short_dir}/{value}"
+    res = _helper_run(env, cwd)
+    err = res.stderr.decode()
+    assert res.returncode == 2, err
+    assert "refused" in err and err.count("\n") == 1, err  # one line, the value escaped
+    assert err.startswith(f"ckptd-job.sh: {name}="), err
+    assert not (tmp_path / "bin" / "argv").exists()  # no daemon started
+    assert _tree(base) == set() and _tree(cwd) == set()
+    assert sorted(p.name for p in short_dir.iterdir()) == ["base"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "cwd"]
+
+
+# Characters a crafted value would use: path separators and climbs, TOML's quotes, brackets,
+# escapes and line ends, shell metacharacters, and bytes that are not UTF-8.
+_NASTY = st.sampled_from([b"/", b".", b"..", b"\n", b"\r", b'"', b"'", b"[", b"]", b"]]", b"\\",
+                          b"=", b" ", b"\t", b"$", b"`", b"#", b"\xff", b"\xc3\xa9", b"x", b"7",
+                          b"-", b"_", b"a" * 70])
+_VALUE = st.one_of(st.lists(_NASTY, max_size=8).map(b"".join),
+                   st.binary(max_size=80).map(lambda b: b.replace(b"\0", b"")),
+                   st.from_regex(rb"\A[A-Za-z0-9][A-Za-z0-9._-]{0,20}\Z"))
+_FUZZED = ("SLURM_JOB_ID", "HOSTNAME", "CKPTD_ROOT_NAME", "CKPTD_NODE", "CKPTD_UPLOAD_URL",
+           "CKPTD_UPLOAD_ENDPOINT", "CKPTD_SETTLE", "CKPTD_SCAN_INTERVAL", "CKPTD_NODES")
+
+
+@settings(max_examples=int(os.environ.get("CKPTD_FUZZ_EXAMPLES", "200")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(values=st.fixed_dictionaries({}, optional=dict.fromkeys(_FUZZED, _VALUE)),
+       root=_VALUE, base_suffix=st.one_of(st.just(b""), _VALUE), absolute=st.booleans())
+def test_the_helpers_inputs_fuzzed(short_dir: Path, values: dict[str, bytes], root: bytes,
+                                   base_suffix: bytes, absolute: bool) -> None:
+    """Any values of the job id, host name, root, names, URLs and durations: the helper either
+    refuses (exit 2, nothing written outside its base directory) or writes a config that
+    parses with exactly the one root it was given, beneath its base directory."""
+    top = Path(tempfile.mkdtemp(dir=short_dir))
+    try:
+        base, cwd = top / "base", top / "cwd"
+        base.mkdir()
+        cwd.mkdir()
+        stub = _stub(top / "bin")
+        job_base = bytes(base) + (b"/" + base_suffix if base_suffix else b"")
+        root_value = (bytes(cwd) + b"/" if absolute else b"") + (root or b"r")
+        env: dict[str, str | bytes] = {
+            "PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "4242", "HOSTNAME": "node0",
+            "CKPTD_JOB_BASE": job_base, "CKPTD_BIN": str(stub), "CKPTD_ROOT": root_value,
+            **{k: v for k, v in values.items() if v}}
+        res = _helper_run(env, cwd)
+        err = res.stderr.decode(errors="replace")
+        argv = top / "bin" / "argv"
+        assert res.returncode in (0, 2), err
+        event("refused" if res.returncode else "written")
+        if res.returncode == 2:
+            assert "refused" in err or "socket path" in err, err
+            assert not argv.exists() and _tree(cwd) == set()
+            assert sorted(p.name for p in top.iterdir()) == ["base", "bin", "cwd"]
+            return
+        run_args = argv.read_text().splitlines()
+        assert run_args[:2] == ["run", "--config"] and run_args[3] == "--socket"
+        config = Path(run_args[2])
+        assert config.resolve().is_relative_to(base) and Path(run_args[4]).parent == config.parent
+        doc = tomllib.loads(config.read_text(encoding="utf-8"))
+        assert set(doc) == {"daemon", "roots"} and len(doc["roots"]) == 1
+        (r,) = doc["roots"]
+        given_path = (root_value if absolute else bytes(cwd) + b"/" + root_value).rstrip(b"/")
+        assert r["path"] == given_path.decode()
+        assert Path(r["path"]).resolve().is_relative_to(cwd) and Path(r["path"]).is_dir()
+        name = values.get("CKPTD_ROOT_NAME") or given_path.rsplit(b"/", 1)[1]
+        assert r["name"] == name.decode()
+        assert Path(doc["daemon"]["state_dir"]).resolve().is_relative_to(base)
+        for key, env_name in (("node", "CKPTD_NODE"), ("scan_interval", "CKPTD_SCAN_INTERVAL")):
+            if values.get(env_name):
+                assert doc["daemon"][key] == values[env_name].decode()
+        if values.get("CKPTD_UPLOAD_URL"):
+            assert r["upload"]["url"] == values["CKPTD_UPLOAD_URL"].decode()
+        assert sorted(p.name for p in top.iterdir()) == ["base", "bin", "cwd"]
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

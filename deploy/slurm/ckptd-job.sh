@@ -41,9 +41,15 @@
 #   CKPTD_PYTHON           Python 3.11+ to read ckptd's JSON and TOML output (default: the
 #                          python3 beside ckptd, else python3 on PATH)
 #
+# Every value above that becomes a path or a line of the generated config is checked against
+# an allow-list first (paths: absolute or relative, of letters, digits, space and
+# -._+@%,:=~/, no "." or ".." component; SLURM_JOB_ID, CKPTD_ROOT_NAME, CKPTD_NODE: a letter or
+# digit, then up to 63 of letters, digits and ._-; HOSTNAME: a host name; durations, URLs,
+# counts and the nice value by their own forms): a value outside it is refused, exit 2.
+#
 # Exit status: 0 done; 1 drain gave up (a step not uploaded in time, or invalid), or stop
-# had to SIGKILL the daemon; 2 usage; 69 no daemon answers (not running, or gone); 75 this
-# job's daemon already runs here; 78 no usable config. The daemon's own exit status is the
+# had to SIGKILL the daemon; 2 usage, or a value from the environment refused; 69 no daemon
+# answers (not running, or gone); 75 this job's daemon already runs here; 78 no usable config. The daemon's own exit status is the
 # `srun ... run` step's.
 set -euo pipefail
 
@@ -61,6 +67,43 @@ die() {
 now() { local u _; read -r u _ </proc/uptime; NOW=$((10#${u/./})); }  # NOW: hundredths
 until_after() { now; UNTIL=$((NOW + $1 * 100)); }                      # UNTIL: $1 s from now
 past() { now; (( NOW >= $1 )); }                                       # is the time $1 past?
+
+# -- values from the environment ---------------------------------------------------------------
+# Each is matched whole against an allow-list, in the C locale (ranges are ASCII only), before
+# it names a file or is written into the config: a crafted job id, host name or root never
+# leads a write out of the job's base directory or adds a line to the config.
+PATH_RE='^[-A-Za-z0-9._+@%,:=~/ ]{1,1024}$'
+NAME_RE='^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$'   # ckptd's own rule for root names and node ids
+HOST_RE='^[A-Za-z0-9_][A-Za-z0-9._-]{0,252}$'
+DURATION_RE='^[0-9][0-9a-z.]{0,31}$'           # ckptd parses it: "5s", "500ms", "1h30m"
+URL_RE='^[a-z][a-z0-9+.-]{0,15}://[][A-Za-z0-9._~:/?#@!$&()*+,;=%-]{1,2048}$'
+ENDPOINT_RE='^https?://[][A-Za-z0-9._~:/%-]{1,1024}$'
+COUNT_RE='^[1-9][0-9]{0,5}$'
+NICE_RE='^-?[0-9]{1,2}$'
+
+shown() {  # $1 for a message: quoted as the shell would, control characters escaped, shortened
+    local v=$1
+    (( ${#v} <= 120 )) || v="${v:0:120}..."
+    printf '%q' "$v"
+}
+
+allow() {  # $1 the variable's name, $2 its value, $3 the allow-list, $4... what it must be
+    local LC_ALL=C
+    [[ $2 =~ $3 ]] || die 2 "$1=$(shown "$2") is not ${*:4}: refused"
+}
+
+allow_path() {  # $1 the variable's name, $2 the path
+    local LC_ALL=C
+    allow "$1" "$2" "$PATH_RE" "a path of letters, digits, space and -._+@%,:=~/"
+    [[ /$2/ != */../* && /$2/ != */./* ]] ||
+        die 2 "$1=$(shown "$2") has a \".\" or \"..\" component: refused"
+}
+
+allow_set() {  # allow "$@" where the variable $1 names is set and not empty
+    local value=${!1:-}
+    [[ -z $value ]] || allow "$1" "$value" "${@:2}"
+}
+
 usage() {
     sed -n '2,/^set -euo pipefail/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' >&2
     exit 2
@@ -85,14 +128,20 @@ setup() {  # $1: 1 for the node's service (drain --keep), else 0
         CONFIG=${CKPTD_CONFIG:-/etc/ckptd/ckptd.toml}
         return
     fi
+    allow_set SLURM_JOB_ID "$NAME_RE" "a Slurm job id (a letter or digit, then up to 63 of" \
+        "letters, digits and ._-)"
     if [[ -n ${CKPTD_JOB_DIR:-} ]]; then
+        allow_path CKPTD_JOB_DIR "$CKPTD_JOB_DIR"
         JOB_DIR=$CKPTD_JOB_DIR
     elif [[ -n ${SLURM_JOB_ID:-} ]]; then
+        allow_path CKPTD_JOB_BASE "${CKPTD_JOB_BASE:-/tmp}"
         JOB_DIR=${CKPTD_JOB_BASE:-/tmp}/ckptd-$SLURM_JOB_ID
     else
         die 2 "SLURM_JOB_ID is not set: run inside a Slurm job, or set CKPTD_JOB_DIR"
     fi
     [[ $JOB_DIR == /* ]] || JOB_DIR=$PWD/$JOB_DIR
+    allow_path "the job directory" "$JOB_DIR"  # the working directory joined to a relative one
+    [[ -z ${CKPTD_JOB_CONFIG:-} ]] || allow_path CKPTD_JOB_CONFIG "$CKPTD_JOB_CONFIG"
     SOCKET=$JOB_DIR/ckptd.sock
     PIDFILE=$JOB_DIR/ckptd.pid
     CONFIG=${CKPTD_JOB_CONFIG:-$JOB_DIR/ckptd.toml}
@@ -111,17 +160,46 @@ make_job_dir() {  # node-local and ours: /tmp is shared by every user of the nod
 
 # -- the config --------------------------------------------------------------------------------
 
-toml() {  # $1 as a TOML basic string, in REPLY
-    local s=$1
-    [[ $s != *[[:cntrl:]]* ]] || die 78 "a control character in config value $(printf %q "$s")"
+toml() {  # $1 as a TOML basic string, in REPLY: backslash and quote escaped, no control char
+    local s=$1 LC_ALL=C
+    [[ $s != *[[:cntrl:]]* ]] || die 2 "a control character in config value $(shown "$s")"
     s=${s//\\/\\\\}
     REPLY="\"${s//\"/\\\"}\""
 }
 
-write_config() {
+check_config_env() {  # every value write_config puts into the config, before anything is written;
+    # sets ROOT_DIR and ROOT_NAME of the one root CKPTD_ROOT names
+    allow_set CKPTD_NICE "$NICE_RE" "a nice value (-20 to 19)"
     [[ -z ${CKPTD_JOB_CONFIG:-} ]] || return 0  # given: used as is
-    local tmp=$CONFIG.tmp.$$ root name
-    [[ ${CKPTD_NODES:-1} =~ ^[1-9][0-9]*$ ]] || die 78 "CKPTD_NODES=${CKPTD_NODES} is not a count"
+    allow HOSTNAME "$HOSTNAME" "$HOST_RE" "a host name"
+    allow_set CKPTD_NODE "$NAME_RE" "a node id (a letter or digit, then up to 63 of letters," \
+        "digits and ._-)"
+    allow_set CKPTD_SCAN_INTERVAL "$DURATION_RE" "a duration such as 5s"
+    if [[ -n ${CKPTD_JOB_ROOTS:-} ]]; then
+        allow_path CKPTD_JOB_ROOTS "$CKPTD_JOB_ROOTS"
+        return
+    fi
+    allow_set CKPTD_ROOT_NAME "$NAME_RE" "a root name (a letter or digit, then up to 63 of" \
+        "letters, digits and ._-)"
+    allow_set CKPTD_NODES "$COUNT_RE" "a count of nodes (1 to 999999)"
+    allow_set CKPTD_SETTLE "$DURATION_RE" "a duration such as 5s"
+    allow_set CKPTD_UPLOAD_URL "$URL_RE" "a URL such as s3://bucket/prefix"
+    allow_set CKPTD_UPLOAD_ENDPOINT "$ENDPOINT_RE" "an http(s) URL"
+    [[ -n ${CKPTD_ROOT:-} ]] || die 78 "no roots: set CKPTD_ROOT (the checkpoint" \
+        "directory), CKPTD_JOB_ROOTS or CKPTD_JOB_CONFIG"
+    allow_path CKPTD_ROOT "$CKPTD_ROOT"
+    ROOT_DIR=$CKPTD_ROOT
+    [[ $ROOT_DIR == /* ]] || ROOT_DIR=$PWD/$ROOT_DIR
+    while [[ $ROOT_DIR == ?*/ ]]; do ROOT_DIR=${ROOT_DIR%/}; done
+    allow_path "the root's directory" "$ROOT_DIR"  # the working directory joined to it
+    ROOT_NAME=${CKPTD_ROOT_NAME:-${ROOT_DIR##*/}}
+    allow "the root's name (CKPTD_ROOT_NAME, else the directory's name)" "$ROOT_NAME" \
+        "$NAME_RE" "a root name (a letter or digit, then up to 63 of letters, digits and ._-)"
+}
+
+write_config() {  # after check_config_env
+    [[ -z ${CKPTD_JOB_CONFIG:-} ]] || return 0  # given: used as is
+    local tmp=$CONFIG.tmp.$$
     {
         printf '# Written by %s for Slurm job %s on %s at each start.\n' \
             "$PROG" "${SLURM_JOB_ID:-?}" "$HOSTNAME"
@@ -138,14 +216,9 @@ write_config() {
             printf '# %s\n' "$CKPTD_JOB_ROOTS"
             cat -- "$CKPTD_JOB_ROOTS"
         else
-            [[ -n ${CKPTD_ROOT:-} ]] || die 78 "no roots: set CKPTD_ROOT (the checkpoint" \
-                "directory), CKPTD_JOB_ROOTS or CKPTD_JOB_CONFIG"
-            root=$CKPTD_ROOT
-            [[ $root == /* ]] || root=$PWD/$root
-            name=${CKPTD_ROOT_NAME:-${root##*/}}
             printf '[[roots]]\n'
-            toml "$name"; printf 'name = %s\n' "$REPLY"
-            toml "$root"; printf 'path = %s\n' "$REPLY"
+            toml "$ROOT_NAME"; printf 'name = %s\n' "$REPLY"
+            toml "$ROOT_DIR"; printf 'path = %s\n' "$REPLY"
             printf 'nodes = %s\n' "${CKPTD_NODES:-1}"
             if [[ -n ${CKPTD_SETTLE:-} ]]; then
                 toml "$CKPTD_SETTLE"; printf 'settle = %s\n' "$REPLY"
@@ -160,7 +233,7 @@ write_config() {
     } >"$tmp"
     mv -f -- "$tmp" "$CONFIG"
     if [[ -n ${CKPTD_ROOT:-} && -z ${CKPTD_JOB_ROOTS:-} ]]; then
-        mkdir -p -- "$root"  # the trainer may not have made it yet; ckptd watches it from the start
+        mkdir -p -- "$ROOT_DIR"  # the trainer may not have made it yet; ckptd watches it from the start
     fi
 }
 
@@ -450,6 +523,7 @@ timeout_opt() {  # parse [--timeout S] into TIMEOUT (default $1); nothing else i
 cmd_run() {
     (( $# == 0 )) || usage
     setup 0
+    check_config_env
     make_job_dir
     ! daemon_pid || die 75 "a ckptd of this job already runs here (pid $PID)"
     write_config
@@ -460,6 +534,7 @@ cmd_run() {
 cmd_start() {
     timeout_opt 120 "$@"
     setup 0
+    check_config_env
     make_job_dir
     ! daemon_pid || die 75 "a ckptd of this job already runs here (pid $PID)"
     write_config
