@@ -101,8 +101,7 @@ class ApiContext:
                 "in_flight": self.workers.in_flight() + self.persist.in_flight(),
                 "flushing": [{"root": r, "step": s}
                              for r, s in self.workers.flushing().items()],
-                "services": self.services.health(), "problem": self.problem,
-                "roots_not_acting": self.not_acting()}
+                "services": self.services.health(), "problem": self.problem}
 
     def root_status(self, root: RootConfig) -> dict[str, Any]:
         info = self.store.root_info(root.name)
