@@ -275,7 +275,7 @@ class _HealthCollector(Collector):
 
 
 _DEGRADED_DOC = ("1 while health is degraded (a service down or restarting, a call past its"
-                 " bound, the state database lost), else 0.")
+                 " bound, the state database lost, a root that cannot act), else 0.")
 _STUCK_DOC = ("Seconds a call past its bound has gone without progress, by who makes it, its"
               " stage and its item (root, step).")
 
