@@ -7,10 +7,11 @@ Faults go through the real TCP proxy process (tests/faultproxy.py), never throug
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import threading
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +121,83 @@ def test_the_version_tag_pins_the_range(backend: Backend) -> None:
     _, new = backend.get_versioned("LATEST")
     assert bytes(backend.get_range("LATEST", 0, 3, etag=new)) == b"new"
     assert bytes(backend.get_range("LATEST", 0, 3)) == b"new"  # no tag: whatever is there
+
+
+def test_stat_gives_the_version_reads_are_pinned_to(backend: Backend) -> None:
+    """Every backend's stat (and list) gives a version tag, file:// included (its device,
+    inode, mtime and size): a range or a download pinned to it fails once the object is
+    another, and a vanished one is not found."""
+    backend.put("obj", DATA)
+    meta = backend.stat("obj")
+    assert meta.version, meta
+    listed = [m.version for m in backend.list("") if m.key == "obj"]
+    assert listed == [meta.version] if isinstance(backend, LocalBackend) else all(listed)
+    assert bytes(backend.get_range("obj", 5, 50, etag=meta.version)) == DATA[5:50]
+    got = io.BytesIO()
+    assert backend.get("obj", got, etag=meta.version) == SIZE and got.getvalue() == DATA
+    backend.put("obj", payload(SIZE, seed=9))  # the same size, other bytes: a re-upload
+    assert backend.stat("obj").version != meta.version
+    with pytest.raises(PreconditionFailed, match="obj"):
+        backend.get_range("obj", 5, 50, etag=meta.version)
+    with pytest.raises(PreconditionFailed, match="obj"):
+        backend.get("obj", io.BytesIO(), etag=meta.version)
+    backend.delete("obj")
+    with pytest.raises(ObjectNotFound):
+        backend.get("obj", io.BytesIO(), etag=meta.version)
+    with pytest.raises(ObjectNotFound):
+        backend.get_range("obj", 5, 50, etag=meta.version)
+
+
+class _ReplacingSink(io.BytesIO):
+    """A download's destination that has the object changed after its first bytes came."""
+
+    def __init__(self, change: Callable[[], None]) -> None:
+        super().__init__()
+        self.change, self.writes = change, 0
+
+    def write(self, data: Any) -> int:
+        n = super().write(data)
+        self.writes += 1
+        if self.writes == 1:
+            self.change()
+        return n
+
+
+BIG = payload(2 * 8 * MiB + 17, seed=3)  # three of the object store's 8 MiB download ranges
+
+
+def test_a_download_replaced_midway_fails_instead_of_mixing(backend: Backend) -> None:
+    """A get reads one version: an object replaced after the first bytes arrived is
+    PreconditionFailed (not retried: retrying the pin cannot help), never a mix. On file://
+    the file opened is read (a rename over the name does not reach it)."""
+    backend.put("big", BIG)
+    other = payload(len(BIG), seed=4)
+    sink = _ReplacingSink(lambda: backend.put("big", other))
+    if isinstance(backend, LocalBackend):
+        assert backend.get("big", sink) == len(BIG) and sink.getvalue() == BIG
+        return
+    with pytest.raises(PreconditionFailed, match="big"):
+        RetryingBackend(backend, attempts=3, base_delay=0.0).get("big", sink)
+    assert other[-4096:] not in sink.getvalue()
+
+
+def test_a_file_rewritten_in_place_midway_fails_a_download(tmp_path: Path) -> None:
+    """file://: bytes rewritten where they are while a get reads them: PreconditionFailed,
+    and no byte read after the rewrite reaches the destination."""
+    backend = LocalBackend(tmp_path / "remote")
+    backend.put("big", BIG)
+    path = tmp_path / "remote" / "big"
+
+    def rewrite() -> None:
+        time.sleep(0.01)  # a later mtime than the put's, whatever the clock's grain
+        with open(path, "r+b") as f:
+            f.seek(len(BIG) - 100)
+            f.write(b"\xff" * 100)
+
+    sink = _ReplacingSink(rewrite)
+    with pytest.raises(PreconditionFailed, match="changed while it was read"):
+        backend.get("big", sink)
+    assert len(sink.getvalue()) < len(BIG) and BIG.startswith(sink.getvalue())
 
 
 def test_missing_object(backend: Backend) -> None:

@@ -78,6 +78,25 @@ def test_gets_and_ranges(gcs_server: GCSServer, gs_url: str) -> None:
             backend.get_range("step-1/shard", start, end)
 
 
+def test_stat_gives_the_version_reads_are_pinned_to(gcs_server: GCSServer,
+                                                    gs_url: str) -> None:
+    """stat gives gs://'s version tag (`<generation>#<etag>`), another for a new generation.
+    The server ignores If-Match on its reads, so what a pinned read of another version does
+    is checked on S3, Azure and file:// (test_backend_ranges.py), not here."""
+    big = payload(10 * MiB + 17, seed=1)
+    backend = seed(gcs_server, gs_url, {"step-1/shard": big})
+    meta = backend.stat("step-1/shard")
+    assert meta.version and all(m.version for m in backend.list("step-1"))
+    generation, _, etag = meta.version.partition("#")
+    assert generation.isdigit() and etag == meta.etag
+    assert bytes(backend.get_range("step-1/shard", 3, 9, etag=meta.version)) == big[3:9]
+    out = io.BytesIO()
+    assert backend.get("step-1/shard", out, etag=meta.version) == len(big)
+    assert out.getvalue() == big
+    seed(gcs_server, gs_url, {"step-1/shard": payload(len(big), seed=2)})  # a new generation
+    assert backend.stat("step-1/shard").version != meta.version
+
+
 def test_stat_list_delete(gcs_server: GCSServer, gs_url: str) -> None:
     keys = ("a/1", "a/2", "a/b/3", "ab/4", "c")
     backend = seed(gcs_server, gs_url, {k: k.encode() for k in keys})

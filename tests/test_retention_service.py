@@ -61,8 +61,8 @@ class OverlapRecorder:
             create_only: bool = False, if_match: str | None = None) -> ObjectMeta:
         return self.inner.put(key, src, size, create_only=create_only, if_match=if_match)
 
-    def get(self, key: str, dst: BinaryIO) -> int:
-        return self.inner.get(key, dst)
+    def get(self, key: str, dst: BinaryIO, etag: str | None = None) -> int:
+        return self.inner.get(key, dst, etag=etag)
 
     def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
         return self.inner.get_bytes(key, limit)

@@ -203,9 +203,9 @@ class Recording:
             with self._lock:
                 self.in_flight -= 1
 
-    def get(self, key: str, dst: BinaryIO) -> int:
+    def get(self, key: str, dst: BinaryIO, etag: str | None = None) -> int:
         self._call("get", key)
-        return self.inner.get(key, dst)
+        return self.inner.get(key, dst, etag=etag)
 
     def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
         self._call("get_bytes", key)

@@ -32,13 +32,17 @@ class ObjectMeta:
     `key` is relative to the backend's base prefix. `etag` is the store's entity tag when it gives
     one (S3: MD5 of the content for single-part puts, `<md5-of-md5s>-<parts>` for multipart ones;
     the local backend gives None). `mtime` is seconds since the epoch (for `put`'s result: the
-    local clock when the put returned).
+    local clock when the put returned). `version` is the tag a read is pinned to
+    (`get_range(etag=)`, `get(etag=)`): the same tag `get_versioned` gives for that version
+    (S3, Azure: the ETag; GCS: `<generation>#<etag>`; file://: device, inode, mtime (ns) and
+    size). Every backend's `stat` and `list` give it; None only where a store gives no ETag.
     """
 
     key: str
     size: int
     mtime: float
     etag: str | None = None
+    version: str | None = None
 
 
 @runtime_checkable
@@ -64,22 +68,26 @@ class Backend(Protocol):
       with respect to other conditional puts, else raises `PreconditionFailed` (also when the
       object is gone) and changes nothing. Sent in one request; not combined with
       `create_only` (which is the way to create such an object).
-    - `get` streams the object into `dst` (bounded memory) and returns the byte count;
-      `get_bytes` and `get_versioned` are for small objects only and take a `limit`: an object
-      over it is refused with `BadInput` naming the key, found from the size the store
-      reports (fstat, the GET's metadata) before the body is read, and no more than
-      `limit` + 1 bytes are ever read, whatever the object claims or grows to.
+    - `get` streams the object into `dst` (bounded memory) and returns the byte count. It reads
+      one version: an object replaced or rewritten while it is read is `PreconditionFailed`
+      (never bytes of two versions), and with `etag` (a version tag) it reads only that
+      version, another one being `PreconditionFailed` too. `get_bytes` and `get_versioned`
+      are for small objects only and take a `limit`: an object over it is refused with
+      `BadInput` naming the key, found from the size the store reports (fstat, the GET's
+      metadata) before the body is read, and no more than `limit` + 1 bytes are ever read,
+      whatever the object claims or grows to.
     - Reading never blocks on what is not an object: file:// opens non-blocking and never
       through a link, so a FIFO, device, directory or symlink under a key is refused at once
       (`ObjectNotFound`, as `stat` and `list` do not show it either).
     - `get_range(key, start, end, etag)` returns exactly the bytes [start, end) in one request
       (0 <= start < end, end - start <= MAX_RANGE, else ValueError). With `etag` (the version
-      tag `get_versioned` gives: S3's ETag, file://'s inode/mtime/size tag) it reads only that
-      version: another one is `PreconditionFailed`. A range reaching past the object's end is
-      `CorruptData` naming the key and range (the caller's map of the object is wrong); an
-      answer shorter than asked is `TransientError`. file:// reads with pread from a
-      descriptor opened as `get` opens it (no link followed, regular files only).
-    - `stat` gives size, etag (where the store has one) and mtime.
+      tag `get_versioned` and `stat` give: S3's ETag, file://'s device/inode/mtime/size tag)
+      it reads only that version: another one is `PreconditionFailed`. A range reaching past
+      the object's end is `CorruptData` naming the key and range (the caller's map of the
+      object is wrong); an answer shorter than asked is `TransientError`. file:// reads with
+      pread from a descriptor opened as `get` opens it (no link followed, regular files only).
+    - `stat` gives size, etag (where the store has one), mtime and the version tag reads are
+      pinned with (`ObjectMeta.version`), on every backend.
     - `list(prefix)` yields every object under the directory-like `prefix` ("" = everything;
       "a/b" matches "a/b/c", not "a/bc"), recursively. Order is not part of the contract.
     - `delete` is idempotent: deleting a missing key is not an error.
@@ -120,8 +128,9 @@ class Backend(Protocol):
         `put(if_match=...)` compares."""
         ...
 
-    def get(self, key: str, dst: BinaryIO) -> int:
-        """Write the object's bytes to `dst`; return how many were written."""
+    def get(self, key: str, dst: BinaryIO, etag: str | None = None) -> int:
+        """Write the object's bytes (of version `etag` when given) to `dst`; return how many
+        were written."""
         ...
 
     def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:

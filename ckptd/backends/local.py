@@ -90,18 +90,27 @@ class LocalBackend:
             st = os.stat(path)
         except OSError as exc:
             raise os_error(exc, f"put {self._where(key)}") from None
-        return ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None)
+        return ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None,
+                          version=_version(st))
 
-    def get(self, key: str, dst: BinaryIO) -> int:
+    def get(self, key: str, dst: BinaryIO, etag: str | None = None) -> int:
+        """The bytes of the file opened (a rename over the name meanwhile does not change
+        them); its version tag is compared with `etag` when given, and again after each
+        read, before its bytes are handed on: a rewrite in place while reading is
+        PreconditionFailed, and no byte read after it reaches `dst`."""
         total = 0
+        where = self._where(key)
         with self._open(key) as f:
+            first = self._fstat_version(f, where)
+            if etag is not None and first != etag:
+                raise PreconditionFailed(f"get {where}: not version {etag}")
             while chunk := self._read(f, key):
+                if self._fstat_version(f, where) != first:
+                    raise PreconditionFailed(f"get {where}: the file changed while it was read")
                 try:
                     dst.write(chunk)
                 except OSError as exc:
-                    raise os_error(
-                        exc, f"get {self._where(key)}: writing the destination"
-                    ) from None
+                    raise os_error(exc, f"get {where}: writing the destination") from None
                 total += len(chunk)
         return total
 
@@ -144,7 +153,8 @@ class LocalBackend:
             raise os_error(exc, f"stat {self._where(key)}") from None
         if not S_ISREG(st.st_mode):
             raise ObjectNotFound(f"no object {self._where(key)}")
-        return ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None)
+        return ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None,
+                          version=_version(st))
 
     def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
         start = check_prefix(prefix)
@@ -310,6 +320,13 @@ class LocalBackend:
         if end > st.st_size:
             raise past_end(where, start, end, st.st_size)
 
+    @staticmethod
+    def _fstat_version(f: BinaryIO, where: str) -> str:
+        try:
+            return _version(os.fstat(f.fileno()))
+        except OSError as exc:
+            raise os_error(exc, f"get {where}") from None
+
     def _read(self, f: BinaryIO, key: str) -> bytes:
         try:
             return f.read(COPY_CHUNK)
@@ -327,7 +344,8 @@ class LocalBackend:
                 yield from self._walk(entry.path, key)
             elif entry.is_file(follow_symlinks=False) and not _is_ours(entry.name):
                 st = entry.stat(follow_symlinks=False)
-                yield ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None)
+                yield ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None,
+                                 version=_version(st))
 
     def _prune_empty_dirs(self, folder: str) -> None:
         """Remove directories a delete left empty, up to (not including) the base."""
@@ -346,7 +364,8 @@ def _is_ours(name: str) -> bool:
 
 
 def _version(st: stat_result) -> str:
-    """A file's version tag: a rename-replaced file is another inode, a rewrite a new mtime."""
+    """A file's version tag (what `get_versioned` and `stat` give and reads are pinned to): a
+    rename-replaced file is another inode, a rewrite a new mtime or size."""
     return f"{st.st_dev:x}.{st.st_ino:x}.{st.st_mtime_ns:x}.{st.st_size:x}"
 
 

@@ -157,18 +157,24 @@ class ObstoreBackend:
             if body.mapped is not None:
                 close_body(body.mapped)
         body.finish()
-        return ObjectMeta(key=key, size=body.count, mtime=time.time(), etag=result["e_tag"])
+        return ObjectMeta(key=key, size=body.count, mtime=time.time(), etag=result["e_tag"],
+                          version=_version_tag(result, self._gcs))
 
-    def get(self, key: str, dst: BinaryIO) -> int:
+    def get(self, key: str, dst: BinaryIO, etag: str | None = None) -> int:
         meta = self.stat(key)
         where = join_url(self.url, key)
-        # if_match pins every range to the version stat saw: a concurrent overwrite fails the
-        # read (transient) instead of splicing two versions together.
+        # if_match pins every range to `etag`, else to the version stat saw: a concurrent
+        # overwrite fails the read (PreconditionFailed) instead of splicing two versions.
+        pin = _split_tag(etag)[1] if etag is not None else meta.etag
         ranges = _ranges(meta.size, _GET_RANGE)
-        if len(ranges) == 1:
-            written = self._get_into(key, where, self._options(meta, None), dst)
-        else:
-            written = self._get_ranges(key, where, meta, ranges, dst)
+        try:
+            if len(ranges) == 1:
+                written = self._get_into(key, where, _options(pin, None), dst)
+            else:
+                written = self._get_ranges(key, where, pin, ranges, dst)
+        except PreconditionFailed:
+            self._raise_if_missing(key)  # Azure answers If-Match on no object with 412
+            raise
         if written != meta.size:
             raise TransientError(f"get {where}: got {written} bytes of {meta.size}")
         return written
@@ -212,7 +218,7 @@ class ObstoreBackend:
     def stat(self, key: str) -> ObjectMeta:
         check_key(key)
         where = join_url(self.url, key)
-        return _meta(guard("stat", where, lambda: obstore.head(self._store, key)))
+        return _meta(guard("stat", where, lambda: obstore.head(self._store, key)), self._gcs)
 
     def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
         start = check_prefix(prefix)
@@ -220,7 +226,7 @@ class ObstoreBackend:
         stream = guard("list", where, lambda: obstore.list(self._store, start or None))
         while (batch := guard("list", where, lambda: next(stream, None))) is not None:
             for item in batch:
-                yield _meta(item)
+                yield _meta(item, self._gcs)
 
     def delete(self, key: str) -> None:
         check_key(key)
@@ -232,13 +238,7 @@ class ObstoreBackend:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _options(self, meta: ObjectMeta, rng: tuple[int, int] | None) -> GetOptions:
-        options: GetOptions = {"if_match": meta.etag} if meta.etag else {}
-        if rng:
-            options["range"] = rng
-        return options
-
-    def _get_ranges(self, key: str, where: str, meta: ObjectMeta,
+    def _get_ranges(self, key: str, where: str, pin: str | None,
                     ranges: Sequence[tuple[int, int] | None], dst: BinaryIO) -> int:
         """Fetch `ranges` with up to `concurrency` requests in flight and write them to `dst`
         in order. Fetched ranges wait in memory until written: all gets of this backend
@@ -246,7 +246,7 @@ class ObstoreBackend:
 
         def fetch(rng: tuple[int, int] | None) -> Any:
             result = guard("get", where, lambda: obstore.get(
-                self._store, key, options=self._options(meta, rng)))
+                self._store, key, options=_options(pin, rng)))
             return guard("get", where, result.bytes)
 
         written = following = 0
@@ -501,10 +501,18 @@ def _ranges(size: int, part: int) -> list[tuple[int, int] | None]:
     return [(start, min(start + part, size)) for start in range(0, size, part)]
 
 
-def _meta(item: Any) -> ObjectMeta:
+def _options(pin: str | None, rng: tuple[int, int] | None) -> GetOptions:
+    options: GetOptions = {"if_match": pin} if pin else {}
+    if rng:
+        options["range"] = rng
+    return options
+
+
+def _meta(item: Any, gcs: bool) -> ObjectMeta:
     return ObjectMeta(
         key=item["path"],
         size=int(item["size"]),
         mtime=item["last_modified"].timestamp(),
         etag=item.get("e_tag"),
+        version=_version_tag(item, gcs),
     )

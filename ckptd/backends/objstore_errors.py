@@ -67,7 +67,8 @@ def translate(exc: BaseException, op: str, where: str) -> StorageError:
             return PreconditionFailed(f"{where} is gone or was changed since it was read")
         if op == "put":
             return ObjectExists(f"{where} already exists")
-        return TransientError(f"{prefix}: the object changed while being read")
+        # A get pinned to a version (If-Match): the object was replaced while being read.
+        return PreconditionFailed(f"{prefix}: the object changed while being read")
     if isinstance(exc, FileNotFoundError | obx.NotFoundError):
         if op == "put":  # a put cannot miss its object: the bucket (or container) is missing
             return PermanentError(f"{prefix}: the bucket does not exist ({detail})")

@@ -104,13 +104,13 @@ class RetryingBackend(_Delegating):
                 return self.inner.stat(key)
             raise
 
-    def get(self, key: str, dst: BinaryIO) -> int:
+    def get(self, key: str, dst: BinaryIO, etag: str | None = None) -> int:
         guard = _DestinationGuard(dst)
 
         def attempt(n: int) -> int:
             if n > 1:
                 guard.reset()
-            return self.inner.get(key, guard.writer)
+            return self.inner.get(key, guard.writer, etag=etag)
 
         return self._run("get", key, attempt, can_retry=True, retry_ok=guard.can_reset)
 
@@ -303,8 +303,9 @@ class ThrottledBackend(_Delegating):
         reader = cast(BinaryIO, _ThrottledReader(src, self.bucket))
         return self.inner.put(key, reader, size, create_only=create_only, if_match=if_match)
 
-    def get(self, key: str, dst: BinaryIO) -> int:
-        return self.inner.get(key, cast(BinaryIO, _ThrottledWriter(dst, self.bucket)))
+    def get(self, key: str, dst: BinaryIO, etag: str | None = None) -> int:
+        return self.inner.get(key, cast(BinaryIO, _ThrottledWriter(dst, self.bucket)),
+                              etag=etag)
 
     def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
         data = self.inner.get_bytes(key, limit)
@@ -394,9 +395,9 @@ class LimitedBackend(_Delegating):
         with self._slots:
             return self.inner.put(key, src, size, create_only=create_only, if_match=if_match)
 
-    def get(self, key: str, dst: BinaryIO) -> int:
+    def get(self, key: str, dst: BinaryIO, etag: str | None = None) -> int:
         with self._slots:
-            return self.inner.get(key, dst)
+            return self.inner.get(key, dst, etag=etag)
 
     def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
         with self._slots:
