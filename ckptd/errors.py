@@ -76,6 +76,14 @@ class NotFound(CkptdError):
     exit_code = 1
 
 
+class ObjectReplaced(NotFound):
+    """A stored object was replaced by another version (or rewritten in place) while it was
+    being read: the version the read started on is gone, and nothing of the new one is mixed
+    in. A NotFound, as for an object deleted mid-read (the step that was read is no longer
+    there as it was); reading again from the start reads the new version whole. The message
+    names the object."""
+
+
 class ValidationFailed(CkptdError):
     """A checkpoint (or one file of it) is invalid; `reason` is machine-readable."""
 

@@ -73,13 +73,13 @@ class Counting:
         self.active = self.peak = 0
         self._lock = threading.Lock()
 
-    def get(self, key: str, dst: BinaryIO) -> int:
+    def get(self, key: str, dst: BinaryIO, etag: str | None = None) -> int:
         with self._lock:
             self.active += 1
             self.peak = max(self.peak, self.active)
         try:
             time.sleep(0.05)
-            return self.inner.get(key, dst)
+            return self.inner.get(key, dst, etag=etag)
         finally:
             with self._lock:
                 self.active -= 1
@@ -161,7 +161,7 @@ def test_corrupt_and_missing_remote_objects(staged: tuple[Path, Manifest],
         restore_step(backend, "r", 3, tmp_path / "out")
     assert not (tmp_path / "out" / f.path).exists() and list_temps(tmp_path / "out") == []
     stored.unlink()
-    with pytest.raises(CorruptData, match=r"odd/multi_block\.dat: object .* is missing"):
+    with pytest.raises(NotFound, match=r"odd/multi_block\.dat: object .* is missing"):
         restore_step(backend, "r", 3, tmp_path / "out2")
 
 
@@ -172,14 +172,14 @@ class FailsMidway(Counting):
         super().__init__(inner)
         self.key, self.failed = key, False
 
-    def get(self, key: str, dst: BinaryIO) -> int:
+    def get(self, key: str, dst: BinaryIO, etag: str | None = None) -> int:
         if key.endswith(self.key) and not self.failed:
             self.failed = True
             whole = io.BytesIO()
-            self.inner.get(key, whole)
+            self.inner.get(key, whole, etag=etag)
             dst.write(whole.getvalue()[: len(whole.getvalue()) // 2])
             raise TransientError(f"get {key}: connection reset")
-        return self.inner.get(key, dst)
+        return self.inner.get(key, dst, etag=etag)
 
 
 def test_a_download_failing_midway_starts_its_object_over(staged: tuple[Path, Manifest],

@@ -20,7 +20,14 @@ import numpy as np
 from ckptd.backends import Backend
 from ckptd.codec.index import TAIL_PROBE, Block, BlockIndex, decode_block, read_index
 from ckptd.copies.decode import decode_checked
-from ckptd.errors import CorruptData, NotFound, ObjectNotFound, PreconditionFailed
+from ckptd.errors import (
+    CorruptData,
+    NotFound,
+    ObjectNotFound,
+    ObjectReplaced,
+    PermanentError,
+    PreconditionFailed,
+)
 from ckptd.fileio import HASH_ALG, HashSink
 from ckptd.remote.manifest import StoredFile
 from ckptd.restore.pipe import Pipe
@@ -39,6 +46,14 @@ SPAN = 8 << 20
 # An object this small is fetched with one GET and decoded as a stream: a ranged read would
 # cost a request for its index and gain nothing.
 WHOLE_BELOW = 4 << 20
+# No stored byte of a codec ckptd writes decodes to more bytes than this: zstd's own limit (a
+# 4-byte RLE block holds at most 128 KiB), which the container's zstd-coded blocks inherit.
+MAX_EXPANSION = 1 << 15
+
+# What a read says of the object it reads (after the object's URL), the same on every path.
+MISSING = "the object the manifest names is missing"
+REPLACED = ("the object was replaced while it was read (the version the read started on is "
+            "gone; nothing of the new one was used)")
 
 
 @dataclass
@@ -73,8 +88,13 @@ def merge(ranges: Iterable[tuple[int, int]]) -> Ranges:
 class ObjectReader:
     """One stored file of a remote step. `read(ranges, sink)` gives the sink the original
     bytes of `ranges` (all of the file when None) in raw order, each block checked; a read of
-    the whole file is checked against the manifest's size and hash too. Errors are CorruptData
-    or NotFound naming the object's URL."""
+    the whole file is checked against the manifest's size and hash too.
+
+    The first look at the object (`check`: one HEAD, before anything is read or allocated)
+    compares it with the manifest and takes its version; every read after it, ranged or
+    streamed, is pinned to that version. Errors name the object's URL: NotFound when it is
+    gone, ObjectReplaced (a NotFound) when it was replaced after the first look, CorruptData
+    when its bytes or sizes are not what the manifest says."""
 
     def __init__(self, backend: Backend, key: str, f: StoredFile, pool: ThreadPoolExecutor,
                  stats: ReadStats, window: int, slots: threading.Semaphore | None = None,
@@ -88,16 +108,59 @@ class ObjectReader:
         self.where = f"{backend.url.rstrip('/')}/{key}"
         self._index: BlockIndex | None = None
         self._index_read = False
-        self._etag: str | None = None
+        self._pin: str | None = None
+        self._looked = False
         self._lock = threading.Lock()
+
+    # -- the first look ----------------------------------------------------------------------
+
+    def check(self) -> int:
+        """The first look at the object, taken once: the file's raw size, safe to allocate.
+
+        One HEAD: NotFound when the object is gone; CorruptData when it does not hold the
+        manifest's `stored_size` bytes (bytes appended after a valid object would otherwise go
+        unseen by ranged reads) or when the manifest's `size` could not come out of them
+        (codec `none`: the same size; any other: at most MAX_EXPANSION times it; an indexed
+        object's index then ties it exactly). Its version is kept: every later read is pinned
+        to it, so an object replaced mid-read fails instead of mixing two."""
+        with self._lock:
+            self._look()
+        return self.f.size
+
+    def _look(self) -> None:
+        """`check`'s work; the caller holds `_lock`."""
+        if self._looked:
+            return
+        f = self.f
+        try:
+            meta = self.backend.stat(self.key)
+        except ObjectNotFound:
+            raise NotFound(f"{self.where}: {MISSING}") from None
+        if meta.size != f.stored_size:
+            raise CorruptData(f"{self.where}: the object has {meta.size} bytes, the manifest "
+                              f"says {f.stored_size}")
+        if f.codec == "none" and f.size != f.stored_size:
+            raise CorruptData(f"{self.where}: the manifest says the file has {f.size} bytes, "
+                              f"but its {f.stored_size} stored bytes (codec 'none') are it")
+        if f.size > f.stored_size * MAX_EXPANSION:
+            raise CorruptData(f"{self.where}: the manifest says the file has {f.size} bytes, "
+                              f"more than {f.stored_size} stored bytes of codec {f.codec!r} "
+                              "can hold")
+        if meta.version is None:
+            raise PermanentError(f"{self.where}: the store gives no version tag (ETag) for the"
+                                 " object, so its reads cannot be pinned to one version")
+        self._pin = meta.version
+        self._looked = True
 
     # -- the block index ---------------------------------------------------------------------
 
     def index(self) -> BlockIndex | None:
-        """The object's block index (fetched once); None when it has none (codec `none`, or
-        written before objects carried one): such an object is read as one stream."""
+        """The object's block index (fetched once, after `check`); None when it has none
+        (codec `none`, or written before objects carried one): such an object is read as one
+        stream."""
         with self._lock:
             if not self._index_read:
+                self._look()
                 self._index = self._fetch_index()
                 self._index_read = True
             return self._index
@@ -106,17 +169,6 @@ class ObjectReader:
         f = self.f
         if f.codec == "none" or f.stored_size == 0:
             return None
-        # One HEAD: the object must be the manifest's size (bytes appended after a valid
-        # object would otherwise go unseen by ranged reads), and every range is pinned to the
-        # version seen here, so an object replaced mid-read fails instead of mixing two.
-        try:
-            meta = self.backend.stat(self.key)
-        except ObjectNotFound:
-            raise NotFound(f"{self.where}: the object the manifest names is missing") from None
-        if meta.size != f.stored_size:
-            raise CorruptData(f"{self.where}: the object has {meta.size} bytes, the manifest "
-                              f"says {f.stored_size}")
-        self._etag = meta.etag or None
         tail = self._get(max(0, f.stored_size - TAIL_PROBE), f.stored_size)
         try:
             found = read_index(f.codec, f.stored_size, f.size, tail, self._get)
@@ -129,11 +181,11 @@ class ObjectReader:
 
     def _get_view(self, start: int, end: int) -> bytes | memoryview:
         try:
-            data = self.backend.get_range(self.key, start, end, self._etag)
+            data = self.backend.get_range(self.key, start, end, self._pin)
         except ObjectNotFound:
-            raise NotFound(f"{self.where}: the object the manifest names is missing") from None
+            raise NotFound(f"{self.where}: {MISSING}") from None
         except PreconditionFailed:
-            raise CorruptData(f"{self.where}: the object changed while it was read") from None
+            raise ObjectReplaced(f"{self.where}: {REPLACED}") from None
         except CorruptData as exc:
             raise CorruptData(f"{self.where}: {exc}") from None
         self.stats.count(end - start)
@@ -149,6 +201,7 @@ class ObjectReader:
         wanted = merge(ranges) if ranges is not None else [(0, f.size)]
         if any(s < 0 or e > f.size for s, e in wanted):
             raise ValueError(f"{self.where}: a range outside the file's {f.size} bytes")
+        self.check()
         if f.size == 0 or not wanted:
             if ranges is None or f.size == 0:
                 self._stream(wanted, sink)
@@ -263,6 +316,7 @@ class ObjectReader:
     def _stream(self, wanted: Ranges, sink: Sink) -> None:
         """The whole object as one download, decoded as it arrives and checked against the
         manifest; the wanted pieces go to the sink."""
+        self.check()
         pipe = Pipe(self.f, self.key)
         out = _RangeWriter(wanted, sink)
         fetcher = threading.Thread(target=self._download, args=(pipe,), daemon=True,
@@ -271,8 +325,10 @@ class ObjectReader:
         try:
             decode_checked(cast(BinaryIO, pipe), self.f, cast(Any, out))
             pipe.finish()
-        except ObjectNotFound:
-            raise NotFound(f"{self.where}: the object the manifest names is missing") from None
+        except ObjectReplaced:
+            raise ObjectReplaced(f"{self.where}: {REPLACED}") from None
+        except NotFound:
+            raise NotFound(f"{self.where}: {MISSING}") from None
         except CorruptData as exc:
             raise CorruptData(f"{self.where}: {exc}") from None
         except BaseException:
@@ -285,7 +341,7 @@ class ObjectReader:
 
     def _download(self, pipe: Pipe) -> None:
         try:
-            self.backend.get(self.key, cast(BinaryIO, pipe))
+            self.backend.get(self.key, cast(BinaryIO, pipe), etag=self._pin)
         except BaseException as exc:  # handed to the decoding side, which raises it
             pipe.end(exc)
         else:

@@ -32,7 +32,8 @@ class RemoteFile(io.RawIOBase):
         self.step, self.name = step, path
         self._own = own_step
         self._reader: ObjectReader = step.reader(path)
-        self.size = self._reader.f.size
+        # The first look (NotFound, CorruptData) before the size is believed or read by.
+        self.size = self._reader.check()
         self._pos = 0
         self._hashed = 0  # bytes hashed in order from the start
         self._hasher: HashSink | None = HashSink()

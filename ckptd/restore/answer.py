@@ -13,8 +13,8 @@ from ckptd.errors import CkptdError
 # The errors of a restore that keep their class across the process boundary; any other
 # CkptdError arrives as a CkptdError with its message.
 PASSED_ON: tuple[type[CkptdError], ...] = (
-    errors.NotFound, errors.CorruptData, errors.ConfigError, errors.UnsafePath,
-    errors.TransientError, errors.PermanentError, errors.DiskFull)
+    errors.NotFound, errors.ObjectReplaced, errors.CorruptData, errors.ConfigError,
+    errors.UnsafePath, errors.TransientError, errors.PermanentError, errors.DiskFull)
 
 
 def done(paths: list[str]) -> str:

@@ -24,7 +24,7 @@ from ckptd.backends import Backend
 from ckptd.config import Config, RootConfig
 from ckptd.copies.decode import decode_object
 from ckptd.copies.store import objects_dir, read_local_manifest
-from ckptd.errors import CorruptData, NotFound, UnsafePath
+from ckptd.errors import NotFound, UnsafePath
 from ckptd.fileio import DurableWriter, write_error
 from ckptd.log import get_logger
 from ckptd.remote.holds import ReaderHold
@@ -75,9 +75,9 @@ def restore_from_dir(
     """Rebuild every file of `manifest` under `to` from the objects in `objects_dir`.
 
     Each file is decoded streaming, checked against the manifest's size and hash, fsynced and
-    renamed into place (replacing a file of that name). CorruptData names the file (and the
-    block, where the codec knows it); the half-written file is removed. `progress(n)` is
-    called with each count of bytes restored.
+    renamed into place (replacing a file of that name). A missing object is NotFound naming
+    it; CorruptData names the file (and the block, where the codec knows it); the
+    half-written file is removed. `progress(n)` is called with each count of bytes restored.
     """
     to = Path(to)
     to.mkdir(parents=True, exist_ok=True)
@@ -85,7 +85,7 @@ def restore_from_dir(
     for f in manifest.files:
         src = fileio.safe_join(objects_dir, f.key)
         if not src.is_file():
-            raise CorruptData(f"{f.path}: stored object {src} is missing")
+            raise NotFound(f"{f.path}: stored object {src} is missing")
         restored.append(_restore_file(src, f, to, progress))
     return _one_mtime(restored)
 

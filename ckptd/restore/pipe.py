@@ -18,7 +18,14 @@ from typing import Any, BinaryIO, cast
 from ckptd import fileio
 from ckptd.backends import Backend
 from ckptd.copies.decode import decode_checked
-from ckptd.errors import CorruptData, ObjectNotFound, TransientError
+from ckptd.errors import (
+    CorruptData,
+    NotFound,
+    ObjectNotFound,
+    ObjectReplaced,
+    PreconditionFailed,
+    TransientError,
+)
 from ckptd.fileio import DurableWriter, write_error
 from ckptd.log import get_logger
 from ckptd.remote.manifest import StoredFile
@@ -126,14 +133,36 @@ class Pipe:
         if isinstance(self._error, ObjectNotFound):
             # A FIFO, device or link under the key (file://) is no object either: refused at
             # once, never waited on.
-            raise CorruptData(f"{self.f.path}: object {self.key} named by the manifest is "
-                              f"missing or not a regular file ({self._error})") from None
+            raise missing(self.f, self.key, self._error) from None
+        if isinstance(self._error, PreconditionFailed):
+            raise ObjectReplaced(f"{self.f.path}: object {self.key} was replaced while it was "
+                                 f"read ({self._error})") from None
         raise self._error
 
 
-def _download(backend: Backend, key: str, pipe: Pipe) -> None:
+def missing(f: StoredFile, key: str, why: BaseException) -> NotFound:
+    """The error of an object the manifest names that is not there (or is no object)."""
+    return NotFound(f"{f.path}: object {key} named by the manifest is missing or not a "
+                    f"regular file ({why})")
+
+
+def first_look(backend: Backend, key: str, f: StoredFile) -> str | None:
+    """One HEAD before anything is read: NotFound when the object is gone, CorruptData when
+    it is not the manifest's stored size; the version every attempt then reads (None where
+    the store gives no tag: each download is still of one version)."""
     try:
-        backend.get(key, cast(BinaryIO, pipe))
+        meta = backend.stat(key)
+    except ObjectNotFound as exc:
+        raise missing(f, key, exc) from None
+    if meta.size != f.stored_size:
+        raise CorruptData(f"{f.path}: object {key} has {meta.size} bytes, the manifest says "
+                          f"{f.stored_size}")
+    return meta.version
+
+
+def _download(backend: Backend, key: str, pipe: Pipe, pin: str | None) -> None:
+    try:
+        backend.get(key, cast(BinaryIO, pipe), etag=pin)
     except BaseException as exc:  # handed to the decoding thread, which raises it
         pipe.end(exc)
     else:
@@ -161,17 +190,20 @@ def fetch_and_restore(backend: Backend, key: str, f: StoredFile, to: Path,
     """Download the object at `key` and rebuild `f` under `to` from it as it arrives: checked
     against the manifest's size and hash, fsynced, its pages dropped, then renamed into place.
     A download failing transiently after bytes were decoded starts the object over (up to
-    ATTEMPTS in all); on any failure nothing is left at the final name."""
+    ATTEMPTS in all), every attempt of the version the first look saw: an object replaced
+    meanwhile is ObjectReplaced, one gone NotFound. On any failure nothing is left at the
+    final name."""
     dest = fileio.safe_join(to, f.path)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise write_error(exc, f"the directory of {dest}") from exc
+    pin = first_look(backend, key, f)
     counted = _HighWater(progress)
     for attempt in range(1, ATTEMPTS + 1):
         counted.start()
         try:
-            return _attempt(backend, key, f, dest, counted)
+            return _attempt(backend, key, f, dest, counted, pin)
         except TransientError as exc:
             if attempt == ATTEMPTS:
                 raise
@@ -180,11 +212,12 @@ def fetch_and_restore(backend: Backend, key: str, f: StoredFile, to: Path,
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def _attempt(backend: Backend, key: str, f: StoredFile, dest: Path, progress: Progress) -> Path:
+def _attempt(backend: Backend, key: str, f: StoredFile, dest: Path, progress: Progress,
+             pin: str | None) -> Path:
     tmp = fileio.temp_name(dest)
     out = DurableWriter(tmp, str(dest))
     pipe = Pipe(f, key)
-    fetcher = threading.Thread(target=_download, args=(backend, key, pipe), daemon=True,
+    fetcher = threading.Thread(target=_download, args=(backend, key, pipe, pin), daemon=True,
                                name="ckptd-restore-fetch")
     fetcher.start()
     try:

@@ -129,6 +129,7 @@ class RemoteNative:
         """A memory file holding the original bytes of `name`, checked block by block and
         whole against the manifest; its descriptor."""
         f = self.opened.stored(self._path(name))
+        self.opened.reader(f.path).check()  # the sizes against the object, before any memory
         fd = os.memfd_create(f"ckptd-{name}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, f.size)
