@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -30,11 +31,13 @@ from test_remote_read_hostile import (
     load_error,
     manifest,
     remote,
+    replace_file,
     source,
     stored,
     url_of,
 )
 from test_upload import s3_backend
+from torch.distributed.checkpoint import FileSystemReader
 
 import ckptd
 from ckptd.backends import Backend, LocalBackend, ObjectMeta
@@ -289,3 +292,14 @@ def test_open_refuses_sizes_the_object_does_not_hold(remote: Path, kind: Kind, f
 def test_a_good_step_still_loads(remote: Path) -> None:
     for kind in sorted(KINDS):
         load(KINDS[kind], url_of(remote))
+
+
+def test_a_slice_past_its_file_is_corrupt_naming_the_object(source: Path, remote: Path) -> None:
+    """A `.metadata` whose slice reaches past its data file: the range it makes is refused
+    as CorruptData naming the data object, before anything is fetched for it."""
+    meta = FileSystemReader(str(source / DCP.root / "step-1")).read_metadata()
+    (index, info), *_ = sorted(meta.storage_data.items(), key=lambda kv: -kv[1].length)
+    meta.storage_data[index] = dataclasses.replace(info, offset=1 << 40)
+    replace_file(remote, DCP, DCP.small, pickle.dumps(meta))
+    _obj, f = stored(remote, DCP, DCP.data)
+    ckptd_error(load_error(DCP, url_of(remote)), CorruptData, f.key, str(1 << 40))

@@ -199,8 +199,10 @@ class ObjectReader:
         it, and the sink then gets that same memory."""
         f = self.f
         wanted = merge(ranges) if ranges is not None else [(0, f.size)]
-        if any(s < 0 or e > f.size for s, e in wanted):
-            raise ValueError(f"{self.where}: a range outside the file's {f.size} bytes")
+        outside = [(s, e) for s, e in wanted if s < 0 or e > f.size]
+        if outside:  # the caller's ranges come from a file of the step (DCP's .metadata)
+            raise CorruptData(f"{self.where}: bytes [{outside[0][0]}, {outside[0][1]}) are "
+                              f"asked for, outside the file's {f.size} bytes")
         self.check()
         if f.size == 0 or not wanted:
             if ranges is None or f.size == 0:
