@@ -303,3 +303,12 @@ def test_a_slice_past_its_file_is_corrupt_naming_the_object(source: Path, remote
     replace_file(remote, DCP, DCP.small, pickle.dumps(meta))
     _obj, f = stored(remote, DCP, DCP.data)
     ckptd_error(load_error(DCP, url_of(remote)), CorruptData, f.key, str(1 << 40))
+
+
+def test_a_replaced_object_keeps_its_class_across_the_restore_process() -> None:
+    """`ckptd.torch.load` of a compressed or remote-only step restores in a child process:
+    the child's ObjectReplaced reaches the training process as ObjectReplaced."""
+    from ckptd.restore import answer
+
+    back = answer.error_of(answer.failed(ObjectReplaced("s3://b/r/step-1/x: replaced")))
+    assert type(back) is ObjectReplaced and "step-1/x" in str(back)
