@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import pickle
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 import pytest
@@ -265,8 +266,15 @@ def test_a_missing_object_is_not_found_to_restore_from_a_local_copy(remote: Path
 
 def test_a_native_file_claiming_a_petabyte_is_refused_before_any_memory(remote: Path) -> None:
     """The memory file a native component is decoded into is sized only after the claim is
-    held against the object: CorruptData naming it, not an allocator's error."""
+    held against the object: CorruptData naming it, not an allocator's error. The bucket's
+    owner lies in `meta.json` too (its hash sealed in the manifest), so the claim gets past the
+    loader's check that the two agree and reaches the object's own."""
     k = KINDS["native"]
+    with ckptd.open(k.root, k.step, k.small, remote=url_of(remote)) as f:
+        meta = json.loads(f.read())
+    (listed,) = [e for e in meta["files"] if e["path"] == PurePosixPath(k.data).name]
+    listed["size"] = 1 << 50
+    replace_file(remote, k, k.small, json.dumps(meta).encode())
     lie_in_manifest(remote, k, k.data, size=1 << 50)
     _obj, f = stored(remote, k, k.data)
     ckptd_error(load_error(k, url_of(remote)), CorruptData, f.key, str(1 << 50))
