@@ -10,11 +10,13 @@ import shutil
 import struct
 import subprocess
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import xxhash
+import zstandard
 
 from ckptd.codec import (
     TAIL_PROBE,
@@ -274,17 +276,19 @@ def rewrite_container_index(stored: bytes, change: int) -> bytes:
     """The container with its first index entry's stored length changed and a valid checksum."""
     footer = frame.parse_index_footer(stored[-frame.FOOTER_SIZE :])
     at = len(stored) - frame.FOOTER_SIZE - footer.index_len
-    rows = frame.entries(stored[at : at + footer.index_len])
-    rows[0] = (rows[0][0] + change, rows[0][1])
-    rows[1] = (rows[1][0] - change, rows[1][1])
+    rows = frame.entries(stored[at : at + footer.index_len]).tolist()
+    rows[0] = [rows[0][0] + change, rows[0][1]]
+    rows[1] = [rows[1][0] - change, rows[1][1]]
     index = b"".join(frame.pack_entry(*row) for row in rows)
     return stored[:at] + frame.pack_index(index, footer.block_size)
 
 
 def rewrite_seek_table(stored: bytes, change: int) -> bytes:
     size = struct.unpack("<I", stored[-9:-5])[0] * 12 + 17
-    entries = seektable.parse(stored[-size:])
-    rows = [(e.stored_len, e.raw_len, e.check or 0) for e in entries]
+    table = seektable.parse(stored[-size:])
+    assert table.check is not None
+    columns = (table.stored_len.tolist(), table.raw_len.tolist(), table.check.tolist())
+    rows = list(zip(*columns, strict=True))
     rows[0] = (rows[0][0] + change, *rows[0][1:])
     rows[1] = (rows[1][0] - change, *rows[1][1:])
     return stored[:-size] + seektable.pack_rows(b"".join(seektable.row(*r) for r in rows))
@@ -407,3 +411,135 @@ def test_tails_too_short_for_an_index_are_corrupt_or_none(stored_size: int, raw_
             continue
         assert found is None and codec == "zstd"
     assert read_index("none", stored_size, raw_size, tail, fetch) is None
+
+
+def forged_container(blocks: int, raw_claim: int | None = None) -> tuple[bytes, int]:
+    """A container whose index lists `blocks` blocks of 1 KiB raw in the fewest stored bytes
+    the format allows, end record and checksums right: (object, raw size the entries add up
+    to). With `raw_claim`, the end record says that many raw bytes instead."""
+    raw = blocks * KIB
+    rows = np.empty((blocks, 2), dtype="<u4")
+    rows[:, 0], rows[:, 1] = frame.MIN_BLOCK_STORED, KIB
+    stored = (
+        frame.pack_file_header(KIB)
+        + bytes(blocks * frame.MIN_BLOCK_STORED)
+        + frame.pack_end(blocks, raw if raw_claim is None else raw_claim)
+        + frame.pack_index(rows.tobytes(), KIB)
+    )
+    return stored, raw
+
+
+def forged_seek_table(frames: int) -> tuple[bytes, int]:
+    """A zstd object whose seek table lists `frames` frames of 1 KiB raw in MIN_FRAME bytes."""
+    rows = np.zeros((frames, 3), dtype="<u4")
+    rows[:, 0], rows[:, 1] = seektable.MIN_FRAME, KIB
+    stored = bytes(frames * seektable.MIN_FRAME) + seektable.pack_rows(rows.tobytes())
+    return stored, frames * KIB
+
+
+def traced_peak(run: Callable[[], object]) -> int:
+    tracemalloc.start()
+    try:
+        run()
+    except CorruptData:
+        pass
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return peak
+
+
+@pytest.mark.parametrize("codec", ["zstd-bytegroup", "zstd"])
+def test_a_count_the_raw_size_denies_is_refused_before_any_entry_is_read(codec: str) -> None:
+    # 2 MiB objects whose index lists ~50 000 (container) or ~100 000 (zstd) entries, each
+    # well formed, for a file of 1 MiB: the encoder writes 1 024 blocks at most for it.
+    count = 50_000 if codec == "zstd-bytegroup" else 100_000
+    if codec == "zstd-bytegroup":
+        stored, _ = forged_container(count, raw_claim=1 << 20)
+    else:
+        stored, _ = forged_seek_table(count)
+    obj = Object(stored)
+    peak = traced_peak(lambda: obj.index(codec, 1 << 20, probe=64))
+    with pytest.raises(CorruptData, match=f"{count} (blocks|frames)"):
+        Object(stored).index(codec, 1 << 20, probe=64)
+    assert obj.fetches == []  # refused from the footer alone: no entry fetched, none parsed
+    assert peak < 64 * KIB
+
+
+@pytest.mark.parametrize("codec", ["zstd-bytegroup", "zstd"])
+def test_a_large_index_costs_arrays_not_an_object_per_entry(codec: str) -> None:
+    # As many entries as 2 MiB of bytes allow, all consistent (a manifest forged to match):
+    # the index is read, and costs a few bytes per entry, not a Python object each.
+    count = 50_000 if codec == "zstd-bytegroup" else 100_000
+    stored, raw = forged_container(count) if codec == "zstd-bytegroup" else forged_seek_table(count)
+    entry = frame.ENTRY_SIZE if codec == "zstd-bytegroup" else 12
+    found: list[BlockIndex | None] = []
+    peak = traced_peak(lambda: found.append(Object(stored).index(codec, raw, probe=64)))
+    (index,) = found
+    assert index is not None and len(index.blocks) == count
+    assert peak < 3 * count * entry + (256 << 10)
+    last = index.blocks[-1]
+    assert (last.index, last.raw_start, last.raw_len) == (count - 1, raw - KIB, KIB)
+    assert last.stored_start + last.stored_len == len(stored) - (
+        frame.END_SIZE + count * entry + frame.FOOTER_SIZE
+        if codec == "zstd-bytegroup"
+        else seektable.table_size(count, True)
+    )
+    assert [b.index for b in index.covering(raw - KIB - 1, raw - KIB + 1)] == [count - 2, count - 1]
+
+
+def rewrite_rows(codec: str, stored: bytes, edit: Callable[[list[list[int]]], None]) -> bytes:
+    """The object with its index entries edited and the index sealed again (checksum); the
+    entries are read here with struct, not by the parsers under test."""
+    if codec == "zstd-bytegroup":
+        footer = frame.parse_index_footer(stored[-frame.FOOTER_SIZE :])
+        at = len(stored) - frame.FOOTER_SIZE - footer.index_len
+        rows = [list(r) for r in struct.iter_unpack("<II", stored[at : at + footer.index_len])]
+        edit(rows)
+        index = b"".join(frame.pack_entry(*row) for row in rows)
+        return stored[:at] + frame.pack_index(index, footer.block_size)
+    size = struct.unpack("<I", stored[-9:-5])[0] * 12 + 17
+    rows = [list(r) for r in struct.iter_unpack("<III", stored[-size + 8 : -9])]
+    edit(rows)
+    return stored[:-size] + seektable.pack_rows(b"".join(seektable.row(*r) for r in rows))
+
+
+def test_a_block_stored_longer_than_the_encoder_can_write_is_refused() -> None:
+    # Block 1 claims 100 bytes more than a header and its raw bytes; block 0 gives them up so
+    # the sums still agree. The container never stores a payload longer than its raw bytes.
+    data = np.random.default_rng(3).integers(0, 256, 3 * KIB, dtype=np.uint8).tobytes()
+    _, stored = encode(data, "zstd-bytegroup", KIB)
+
+    def move(rows: list[list[int]]) -> None:
+        assert rows[0][0] > 150 and rows[1][0] == KIB + frame.BLOCK_FIXED_SIZE + 9
+        rows[0][0] -= 100
+        rows[1][0] += 100
+
+    with pytest.raises(CorruptData, match=f"index entry 1: {KIB + 133} stored / {KIB} raw"):
+        Object(rewrite_rows("zstd-bytegroup", stored, move)).index("zstd-bytegroup", len(data))
+
+
+def test_frames_smaller_than_any_block_size_are_refused() -> None:
+    # Ten frames of 1000 raw bytes: consistent sums, but the encoder's block size is >= 1 KiB.
+    data = floats(10_000)
+    coder = zstandard.ZstdCompressor(write_checksum=True)
+    frames = [coder.compress(data[i : i + 1000]) for i in range(0, 10_000, 1000)]
+    rows = b"".join(seektable.row(len(f), 1000, int.from_bytes(f[-4:], "little")) for f in frames)
+    stored = b"".join(frames) + seektable.pack_rows(rows)
+    assert stream("zstd", stored) == data
+    with pytest.raises(CorruptData, match="10 frames of 1000 bytes"):
+        Object(stored).index("zstd", len(data))
+
+
+@pytest.mark.parametrize("codec", ["zstd-bytegroup", "zstd"])
+def test_a_refused_entry_is_named(codec: str) -> None:
+    data = floats(5 * KIB)
+    _, stored = encode(data, codec, KIB)
+
+    def shrink(rows: list[list[int]]) -> None:
+        rows[4][0] += rows[3][0] - 5  # block 3 shorter than any block, the sums kept
+        rows[3][0] = 5
+
+    with pytest.raises(CorruptData, match="entry 3: 5 stored / 1024 raw"):
+        Object(rewrite_rows(codec, stored, shrink)).index(codec, len(data))
+

@@ -9,6 +9,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from ckptd.codec.planes import WIDTHS
@@ -49,6 +51,10 @@ ENTRY_SIZE = _ENTRY.size
 FOOTER_SIZE = _FOOTER.size + _CHECK.size + len(INDEX_MAGIC)
 # The smallest stored block: a width-1 header (one plane entry) and one payload byte.
 MIN_BLOCK_STORED = BLOCK_FIXED_SIZE + _PLANE.size + _CHECK.size + 1
+# The longest block header (width 8). A payload is never longer than the block's raw bytes (a
+# plane is zstd or nibbles only when shorter, else raw), so a block stores at most
+# raw_len + MAX_BLOCK_HEADER bytes.
+MAX_BLOCK_HEADER = BLOCK_FIXED_SIZE + max(WIDTHS) * _PLANE.size + _CHECK.size
 
 
 @dataclass(frozen=True)
@@ -238,9 +244,12 @@ def pack_entry(stored_len: int, raw_len: int) -> bytes:
     return _ENTRY.pack(stored_len, raw_len)
 
 
-def entries(index: bytes | memoryview) -> list[tuple[int, int]]:
-    """(stored length, raw length) of each block of an index record."""
-    return [(int(s), int(r)) for s, r in _ENTRY.iter_unpack(index)]
+def entries(index: bytes | memoryview) -> npt.NDArray[np.uint32]:
+    """One row (stored length, raw length) per block of an index record: a view of its bytes,
+    no Python object per entry; the values are the caller's to check (`ckptd.codec.index`)."""
+    if len(index) % ENTRY_SIZE:
+        raise CorruptData(f"zstd-bytegroup: index record of {len(index)} bytes")
+    return np.frombuffer(index, dtype="<u4").reshape(-1, 2)
 
 
 def pack_index(index: bytes | bytearray, block_size: int) -> bytes:

@@ -5,9 +5,12 @@ against the object's sizes; never fetches or holds more than the index and one b
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import overload
+
+import numpy as np
+import numpy.typing as npt
 
 from ckptd.codec import decoder, frame, seektable, zstdframes
 from ckptd.errors import CorruptData
@@ -25,12 +28,77 @@ class Block:
     check: int | None = None  # zstd: the seek table's checksum of the frame's content
 
 
+class Blocks(Sequence[Block]):
+    """The blocks of an index, kept as arrays and made into `Block`s only when asked for, so an
+    index of millions of entries costs 8 bytes per block (12 with checksums), not a Python
+    object each. Every block but the last holds `step` raw bytes (the block size)."""
+
+    def __init__(
+        self,
+        step: int,
+        raw_size: int,
+        stored_first: int,
+        stored_lens: npt.NDArray[np.uint32],
+        checks: npt.NDArray[np.uint32] | None = None,
+    ) -> None:
+        self.step, self.raw_size = step, raw_size
+        starts = np.empty(len(stored_lens) + 1, dtype=np.int64)
+        starts[0] = stored_first
+        np.cumsum(stored_lens, dtype=np.int64, out=starts[1:])
+        starts[1:] += stored_first
+        self._starts = starts  # block i's stored bytes: [starts[i], starts[i + 1])
+        self._checks = None if checks is None else checks.copy()  # not a view of the tail
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    @overload
+    def __getitem__(self, i: int) -> Block: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Block]: ...
+
+    def __getitem__(self, i: int | slice) -> Block | Sequence[Block]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        count = len(self)
+        if not -count <= i < count:
+            raise IndexError(f"block {i} of {count}")
+        i %= count
+        raw_start = i * self.step
+        raw_len = self.step if i < count - 1 else self.raw_size - raw_start
+        stored_start = int(self._starts[i])
+        check = None if self._checks is None else int(self._checks[i])
+        return Block(i, raw_start, raw_len, stored_start, int(self._starts[i + 1]) - stored_start,
+                     check)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Blocks):
+            return NotImplemented
+        mine, theirs = self._checks, other._checks
+        same_checks = (
+            np.array_equal(mine, theirs)
+            if mine is not None and theirs is not None
+            else mine is theirs is None
+        )
+        return (
+            (self.step, self.raw_size) == (other.step, other.raw_size)
+            and np.array_equal(self._starts, other._starts)
+            and same_checks
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Blocks({len(self)} of {self.step} raw bytes, {self.raw_size} in all)"
+
+
 @dataclass(frozen=True)
 class BlockIndex:
     codec: str
     raw_size: int
     stored_size: int
-    blocks: tuple[Block, ...]
+    blocks: Blocks
     version: int | None = None  # the container's version (what decode_block needs)
 
     def covering(self, start: int, end: int) -> list[Block]:
@@ -39,14 +107,8 @@ class BlockIndex:
             raise ValueError(f"range [{start}, {end}) outside 0..{self.raw_size}")
         if start == end:
             return []
-        first = bisect.bisect_right(self.blocks, start, key=lambda b: b.raw_start) - 1
-        found = []
-        for block in self.blocks[max(first, 0) :]:
-            if block.raw_start >= end:
-                break
-            if block.raw_len:
-                found.append(block)
-        return found
+        step, last = self.blocks.step, len(self.blocks) - 1
+        return [self.blocks[i] for i in range(start // step, min((end - 1) // step, last) + 1)]
 
 
 Fetch = Callable[[int, int], bytes]
@@ -107,21 +169,28 @@ def _container_index(tail: _Tail, raw_size: int) -> BlockIndex | None:
     footer = tail.last(frame.FOOTER_SIZE, f"{where}: index footer")
     head = frame.parse_index_footer(footer)
     overhead = frame.FILE_HEADER_SIZE + frame.END_SIZE + head.index_len + frame.FOOTER_SIZE
-    if overhead + head.blocks * frame.MIN_BLOCK_STORED > tail.size:
-        raise CorruptData(f"{where}: index of {head.blocks} blocks in {tail.size} bytes")
+    _check_block_count(head.blocks, head.block_size, raw_size, tail.size - overhead)
     data = tail.last(frame.END_SIZE + head.index_len + frame.FOOTER_SIZE, f"{where}: index")
     index = memoryview(data)[frame.END_SIZE : frame.END_SIZE + head.index_len]
     frame.check_index(index, footer)
     frame.parse_end(data[: frame.END_SIZE], head.blocks, raw_size)
     rows = frame.entries(index)
-    _check_rows(rows, head.block_size, raw_size, tail.size - overhead, where)
-    return BlockIndex(
-        "zstd-bytegroup",
-        raw_size,
-        tail.size,
-        _blocks(rows, frame.FILE_HEADER_SIZE),
-        head.version,
-    )
+    _check_rows(rows[:, 0], rows[:, 1], head.block_size, raw_size, tail.size - overhead)
+    blocks = Blocks(head.block_size, raw_size, frame.FILE_HEADER_SIZE, rows[:, 0])
+    return BlockIndex("zstd-bytegroup", raw_size, tail.size, blocks, head.version)
+
+
+def _check_block_count(blocks: int, block_size: int, raw_size: int, stored: int) -> None:
+    """Before any entry is fetched or read: the encoder writes exactly one block per
+    `block_size` raw bytes (the last one shorter), each of MIN_BLOCK_STORED to raw length plus
+    MAX_BLOCK_HEADER stored bytes; `stored` is the bytes the blocks must fill."""
+    where = "zstd-bytegroup"
+    if blocks != -(-raw_size // block_size):
+        raise CorruptData(
+            f"{where}: index of {blocks} blocks of {block_size} bytes for {raw_size} raw bytes"
+        )
+    if not blocks * frame.MIN_BLOCK_STORED <= stored <= raw_size + blocks * frame.MAX_BLOCK_HEADER:
+        raise CorruptData(f"{where}: index of {blocks} blocks in {stored} bytes of blocks")
 
 
 def _old_end_record(tail: _Tail, raw_size: int) -> None:
@@ -140,17 +209,53 @@ def _old_end_record(tail: _Tail, raw_size: int) -> None:
 
 
 def _check_rows(
-    rows: list[tuple[int, int]], block_size: int, raw_size: int, stored: int, where: str
+    stored_lens: npt.NDArray[np.uint32],
+    raw_lens: npt.NDArray[np.uint32],
+    block_size: int,
+    raw_size: int,
+    stored: int,
 ) -> None:
-    """Every block but the last holds block_size raw bytes; the sums match the object."""
-    for i, (stored_len, raw_len) in enumerate(rows):
-        last = i == len(rows) - 1
-        if raw_len != block_size and not (last and 0 < raw_len < block_size):
-            raise CorruptData(f"{where}: index entry {i}: raw length {raw_len}")
-        if stored_len < frame.MIN_BLOCK_STORED:
-            raise CorruptData(f"{where}: index entry {i}: stored length {stored_len}")
-    if sum(r for _, r in rows) != raw_size or sum(s for s, _ in rows) != stored:
-        raise CorruptData(f"{where}: index sums disagree with the object's sizes")
+    """Every block but the last holds block_size raw bytes, the last the rest; every stored
+    length is one the encoder can write for its raw length; the stored lengths fill `stored`."""
+    last = raw_size - (len(raw_lens) - 1) * block_size  # 1..block_size: the count is checked
+    _check_columns(
+        stored_lens,
+        raw_lens,
+        (block_size, last),
+        (frame.MIN_BLOCK_STORED, frame.MIN_BLOCK_STORED),
+        (block_size + frame.MAX_BLOCK_HEADER, last + frame.MAX_BLOCK_HEADER),
+        stored,
+        "zstd-bytegroup: index",
+    )
+
+
+def _check_columns(
+    stored_lens: npt.NDArray[np.uint32],
+    raw_lens: npt.NDArray[np.uint32],
+    raw: tuple[int, int],
+    least: tuple[int, int],
+    most: tuple[int, int],
+    stored: int,
+    what: str,
+) -> None:
+    """Entries but the last hold raw[0] raw bytes in least[0]..most[0] stored bytes, the last
+    raw[1] in least[1]..most[1]; all stored lengths sum to `stored`. Checked on whole columns,
+    one byte per entry of temporaries; the first entry that breaks a rule is named."""
+    body_stored, body_raw = stored_lens[:-1], raw_lens[:-1]
+    bad = body_raw != raw[0]
+    bad |= body_stored < least[0]
+    bad |= body_stored > most[0]
+    if bad.any():
+        i = int(np.argmax(bad))
+    elif len(raw_lens) and not (
+        raw_lens[-1] == raw[1] and least[1] <= stored_lens[-1] <= most[1]
+    ):
+        i = len(raw_lens) - 1
+    else:
+        if int(stored_lens.sum(dtype=np.uint64)) != stored:
+            raise CorruptData(f"{what} sums disagree with the object's sizes")
+        return
+    raise CorruptData(f"{what} entry {i}: {int(stored_lens[i])} stored / {int(raw_lens[i])} raw")
 
 
 def _zstd_index(tail: _Tail, raw_size: int) -> BlockIndex | None:
@@ -158,36 +263,41 @@ def _zstd_index(tail: _Tail, raw_size: int) -> BlockIndex | None:
         return None
     frames, checked = seektable.parse_footer(tail.last(seektable.FOOTER_SIZE, "zstd"))
     size = seektable.table_size(frames, checked)
-    if size + frames * seektable.MIN_FRAME > tail.size:
-        raise CorruptData(f"zstd: seek table of {frames} frames in {tail.size} bytes")
-    entries = seektable.parse(tail.last(size, "zstd: seek table")[-size:])
-    rows = [(e.stored_len, e.raw_len) for e in entries]
-    first = rows[0][1] if rows else 0
-    for i, (stored_len, raw_len) in enumerate(rows):
-        fits = raw_len == first or (i == len(rows) - 1 and raw_len < first)
-        if stored_len < seektable.MIN_FRAME or not fits or (raw_len == 0 and len(rows) > 1):
-            raise CorruptData(f"zstd: seek table entry {i}: {stored_len} stored / {raw_len} raw")
-    if first > zstdframes.MAX_FRAME_CONTENT or not rows:
-        raise CorruptData(f"zstd: seek table of {len(rows)} frames of {first} bytes")
-    if sum(r for _, r in rows) != raw_size or sum(s for s, _ in rows) != tail.size - size:
-        raise CorruptData("zstd: seek table sums disagree with the object's sizes")
-    blocks = _blocks(rows, 0)
-    if checked:
-        blocks = tuple(
-            Block(b.index, b.raw_start, b.raw_len, b.stored_start, b.stored_len, e.check)
-            for b, e in zip(blocks, entries, strict=True)
-        )
+    _check_frame_count(frames, raw_size, tail.size - size)
+    table = seektable.parse(tail.last(size, "zstd: seek table")[-size:])
+    # Every frame but the last holds the first's raw bytes, the last the rest, 1..first of
+    # them; a frame stores MIN_FRAME to stored_bound(its raw length) bytes.
+    first = int(table.raw_len[0])
+    last = raw_size - (frames - 1) * first
+    full = zstdframes.MIN_FULL_FRAME <= first <= zstdframes.MAX_FRAME_CONTENT and 0 < last <= first
+    if frames > 1 and not full:
+        raise CorruptData(f"zstd: seek table of {frames} frames of {first} bytes")
+    _check_columns(
+        table.stored_len,
+        table.raw_len,
+        (first, last),
+        (seektable.MIN_FRAME, seektable.MIN_FRAME),
+        (zstdframes.stored_bound(first), zstdframes.stored_bound(last)),
+        tail.size - size,
+        "zstd: seek table",
+    )
+    blocks = Blocks(first, raw_size, 0, table.stored_len, table.check)
     return BlockIndex("zstd", raw_size, tail.size, blocks)
 
 
-def _blocks(rows: list[tuple[int, int]], stored_start: int) -> tuple[Block, ...]:
-    found = []
-    raw = 0
-    for i, (stored_len, raw_len) in enumerate(rows):
-        found.append(Block(i, raw, raw_len, stored_start, stored_len))
-        raw += raw_len
-        stored_start += stored_len
-    return tuple(found)
+def _check_frame_count(frames: int, raw_size: int, stored: int) -> None:
+    """Before any entry is fetched or read: the encoder writes one frame per block of at least
+    MIN_FULL_FRAME and at most MAX_FRAME_CONTENT raw bytes (one empty frame for an empty
+    file), each of MIN_FRAME to stored_bound(its raw length) bytes; `stored` is what the
+    frames must fill."""
+    most = max(1, -(-raw_size // zstdframes.MIN_FULL_FRAME))
+    least = max(1, -(-raw_size // zstdframes.MAX_FRAME_CONTENT))
+    if not least <= frames <= most:
+        raise CorruptData(f"zstd: seek table of {frames} frames for {raw_size} raw bytes")
+    # stored_bound summed over the frames: sum(raw >> 8) <= raw_size >> 8; margins <= 64 each.
+    bound = raw_size + (raw_size >> 8) + frames * zstdframes.stored_bound(0)
+    if not frames * seektable.MIN_FRAME <= stored <= bound:
+        raise CorruptData(f"zstd: seek table of {frames} frames in {stored} bytes of frames")
 
 
 def decode_block(

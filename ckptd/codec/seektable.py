@@ -9,6 +9,9 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from ckptd.errors import CorruptData
 
 SKIPPABLE_FIRST = 0x184D2A50  # skippable frames: any magic 0x184D2A50..0x184D2A5F
@@ -27,11 +30,20 @@ SKIP_HEADER_SIZE = _SKIP.size
 FOOTER_SIZE = _FOOTER.size
 
 
+Column = npt.NDArray[np.uint32]
+
+
 @dataclass(frozen=True)
-class Entry:
-    stored_len: int
-    raw_len: int
-    check: int | None  # low 32 bits of XXH64 of the frame's content (its zstd checksum)
+class Table:
+    """A seek table's columns, one element per frame: views of the table's bytes (no Python
+    object per entry, however many the table lists)."""
+
+    stored_len: Column
+    raw_len: Column
+    check: Column | None  # low 32 bits of XXH64 of each frame's content (its zstd checksum)
+
+    def __len__(self) -> int:
+        return len(self.stored_len)
 
 
 def skippable(head: bytes | memoryview) -> tuple[int, int] | None:
@@ -72,18 +84,19 @@ def table_size(frames: int, checked: bool) -> int:
     return SKIP_HEADER_SIZE + frames * entry + FOOTER_SIZE
 
 
-def parse(table: bytes | memoryview) -> list[Entry]:
-    """Every entry of a whole seek table frame (header, entries, footer), its framing checked."""
+def parse(table: bytes | memoryview) -> Table:
+    """Every entry of a whole seek table frame (header, entries, footer), its framing checked;
+    the entries' values are the caller's to check (see `ckptd.codec.index`)."""
     frames, checked = parse_footer(table[-FOOTER_SIZE:])
     if len(table) != table_size(frames, checked):
         raise CorruptData(f"zstd: seek table of {len(table)} bytes for {frames} frames")
     magic, size = _SKIP.unpack_from(table)
     if magic != TABLE_MAGIC or size != len(table) - SKIP_HEADER_SIZE:
         raise CorruptData(f"zstd: seek table frame header {magic:#x}/{size} does not match")
-    body = table[SKIP_HEADER_SIZE:-FOOTER_SIZE]
-    if checked:
-        return [Entry(int(s), int(r), int(c)) for s, r, c in _WITH_CHECK.iter_unpack(body)]
-    return [Entry(int(s), int(r), None) for s, r in _NO_CHECK.iter_unpack(body)]
+    columns = 3 if checked else 2
+    rows = np.frombuffer(table, dtype="<u4", count=frames * columns, offset=SKIP_HEADER_SIZE)
+    rows = rows.reshape(frames, columns)
+    return Table(rows[:, 0], rows[:, 1], rows[:, 2] if checked else None)
 
 
 def strip_checks(rows: bytes | bytearray, checked: bool) -> bytes:

@@ -20,6 +20,15 @@ COPY_CHUNK = 1 << 20
 ZSTD_HEADER_MAX = 18
 # Our zstd frames each hold one block; refusing bigger ones keeps memory bounded on hostile input.
 MAX_FRAME_CONTENT = frame.MAX_BLOCK
+# Every frame but the last holds the encoder's block size, which is at least this.
+MIN_FULL_FRAME = frame.MIN_BLOCK
+_BOUND_MARGIN = 128 << 10
+
+
+def stored_bound(raw: int) -> int:
+    """The most stored bytes a zstd frame of `raw` content bytes takes, header and checksum
+    included: zstd's own ZSTD_COMPRESSBOUND, which every frame ckptd writes stays within."""
+    return raw + (raw >> 8) + ((_BOUND_MARGIN - raw) >> 11 if raw < _BOUND_MARGIN else 0)
 
 
 def frame_params(data: bytes | memoryview, where: str) -> zstandard.FrameParameters:
