@@ -44,14 +44,23 @@ def frame_params(data: bytes | memoryview, where: str) -> zstandard.FrameParamet
 
 class FrameStream:
     """One pass over a `zstd` object: frames decoded in order, skippable frames skipped, and a
-    seek table (ckptd writes one last) checked against the frames it describes."""
+    seek table (ckptd writes one last) checked against the frames it describes.
+
+    Only frame lists ckptd's encoder writes are read: every frame but the last holds as many
+    raw bytes as the first (the block size, at least MIN_FULL_FRAME), the last 1 to that many
+    (an empty frame only alone), each in at most `stored_bound` of its content bytes; at most
+    one skippable frame more than the frames before it. So the work is bounded by the bytes
+    written, and input is consumed through an offset into the buffered chunk, never by copying
+    what is left of it, so many small frames cost no more than few large ones."""
 
     def __init__(self, src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None]) -> None:
         self.src, self.dst, self.cb = src, dst, cb
         self.dctx = zstandard.ZstdDecompressor()
-        self.data = b""
+        self.buf, self.pos = b"", 0  # the input read and not yet consumed: buf[pos:]
         self.eof = False
-        self.total = self.frames = self.unchecked = 0
+        self.total = self.frames = self.unchecked = self.skipped = 0
+        self.first = 0  # raw bytes of the first frame: the block size, if more frames follow
+        self.ended = False  # a frame that must be the last one was decoded
         self.rows = bytearray()  # what a seek table must say: 12 bytes per frame
         self.table_seen = False
 
@@ -59,7 +68,7 @@ class FrameStream:
         while self._fill(ZSTD_HEADER_MAX):
             if self.table_seen:
                 raise CorruptData("zstd: data after the seek table")
-            skip = seektable.skippable(self.data[: seektable.SKIP_HEADER_SIZE])
+            skip = seektable.skippable(self._view(seektable.SKIP_HEADER_SIZE))
             if skip is None:
                 self._frame()
             else:
@@ -69,19 +78,31 @@ class FrameStream:
         return self.total
 
     def _fill(self, size: int) -> bool:
-        """Buffer at least `size` bytes if the input has them; whether any are buffered."""
-        while len(self.data) < size and not self.eof:
+        """Buffer at least `size` bytes if the input has them; whether any are buffered. Only
+        called with less than `size` left, so what is kept is a few bytes, not a chunk."""
+        while len(self.buf) - self.pos < size and not self.eof:
             more = self.src.read(COPY_CHUNK)
             self.eof = not more
-            self.data += more
-        return bool(self.data)
+            self.buf, self.pos = self.buf[self.pos :] + more, 0
+        return len(self.buf) > self.pos
+
+    def _view(self, most: int) -> memoryview:
+        """Up to `most` buffered bytes, not consumed."""
+        return memoryview(self.buf)[self.pos : self.pos + most]
 
     def _frame(self) -> None:
         where = f"zstd: frame {self.frames} (raw offset {self.total})"
-        params = frame_params(self.data, where)
+        params = frame_params(self._view(ZSTD_HEADER_MAX), where)
+        self._check_content(params.content_size, where)
+        room = stored_bound(params.content_size)  # no frame ckptd writes is longer
         dobj = self.dctx.decompressobj()
-        data, stored, written, last = self.data, 0, 0, b""
+        stored, written, last = 0, 0, b""
         while True:
+            if stored == room:
+                raise CorruptData(f"{where}: over {room} stored bytes for its content")
+            if not self._fill(1):
+                raise CorruptData(f"{where}: truncated")
+            data = self._view(room - stored)
             try:
                 out = dobj.decompress(data)
             except zstandard.ZstdError as err:
@@ -91,14 +112,11 @@ class FrameStream:
                 self.cb(len(out))
                 written += len(out)
             used = len(data) - len(dobj.unused_data) if dobj.eof else len(data)
+            self.pos += used
             stored += used
-            last = (last + data[max(0, used - 4) : used])[-4:]
+            last = (last + bytes(data[max(0, used - 4) : used]))[-4:]
             if dobj.eof:
-                self.data = dobj.unused_data
                 break
-            data = self.src.read(COPY_CHUNK)
-            if not data:
-                raise CorruptData(f"{where}: truncated")
         if written != params.content_size:
             raise CorruptData(f"{where}: decoded {written} bytes, declared {params.content_size}")
         check = int.from_bytes(last, "little") if params.has_checksum else 0
@@ -107,16 +125,35 @@ class FrameStream:
         self.frames += 1
         self.total += written
 
+    def _check_content(self, size: int, where: str) -> None:
+        """A frame of `size` raw bytes where the encoder could have written it."""
+        if self.frames == 0:
+            self.first = size
+            self.ended = size < MIN_FULL_FRAME  # smaller than any block size: the only frame
+        elif self.ended:
+            raise CorruptData(f"{where}: a frame of {size} bytes after the last frame")
+        elif not 0 < size <= self.first:
+            raise CorruptData(f"{where}: a frame of {size} bytes after frames of {self.first}")
+        else:
+            self.ended = size < self.first
+
     def _skippable(self, magic: int, size: int) -> None:
         """Skip a skippable frame in bounded memory; a seek table's is checked on the way."""
-        self.data = self.data[seektable.SKIP_HEADER_SIZE :]
+        self.skipped += 1
+        if self.skipped > self.frames + 1:
+            raise CorruptData(
+                f"zstd: skippable frame {self.skipped} after {self.frames} frames: more than "
+                "one besides the frames"
+            )
+        self.pos += seektable.SKIP_HEADER_SIZE
         digest, last, left = xxhash.xxh64(), b"", size
         while left:
             if not self._fill(1):
                 raise CorruptData(f"zstd: skippable frame after frame {self.frames}: truncated")
-            piece, self.data = self.data[:left], self.data[left:]
+            piece = self._view(left)
+            self.pos += len(piece)
             digest.update(piece)
-            last = (last + piece[-seektable.FOOTER_SIZE :])[-seektable.FOOTER_SIZE :]
+            last = (last + bytes(piece[-seektable.FOOTER_SIZE :]))[-seektable.FOOTER_SIZE :]
             left -= len(piece)
         if magic == seektable.TABLE_MAGIC:
             self._check_table(size, digest, last)
