@@ -11,6 +11,7 @@ import struct
 import subprocess
 import tracemalloc
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +143,24 @@ def test_covering_finds_exactly_the_overlapping_blocks() -> None:
     for bad in ((-1, 3), (3, 2), (0, len(data) + 1)):
         with pytest.raises(ValueError):
             index.covering(*bad)
+
+
+@pytest.mark.parametrize("codec", ["zstd", "zstd-bytegroup"])
+def test_blocks_are_a_sequence_made_from_the_arrays(codec: str) -> None:
+    data = floats(6 * KIB + 5)
+    _, stored = encode(data, codec, KIB)
+    index = Object(stored).index(codec, len(data))
+    assert index is not None
+    blocks = list(index.blocks)
+    assert [b.index for b in blocks] == list(range(7)) and index.covering(0, len(data)) == blocks
+    assert index.blocks[-1] == blocks[6] and index.blocks[1:3] == blocks[1:3]
+    assert index.blocks[::3] == blocks[::3] and index.blocks[5:2] == []
+    assert all(a.stored_start + a.stored_len == b.stored_start for a, b in pairwise(blocks))
+    assert all(b.raw_start == b.index * KIB for b in blocks) and blocks[6].raw_len == 5
+    assert (blocks[0].check is None) == (codec == "zstd-bytegroup")
+    for bad in (7, -8):
+        with pytest.raises(IndexError):
+            index.blocks[bad]
 
 
 def test_decode_block_writes_a_numpy_buffer_in_place() -> None:

@@ -59,18 +59,27 @@ class Blocks(Sequence[Block]):
     def __getitem__(self, i: slice) -> Sequence[Block]: ...
 
     def __getitem__(self, i: int | slice) -> Block | Sequence[Block]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
         count = len(self)
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(count)
+            if step == 1:
+                return self.between(lo, hi)
+            return [self[j] for j in range(lo, hi, step)]
         if not -count <= i < count:
             raise IndexError(f"block {i} of {count}")
         i %= count
-        raw_start = i * self.step
-        raw_len = self.step if i < count - 1 else self.raw_size - raw_start
-        stored_start = int(self._starts[i])
-        check = None if self._checks is None else int(self._checks[i])
-        return Block(i, raw_start, raw_len, stored_start, int(self._starts[i + 1]) - stored_start,
-                     check)
+        return self.between(i, i + 1)[0]
+
+    def between(self, lo: int, hi: int) -> list[Block]:
+        """Blocks lo..hi-1 (0 <= lo <= hi <= len), their numbers taken from the arrays at once."""
+        starts = self._starts[lo : hi + 1].tolist()
+        checks = [None] * (hi - lo) if self._checks is None else self._checks[lo:hi].tolist()
+        step, last = self.step, len(self) - 1
+        return [
+            Block(i, i * step, step if i < last else self.raw_size - i * step, start,
+                  starts[k + 1] - start, checks[k])
+            for k, (i, start) in enumerate(zip(range(lo, hi), starts, strict=False))
+        ]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Blocks):
@@ -108,7 +117,7 @@ class BlockIndex:
         if start == end:
             return []
         step, last = self.blocks.step, len(self.blocks) - 1
-        return [self.blocks[i] for i in range(start // step, min((end - 1) // step, last) + 1)]
+        return self.blocks.between(start // step, min((end - 1) // step, last) + 1)
 
 
 Fetch = Callable[[int, int], bytes]
