@@ -252,6 +252,7 @@ def _blocks(
 ) -> int:
     total = index = 0
     rows = bytearray()  # the index record this object must end with (version 3)
+    short = False  # a block of less than block_size raw bytes was read: the encoder's last
     while True:
         where = f"zstd-bytegroup: block {index}"
         marker = _read_exact(src, 4, f"{where} header")
@@ -259,9 +260,12 @@ def _blocks(
             rest = _read_exact(src, frame.END_SIZE - 4, "zstd-bytegroup: end record")
             frame.parse_end(marker + rest, index, total)
             break
+        if short:  # so every block holds a block's worth of output, however small the blocks
+            raise CorruptData(f"{where} (raw offset {total}): a block after a short, last one")
         fixed = marker + _read_exact(src, frame.BLOCK_FIXED_SIZE - 4, f"{where} header")
         rest = _read_exact(src, frame.table_size(fixed), f"{where} header")
         head = frame.parse_block_header(fixed, rest, index, block_size, reader.version)
+        short = head.raw_len < block_size
         rows += frame.pack_entry(len(fixed) + len(rest) + head.stored_len, head.raw_len)
         total += _put(dst, reader.decode(src, head, index, total), cb)
         index += 1
