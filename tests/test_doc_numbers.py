@@ -14,6 +14,7 @@ from support.docs import DOCS, ROOT, MiB, doc_lines, spec, where
 
 from ckptd import inputs
 from ckptd.api import checks, door, server
+from ckptd.codec import frame, seektable, zstdframes
 from ckptd.config import UploadConfig
 from ckptd.remote import holds
 from ckptd.service import discovery, persist, supervisor
@@ -67,6 +68,14 @@ CLAIMS: list[tuple[str, str, Callable[[], tuple[float, ...]], tuple[Number, ...]
     ("docs/OPERATIONS.md", r"`WatchdogSec=(\d+)`. The daemon pings systemd every (\d+) s",
      lambda: (float(_unit()["WatchdogSec"]), float(_unit()["WatchdogSec"]) / 2), (_n, _n)),
     ("README.md", r"body over (\d+) MiB", lambda: (server.MAX_BODY,), (_mib,)),
+    ("docs/FORMAT.md", r"\((\d+) bytes: a width-1 header and one byte; a zstd frame: (\d+)\)",
+     lambda: (frame.MIN_BLOCK_STORED, seektable.MIN_FRAME), (_n, _n)),
+    ("docs/FORMAT.md", r"at most `raw_size` plus (\d+) bytes a block",
+     lambda: (frame.MAX_BLOCK_HEADER,), (_n,)),
+    ("docs/FORMAT.md", r"\((\d+) to raw \+ (\d+); a frame (\d+) to",
+     lambda: (frame.MIN_BLOCK_STORED, frame.MAX_BLOCK_HEADER, seektable.MIN_FRAME), (_n, _n, _n)),
+    ("docs/FORMAT.md", r"the block size, at least (\d+) KiB\)",
+     lambda: (zstdframes.MIN_FULL_FRAME,), (lambda s: float(s) * 1024,)),
     ("docs/OPERATIONS.md", r"gives in-flight stages (\d+) s to finish",
      lambda: (_daemon_constant("STOP_GRACE_S"),), (_n,)),
     ("docs/DESIGN.md", r"doubles from ([\d.]+) s up to (\d+) s \(and starts over once it ran"
