@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import os
 import pickle
 from collections.abc import Callable, Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import pytest
@@ -28,6 +27,7 @@ from test_remote_read_hostile import (
     ckptd_error,
     failure,
     lie_in_manifest,
+    list_in_meta,
     load,
     load_error,
     manifest,
@@ -270,11 +270,7 @@ def test_a_native_file_claiming_a_petabyte_is_refused_before_any_memory(remote: 
     owner lies in `meta.json` too (its hash sealed in the manifest), so the claim gets past the
     loader's check that the two agree and reaches the object's own."""
     k = KINDS["native"]
-    with ckptd.open(k.root, k.step, k.small, remote=url_of(remote)) as f:
-        meta = json.loads(f.read())
-    (listed,) = [e for e in meta["files"] if e["path"] == PurePosixPath(k.data).name]
-    listed["size"] = 1 << 50
-    replace_file(remote, k, k.small, json.dumps(meta).encode())
+    list_in_meta(remote, k, k.data, 1 << 50)
     lie_in_manifest(remote, k, k.data, size=1 << 50)
     _obj, f = stored(remote, k, k.data)
     ckptd_error(load_error(k, url_of(remote)), CorruptData, f.key, str(1 << 50))

@@ -18,7 +18,7 @@ import struct
 import time
 import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -272,6 +272,17 @@ def replace_file(remote: Path, kind: Kind, path: str, data: bytes) -> StoredFile
     return new
 
 
+def list_in_meta(remote: Path, kind: Kind, path: str, size: int) -> None:
+    """A native step's `meta.json` made to list `path` at `size` (its hash sealed in the
+    manifest): a hostile bucket's owner keeps the two agreeing, so what the test puts in the
+    file reaches the loader's check of the file itself."""
+    with ckptd.open(kind.root, kind.step, kind.small, remote=url_of(remote)) as f:
+        meta = json.loads(f.read())
+    (listed,) = [e for e in meta["files"] if e["path"] == PurePosixPath(path).name]
+    listed["size"] = size
+    replace_file(remote, kind, kind.small, json.dumps(meta).encode())
+
+
 def test_dcp_metadata_that_names_os_system_is_refused(remote: Path, tmp_path: Path) -> None:
     k = KINDS["dcp"]
     marker = tmp_path / "ran"
@@ -287,6 +298,7 @@ def test_a_native_file_that_names_os_system_is_refused(remote: Path, tmp_path: P
     buf = io.BytesIO()
     torch.save({"weight": torch.zeros(2), "x": Boom(marker)}, buf)
     replace_file(remote, k, k.data, buf.getvalue())
+    list_in_meta(remote, k, k.data, len(buf.getvalue()))
     exc = load_error(k, url_of(remote))
     ckptd_error(exc, ValidationFailed, k.data, "refused")
     assert not marker.exists()
