@@ -84,7 +84,8 @@ class Daemon:
         cfg = self.config
         self.store = store = self._store_factory(cfg.daemon.state_dir / "state.db")
         store.set_policies({r.name: policy_of(r) for r in cfg.roots})
-        recovery.recover(store, cfg)
+        nets = threading.RLock()  # pins, readers' holds and every delete read the nets under it
+        recovery.recover(store, cfg, nets)
         # The socket before the roots: an unusable socket dir stops the start (exit 78)
         # before this daemon takes any root's lease.
         sock, self._socket_inherited = recovery.listen_socket(cfg.daemon)
@@ -95,20 +96,22 @@ class Daemon:
         acting = leases.acting
         self.retention = RetentionService(store, acting, self.backends.get,
                                           node=cfg.daemon.node_id, calls=self.supervisor.calls,
+                                          nets=nets,
                                           bound_s=(self._stage_bounds or {}).get(
                                               "retention", RETENTION_S))
         self.scanner = Scanner(store, acting, lambda: self.config.daemon.scan_interval,
                                cfg.daemon.polling, self.metrics, self.retention.exclusive,
                                may_adopt=leases.fresh, clock=self.clock)
         self.workers = Workers(store, acting, cfg.daemon.workers, self.scanner.wake,
-                               self.backends.get, self.metrics, node=cfg.daemon.node_id,
+                               self.backends.get, self.metrics, nets=self.retention.nets,
+                               node=cfg.daemon.node_id,
                                calls=self.supervisor.calls, bounds=self._stage_bounds)
         self.discovery = Discovery(store, acting, self.backends.get, self.metrics,
                                    calls=self.supervisor.calls, bound_s=(
                                        self._stage_bounds or {}).get("discover", DISCOVER_S),
                                    clock=self.clock)
         self.effects = Effects(store, acting, self.changes, self.workers, self.retention,
-                               self.scanner)
+                               self.scanner, self.retention.nets)
         self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention,
                                                       leases.holds, self.clock.time()))
         self.metrics.set_health(lambda: (self.ctx.state() == "degraded",

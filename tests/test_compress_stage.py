@@ -17,6 +17,7 @@ import layout_writers as w
 import numpy as np
 import pytest
 import torch
+from support.nets import no_nets
 from support.wait import wait_until
 from test_layouts_real import CASES, detect
 from writers import flip_byte, member_data_offset, truncate
@@ -47,12 +48,10 @@ HERE = Path(__file__).resolve().parent
 def stager(root: Path, cand: Candidate, codec: str = "auto", threads: int = 1) -> Stager:
     """As the daemon builds it: the executor installs the copy (over a superseded one)."""
     return Stager(root, "r", cand.step, cand.layout, codec, 3, threads, 0.03,
-                  install=partial(executor.install_copy, root, cand.step))
+                  install=partial(executor.install_copy, root, cand.step, nets=no_nets()))
 
 
-NO_NETS = executor.Guards(latest_step=None, best_step=None, pinned=frozenset(),
-                          in_use=frozenset(), remote_verified=frozenset(),
-                          upload_configured=False)
+NO_NETS = no_nets()
 
 
 def replace_originals(root: Path, manifest: Manifest, paths: list[str],

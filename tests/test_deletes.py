@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from support.ckpts import save_single
+from support.nets import FixedNets
 from support.wait import wait_until
 from support.wire import cli
 
@@ -175,12 +176,12 @@ def test_executor_delete_calls_are_its_only_callers_of_delete_step() -> None:
 # --- the executor's entry points, behind their nets -------------------------------------------
 
 
-def nets(**kw: Any) -> executor.Guards:
+def nets(**kw: Any) -> FixedNets:
     base: dict[str, Any] = {"latest_step": None, "best_step": None, "pinned": frozenset(),
                             "in_use": frozenset(), "remote_verified": frozenset(),
                             "upload_configured": False}
     base.update(kw)
-    return executor.Guards(**base)
+    return FixedNets(executor.Guards(**base))
 
 
 def staged(root: Path, step: int, n: int = 64) -> tuple[Path, Manifest]:
@@ -189,7 +190,7 @@ def staged(root: Path, step: int, n: int = 64) -> tuple[Path, Manifest]:
     rel = path.name
     cand = Candidate("single", step, rel, (rel,), complete=True)
     st = compress.Stager(root, "r", step, "single", "zstd", 3, 1, 0.03,
-                         install=partial(executor.install_copy, root, step))
+                         install=partial(executor.install_copy, root, step, nets=nets()))
     result = validate(root, cand, extra_sinks=st.sinks_for)
     assert result.valid, result
     return path, st.commit(result.files, result.metrics)
@@ -223,6 +224,71 @@ def test_release_copy_nets(tmp_path: Path) -> None:
     assert out.action == "deleted" and out.bytes_freed > 0 and not copy.exists()
     assert os.listdir(trash.trash_dir_for(root)) == []
     assert (root / "model_step_1.pt").is_file()
+
+
+def test_a_copy_another_owner_trashed_first_is_gone_not_failed(tmp_path: Path) -> None:
+    """Two owners of one copy's delete: the copy release after an upload (the effects hook)
+    and retention's prune of the step. The one that looked first finds, when it moves, the
+    copy already in the trash through the other: its delete is done, not `prune_failed`."""
+    root = tmp_path / "root"
+    root.mkdir()
+    staged(root, 1)
+    real_root = root.resolve()
+    trash_real = trash.own_trash(real_root)
+    # The first owner has looked: the copy is there, and its move is planned.
+    planned = trash.dir_move(real_root, ".ckptd/objects/step-1", [], trash_real)
+    assert [name for name, _ in planned] == [".ckptd/objects/step-1"]
+    # The other owner goes first, through the executor.
+    out = executor.release_copy(root, copy_of(1), nets())
+    assert out.action == "deleted" and out.bytes_freed > 0
+    # Then the first one's move: nothing is left to move, which is a done delete.
+    assert trash.move_into_trash(real_root, 1, planned, trash_real) is None
+    assert os.listdir(trash.trash_dir_for(root)) == []
+    assert not copies.objects_dir(root, 1).exists() and (root / "model_step_1.pt").is_file()
+
+
+def test_every_delete_reads_its_nets_under_the_lock(tmp_path: Path) -> None:
+    """Each entry point reads its guards itself, under the lock pins and holds take, and
+    moves before letting go: a pin landing right after the reading waits for the delete."""
+    root = tmp_path / "root"
+    root.mkdir()
+    staged(root, 1)
+    lock = threading.RLock()
+    seen: list[bool] = []
+
+    def at_read() -> None:  # inside held(): the lock is this thread's; the copy still there
+        seen.append(copies.objects_dir(root, 1).is_dir())
+        assert lock._is_owned()  # type: ignore[attr-defined]
+
+    held = FixedNets(nets().guards, lock=lock, on_read=at_read)
+    out = executor.release_copy(root, copy_of(1), held)
+    assert out.action == "deleted" and held.reads == 1 and seen == [True]
+    assert not lock._is_owned()  # type: ignore[attr-defined]
+
+
+def test_guards_are_built_only_where_the_store_is_read_under_the_lock() -> None:
+    """Nobody builds guards by hand (once with latest, best and pins left empty): `Guards` is
+    made in `views.guards_for` only, and that is called by `StoreNets.held` only, under the
+    lock; the executor takes a `Nets`, never a `Guards`."""
+    built: list[str] = []
+    for path in sorted(CKPTD.rglob("*.py")):
+        module = path.relative_to(CKPTD.parent).as_posix()
+
+        def walk(node: ast.AST, scope: list[str]) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    walk(child, [*scope, child.name])
+                    continue
+                if isinstance(child, ast.Call):
+                    f = child.func
+                    name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                    if name in ("Guards", "guards_for"):
+                        built.append(f"{module}:{'.'.join(scope)}: {name}")  # noqa: B023
+                walk(child, scope)
+
+        walk(ast.parse(path.read_text(), str(path)), [])
+    assert sorted(built) == ["ckptd/retention/views.py:StoreNets.held: guards_for",
+                             "ckptd/retention/views.py:guards_for: Guards"], built
 
 
 def test_release_copy_refuses_anything_but_a_copy(tmp_path: Path) -> None:

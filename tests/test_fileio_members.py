@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import writers
 from support.ckpts import save_single
+from support.nets import no_nets
 
 from ckptd.copies.store import check_replaceable
 from ckptd.errors import UnsafePath
@@ -46,7 +47,7 @@ def _staged(root: Path) -> tuple[str, Manifest]:
     rel = save_single(root, 1).name
     cand = Candidate("single", 1, rel, (rel,), complete=True)
     st = compress.Stager(root, "r", 1, "single", "zstd", 3, 1, 0.03,
-                         install=partial(executor.install_copy, root, 1))
+                         install=partial(executor.install_copy, root, 1, nets=no_nets()))
     result = validate(root, cand, extra_sinks=st.sinks_for)
     assert result.valid, result
     return rel, st.commit(result.files, result.metrics)

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
+from support.nets import fixed
 
 from ckptd.backends import Backend, LocalBackend
 from ckptd.errors import TransientError
@@ -104,7 +105,7 @@ def run_local(
     where: Path, p: Plan, targets: list[Target], guards: Guards = OPEN, **kw: Any
 ) -> list[Outcome]:
     by_step = {t.step: t for t in targets}
-    return execute_local(where, p, by_step, guards, trash_dir_for(where), **kw)
+    return execute_local(where, p, by_step, fixed(guards), trash_dir_for(where), **kw)
 
 
 def events(logs: Sequence[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
@@ -327,7 +328,7 @@ def test_a_parent_symlink_leaving_the_root_is_refused(root: Path) -> None:
 def test_a_trash_dir_outside_the_root_is_a_caller_error(root: Path, tmp_path: Path) -> None:
     t = dir_ckpt(root, 1)
     with pytest.raises(ValueError):
-        execute_local(root, deletes(1), {1: t}, OPEN, tmp_path / "trash")
+        execute_local(root, deletes(1), {1: t}, fixed(OPEN), tmp_path / "trash")
     assert presence(root, t) == "all"
 
 
@@ -337,7 +338,7 @@ def test_a_trash_dir_outside_the_root_is_a_caller_error(root: Path, tmp_path: Pa
 @pytest.mark.parametrize("make", [dir_ckpt, split_ckpt])
 def test_crash_between_trash_and_purge_then_startup_purges(root: Path, make: Any) -> None:
     t, other = make(root, 10), make(root, 11)
-    record = trash(root, t, OPEN, trash_dir_for(root))
+    record = trash(root, t, fixed(OPEN), trash_dir_for(root))
     assert isinstance(record, TrashRecord) and record.bytes in (350, 60)
     # "Crash" here: nothing purged. The checkpoint is wholly gone from its place.
     assert presence(root, t) == "none" and presence(root, other) == "all"
@@ -349,14 +350,14 @@ def test_crash_between_trash_and_purge_then_startup_purges(root: Path, make: Any
 
 def test_trash_then_purge_by_hand(root: Path) -> None:
     t = split_ckpt(root, 1)
-    record = trash(root, t, OPEN, trash_dir_for(root))
+    record = trash(root, t, fixed(OPEN), trash_dir_for(root))
     assert isinstance(record, TrashRecord) and sorted(record.moved) == sorted(t.files)
     assert purge(record) == 60 and trash_entries(root) == []
 
 
 def test_trash_refuses_like_the_executor(root: Path) -> None:
     t = dir_ckpt(root, 1)
-    got = trash(root, t, replace(OPEN, pinned=frozenset({1})), trash_dir_for(root))
+    got = trash(root, t, fixed(replace(OPEN, pinned=frozenset({1}))), trash_dir_for(root))
     assert got == Outcome(1, "local", "refused", "pinned") and presence(root, t) == "all"
 
 
@@ -391,7 +392,7 @@ def test_a_failed_removal_after_recording_reports_trashed(root: Path) -> None:
 
 def test_restore_puts_every_member_back(root: Path) -> None:
     t = dir_ckpt(root, 2)
-    record = trash(root, t, OPEN, trash_dir_for(root))
+    record = trash(root, t, fixed(OPEN), trash_dir_for(root))
     assert isinstance(record, TrashRecord)
     restore(record)
     assert presence(root, t) == "all" and trash_entries(root) == []
@@ -417,7 +418,7 @@ def test_purge_trash_puts_nothing_back_outside_the_root(root: Path) -> None:
 
 
 CHILD = """
-import os, sys
+import contextlib, os, sys
 from pathlib import Path
 from ckptd.log import configure
 from ckptd.model import Local, Remote
@@ -429,6 +430,11 @@ root, mode = Path(sys.argv[1]), sys.argv[2]
 files = tuple(f"ckpt/step_10_{p}.pt" for p in ("meta", "model", "optim"))
 target = executor.Target(10, files[1], files, Local.PRESENT, Remote.NONE, is_dir=False)
 guards = executor.Guards(None, None, frozenset(), frozenset(), frozenset(), False)
+
+class Nets:
+    @contextlib.contextmanager
+    def held(self):
+        yield guards
 
 def block(word):
     print(word, flush=True)
@@ -442,7 +448,7 @@ if mode == "mid-move":
             block("moved-one")
     os.rename = rename
 
-record = executor.trash(root, target, guards, trash.trash_dir_for(root))
+record = executor.trash(root, target, Nets(), trash.trash_dir_for(root))
 block("trashed")
 """
 
@@ -531,7 +537,7 @@ def test_remote_deletes_manifest_first_and_reports_bytes(remote: Backend) -> Non
     g = replace(OPEN, latest_step=500, remote_verified=frozenset({100, 200, 300, 400, 500}))
     delete = ManifestFirst()
     with capture_logs() as logs:
-        out = execute_remote(remote, "llm", remote_deletes(100, 200), g, delete)
+        out = execute_remote(remote, "llm", remote_deletes(100, 200), fixed(g), delete)
     assert [(o.step, o.tier, o.action, o.reason) for o in out] == [
         (100, "remote", "deleted", "remote:not_kept"),
         (200, "remote", "deleted", "remote:not_kept"),
@@ -555,7 +561,7 @@ def test_remote_deletes_manifest_first_and_reports_bytes(remote: Backend) -> Non
 def test_remote_nets_hold(remote: Backend, guards: Guards, reason: str) -> None:
     g = replace(guards, remote_verified=frozenset({100, 200, 300, 400, 500}))
     with capture_logs() as logs:
-        [out] = execute_remote(remote, "llm", remote_deletes(300), g, ManifestFirst())
+        [out] = execute_remote(remote, "llm", remote_deletes(300), fixed(g), ManifestFirst())
     assert (out.action, out.reason) == ("refused", reason)
     assert remote_steps(remote)[300] == 3
     assert events(logs, "prune_refused")[0]["tier"] == "remote"
@@ -564,7 +570,7 @@ def test_remote_nets_hold(remote: Backend, guards: Guards, reason: str) -> None:
 def test_remote_never_deletes_the_newest_verified_or_an_unverified_step(remote: Backend) -> None:
     # 500 is uploading (objects there, not verified): an upload may be writing it.
     g = replace(OPEN, remote_verified=frozenset({100, 200, 300, 400}))
-    out = execute_remote(remote, "llm", remote_deletes(400, 500), g, ManifestFirst())
+    out = execute_remote(remote, "llm", remote_deletes(400, 500), fixed(g), ManifestFirst())
     assert [(o.step, o.action, o.reason) for o in out] == [
         (400, "refused", "latest"), (500, "refused", "not_uploaded")]
     assert sorted(remote_steps(remote)) == [100, 200, 300, 400, 500]
@@ -576,6 +582,6 @@ def test_a_failing_remote_delete_is_reported(remote: Backend) -> None:
 
     g = replace(OPEN, remote_verified=frozenset({100, 500}))
     with capture_logs() as logs:
-        [out] = execute_remote(remote, "llm", remote_deletes(100), g, broken)
+        [out] = execute_remote(remote, "llm", remote_deletes(100), fixed(g), broken)
     assert (out.action, out.reason) == ("failed", "503 slow down")
     assert events(logs, "prune_failed")[0]["tier"] == "remote"

@@ -271,7 +271,8 @@ def test_the_api_runs_retention_on_the_retention_thread_or_answers_503(
     metrics = Metrics(process=False)
     ctx = ApiContext(setup.store, roots, Changes(),
                      Scanner(setup.store, roots, lambda: 30.0, False, metrics),
-                     Workers(setup.store, roots, 0, lambda: None, lambda root: None, metrics),
+                     Workers(setup.store, roots, 0, lambda: None, lambda root: None, metrics,
+                             nets=svc.nets),
                      svc, Discovery(setup.store, roots, lambda root: None), Supervisor(),
                      metrics)
     server = UnixHttpServer(bind_socket(short_dir / "api.sock"), ctx)

@@ -368,10 +368,12 @@ def test_compressed_latest_is_restored_then_loaded(tmp_path: Path) -> None:
     stager = compress.Stager(tmp_path, "r", 4, "native", "auto", 3, 1, 0.03)
     result = validate(tmp_path, cand, extra_sinks=stager.sinks_for)
     manifest = stager.commit(result.files, result.metrics)
+    from support.nets import no_nets
+
     from ckptd.model import Local, Remote
     from ckptd.retention import executor
 
-    nets = executor.Guards(None, None, frozenset(), frozenset(), frozenset(), False)
+    nets = no_nets()
     target = executor.Target(4, cand.path, tuple(cand.files), Local.PRESENT, Remote.NONE, False)
     out = executor.replace_originals(tmp_path, target, nets, lambda: copies.check_replaceable(
         tmp_path, manifest, list(cand.files)))

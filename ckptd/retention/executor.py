@@ -1,6 +1,8 @@
 """The retention executor: the only code that deletes checkpoint bytes, each act an entry point
-behind the safety nets (`nets`), locally through the trash (`trash`). Never imports the store,
-the scheduler or a stage; never follows a symlink; never decides what to delete or compresses.
+behind the safety nets (`nets`), locally through the trash (`trash`). Every entry point reads its
+own guards, under the lock that pins and readers' holds take (`Nets.held`): no caller hands it
+guards. Never imports the store, the scheduler or a stage; never follows a symlink; never
+decides what to delete or compresses.
 """
 
 from __future__ import annotations
@@ -8,9 +10,10 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from ckptd import fileio
 from ckptd.backends import Backend, ObjectMeta
@@ -30,7 +33,7 @@ from ckptd.retention.nets import (
     Refusal,
     check_nets,
 )
-from ckptd.retention.nets import Guards as Guards  # every entry point's nets, read just before
+from ckptd.retention.nets import Guards as Guards  # what `Nets.held` yields
 from ckptd.retention.planner import Action, Plan, PlanItem
 from ckptd.retention.trash import TrashRecord
 
@@ -40,6 +43,13 @@ DeleteStep = Callable[[Backend, str, int], object]  # its result is ignored
 OnTrashed = Callable[[int, Path], None]
 
 
+class Nets(Protocol):
+    """Where an entry point reads its guards: `held()` takes the lock that pins and readers'
+    holds take, and yields the guards read from the store under it; the entry point checks
+    them and deletes before it lets go, so no pin or hold lands in between. The daemon's one
+    is `views.StoreNets`; nothing else in ckptd builds Guards."""
+
+    def held(self) -> AbstractContextManager[Guards]: ...
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,7 @@ def execute_local(
     root_dir: Path,
     plan: Plan,
     targets: Mapping[int, Target],
-    guards: Guards,
+    nets: Nets,
     trash_dir: Path,
     *,
     on_trashed: OnTrashed | None = None,
@@ -100,25 +110,30 @@ def execute_local(
     # A caller bug fails before any move.
     trashcan.trash_location(Path(root_dir).resolve(), trash_dir)
     out: list[Outcome] = []
-    for item in plan.items:
-        if item.local is Action.COMPRESS:
-            out.append(Outcome(item.step, "local", "deferred", "compress"))
-        elif item.local is Action.DELETE:
-            target = targets.get(item.step)
-            out.append(_delete_local(root_dir, item, target, guards, trash_dir, on_trashed, log))
+    with nets.held() as guards:
+        for item in plan.items:
+            if item.local is Action.COMPRESS:
+                out.append(Outcome(item.step, "local", "deferred", "compress"))
+            elif item.local is Action.DELETE:
+                target = targets.get(item.step)
+                out.append(_delete_local(root_dir, item, target, guards, trash_dir, on_trashed,
+                                         log))
     return out
 
 
 def execute_remote(
-    backend: Backend, root_name: str, plan: Plan, guards: Guards, delete_step: DeleteStep
+    backend: Backend, root_name: str, plan: Plan, nets: Nets, delete_step: DeleteStep
 ) -> list[Outcome]:
     """Every remote delete of `plan`, oldest first, through `delete_step(backend, root, step)`
-    (which must remove the step's manifest before its data objects)."""
+    (which must remove the step's manifest before its data objects). Each step's guards are
+    read under the lock and held through its delete only: a pin waits for one step's
+    requests, never for the whole run's."""
     log = get_logger(root=root_name)
     out: list[Outcome] = []
     for item in plan.items:
         if item.remote is Action.DELETE:
-            out.append(_delete_remote(backend, root_name, item, guards, delete_step, log))
+            with nets.held() as guards:
+                out.append(_delete_remote(backend, root_name, item, guards, delete_step, log))
     return out
 
 
@@ -126,7 +141,7 @@ def execute_copies(
     root_dir: Path,
     plan: Plan,
     targets: Mapping[int, Target],
-    guards: Guards,
+    nets: Nets,
     *,
     root: str | None = None,
 ) -> list[Outcome]:
@@ -143,7 +158,7 @@ def execute_copies(
             log = get_logger(root=root or Path(root_dir).name)
             out.append(_refused(log, item.step, "copy", Refusal(NO_TARGET, "no copy recorded")))
             continue
-        got = release_copy(root_dir, target, guards, root=root)
+        got = release_copy(root_dir, target, nets, root=root)
         out.append(Outcome(got.step, "copy", got.action, got.reason, got.bytes_freed))
     return out
 
@@ -160,7 +175,7 @@ def _delete_local(
     if target is None or target.step != item.step:
         return _refused(log, item.step, "local", Refusal(NO_TARGET, "no record for this step"))
     try:
-        got = trash(root_dir, target, guards, trash_dir, log=log)
+        got = _trash(root_dir, target, guards, trash_dir, log)
     except OSError as exc:
         return _failed(log, item.step, "local", f"moving into the trash: {exc}")
     if isinstance(got, Outcome):
@@ -225,16 +240,22 @@ def _remote_bytes(backend: Backend, root_name: str, step: int) -> int:
 
 
 def trash(
-    root_dir: Path, target: Target, guards: Guards, trash_dir: Path, *, log: Any = None
+    root_dir: Path, target: Target, nets: Nets, trash_dir: Path, *, log: Any = None
 ) -> TrashRecord | Outcome:
-    """Check every net, then move the checkpoint into the trash, durably.
+    """Check every net (read under the lock), then move the checkpoint into the trash,
+    durably, before the lock is let go.
 
     Returns a TrashRecord (record "trashed" in the store, then `purge` it), or a final Outcome:
     `refused` (logged as prune_refused), or `deleted` with 0 bytes when nothing was left on
     disk. Raises OSError when a move fails; whatever had moved is put back first.
     """
-    if log is None:
-        log = get_logger(root=Path(root_dir).name)
+    with nets.held() as guards:
+        return _trash(root_dir, target, guards, trash_dir,
+                      log if log is not None else get_logger(root=Path(root_dir).name))
+
+
+def _trash(root_dir: Path, target: Target, guards: Guards, trash_dir: Path, log: Any
+           ) -> TrashRecord | Outcome:
     real_root = Path(root_dir).resolve()
     trash_real = trashcan.trash_location(real_root, trash_dir)
     try:
@@ -244,13 +265,18 @@ def trash(
         moves = trashcan.moves(real_root, target.path, target.files, target.is_dir, trash_real)
     except Refusal as refusal:
         return _refused(log, target.step, "local", refusal)
-    if not moves:
-        log.info("checkpoint_pruned", step=target.step, tier="local", reason="already gone",
-                 bytes_freed=0)
-        return Outcome(target.step, "local", "deleted", "already gone")
     record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
+    if record is None:
+        return _already_gone(log, target.step)
     log.info("checkpoint_trashed", step=target.step, tier="local", trash=str(record.entry))
     return record
+
+
+def _already_gone(log: Any, step: int) -> Outcome:
+    """Nothing left to move: another owner's delete (through this executor) got there first,
+    or the files went by hand. The delete is done; nothing failed."""
+    log.info("checkpoint_pruned", step=step, tier="local", reason="already gone", bytes_freed=0)
+    return Outcome(step, "local", "deleted", "already gone")
 
 
 # --- the other destructive acts ---------------------------------------------------------------
@@ -260,7 +286,7 @@ def trash(
 def replace_originals(
     root_dir: Path,
     target: Target,
-    guards: Guards,
+    nets: Nets,
     check: Callable[[], object],
     *,
     root: str | None = None,
@@ -273,100 +299,109 @@ def replace_originals(
     each member file moves into the trash (a directory never moves whole: files that are not
     the checkpoint's stay), the directories this emptied at and below `target.path` (or below
     the members' common directory) are removed, and the entry is purged. Returns `deleted`
-    (bytes freed), `refused` (a net, a path), or `failed` (the check, a move)."""
+    (bytes freed), `refused` (a net, a path), or `failed` (the check, a move). The lock is
+    held from the nets' reading to the last move."""
     log = get_logger(root=root or Path(root_dir).name)
     real_root = Path(root_dir).resolve()
-    try:
-        trash_real = trashcan.own_trash(real_root)
-        check_nets(target.step, "compress", guards)
-        members = list(dict.fromkeys(trashcan.relative(f) for f in target.files))
-        moves = trashcan.file_moves(real_root, members)
-    except Refusal as refusal:
-        return _refused(log, target.step, "local", refusal)
-    try:
-        check()
-    except (CkptdError, OSError) as exc:
-        return _failed(log, target.step, "local", f"originals kept: {exc}")
-    if not moves:
+    with nets.held() as guards:
+        try:
+            trash_real = trashcan.own_trash(real_root)
+            check_nets(target.step, "compress", guards)
+            members = list(dict.fromkeys(trashcan.relative(f) for f in target.files))
+            moves = trashcan.file_moves(real_root, members)
+        except Refusal as refusal:
+            return _refused(log, target.step, "local", refusal)
+        try:
+            check()
+        except (CkptdError, OSError) as exc:
+            return _failed(log, target.step, "local", f"originals kept: {exc}")
+        try:
+            record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
+        except OSError as exc:
+            return _failed(log, target.step, "local", f"moving into the trash: {exc}")
+    if record is None:
         return Outcome(target.step, "local", "deleted", "already gone")
-    try:
-        record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
-    except OSError as exc:
-        return _failed(log, target.step, "local", f"moving into the trash: {exc}")
-    trashcan.remove_emptied_dirs(real_root, target.path, [src for _, src in moves])
+    gone = set(record.moved)
+    trashcan.remove_emptied_dirs(real_root, target.path, [src for rel, src in moves if rel in gone])
     freed = trashcan.purge_or_leave(log, record)
-    log.info("originals_deleted", step=target.step, files=len(moves), bytes_freed=freed)
+    log.info("originals_deleted", step=target.step, files=len(record.moved), bytes_freed=freed)
     return Outcome(target.step, "local", "deleted", "compress", freed)
 
 
 def release_copy(
-    root_dir: Path, target: Target, guards: Guards, *, root: str | None = None
+    root_dir: Path, target: Target, nets: Nets, *, root: str | None = None
 ) -> Outcome:
     """Delete a local compressed copy the lifecycle no longer counts on (`target.path` is its
     directory, `.ckptd/objects/step-<N>`). With the originals on disk (`target.local` present)
     it is a spare and only a reader holds it ("release_copy"); without them it is the last
     local form of the checkpoint and every prune net holds it ("release_last"). A copy that is
-    the checkpoint (`compressed`) is never released. Through the trash, like every delete."""
+    the checkpoint (`compressed`) is never released. Through the trash, like every delete; a
+    copy another owner released first is "already gone", not a failure."""
     log = get_logger(root=root or Path(root_dir).name)
     if target.local is Local.COMPRESSED:
         why = Refusal(COMPRESSED, "the copy is the checkpoint's local form")
         return _refused(log, target.step, "local", why)
     act: Act = "release_copy" if target.local is Local.PRESENT else "release_last"
     real_root = Path(root_dir).resolve()
-    try:
-        trash_real = trashcan.own_trash(real_root)
-        check_nets(target.step, act, guards)
-        anchor = trashcan.relative(target.path)
-        if not anchor.startswith(f"{CKPTD_DIR}/") or not target.is_dir:
-            raise Refusal(UNSAFE_PATH, f"{anchor!r} is not a compressed copy")
-        moves = trashcan.dir_move(real_root, anchor, [], trash_real)
-    except Refusal as refusal:
-        return _refused(log, target.step, "local", refusal)
-    if not moves:
+    with nets.held() as guards:
+        try:
+            trash_real = trashcan.own_trash(real_root)
+            check_nets(target.step, act, guards)
+            anchor = trashcan.relative(target.path)
+            if not anchor.startswith(f"{CKPTD_DIR}/") or not target.is_dir:
+                raise Refusal(UNSAFE_PATH, f"{anchor!r} is not a compressed copy")
+            moves = trashcan.dir_move(real_root, anchor, [], trash_real)
+        except Refusal as refusal:
+            return _refused(log, target.step, "local", refusal)
+        try:
+            record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
+        except OSError as exc:
+            return _failed(log, target.step, "local", f"moving into the trash: {exc}")
+    if record is None:
         return Outcome(target.step, "local", "deleted", "already gone")
-    try:
-        record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
-    except OSError as exc:
-        return _failed(log, target.step, "local", f"moving into the trash: {exc}")
     freed = trashcan.purge_or_leave(log, record)
     log.info("copy_released", step=target.step, bytes_freed=freed)
     return Outcome(target.step, "local", "deleted", act, freed)
 
 
-def install_copy(root_dir: Path, step: int, staging: Path, final: Path) -> None:
+def install_copy(root_dir: Path, step: int, staging: Path, final: Path, *, nets: Nets) -> None:
     """Make the staged compressed copy `staging` the copy `final` of `step`. A copy already
     there is a superseded save's (a re-save of the step): it moves into the trash under a
-    journal, the new one is renamed in, and the old one is purged. Plain renames only: an
-    exchange of two watched directories confuses inotify watchers (watchdog loses track of
-    both and its thread dies on the next delete). A crash between the two renames leaves no
-    `final`: the copy is made again (the store then has no copy of the re-save yet)."""
+    journal, the new one is renamed in, and the old one is purged; both under the nets' lock,
+    so no other delete of the copy runs in between. Plain renames only: an exchange of two
+    watched directories confuses inotify watchers (watchdog loses track of both and its
+    thread dies on the next delete). A crash between the two renames leaves no `final`: the
+    copy is made again (the store then has no copy of the re-save yet)."""
     real_root = Path(root_dir).resolve()
     rel = posixpath.relpath(Path(final).resolve(strict=False).as_posix(), real_root.as_posix())
     record: TrashRecord | None = None
-    try:
-        trash_real = trashcan.own_trash(real_root)
-        if not rel.startswith(f"{CKPTD_DIR}/"):
-            raise Refusal(UNSAFE_PATH, f"{final} is not a compressed copy inside the root")
-        moves = trashcan.dir_move(real_root, trashcan.relative(rel), [], trash_real)
-    except Refusal as refusal:
-        raise CkptdError(f"cannot replace the compressed copy of step {step}: "
-                         f"{refusal.reason}") from None
-    if moves:
+    with nets.held():
+        try:
+            trash_real = trashcan.own_trash(real_root)
+            if not rel.startswith(f"{CKPTD_DIR}/"):
+                raise Refusal(UNSAFE_PATH, f"{final} is not a compressed copy inside the root")
+            moves = trashcan.dir_move(real_root, trashcan.relative(rel), [], trash_real)
+        except Refusal as refusal:
+            raise CkptdError(f"cannot replace the compressed copy of step {step}: "
+                             f"{refusal.reason}") from None
         record = trashcan.move_into_trash(real_root, step, moves, trash_real)
-    os.rename(staging, final)
-    fileio.fsync_dir(Path(final).parent)
+        os.rename(staging, final)
+        fileio.fsync_dir(Path(final).parent)
     if record is not None:
         trashcan.purge_or_leave(get_logger(root=real_root.name), record)
 
 
 def replace_remote(
-    backend: Backend, root_name: str, step: int, guards: Guards, delete_step: DeleteStep
+    backend: Backend, root_name: str, step: int, nets: Nets, delete_step: DeleteStep
 ) -> Outcome:
     """Delete the remote copy of `step` that an earlier save of it left, before a re-save of
     the step is uploaded in its place (manifest first, through `delete_step`). Refused while
-    a client reads the step ("replace_remote" nets)."""
+    a client reads the step ("replace_remote" nets, read under the lock, held through the
+    delete)."""
     log = get_logger(root=root_name)
-    got = _remove_remote(backend, root_name, step, "replace_remote", guards, delete_step, log)
+    with nets.held() as guards:
+        got = _remove_remote(backend, root_name, step, "replace_remote", guards, delete_step,
+                             log)
     if isinstance(got, Outcome):
         return got
     log.warning("remote_step_replaced", step=step, bytes_freed=got)
@@ -374,11 +409,19 @@ def replace_remote(
 
 
 def discard_early(backend: Backend, root_name: str, step: int,
-                  sent: Mapping[str, ObjectMeta]) -> int:
-    """Delete the objects an early sender put for `step` (`stages.early`) when the step turned
-    out invalid: only while the step is uncommitted remotely, and only each object that is
-    still the very one put (same size and etag, else mtime). Best effort: what is left is a
-    straggler the next upload of the step replaces; never raises. Returns how many went."""
+                  sent: Mapping[str, ObjectMeta], *, nets: Nets) -> int:
+    """Delete the objects an early sender put for `step` (`stages.early`) when that save of
+    the step will not commit (invalid, superseded, judged damaged): only while the step is
+    uncommitted remotely, and only each object that is still the very one put (same size and
+    etag, else mtime). Under the nets' lock like every delete (an uncommitted step has no
+    reader to guard). Best effort: what is left is a straggler the next upload of the step
+    replaces; never raises. Returns how many went."""
+    with nets.held():
+        return _discard_early(backend, root_name, step, sent)
+
+
+def _discard_early(backend: Backend, root_name: str, step: int,
+                   sent: Mapping[str, ObjectMeta]) -> int:
     log = get_logger(root=root_name)
     prefix = step_prefix(root_name, step)
     try:

@@ -15,7 +15,7 @@ from ckptd.log import get_logger
 from ckptd.model import Local, Remote
 from ckptd.remote.manifest import Manifest
 from ckptd.retention import executor
-from ckptd.retention.views import guards_for
+from ckptd.retention.views import StoreNets
 from ckptd.store import Store
 
 # After compress_older could not replace a checkpoint's originals, leave it this long.
@@ -104,7 +104,7 @@ class InPlace:
                                  rec.remote if rec else Remote.NONE, False)
         with self.exclusive, self.nets:
             out = executor.replace_originals(
-                root.path, target, guards_for(self.store, root, time.time()),
+                root.path, target, StoreNets(self.store, root, self.nets, time.time),
                 lambda: copies.check_replaceable(root.path, manifest, members, verify=False,
                                                    rehash=False),
                 root=root.name)

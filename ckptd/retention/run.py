@@ -5,7 +5,6 @@ decides nothing (the planner) and deletes nothing itself (the executor does).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -21,12 +20,11 @@ from ckptd.remote import holds
 from ckptd.remote import layout as remote
 from ckptd.retention import executor, planner, trash
 from ckptd.retention.inplace import InPlace
-from ckptd.retention.nets import Guards
 from ckptd.retention.report import RootHealth
 from ckptd.retention.views import (
+    StoreNets,
     copy_target,
     disk_of,
-    guards_for,
     local_rules,
     remote_rules,
     target_of,
@@ -78,7 +76,7 @@ class Runner:
             now = time.time()
             plan, outcomes = self._run_local(root, now, delete_adopted)
             self._record(root, [o for o in outcomes if o.action != "deferred"])
-        remote_out = self._remote(root, plan, now)
+        remote_out = self._remote(root, plan)
         self._record(root, remote_out + [o for o in outcomes if o.action == "deferred"])
         self.inplace.finish(root)
         return outcomes + remote_out
@@ -88,21 +86,20 @@ class Runner:
         records = self.store.checkpoints(root.name)
         plan = self.plan(root, now, delete_adopted, records)
         self._check_preflight(root, records, plan)
-        guards = self._guards(root, now, delete_adopted)
+        nets = self._nets(root, delete_adopted)
         targets = {r.step: target_of(root, r, self.store.members(r.id)) for r in records}
         outcomes = executor.execute_local(
-            root.path, plan, targets, guards, trash.trash_dir_for(root.path),
+            root.path, plan, targets, nets, trash.trash_dir_for(root.path),
             on_trashed=lambda step, _entry: self._pruned(root.name, step),
             root=root.name)
         copies = {r.step: copy_target(r.step, r.local, r.remote) for r in records}
-        outcomes += executor.execute_copies(root.path, plan, copies, guards, root=root.name)
+        outcomes += executor.execute_copies(root.path, plan, copies, nets, root=root.name)
         return plan, outcomes
 
     def _pruned(self, name: str, step: int) -> None:
         self.store.record(name, step, Event.PRUNED_LOCAL, time.time())
 
-    def _remote(self, root: RootConfig, plan: planner.Plan, now: float
-                ) -> list[executor.Outcome]:
+    def _remote(self, root: RootConfig, plan: planner.Plan) -> list[executor.Outcome]:
         if not any(i.remote is planner.Action.DELETE for i in plan.items):
             return []
         backend = self.backend_for(root)
@@ -110,10 +107,9 @@ class Runner:
             return []
         from ckptd.stages.upload import delete_step
 
-        guards = self._guards(root, now)
         held = self._bucket_holds(root, backend, plan)
-        guards = dataclasses.replace(guards, in_use=guards.in_use | held)
-        return executor.execute_remote(backend, root.name, plan, guards, delete_step)
+        return executor.execute_remote(backend, root.name, plan,
+                                       self._nets(root, also_in_use=held), delete_step)
 
     def _bucket_holds(self, root: RootConfig, backend: Backend, plan: planner.Plan
                       ) -> frozenset[int]:
@@ -145,8 +141,12 @@ class Runner:
             return False
         return coordinates(self.node, nodes)
 
-    def _guards(self, root: RootConfig, now: float, delete_adopted: bool = False) -> Guards:
-        return guards_for(self.store, root, now, delete_adopted)
+    def _nets(self, root: RootConfig, delete_adopted: bool = False,
+              also_in_use: frozenset[int] = frozenset()) -> StoreNets:
+        """The nets every executor call of this run reads itself, under `self.nets`;
+        `also_in_use`: steps held where the store does not see it (readers' hold objects in
+        the bucket)."""
+        return StoreNets(self.store, root, self.nets, time.time, delete_adopted, also_in_use)
 
     def _record(self, root: RootConfig, outcomes: list[executor.Outcome]) -> None:
         """Record what was done as lifecycle events; their effects (a released compressed

@@ -248,9 +248,14 @@ def remove_emptied_dirs(real_root: Path, anchor: str, moved: Sequence[Path]) -> 
 
 def move_into_trash(
     real_root: Path, step: int, moves: Moves, trash_real: Path
-) -> TrashRecord:
+) -> TrashRecord | None:
     """Journal "moving", rename every name under entry/data, fsync both sides, journal
-    "trashed". A crash before the last write leaves a "moving" entry purge_trash puts back."""
+    "trashed". A crash before the last write leaves a "moving" entry purge_trash puts back.
+
+    A name that is gone by the time it is renamed (another owner's delete got there first,
+    or a hand) is skipped: what is not there is deleted already. None when nothing moved."""
+    if not moves:
+        return None
     trash_real.mkdir(parents=True, exist_ok=True)
     fileio.fsync_dir(trash_real.parent)  # the trash may be new: its own name must last too
     entry = trash_real / f"step-{step}.{uuid.uuid4().hex}"
@@ -263,15 +268,31 @@ def move_into_trash(
         fileio.fsync_dir(trash_real)
         for rel, src in moves:
             (data / rel).parent.mkdir(parents=True, exist_ok=True)
-            os.rename(src, data / rel)
-            done.append(rel)
-        _fsync_all({src.parent for _, src in moves} | _dirs_up_to(data, names, entry))
-        _write_journal(entry, step, names, _TRASHED)
+            if _rename_unless_gone(src, data / rel):
+                done.append(rel)
+        if not done:
+            fileio.remove_tree(entry)
+            fileio.fsync_dir(trash_real)
+            return None
+        moved = tuple(done)
+        _fsync_all({src.parent for _, src in moves} | _dirs_up_to(data, moved, entry))
+        _write_journal(entry, step, moved, _TRASHED)
     except BaseException:
         _put_names_back(real_root, entry, tuple(done))
         fileio.remove_tree(entry)
         raise
-    return TrashRecord(step, real_root, entry, names, _tree_bytes(data))
+    return TrashRecord(step, real_root, entry, moved, _tree_bytes(data))
+
+
+def _rename_unless_gone(src: Path, dst: Path) -> bool:
+    """Rename `src` to `dst`; False when `src` no longer exists (any other error raises)."""
+    try:
+        os.rename(src, dst)
+    except FileNotFoundError:
+        if _lstat(src) is not None or _lstat(dst.parent) is None:
+            raise  # the source is there: the failure is another one
+        return False
+    return True
 
 
 def _put_names_back(real_root: Path, entry: Path, names: Iterable[str]) -> list[str]:

@@ -8,7 +8,11 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from ckptd.config import RootConfig
 from ckptd.copies.store import objects_dir
@@ -20,9 +24,29 @@ from ckptd.retention.nets import Guards
 from ckptd.store import Store
 
 
+class StoreNets:
+    """One root's nets as every executor entry point reads them (`executor.Nets`): under
+    `lock`, the one lock pins and readers' holds take (the retention service's `nets`), from
+    the store, at `clock()`. The only way ckptd hands guards to the executor."""
+
+    def __init__(self, store: Store, root: RootConfig, lock: AbstractContextManager[Any],
+                 clock: Callable[[], float], delete_adopted: bool = False,
+                 also_in_use: frozenset[int] = frozenset()) -> None:
+        self.store, self.root, self.lock = store, root, lock
+        self.clock, self.delete_adopted = clock, delete_adopted
+        self.also_in_use = also_in_use  # held outside the store: hold objects in the bucket
+
+    @contextmanager
+    def held(self) -> Iterator[Guards]:
+        with self.lock:
+            guards = guards_for(self.store, self.root, self.clock(), self.delete_adopted)
+            yield replace(guards, in_use=guards.in_use | self.also_in_use)
+
+
 def guards_for(store: Store, root: RootConfig, now: float,
                delete_adopted: bool = False) -> Guards:
-    """The nets, read from the store now: what every executor entry point checks."""
+    """The nets, read from the store now: what every executor entry point checks, read by
+    `StoreNets.held` under its lock (and by nothing else that deletes)."""
     records = store.checkpoints(root.name)
     latest = store.latest(root.name, Tier.ANY)
     best = store.best(root.name, root.metric, root.metric_mode)

@@ -3,9 +3,9 @@ release a compressed copy the transition dropped, wake the workers, retention an
 wake long-polls.
 
 Owns every consequence of a transition; nothing else writes latest.json. Deletes nothing
-itself: a copy is released by `executor.release_copy`, behind its nets (a copy a net holds
-stays, and retention's plan releases it later). Decides nothing about checkpoints: the table
-said which effects follow.
+itself: a copy is released by `executor.release_copy`, which reads its nets under the lock pins
+and holds take (a copy a net holds stays, and retention's plan releases it later). Decides
+nothing about checkpoints: the table said which effects follow.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -78,8 +79,10 @@ class Effects:
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  changes: Changes, workers: Wakeable, retention: RetentionQueue,
-                 scan: Wakeable) -> None:
+                 scan: Wakeable, nets: AbstractContextManager[Any]) -> None:
+        """`nets`: the lock pins and readers' holds take (the retention service's)."""
         self.store = store
+        self.nets = nets
         self.roots = roots
         self.changes = changes
         self.workers = workers
@@ -151,7 +154,7 @@ class Effects:
                 self.store.record(a.root, a.step, Event.COPY_DROPPED)
 
     def _release(self, root: RootConfig, step: int, local: Local, remote: Remote) -> bool:
-        guards = views.guards_for(self.store, root, time.time())
+        nets = views.StoreNets(self.store, root, self.nets, time.time)
         out = executor.release_copy(root.path, views.copy_target(step, local, remote),
-                                    guards, root=root.name)
+                                    nets, root=root.name)
         return out.action == "deleted"

@@ -71,17 +71,17 @@ def policy_of(root: RootConfig) -> Policy:
                   committed_only=root.multi_node)
 
 
-def stager_for(root: RootConfig, job: Job) -> compress.Stager:
-    """A Stager whose finished copy is installed by the executor (`install_copy`): a re-save's
-    copy replaces the superseded save's through the trash."""
+def stager_for(root: RootConfig, job: Job, nets: executor.Nets) -> compress.Stager:
+    """A Stager whose finished copy is installed by the executor (`install_copy`, under the
+    nets' lock): a re-save's copy replaces the superseded save's through the trash."""
     c = root.compress
     step = job.checkpoint.step
     return compress.Stager(root.path, root.name, step, job.checkpoint.layout,
                            c.codec, c.level, c.threads, c.min_saving,
-                           install=partial(executor.install_copy, root.path, step))
+                           install=partial(executor.install_copy, root.path, step, nets=nets))
 
 
-def run_validate(root: RootConfig, job: Job, progress: Progress,
+def run_validate(root: RootConfig, job: Job, progress: Progress, nets: executor.Nets,
                  backend: Backend | None = None) -> Validated:
     """Validate, and when the root wants a compressed copy, build it in the same read pass.
     With `backend` (a single-node root that uploads), each object is also sent as soon as it
@@ -92,12 +92,12 @@ def run_validate(root: RootConfig, job: Job, progress: Progress,
     if not policy_of(root).wants_copy:
         return Validated(validate(root.path, cand, **_checks(root),
                                   extra_sinks=lambda _rel: [progress]))
-    stager = stager_for(root, job)
+    stager = stager_for(root, job, nets)
     if backend is not None and root.upload.enabled and not root.multi_node:
         step = job.checkpoint.step
         stager.send_early(
             EarlySender(backend, root.name, step, stager.staging, root.upload.concurrency),
-            partial(executor.discard_early, backend, root.name, step))
+            partial(executor.discard_early, backend, root.name, step, nets=nets))
     try:
         result = validate(root.path, cand, **_checks(root),
                           extra_sinks=lambda rel: [progress, *stager.sinks_for(rel)])
@@ -119,11 +119,11 @@ def run_validate(root: RootConfig, job: Job, progress: Progress,
         raise
 
 
-def run_compress(root: RootConfig, job: Job, progress: Progress
+def run_compress(root: RootConfig, job: Job, progress: Progress, nets: executor.Nets
                  ) -> Sequence[StoredFile] | Damaged:
     """Make the compressed copy of an already valid checkpoint (upload enabled later, or the
     copy was deferred for space). The read pass re-checks the files as it goes."""
-    stager = stager_for(root, job)
+    stager = stager_for(root, job, nets)
     try:
         result = validate(root.path, candidate_of(job, node_share=root.multi_node), deep=False,
                           trusted=frozenset(root.trusted_globals),

@@ -17,9 +17,10 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, Any
 
 from ckptd import fileio
 from ckptd.api.door import bind_socket
@@ -39,7 +40,9 @@ from ckptd.store.pins import read_pins
 STALE_PUT_S = 3600.0
 
 
-def recover(store: Store, cfg: Config) -> None:
+def recover(store: Store, cfg: Config, nets: AbstractContextManager[Any]) -> None:
+    """Start-up: pins from beside the roots, claims, temps, the trash, released copies.
+    `nets`: the lock pins and readers' holds take (the retention service's)."""
     for r in cfg.roots:  # pins kept beside the root outlive a lost state database
         store.set_root_pins(r.name, read_pins(r.path))
     released = store.release_claims()
@@ -53,20 +56,20 @@ def recover(store: Store, cfg: Config) -> None:
             # Deletes interrupted between the rename into the trash and the removal.
             purged += trash.purge_trash(trash.trash_dir_for(r.path), r.path)
             removed += copies.remove_stale_staging(r.path)
-            orphans += _remove_released_copies(store, r)
+            orphans += _remove_released_copies(store, r, nets)
     get_logger().info("daemon_recovered", leases_released=released, temp_files_removed=removed,
                       trash_purged=purged, released_copies_removed=orphans)
 
 
-def _remove_released_copies(store: Store, root: RootConfig) -> int:
+def _remove_released_copies(store: Store, root: RootConfig,
+                            nets: AbstractContextManager[Any]) -> int:
     n = 0
-    guards: executor.Guards | None = None
     for step in copies.local_steps(root.path):
         status = store.status(root.name, step)
         if status is not None and not status.copy and status.local is not Local.COMPRESSED:
-            guards = guards or views.guards_for(store, root, time.time())
             target = views.copy_target(step, status.local, status.remote)
-            out = executor.release_copy(root.path, target, guards, root=root.name)
+            out = executor.release_copy(root.path, target, views.StoreNets(
+                store, root, nets, time.time), root=root.name)
             n += out.action == "deleted"
     return n
 

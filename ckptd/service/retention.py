@@ -51,7 +51,9 @@ class RetentionService:
                  backend_for: Callable[[RootConfig], Backend | None], *,
                  timer_s: float = TIMER_S, api_timeout: float = RUN_NOW_TIMEOUT_S,
                  node: str = "", calls: Calls | None = None,
-                 bound_s: float = RUN_BOUND_S) -> None:
+                 bound_s: float = RUN_BOUND_S, nets: threading.RLock | None = None) -> None:
+        """`nets`: the lock pins, readers' holds and every executor call take (the daemon's
+        one, shared with start-up recovery, the workers and the effects hook)."""
         self.store = store
         self.calls = calls if calls is not None else Calls()
         self.bound_s = bound_s
@@ -59,7 +61,7 @@ class RetentionService:
         self.timer_s = timer_s
         self.api_timeout = api_timeout
         self.exclusive = threading.RLock()
-        self.nets = threading.RLock()
+        self.nets = nets if nets is not None else threading.RLock()
         self.log = get_logger()
         self._runner = Runner(store, backend_for, self.exclusive, self.nets, node)
         self._mutex = threading.Lock()  # guards the three fields below

@@ -15,6 +15,7 @@ from ckptd.config import RootConfig
 from ckptd.errors import PermanentError
 from ckptd.lifecycle.table import Stage
 from ckptd.remote.manifest import StoredFile
+from ckptd.retention.executor import Nets
 from ckptd.service import jobs, uploads
 from ckptd.service.commits import Waiting
 from ckptd.service.jobs import Changed, Damaged, Validated
@@ -35,6 +36,9 @@ class Crew:
     backend_for: Callable[[RootConfig], Backend | None]
     waiting: Waiting  # multi-node roots: steps whose part is written, waiting for the commit
     node: str
+    # A root's nets, read under the lock pins and readers' holds take (`views.StoreNets`):
+    # what every executor call a stage makes is given.
+    nets_of: Callable[[RootConfig], Nets]
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,8 @@ def _written(metrics: Metrics, root: str, progress: Progress,
 
 class ValidateRunner(Runner[Validated]):
     def run(self, root: RootConfig, job: Job, progress: Progress) -> Validated:
-        return jobs.run_validate(root, job, progress, self._early_backend(root))
+        return jobs.run_validate(root, job, progress, self.crew.nets_of(root),
+                                 self._early_backend(root))
 
     def _early_backend(self, root: RootConfig) -> Backend | None:
         """Where objects may be sent while validation goes on; None if it cannot be had
@@ -116,7 +121,7 @@ class ValidateRunner(Runner[Validated]):
 class CompressRunner(Runner[Sequence[StoredFile]]):
     def run(self, root: RootConfig, job: Job, progress: Progress
             ) -> Sequence[StoredFile] | Damaged:
-        return jobs.run_compress(root, job, progress)
+        return jobs.run_compress(root, job, progress, self.crew.nets_of(root))
 
     def record(self, done: Done, outcome: Sequence[StoredFile]) -> Changed | None:
         job = done.job
@@ -140,9 +145,8 @@ class UploadRunner(Runner[UploadResult]):
         expected = crew.store.stored_files(rec.id)
         if not root.multi_node:
             return uploads.run_upload(
-                root, job, progress, backend, expected,
-                replace_remote=crew.store.replaced_upload(rec.root, rec.step),
-                in_use=crew.store.in_use(rec.root, time.time()))
+                root, job, progress, backend, expected, crew.nets_of(root),
+                replace_remote=crew.store.replaced_upload(rec.root, rec.step))
         known = crew.waiting.known(root.name, root.nodes,
                                    lambda: uploads.known_nodes(backend, root.name))
         result = uploads.run_share_upload(root, job, progress, backend, expected, crew.node,

@@ -41,19 +41,20 @@ def _local_copy(root: RootConfig, step: int, expected: Sequence[StoredFile]) -> 
 
 
 def run_upload(root: RootConfig, job: Job, progress: Progress, backend: Backend,
-               expected: Sequence[StoredFile], replace_remote: bool = False,
-               in_use: frozenset[int] = frozenset()) -> UploadResult:
+               expected: Sequence[StoredFile], nets: executor.Nets,
+               replace_remote: bool = False) -> UploadResult:
     """Upload the local compressed copy. `expected` are the row's validated files: a copy
     that does not hold exactly those (an older save's, a damaged one) is never uploaded.
     `replace_remote`: this node uploaded an earlier save of the step that a re-save replaced,
     so a different remote copy of the step is that earlier save and may be replaced. Without
     it, a step committed remotely by someone else is never touched (the upload refuses).
-    The replacement is the executor's `replace_remote`: refused (TransientError, the upload
-    retries later) while a client reads the step (`in_use`: the root's held steps)."""
+    The replacement is the executor's `replace_remote`, which reads its nets itself under
+    the lock: refused (TransientError, the upload retries later) while a client reads the
+    step."""
     step = job.checkpoint.step
     manifest = _local_copy(root, step, expected)
     if replace_remote:
-        _replace_older_remote(backend, root.name, manifest, in_use)
+        _replace_older_remote(backend, root.name, manifest, nets)
     progress.total = manifest.stored_size
     return upload_step(backend, root.name, copies.objects_dir(root.path, step), manifest,
                        progress=progress.advance, concurrency=root.upload.concurrency)
@@ -114,7 +115,7 @@ def known_nodes(backend: Backend, root_name: str) -> set[str]:
 
 
 def _replace_older_remote(backend: Backend, root_name: str, manifest: Manifest,
-                          in_use: frozenset[int] = frozenset()) -> None:
+                          nets: executor.Nets) -> None:
     """A step re-saved after an earlier save of it was uploaded: the later save wins remotely
     too. The old step is deleted (manifest first, by the executor) before the new one is sent."""
     there: Manifest | None
@@ -126,9 +127,7 @@ def _replace_older_remote(backend: Backend, root_name: str, manifest: Manifest,
         there = None
     if there is not None and set(there.files) == set(manifest.files):
         return  # the same content: a re-run, which the upload stage makes idempotent
-    guards = executor.Guards(latest_step=None, best_step=None, pinned=frozenset(),
-                             in_use=in_use, remote_verified=frozenset(), upload_configured=True)
-    out = executor.replace_remote(backend, root_name, manifest.step, guards, delete_step)
+    out = executor.replace_remote(backend, root_name, manifest.step, nets, delete_step)
     if out.action != "deleted":
         raise TransientError(f"the earlier upload of step {manifest.step} was not replaced:"
                              f" {out.reason}")

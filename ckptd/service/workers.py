@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from ckptd.errors import CkptdError, PermanentError
 from ckptd.lifecycle.table import Stage
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, State, Tier, ValidationResult
+from ckptd.retention.views import StoreNets
 from ckptd.service.commits import Waiting, newest_local
 from ckptd.service.jobs import Changed, Damaged
 from ckptd.service.metrics import Metrics
@@ -61,11 +63,14 @@ class Workers:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  count: int, rescan: Callable[[], None],
                  backend_for: Callable[[RootConfig], Backend | None], metrics: Metrics,
-                 node: str = "", calls: Calls | None = None,
+                 *, nets: AbstractContextManager[Any], node: str = "",
+                 calls: Calls | None = None,
                  bounds: Mapping[str, float] | None = None) -> None:
-        """`calls`: the supervisor's call board, where each worker says what it is busy with
-        and beats while it makes progress; `bounds`: how long a stage may go quiet (stage ->
-        seconds; `STAGE_BOUNDS_S` for the ones not given)."""
+        """`nets`: the lock pins and readers' holds take (the retention service's), under
+        which every delete a stage asks of the executor reads its nets; `calls`: the
+        supervisor's call board, where each worker says what it is busy with and beats while
+        it makes progress; `bounds`: how long a stage may go quiet (stage -> seconds;
+        `STAGE_BOUNDS_S` for the ones not given)."""
         self.store = store
         self.node = node  # daemon.node: this node's id on multi-node roots
         self.roots = roots
@@ -84,7 +89,8 @@ class Workers:
         self.log = get_logger()
         # Multi-node roots: steps whose part is written and wait for the commit.
         self.waiting = Waiting()
-        self.runners = runners(Crew(store, backend_for, self.waiting, node))
+        self.runners = runners(Crew(store, backend_for, self.waiting, node,
+                                    lambda root: StoreNets(store, root, nets, time.time)))
 
     @property
     def names(self) -> list[str]:

@@ -178,7 +178,8 @@ class StoreBench:
             roots = {r.name: r for r in self.config.roots}
             self.store.set_policies({n: policy_of(r) for n, r in roots.items()})
             self._workers = Workers(self.store, lambda: roots, 1, lambda: None,
-                                    BackendCache().get, Metrics(process=False))
+                                    BackendCache().get, Metrics(process=False),
+                                    nets=threading.RLock())
             self._thread = threading.Thread(target=self._workers.run,
                                             args=("worker-0", self._stop), daemon=True)
             self._thread.start()
