@@ -2,8 +2,9 @@
 
 A walk over ckptd/'s syntax trees finds every call that deletes (os.unlink, os.remove,
 os.rmdir, shutil.rmtree, fileio.remove_tree, Path.unlink/rmdir, a backend's delete, the
-remote delete_step): each must sit in a module or function of the allow-list below, which
-says why it is not a checkpoint's bytes (and every entry must still hold a delete). A new
+remote delete_step) or may delete by overwrite (os.rename/replace, shutil.move,
+Path.rename/replace): each must sit in a function of the allow-list below, named precisely,
+which says why it is not a checkpoint's bytes (and every entry must still hold one). A new
 delete anywhere else fails here. Then the executor's entry points, each behind its nets, on
 real files; and the re-save of a step held as a compressed copy, on a real daemon.
 """
@@ -44,27 +45,57 @@ _DELETING_ATTRS = {"unlink", "rmdir", "rmtree", "removedirs", "delete", "remove_
 # Plain names that are (or wrap) a delete.
 _DELETING_NAMES = {"rmtree", "unlink", "rmdir", "remove_tree", "_remove_tree", "_unlink_quietly",
                    "delete_step"}
+# Deletes by overwrite: a rename or replace onto a name that exists drops what was there
+# (os.rename/replace/renames, shutil.move; Path.rename/replace, which take one argument:
+# str.replace takes two and dataclasses.replace is called on its module).
+_RENAMING_FUNCS = {("os", "rename"), ("os", "replace"), ("os", "renames"), ("shutil", "move")}
+_RENAMING_METHODS = {"rename", "replace"}
 
-# Whole modules allowed to delete: the executor and its trash, the storage primitives beneath.
-ALLOWED_MODULES = {
-    "ckptd.retention.executor": "the executor: the one place checkpoint bytes are deleted",
-    "ckptd.retention.trash": "the executor's trash: its moves, purges and start-up recovery, "
-                             "called by the executor's entry points (and purge_trash at start)",
-    "ckptd.backends.local": "file:// backend primitive (and its own lock/temp files)",
-    "ckptd.backends.objstore": "object-store backend primitive",
-    "ckptd.backends.wrappers": "backend wrappers forwarding delete to the wrapped backend",
-    "ckptd.fileio": "atomic-write primitive: its own temp file",
-}
-
-# Single functions allowed to delete, with what they delete (never a checkpoint's bytes
-# outside the executor's entry points).
+# Every place allowed to delete or overwrite, named precisely (module, function; a nested
+# helper counts as its enclosing function), with what it deletes: never a checkpoint's bytes
+# outside the executor's entry points. No whole modules and no wildcards: a new delete in a
+# module already listed fails here too.
 ALLOWED_FUNCTIONS = {
+    # The executor and its trash: the one place checkpoint bytes are deleted.
+    ("ckptd.retention.executor", "_remove_remote"):
+        "a remote step, through its DeleteStep, behind the nets read under the lock",
+    ("ckptd.retention.executor", "_discard_early"):
+        "an uncommitted step's objects its own save sent early, each still the one put",
+    ("ckptd.retention.executor", "install_copy"):
+        "renames a staged compressed copy in, after the superseded one went into the trash",
+    ("ckptd.retention.trash", "purge"): "a trash entry, after its delete was recorded",
+    ("ckptd.retention.trash", "restore"): "a trash entry whose names were put back",
+    ("ckptd.retention.trash", "purge_trash"): "start-up recovery of the trash",
+    ("ckptd.retention.trash", "remove_emptied_dirs"): "directories a trash move left empty",
+    ("ckptd.retention.trash", "move_into_trash"): "its own trash entry, when nothing moved",
+    ("ckptd.retention.trash", "_rename_unless_gone"): "a checkpoint's name moved into the trash",
+    ("ckptd.retention.trash", "_put_names_back"): "a trashed name renamed back to a free place",
+    # Storage primitives beneath the executor.
+    ("ckptd.backends.local", "LocalBackend.put"): "its own temp file of a failed put",
+    ("ckptd.backends.local", "LocalBackend.delete"): "the file:// delete primitive",
+    ("ckptd.backends.local", "LocalBackend._write_temp"): "its own temp file of a failed write",
+    ("ckptd.backends.local", "LocalBackend._prune_empty_dirs"): "prefix dirs a delete emptied",
+    ("ckptd.backends.local", "LocalBackend._commit"): "the put primitive: temp renamed in",
+    ("ckptd.backends.local", "LocalBackend._replace_if"): "conditional put: temp renamed in",
+    ("ckptd.backends.local", "_unlink_quietly"): "the backend's own temp and lock files",
+    ("ckptd.backends.local", "_unlink_if_older"): "a crashed put's stale temp file",
+    ("ckptd.backends.objstore", "ObstoreBackend.delete"): "the object-store delete primitive",
+    ("ckptd.backends.wrappers", "RetryingBackend.delete"): "forwards to the wrapped backend",
+    ("ckptd.backends.wrappers", "ThrottledBackend.delete"): "forwards to the wrapped backend",
+    ("ckptd.backends.wrappers", "LimitedBackend.delete"): "forwards to the wrapped backend",
+    ("ckptd.fileio", "atomic_write_bytes"): "its own temp file, renamed over the file it writes",
+    ("ckptd.fileio", "remove_tree"): "the primitive the trash and the listed places call",
+    ("ckptd.fileio", "_open_dir_or_unlink"): "remove_tree's own step",
+    # The remote-step delete protocol, handed only to the executor.
     ("ckptd.stages.upload", "delete_step"):
         "the remote-step delete protocol; only ever passed to the executor "
         "(execute_remote, replace_remote) as its DeleteStep",
     ("ckptd.copies.store", "remove_stale_staging"): "compress staging dirs a crash left",
     ("ckptd.stages.compress", "Stager.abort"): "this Stager's own staging dir",
+    ("ckptd.stages.compress", "Stager._name_objects"): "its staged objects' temp names renamed",
     ("ckptd.stages.compress", "_ObjectSink.discard"): "a staged object's temp file",
+    ("ckptd.stages.compress", "_install_new"):
+        "a bare Stager's copy renamed in where none is (it never replaces one)",
     ("ckptd.stages.upload_local", "Ledger._open"): "the upload ledger's old-format file",
     ("ckptd.stages.parts", "_probe"): "the create-only probe object it just wrote",
     ("ckptd.arena_write", "_commit"):
@@ -78,15 +109,22 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.remote.layout", "_swap"): "an unreadable LATEST pointer object, rewritten",
     ("ckptd.service.effects", "LatestPublisher.publish"): "<root>/.ckptd/latest.json",
     ("ckptd.service.recovery", "remove_stale_temps"): "ckptd's own temp files",
-    ("ckptd.service.lease_files", "*"): "the root lease's own files (lease.json, claims, temps)",
-    ("ckptd.daemon", "*"): "the daemon's own socket",
+    ("ckptd.service.lease_files", "retire_claims"): "the root lease's own claim files",
+    ("ckptd.service.lease_files", "drop_claims_below"): "the root lease's own claim files",
+    ("ckptd.daemon", "Daemon.stop"): "the daemon's own socket",
     ("ckptd.api.door", "bind_socket"): "a stale socket at the configured path",
-    ("ckptd.cli.doctor", "*"): "doctor's own probe files and objects",
-    ("ckptd.demo", "*"): "the demo's own scratch directories",
-    ("ckptd.restore.files", "*"): "restore's own staging and temp files in the target",
-    ("ckptd.restore.pipe", "*"): "restore's own temp files",
-    ("ckptd.torch._native", "*"): "the trainer's own saves, in the trainer's process",
-    ("ckptd.torch._nodelocal", "*"): "the trainer's own saves, in the trainer's process",
+    ("ckptd.cli.doctor", "_probe_dir"): "doctor's own probe file",
+    ("ckptd.cli.doctor", "remote_check"): "doctor's own probe object",
+    ("ckptd.demo", "_reset"): "the demo's own scratch directories, inside ./.demo only",
+    ("ckptd.restore.files", "_restore_file"): "restore's own temp file, renamed into the target",
+    ("ckptd.restore.files", "all_or_nothing"): "restore's own staging in the target",
+    ("ckptd.restore.pipe", "_attempt"): "restore's own temp file, renamed into the target",
+    ("ckptd.torch._native", "save"): "the trainer's own failed save dir, in its process",
+    ("ckptd.torch._native", "_commit"): "the trainer's own rendezvous markers",
+    ("ckptd.torch._native", "_swap_in"): "the trainer's own earlier save of the step it saves",
+    ("ckptd.torch._native", "_fresh_dir"): "the trainer's own interrupted save dir",
+    ("ckptd.torch._nodelocal", "save"): "the trainer's own rendezvous probes",
+    ("ckptd.torch._nodelocal", "_clear"): "what an interrupted save of the trainer left",
 }
 
 
@@ -97,6 +135,11 @@ def _deleting(call: ast.Call) -> str | None:
             return f.attr
         if f.attr == "remove" and isinstance(f.value, ast.Name) and f.value.id == "os":
             return "os.remove"
+        if isinstance(f.value, ast.Name) and (f.value.id, f.attr) in _RENAMING_FUNCS:
+            return f"{f.value.id}.{f.attr}"
+        if (f.attr in _RENAMING_METHODS and len(call.args) == 1 and not call.keywords
+                and not (isinstance(f.value, ast.Name) and f.value.id == "dataclasses")):
+            return f"Path.{f.attr}"
     if isinstance(f, ast.Name) and f.id in _DELETING_NAMES:
         return f.id
     return None
@@ -124,8 +167,6 @@ def delete_calls() -> list[tuple[str, str, int, str]]:
 
 
 def _allowed(module: str, scope: str) -> bool:
-    if module in ALLOWED_MODULES or (module, "*") in ALLOWED_FUNCTIONS:
-        return True
     # A nested helper counts as its enclosing function.
     parts = scope.split(".")
     return any((module, ".".join(parts[:i])) in ALLOWED_FUNCTIONS for i in range(1, len(parts) + 1))
@@ -145,21 +186,24 @@ def test_every_allowed_place_still_deletes() -> None:
     """The allow-list names only places where the walk finds a delete: an entry left behind
     by a move or a removal would let a new delete there pass unseen."""
     calls = delete_calls()
-    stale = [m for m in ALLOWED_MODULES if not any(cm == m for cm, *_ in calls)]
-    stale += [f"{m}:{f}" for m, f in ALLOWED_FUNCTIONS
-              if not any(cm == m and (f == "*" or s == f or s.startswith(f + "."))
-                         for cm, s, *_ in calls)]
+    stale = [f"{m}:{f}" for m, f in ALLOWED_FUNCTIONS
+             if not any(cm == m and (s == f or s.startswith(f + ".")) for cm, s, *_ in calls)]
     assert not stale, f"allow-list entries with no delete left: {stale}"
 
 
 def test_the_walk_catches_each_kind_of_delete() -> None:
-    src = ("import os, shutil\n"
-           "def f(p, backend, Path):\n"
+    src = ("import os, shutil, dataclasses\n"
+           "def f(p, q, backend, Path, rec):\n"
            "    os.unlink(p); os.remove(p); os.rmdir(p); shutil.rmtree(p)\n"
-           "    Path(p).unlink(); Path(p).rmdir(); backend.delete('k'); [].remove(1)\n")
+           "    Path(p).unlink(); Path(p).rmdir(); backend.delete('k'); [].remove(1)\n"
+           "    os.rename(p, q); os.replace(p, q, src_dir_fd=3); shutil.move(p, q)\n"
+           "    Path(p).rename(q); Path(p).replace(q); os.renames(p, q)\n"
+           "    'a'.replace('a', 'b'); dataclasses.replace(rec); rec.replace(step=1)\n")
     found = [_deleting(n) for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call)]
     assert sorted(w for w in found if w) == sorted(
-        ["unlink", "os.remove", "rmdir", "rmtree", "unlink", "rmdir", "delete"])
+        ["unlink", "os.remove", "rmdir", "rmtree", "unlink", "rmdir", "delete",
+         "os.rename", "os.replace", "shutil.move", "Path.rename", "Path.replace",
+         "os.renames"])
 
 
 def test_executor_delete_calls_are_its_only_callers_of_delete_step() -> None:
