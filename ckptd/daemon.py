@@ -111,7 +111,7 @@ class Daemon:
                                        self._stage_bounds or {}).get("discover", DISCOVER_S),
                                    clock=self.clock)
         self.effects = Effects(store, acting, self.changes, self.workers, self.retention,
-                               self.scanner, self.retention.nets)
+                               self.scanner, self.retention.nets, self.backends.get)
         self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention,
                                                       leases.holds, self.clock.time()))
         self.metrics.set_health(lambda: (self.ctx.state() == "degraded",

@@ -5,6 +5,8 @@ turns out invalid leaves no commit and none of the objects sent for it."""
 from __future__ import annotations
 
 import filecmp
+import json
+import os
 import subprocess
 import sys
 import time
@@ -136,3 +138,92 @@ def test_a_failing_store_stops_early_sending_and_never_holds_the_step(tmp_path: 
     assert sender.finish() == 0
     assert time.monotonic() - started < early.FINISH_WAIT_S + 5
     assert remote.read_text().startswith("a file")
+
+
+def _other_step(path: Path, files: int) -> Path:
+    """A re-save of a step: other values, fewer files (so what only the first save sent would
+    be left over)."""
+    state = {f"t{i:03d}": torch.full((512 * (i + 1),), float(i) + 0.5) for i in range(files)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False,
+                                                         thread_count=1))
+    return path
+
+
+def _objects(remote: Path, step: int) -> dict[str, bytes]:
+    top = remote / "r1" / f"step-{step}"
+    return {p.relative_to(top).as_posix(): p.read_bytes()
+            for p in sorted(top.rglob("*")) if p.is_file()} if top.exists() else {}
+
+
+def _sent_but_not_committed(d: Any, remote: Path, tmp_path: Path) -> tuple[Path, int]:
+    """Step 5 sent early, its upload failed for good (one object's name is taken in the bucket
+    by a directory): the first save will never commit as it is. Returns the step's dir in the
+    root and how many objects went early."""
+    root = d.roots["r1"]
+    first = _step(tmp_path / "out" / "step-5")
+    (remote / "r1" / "step-5" / "step-5" / f"{_largest(first).name}.zst").mkdir(parents=True)
+    first.rename(root / "step-5")
+    sent = next(e for e in d.wait_event("early_upload_done", count=2) if e["step"] == 5)
+    wait_until(lambda: any(e["step"] == 5 for e in d.events("stage_failed")), 60,
+               "the first save's upload to fail", detail=lambda: d.log_text()[-3000:])
+    assert sent["objects"] > 10 and len(_objects(remote, 5)) >= sent["objects"]
+    return root / "step-5", int(sent["objects"])
+
+
+def _a_committed_step(d: Any, remote: Path, tmp_path: Path) -> dict[str, bytes]:
+    _step(tmp_path / "out" / "step-4", files=4).rename(d.roots["r1"] / "step-4")
+    assert d.client.wait("r1", 4, until="uploaded", timeout=60)
+    return _objects(remote, 4)
+
+
+def test_a_superseded_save_leaves_none_of_its_early_objects(
+        inproc_daemon: Any, tmp_path: Path) -> None:
+    """A save sent early whose upload cannot finish, then saved again in place with fewer
+    files: the decision that the first save will never commit hands what it sent to the
+    executor, and the step holds only the re-save's objects once that commits. A committed
+    step beside it is not touched."""
+    remote = tmp_path / "remote"
+    d = inproc_daemon(roots=[{"name": "r1", "upload": {"url": f"file://{remote}"},
+                              "compress": {"codec": "zstd"}}])
+    committed = _a_committed_step(d, remote, tmp_path)
+    step_dir, _ = _sent_but_not_committed(d, remote, tmp_path)
+    # The trainer saves the step again (after the scan saw the old files go: a save of fewer
+    # files in place is otherwise a delete caught halfway).
+    step_dir.rename(tmp_path / "gone-step-5")
+    d.wake_scan()
+    wait_until(lambda: any(e["step"] == 5 for e in d.events("checkpoint_vanished")), 30,
+               "the first save's files seen gone")
+    _other_step(tmp_path / "out2" / "step-5", files=4).rename(step_dir)
+    d.wake_scan()
+    assert d.client.wait("r1", 5, until="uploaded", timeout=90), d.log_text()[-4000:]
+    manifest = json.loads((remote / manifest_key("r1", 5)).read_bytes())
+    named = {f["key"] for f in manifest["files"]} | {"MANIFEST.json"}
+    assert set(_objects(remote, 5)) == named, sorted(set(_objects(remote, 5)) - named)
+    assert [e["objects"] > 0 for e in d.events("early_objects_discarded") if e["step"] == 5] \
+        == [True]
+    assert _objects(remote, 4) == committed
+
+
+def test_a_save_judged_damaged_later_leaves_none_of_its_early_objects(
+        inproc_daemon: Any, tmp_path: Path) -> None:
+    """The same first save, whose copy is then lost and whose originals a later read pass
+    finds damaged (a flipped byte, size and mtime kept): judged invalid, it will never commit,
+    and what it sent early goes. The committed step beside it is not touched."""
+    remote = tmp_path / "remote"
+    d = inproc_daemon(roots=[{"name": "r1", "upload": {"url": f"file://{remote}"},
+                              "compress": {"codec": "zstd"}}])
+    committed = _a_committed_step(d, remote, tmp_path)
+    step_dir, _ = _sent_but_not_committed(d, remote, tmp_path)
+    victim = _largest(step_dir)
+    st = victim.stat()
+    flip_byte(victim)
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (d.roots["r1"] / ".ckptd" / "objects" / "step-5" / "MANIFEST.json").unlink()
+    assert d.reload() is True  # the upload is tried again at once: its copy is gone
+    wait_until(lambda: {c["step"]: c["state"] for c in d.client.checkpoints("r1")}[5]
+               == "invalid", 60, "step 5 judged damaged", detail=lambda: d.log_text()[-4000:])
+    wait_until(lambda: any(e["step"] == 5 for e in d.events("early_objects_discarded")), 30,
+               "the early objects discarded", detail=lambda: d.log_text()[-3000:])
+    assert _objects(remote, 5) == {}
+    assert not (remote / manifest_key("r1", 5)).exists()
+    assert _objects(remote, 4) == committed

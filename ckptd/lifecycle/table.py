@@ -72,6 +72,9 @@ class Effect(StrEnum):
     WAKE_SCAN = "wake_scan"  # look at the root again soon
     REMOVE_COPY = "remove_copy"  # delete the local compressed copy's files
     RELEASE_COPY = "release_copy"  # drop the copy unless retention keeps compressed copies
+    # This save of the step will never commit (superseded before any upload began, or judged
+    # damaged): the objects it sent ahead go to the executor (`discard_early`).
+    DISCARD_EARLY = "discard_early"
 
 
 class Stage(StrEnum):
@@ -162,8 +165,12 @@ def _rule(s: Status | None, e: Event) -> Outcome:  # noqa: C901 - one case per e
     if s.state is State.PENDING:
         return _from_pending(s, e)
     if e is Event.RESAVED:
-        # A new save at a known step is a new save, whatever became of the old one.
-        return Transition(Row.SUPERSEDE, None, _JUDGED)
+        # A new save at a known step is a new save, whatever became of the old one. What the
+        # old one sent ahead of a commit goes (the store keeps it for an upload under way:
+        # that one commits, and is replaced, or fails alone).
+        uncommitted = s.remote in (Remote.NONE, Remote.UPLOADING)
+        early = {Effect.DISCARD_EARLY} if uncommitted else set()
+        return Transition(Row.SUPERSEDE, None, _JUDGED | early)
     if e is Event.VANISHED:
         if s.local is not Local.PRESENT:
             return Refusal("its local files are already gone or live in ckptd's own objects")
@@ -222,7 +229,8 @@ def _from_valid(s: Status, e: Event) -> Outcome:  # noqa: C901 - one case per ev
     if e is Event.DAMAGED:
         if s.local is not Local.PRESENT or s.copy or not pending_upload:
             return Refusal("damage is found by a read pass over the originals before the copy")
-        return _to(s, state=State.INVALID, remote=Remote.NONE, effects=_JUDGED)
+        return _to(s, state=State.INVALID, remote=Remote.NONE,
+                   effects=_JUDGED | {Effect.DISCARD_EARLY})
     if e is Event.COPY_MADE:
         if s.copy or s.local is not Local.PRESENT:
             return Refusal("a copy is made from the originals, once")

@@ -430,7 +430,7 @@ def _discard_early(backend: Backend, root_name: str, step: int,
         return 0
     except ObjectNotFound:
         pass
-    except (StorageError, OSError) as exc:
+    except (CkptdError, OSError) as exc:
         log.warning("early_objects_kept", step=step, why=str(exc))
         return 0
     gone = 0
@@ -439,7 +439,7 @@ def _discard_early(backend: Backend, root_name: str, step: int,
             if same_object(meta, backend.stat(f"{prefix}/{key}")):
                 backend.delete(f"{prefix}/{key}")
                 gone += 1
-        except (StorageError, OSError):
+        except (CkptdError, OSError):  # a forged key in a ledger too
             continue  # gone already, or the store fails: a straggler at worst
     log.info("early_objects_discarded", step=step, objects=gone, of=len(sent))
     return gone

@@ -1,6 +1,7 @@
 """The one hook after a transition commits: publish latest.json, have the retention executor
-release a compressed copy the transition dropped, wake the workers, retention and scanner, and
-wake long-polls.
+release a compressed copy the transition dropped, hand what a save that will not commit sent
+early to the retention service (its executor deletes it), wake the workers, retention and
+scanner, and wake long-polls.
 
 Owns every consequence of a transition; nothing else writes latest.json. Deletes nothing
 itself: a copy is released by `executor.release_copy`, which reads its nets under the lock pins
@@ -19,12 +20,15 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from ckptd import fileio
+from ckptd.backends import Backend, ObjectMeta
 from ckptd.config import RootConfig
+from ckptd.copies import store as copies
 from ckptd.lifecycle.changes import Changes
 from ckptd.lifecycle.table import Effect, Event
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote, Tier
 from ckptd.retention import executor, views
+from ckptd.stages.upload_local import LEDGER_NAME, Ledger
 from ckptd.store import Applied, Store
 
 
@@ -34,6 +38,8 @@ class Wakeable(Protocol):
 
 class RetentionQueue(Protocol):
     def request(self, root: str) -> None: ...
+
+    def discard_early(self, root: str, step: int, sent: Mapping[str, ObjectMeta]) -> None: ...
 
 
 class LatestPublisher:
@@ -79,10 +85,12 @@ class Effects:
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  changes: Changes, workers: Wakeable, retention: RetentionQueue,
-                 scan: Wakeable, nets: AbstractContextManager[Any]) -> None:
+                 scan: Wakeable, nets: AbstractContextManager[Any],
+                 backend_for: Callable[[RootConfig], Backend | None]) -> None:
         """`nets`: the lock pins and readers' holds take (the retention service's)."""
         self.store = store
         self.nets = nets
+        self.backend_for = backend_for
         self.roots = roots
         self.changes = changes
         self.workers = workers
@@ -117,6 +125,8 @@ class Effects:
             if root is None:
                 continue
             effects |= a.effects
+            if Effect.DISCARD_EARLY in a.effects:  # before `_copies`: the ledger is the copy's
+                self._discard_early(root, a.step)
             try:
                 self._copies(root, a)
             except OSError as exc:
@@ -152,6 +162,23 @@ class Effects:
             # copies of checkpoints still on disk.
             if self._release(root, a.step, local, remote):
                 self.store.record(a.root, a.step, Event.COPY_DROPPED)
+
+    def _discard_early(self, root: RootConfig, step: int) -> None:
+        """The save of `step` whose transition said it will not commit: what it sent ahead
+        (its copy's upload ledger, read now, before a re-save's copy replaces it) goes to the
+        retention service, whose executor deletes each object still the one put, while the
+        step is uncommitted. Reads only here: no remote call on the committing thread."""
+        try:
+            backend = self.backend_for(root)
+        except Exception as exc:  # noqa: BLE001 - a bad remote: the upload stage says why
+            self.log.warning("early_objects_kept", root=root.name, step=step, why=str(exc))
+            return
+        if backend is None:
+            return
+        ledger = Ledger.load(copies.objects_dir(root.path, step) / LEDGER_NAME, backend.url)
+        sent = ledger.sent()
+        if sent:
+            self.retention.discard_early(root.name, step, sent)
 
     def _release(self, root: RootConfig, step: int, local: Local, remote: Remote) -> bool:
         nets = views.StoreNets(self.store, root, self.nets, time.time)

@@ -1,6 +1,8 @@
 """The retention service: one thread runs every retention run, for every root, one at a time.
 Owns when retention runs (after stages, on a timer, under disk pressure, on `run_now`) and who
-waits for which run; a run of a root is `run.Runner`'s, and it deletes nothing itself.
+waits for which run; a run of a root is `run.Runner`'s, and it deletes nothing itself. The
+objects a save that will not commit sent early are handed to it (`discard_early`) and deleted
+by the executor on this thread, before the root's next run.
 """
 
 from __future__ import annotations
@@ -11,15 +13,15 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, wait
 from typing import Any
 
-from ckptd.backends import Backend
+from ckptd.backends import Backend, ObjectMeta
 from ckptd.config import RootConfig
 from ckptd.errors import NotFound, ServiceUnavailable
 from ckptd.log import get_logger
-from ckptd.retention import planner
+from ckptd.retention import executor, planner
 from ckptd.retention.executor import Outcome
 from ckptd.retention.report import RootHealth, adopted_json, adopted_records, health_json
 from ckptd.retention.run import Runner
-from ckptd.retention.views import disk_of
+from ckptd.retention.views import StoreNets, disk_of
 from ckptd.service.supervisor import Calls
 from ckptd.store import Store
 
@@ -35,6 +37,7 @@ RUN_BOUND_S = 1800.0
 IDLE_WAIT_S = 10.0
 
 Waiters = dict[str, list["Future[list[Outcome]]"]]
+Discards = dict[str, list[tuple[int, dict[str, ObjectMeta]]]]  # root -> (step, objects sent)
 
 
 class RetentionService:
@@ -63,8 +66,10 @@ class RetentionService:
         self.exclusive = threading.RLock()
         self.nets = nets if nets is not None else threading.RLock()
         self.log = get_logger()
+        self.backend_for = backend_for
         self._runner = Runner(store, backend_for, self.exclusive, self.nets, node)
-        self._mutex = threading.Lock()  # guards the three fields below
+        self._mutex = threading.Lock()  # guards the four fields below
+        self._discards: Discards = {}
         self._wanted: set[str] = set()
         self._waiting: Waiters = {}
         self._loop_thread: int | None = None
@@ -77,6 +82,31 @@ class RetentionService:
         with self._mutex:
             self._wanted.add(root)
         self._wake.set()
+
+    def discard_early(self, root: str, step: int, sent: Mapping[str, ObjectMeta]) -> None:
+        """A save of `step` will not commit: have the executor delete the objects it sent
+        early (`sent`, each as it was put) on this service's thread, soon; returns at once."""
+        with self._mutex:
+            self._discards.setdefault(root, []).append((step, dict(sent)))
+        self.request(root)
+
+    def _discard(self, root: RootConfig) -> None:
+        """The discards handed over for `root`, through the executor (best effort: what is
+        left is a straggler; `discard_early` never raises)."""
+        with self._mutex:
+            todo = self._discards.pop(root.name, [])
+        if not todo:
+            return
+        try:
+            backend = self.backend_for(root)
+        except Exception as exc:  # noqa: BLE001 - a bad remote: the upload stage says why
+            self.log.warning("early_objects_kept", root=root.name, why=str(exc))
+            return
+        if backend is None:
+            return
+        nets = StoreNets(self.store, root, self.nets, time.time)
+        for step, sent in todo:
+            executor.discard_early(backend, root.name, step, sent, nets=nets)
 
     def run_now(self, root: str, timeout: float = RUN_NOW_TIMEOUT_S) -> list[Outcome]:
         """Have the retention thread run `root` (a run that starts after this call) and return
@@ -197,6 +227,7 @@ class RetentionService:
             # A caller waiting is `ckptd prune --apply`: the user's say-so for adopted ones.
             self.calls.begin("retention", "retention", name, None, self.bound_s)
             try:
+                self._discard(root)
                 outcomes = self._runner.run(root, delete_adopted=bool(futures))
             finally:
                 self.calls.end("retention")

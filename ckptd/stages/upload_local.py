@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import fileio, inputs
-from ckptd.backends.base import ObjectMeta, bare, os_error, same_object
+from ckptd.backends.base import ObjectMeta, bare, check_key, os_error, same_object
 from ckptd.errors import BadInput, CkptdError, PermanentError
 from ckptd.log import get_logger
 
@@ -272,6 +272,20 @@ class Ledger:
         except (KeyError, TypeError, ValueError):
             return False
         return same_object(then, meta)
+
+    def sent(self) -> dict[str, ObjectMeta]:
+        """Every object the ledger says this copy's save put or proved, as it was then; an
+        entry that is malformed or names no valid key (the ledger lies in the root) is left
+        out."""
+        out: dict[str, ObjectMeta] = {}
+        for key, entry in self.objects.items():
+            try:
+                check_key(key)
+                out[key] = ObjectMeta(key, int(entry["size"]), float(entry["mtime"]),
+                                      entry["etag"] if isinstance(entry["etag"], str) else None)
+            except (CkptdError, KeyError, TypeError, ValueError):
+                continue
+        return out
 
     def record(self, key: str, fingerprint: list[int], meta: ObjectMeta) -> None:
         entry = {"local": fingerprint, "size": meta.size, "mtime": meta.mtime, "etag": meta.etag}

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.lifecycle.table import (
+    Effect,
     Event,
     Policy,
     Refused,
     Row,
+    Stage,
     Status,
     next_stage,
     transition,
@@ -116,9 +118,14 @@ class Core(Reads):
         if t.to != source or t.row is not Row.KEEP:
             self._log(db, int(row["id"]), row["root"], int(row["step"]), event, source, t.to,
                       now)
-        if t.effects:
+        effects = t.effects
+        if Effect.DISCARD_EARLY in effects and _uploading_now(row, now):
+            # An upload of this save is under way: what it sent is its own to commit (a
+            # re-save then replaces it) or to leave; deleting under it could commit a hole.
+            effects = effects - {Effect.DISCARD_EARLY}
+        if effects:
             self._applied.append(Applied(row["root"], int(row["step"]), event, source, t.to,
-                                         t.effects))
+                                         effects))
         return t.to
 
     def _insert(self, db: sqlite3.Connection, root: str, event: Event, now: float,
@@ -206,3 +213,9 @@ class Core(Reads):
         db.execute("INSERT INTO roots (name, last_error, last_error_at) VALUES (?,?,?)"
                    " ON CONFLICT(name) DO UPDATE SET last_error=excluded.last_error,"
                    " last_error_at=excluded.last_error_at", (root, error, now))
+
+
+def _uploading_now(row: sqlite3.Row, now: float) -> bool:
+    """Whether a worker's claim to upload this row is live (its upload may be writing now)."""
+    return (row["claim_owner"] is not None and row["claim_stage"] == Stage.UPLOAD.value
+            and float(row["claim_expires"] or 0.0) >= now)
