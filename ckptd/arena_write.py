@@ -45,6 +45,13 @@ class Cancel(threading.Event):
         self.written = 0
 
 
+# How rank 0 commits over an earlier save of the step: given `swap` (the renames; it returns
+# the root-relative name the earlier save was moved aside to, or None), do it and drop that
+# save, or answer False to be asked again shortly. The daemon's goes through the retention
+# executor (`replace_save`, behind its nets); the trainer's own process drops it itself.
+Replace = Callable[[Callable[[], "str | None"]], bool]
+
+
 @dataclass(frozen=True)
 class Written:
     path: str  # the committed step dir (rank 0), or the tmp dir this rank wrote into
@@ -52,24 +59,27 @@ class Written:
 
 
 def persist(view: memoryview, fd: int, req: Request, root_path: str,
-            cancel: Cancel) -> Written:
+            cancel: Cancel, replace: Replace | None = None) -> Written:
     """Write this rank's files from the arena `fd` (mapped as `view`); rank 0 also waits for
-    every rank and commits `step-<N>/`. Each file is a torch.save archive whose CRC fields
-    the trainer left empty: they are filled in here first."""
+    every rank and commits `step-<N>/` (over an earlier save of the step through `replace`;
+    None: in the trainer's own process, which drops its earlier save itself). Each file is a
+    torch.save archive whose CRC fields the trainer left empty: they are filled in here
+    first."""
     for f in req.files:
         fill_crcs(view, fd, f.offset, f.offset + f.size, f.path)
     deadline = time.monotonic() + req.timeout
     root_fd = os.open(root_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         if req.rank == 0:
-            return _persist_rank0(view, req, root_fd, deadline, cancel)
+            return _persist_rank0(view, req, root_fd, deadline, cancel,
+                                  replace if replace is not None else _replace_here(root_fd))
         return _persist_rank(view, req, root_fd, deadline, cancel)
     finally:
         os.close(root_fd)
 
 
 def _persist_rank0(view: memoryview, req: Request, root_fd: int, deadline: float,
-                   cancel: Cancel) -> Written:
+                   cancel: Cancel, replace: Replace) -> Written:
     tmp, final = f"step-{req.step}.tmp", f"step-{req.step}"
     token = secrets.token_hex(16)
     _fresh_dir(root_fd, tmp)
@@ -80,6 +90,8 @@ def _persist_rank0(view: memoryview, req: Request, root_fd: int, deadline: float
                                  dir_fd=tmp_fd)
         everyone = _collect(tmp_fd, req.world_size, token, deadline, cancel)
         _commit(root_fd, tmp_fd, tmp, final, {**req.head, "save_id": token, "files": everyone})
+        _wait(lambda: True if replace(partial(_swap, root_fd, tmp, final)) else None, deadline,
+              cancel, f"the readers of {final} to let the earlier save go")
     return Written(final, everyone)
 
 
@@ -174,20 +186,35 @@ def _collect(tmp_fd: int, world: int, token: str, deadline: float,
 
 
 def _commit(root_fd: int, tmp_fd: int, tmp: str, final: str, meta: dict[str, Any]) -> None:
-    """meta.json last, then the rename; an older `final` is swapped out, then removed."""
+    """meta.json last (the rename into place is `_swap`'s, through the `Replace`)."""
     for name in os.listdir(tmp_fd):
         if name.startswith("."):
             os.unlink(name, dir_fd=tmp_fd)  # rendezvous markers are not part of the checkpoint
     fileio.atomic_write_json(META, meta, dir_fd=tmp_fd)  # fsyncs tmp_fd: the unlinks too
+
+
+def _swap(root_fd: int, tmp: str, final: str) -> str | None:
+    """`tmp` becomes `final` by one rename; an older `final` is moved aside first, to the name
+    returned (None when there was none) for the `Replace` to drop."""
     old = None
     if _lexists(root_fd, final):
         old = f".{final}.old-{secrets.token_hex(4)}"
         os.rename(final, old, src_dir_fd=root_fd, dst_dir_fd=root_fd)
     os.rename(tmp, final, src_dir_fd=root_fd, dst_dir_fd=root_fd)
     os.fsync(root_fd)
-    if old is not None:
-        with contextlib.suppress(OSError):  # committed already: a leftover must not undo that
-            fileio.remove_tree(old, dir_fd=root_fd)
+    return old
+
+
+def _replace_here(root_fd: int) -> Replace:
+    """The trainer's own process (ckptd.torch's fallback writer): as ckptd.torch does, the
+    trainer's earlier save of the step goes once the new one is in."""
+    def replace(swap: Callable[[], str | None]) -> bool:
+        old = swap()
+        if old is not None:
+            with contextlib.suppress(OSError):  # committed already: a leftover stays
+                fileio.remove_tree(old, dir_fd=root_fd)
+        return True
+    return replace
 
 
 # -- directories and small files beneath the root ----------------------------------------------

@@ -122,7 +122,7 @@ class Daemon:
         self.persist = PersistService(store, self.roots, self.scanner.wake,
                                       lambda: self.config.daemon.socket,
                                       lambda: self.config.daemon.socket_group,
-                                      calls=self.supervisor.calls)
+                                      calls=self.supervisor.calls, nets=self.retention.nets)
         self.ctx = ApiContext(store, self.roots, self.changes, self.scanner, self.workers,
                               self.retention, self.discovery, self.supervisor, self.metrics,
                               leases, self.persist)

@@ -76,6 +76,32 @@ def test_async_save_is_a_snapshot_and_becomes_valid(inproc_daemon: Any) -> None:
     assert not (root / "step-10.tmp").exists()
 
 
+def test_a_resave_replaces_the_earlier_save_only_behind_the_nets(inproc_daemon: Any) -> None:
+    """The trainer saves a step again while a client reads it: the daemon's writer commits
+    the new save over the earlier one through the executor, which waits while the reader
+    holds the step (the earlier save stays whole meanwhile), then replaces it through the
+    trash."""
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    root = d.roots["r1"]
+    model, opt = trained()
+    assert ckpt.save(root, 10, model=model, optimizer=opt, client=d.client,
+                     blocking=False).wait(30)
+    first = json.loads((root / "step-10" / "meta.json").read_text())["save_id"]
+    model2, opt2 = trained(seed=3)
+    with d.client.hold("r1", 10):
+        h = ckpt.save(root, 10, model=model2, optimizer=opt2, client=d.client,
+                      blocking=False)
+        d.wait_event("save_replace_waiting", timeout=30)
+        assert json.loads((root / "step-10" / "meta.json").read_text())["save_id"] == first
+        assert not h.done()
+    assert h.wait(30) and h.error is None, h.error
+    assert json.loads((root / "step-10" / "meta.json").read_text())["save_id"] != first
+    replaced = d.wait_event("earlier_save_replaced")[0]
+    assert replaced["step"] == 10 and replaced["bytes_freed"] > 0
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".step")) == []
+    assert os.listdir(root / ".ckptd" / "trash") == []
+
+
 def test_arena_is_reused_and_flush_waits(inproc_daemon: Any) -> None:
     d = inproc_daemon(roots=[{"name": "r1"}])
     root = d.roots["r1"]

@@ -98,9 +98,13 @@ ALLOWED_FUNCTIONS = {
         "a bare Stager's copy renamed in where none is (it never replaces one)",
     ("ckptd.stages.upload_local", "Ledger._open"): "the upload ledger's old-format file",
     ("ckptd.stages.parts", "_probe"): "the create-only probe object it just wrote",
-    ("ckptd.arena_write", "_commit"):
-        "the save door acts for the trainer: its rendezvous markers, and the trainer's own "
-        "earlier save of the step it is saving again (as ckptd.torch does in the trainer)",
+    ("ckptd.arena_write", "_commit"): "the save's own rendezvous markers",
+    ("ckptd.arena_write", "_swap"):
+        "renames the new save in, the earlier save of the step aside (the daemon's writer "
+        "calls it inside executor.replace_save, behind its nets, which trashes that one)",
+    ("ckptd.arena_write", "_replace_here"):
+        "the trainer's own earlier save of a step it saves again, in the trainer's process "
+        "(ckptd.torch's fallback writer), as ckptd.torch does",
     ("ckptd.arena_write", "_fresh_dir"): "a stale half-written save dir of the door",
     ("ckptd.arena_write", "_write_one"): "a file of the save it is writing, written again",
     ("ckptd.remote.layout", "retreat_latest"): "the LATEST pointer object, not a step's bytes",

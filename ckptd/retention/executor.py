@@ -391,6 +391,40 @@ def install_copy(root_dir: Path, step: int, staging: Path, final: Path, *, nets:
         trashcan.purge_or_leave(get_logger(root=real_root.name), record)
 
 
+def replace_save(root_dir: Path, step: int, swap: Callable[[], str | None], *,
+                 nets: Nets) -> bool:
+    """The async-save writer's commit of a save of `step` over an earlier save of it (the
+    trainer saves the step again). Under the lock: the "replace_save" nets (a client reading
+    the step); then `swap()`, the writer's renames (the earlier save aside to the name it
+    returns, root-relative, None when there was none; the new one in); then the earlier save
+    through the trash. False (nothing done) while a net holds: the writer waits and asks
+    again. Raises what `swap` raises."""
+    log = get_logger(root=Path(root_dir).name)
+    real_root = Path(root_dir).resolve()
+    record: TrashRecord | None = None
+    with nets.held() as guards:
+        try:
+            trash_real = trashcan.own_trash(real_root)
+            check_nets(step, "replace_save", guards)
+        except Refusal as refusal:
+            log.info("save_replace_waiting", step=step, reason=refusal.reason)
+            return False
+        aside = swap()
+        if aside is None:
+            return True
+        try:
+            moves = trashcan.dir_move(real_root, trashcan.relative(aside), [], trash_real)
+            record = trashcan.move_into_trash(real_root, step, moves, trash_real)
+        except (Refusal, OSError) as exc:  # committed already: the leftover is only named
+            log.error("prune_failed", step=step, tier="local",
+                      reason=f"the earlier save {aside} was left: {exc}")
+            return True
+    if record is not None:
+        freed = trashcan.purge_or_leave(log, record)
+        log.info("earlier_save_replaced", step=step, bytes_freed=freed)
+    return True
+
+
 def replace_remote(
     backend: Backend, root_name: str, step: int, nets: Nets, delete_step: DeleteStep
 ) -> Outcome:

@@ -19,7 +19,7 @@ SHARED = "shared_files"  # its files are also another checkpoint's
 COMPRESSED = "compressed"  # the copy is the checkpoint's only local form
 
 Act = Literal["prune_local", "prune_remote", "compress", "release_copy", "release_last",
-              "replace_remote"]
+              "replace_remote", "replace_save"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ class Refusal(Exception):
 # A net an act does not list cannot be hurt by it (docs/RETENTION.md, "Where deletion happens"):
 # compress keeps the checkpoint whole and verified on disk (pinned and best ones are compressed
 # like the others, a policy decision); a spare copy beside its originals loses nothing; a
-# re-save's earlier upload is replaced by the same step's newer save.
+# re-save's earlier upload is replaced by the same step's newer save (and a re-save's earlier
+# local save by the newer one, which the async-save writer commits in its place).
 NETS: dict[str, tuple[str, ...]] = {
     "prune_local": ("latest", "best", "pinned", "in_use", "not_uploaded", "shared", "adopted"),
     "prune_remote": ("latest", "best", "pinned", "in_use", "remote_latest", "not_verified"),
@@ -63,6 +64,7 @@ NETS: dict[str, tuple[str, ...]] = {
     "release_copy": ("in_use",),  # the originals are on disk: the copy is a spare
     "release_last": ("latest", "best", "pinned", "in_use", "not_uploaded", "adopted"),
     "replace_remote": ("in_use",),
+    "replace_save": ("in_use",),  # the trainer saves the step again: its earlier save goes
 }
 
 

@@ -16,7 +16,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ from ckptd import arena_write as stage
 from ckptd.config import RootConfig
 from ckptd.errors import HttpError
 from ckptd.log import get_logger
+from ckptd.retention import executor
+from ckptd.retention.views import StoreNets
 from ckptd.service.supervisor import Calls
 from ckptd.store import Store
 
@@ -54,10 +58,13 @@ class PersistService:
 
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  wake_scan: Callable[[], None], socket_path: Callable[[], Path],
-                 socket_group: Callable[[], str], calls: Calls | None = None) -> None:
+                 socket_group: Callable[[], str], calls: Calls | None = None, *,
+                 nets: AbstractContextManager[Any]) -> None:
         """`calls`: the supervisor's call board, where each save's write says what it is
-        busy with; its bytes written are its progress."""
+        busy with; its bytes written are its progress. `nets`: the lock pins and readers'
+        holds take, under which an earlier save of a step saved again is replaced."""
         self.store, self.roots, self.wake_scan = store, roots, wake_scan
+        self.nets = nets
         self.calls = calls if calls is not None else Calls()
         self._socket_path, self._socket_group = socket_path, socket_group
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
@@ -197,7 +204,9 @@ class PersistService:
         # Not `with memoryview(...)`: on a failure the traceback still holds slices of it, and
         # releasing it then would replace the save's error with a BufferError.
         view = memoryview(mm)
-        written = stage.persist(view, job.fd, req, str(root.path), job.cancel)
+        nets = StoreNets(self.store, root, self.nets, time.time)
+        written = stage.persist(view, job.fd, req, str(root.path), job.cancel,
+                                partial(executor.replace_save, root.path, req.step, nets=nets))
         view.release()
         self.log.info("async_save_written", root=req.root, step=req.step, rank=req.rank,
                       files=len(written.files), job=job.id)
