@@ -227,3 +227,36 @@ def test_a_save_judged_damaged_later_leaves_none_of_its_early_objects(
     assert _objects(remote, 5) == {}
     assert not (remote / manifest_key("r1", 5)).exists()
     assert _objects(remote, 4) == committed
+
+
+def test_a_forged_ledger_names_no_object_outside_its_step(tmp_path: Path) -> None:
+    """The ledger a discard reads lies in the root: an entry naming a key that climbs out, is
+    absolute or malformed is left out, and the executor deletes only what is still the very
+    object put, under the step's own prefix."""
+    from support.nets import no_nets
+
+    from ckptd.backends.base import ObjectMeta
+    from ckptd.retention import executor
+    from ckptd.stages.upload_local import LEDGER_NAME, Ledger
+
+    backend = make_backend(f"file://{tmp_path / 'remote'}")
+    kept = backend.put("r1/step-4/a.zst", b"committed elsewhere", 19)
+    mine = backend.put("r1/step-5/b.zst", b"sent early", 10)
+    path = tmp_path / LEDGER_NAME
+    ledger = Ledger.load(path, backend.url)
+    ledger.record("b.zst", [1, 2, 3, 4], mine)
+    ledger.close()
+    forged = [{"key": "../step-4/a.zst", "local": [], "size": kept.size, "mtime": kept.mtime,
+               "etag": kept.etag},
+              {"key": "/etc/passwd", "local": [], "size": 1, "mtime": 0.0, "etag": None},
+              {"key": "c.zst", "local": [], "size": "big", "mtime": 0.0, "etag": None},
+              {"key": 7}, "not an object"]
+    with open(path, "a") as f:
+        f.writelines(json.dumps(doc) + "\n" for doc in forged)
+    sent = Ledger.load(path, backend.url).sent()
+    assert sent == {"b.zst": ObjectMeta("b.zst", mine.size, mine.mtime, mine.etag)}
+    sent = {**sent, "../step-4/a.zst": ObjectMeta("../step-4/a.zst", kept.size, kept.mtime,
+                                                  kept.etag)}
+    assert executor.discard_early(backend, "r1", 5, sent, nets=no_nets()) == 1
+    assert (tmp_path / "remote" / "r1" / "step-4" / "a.zst").read_bytes() == b"committed elsewhere"
+    assert [m.key for m in backend.list("r1/step-5")] == []
