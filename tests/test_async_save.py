@@ -87,6 +87,7 @@ def test_a_resave_replaces_the_earlier_save_only_behind_the_nets(inproc_daemon: 
     assert ckpt.save(root, 10, model=model, optimizer=opt, client=d.client,
                      blocking=False).wait(30)
     first = json.loads((root / "step-10" / "meta.json").read_text())["save_id"]
+    assert d.wait_for("r1", 10)["state"] == "valid"  # known to the daemon: a hold needs that
     model2, opt2 = trained(seed=3)
     with d.client.hold("r1", 10):
         h = ckpt.save(root, 10, model=model2, optimizer=opt2, client=d.client,
