@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from support.ckpts import save_single
+from support.wait import wait_until
 
 from ckptd import client as client_mod
 from ckptd.client import DEFAULT_SOCKET, Client, ClientError, DaemonUnavailable
@@ -128,6 +129,20 @@ def test_a_dead_daemon_with_and_without_latest_json(inproc_daemon: Any) -> None:
     (root / ".ckptd" / "latest.json").unlink()
     with pytest.raises(DaemonUnavailable, match="latest.json: no such file"):
         c.latest("r1", root_dir=root)
+
+
+def test_an_empty_root_is_none_with_the_daemon_down(inproc_daemon: Any) -> None:
+    """The daemon publishes "none yet" for a root with no valid checkpoint (`"step": null`),
+    so a trainer that starts while the daemon is down starts at step 0 by the daemon's word,
+    not by a guess; and a root whose last step went away says none again."""
+    d = inproc_daemon()
+    root = d.roots["r1"]
+    latest = root / ".ckptd" / "latest.json"
+    doc = wait_until(lambda: latest.exists() and json.loads(latest.read_text()),
+                     what="latest.json written")
+    assert doc["step"] is None and doc["path"] is None
+    d.stop()
+    assert Client(d.socket, timeout=1).latest("r1", root_dir=root) is None
 
 
 def test_the_daemon_refusing_the_question_raises(inproc_daemon: Any) -> None:

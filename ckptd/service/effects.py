@@ -44,7 +44,9 @@ class RetentionQueue(Protocol):
 
 class LatestPublisher:
     """Keeps `<root>/.ckptd/latest.json` equal to the store's latest of each root: step, path,
-    layout and where it can be had (local, remote)."""
+    layout and where it can be had (local, remote). A root with none gets `"step": null`, not
+    a missing file: a trainer with no daemon to ask then tells "none yet" (start at step 0)
+    from "cannot tell" (no file: `Client.latest` raises)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -55,20 +57,17 @@ class LatestPublisher:
         with self._lock:
             rec = self.store.latest(root.name, Tier.ANY)
             target = root.path / CKPTD_DIR / "latest.json"
-            doc: dict[str, Any] | None = None if rec is None else {
+            doc: dict[str, Any] = {"step": None, "path": None} if rec is None else {
                 "step": rec.step, "path": str(root.path / rec.path), "layout": rec.layout,
                 "local": str(rec.local), "remote": str(rec.remote)}
             key = json.dumps(doc, sort_keys=True)
             info = self.store.root_info(root.name)
-            if info["latest_doc"] == key and (doc is None or target.exists()):
+            if info["latest_doc"] == key and target.exists():
                 return
             try:
-                if doc is None:
-                    target.unlink(missing_ok=True)
-                else:
-                    target.parent.mkdir(exist_ok=True)
-                    updated = datetime.now(UTC).isoformat(timespec="seconds")
-                    fileio.atomic_write_json(target, {**doc, "updated": updated})
+                target.parent.mkdir(exist_ok=True)
+                updated = datetime.now(UTC).isoformat(timespec="seconds")
+                fileio.atomic_write_json(target, {**doc, "updated": updated})
             except OSError as exc:
                 self.log.warning("latest_write_failed", root=root.name, error=str(exc))
                 return
