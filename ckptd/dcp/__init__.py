@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import io
+import math
 import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -24,12 +25,17 @@ except ModuleNotFoundError as exc:  # the slim install (`pip install ckptd`) bri
         raise
     raise ModuleNotFoundError(needs_torch("ckptd.dcp"), name="torch") from None
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader as _StorageReader
 
 from ckptd.dcp.meta import MAX_METADATA_BYTES, read_metadata
-from ckptd.dcp.slices import TensorSlice, Want
+from ckptd.dcp.slices import TensorSlice, Want, scan_archive
 from ckptd.errors import BadInput, Cancelled, CorruptData, NotFound
 
 if TYPE_CHECKING:  # the backends and the config load only when a read begins
@@ -39,6 +45,7 @@ if TYPE_CHECKING:  # the backends and the config load only when a read begins
 __all__ = ["StorageReader"]
 
 _METADATA = ".metadata"
+Chunk = tuple[tuple[int, ...], torch.dtype]  # a saved chunk's size and element type
 FILES_AT_ONCE = 4
 
 
@@ -64,6 +71,8 @@ class StorageReader(_StorageReader):
         self._failed: Exception | None = None
         self._base: str | None = None
         self.storage_data: dict[MetadataIndex, Any] = {}
+        # Each saved chunk's size, by its storage index: what a slice's tensor must be.
+        self._chunks: dict[MetadataIndex, Chunk] = {}
 
     # -- where and which step ----------------------------------------------------------------
 
@@ -135,6 +144,9 @@ class StorageReader(_StorageReader):
         if metadata.storage_data is None:
             raise CorruptData(f"{self._open().url}: DCP metadata without storage_data")
         self.storage_data = metadata.storage_data
+        self._chunks = {MetadataIndex(fqn, c.offsets): (tuple(c.sizes), md.properties.dtype)
+                        for fqn, md in metadata.state_dict_metadata.items()
+                        if isinstance(md, TensorStorageMetadata) for c in md.chunks}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return dataclasses.replace(plan, storage_data=self.step)
@@ -151,7 +163,7 @@ class StorageReader(_StorageReader):
         step = self._open()
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            info = self.storage_data[item.storage_index]
+            info = self._info(item)
             per_file.setdefault(self._path(str(info.relative_path)), []).append(item)
         # Files at once: a job of many small files is not one request at a time; the blocks
         # in flight stay bounded across them (RemoteStep.slots).
@@ -173,24 +185,50 @@ class StorageReader(_StorageReader):
         done.set_result(None)
         return done
 
+    def _info(self, item: ReadItem) -> Any:
+        """The storage entry of a read item, its numbers checked (the metadata a rank gets
+        from the coordinator is checked there; this is where the plan meets it)."""
+        info = self.storage_data.get(item.storage_index)
+        fqn = item.storage_index.fqn
+        if info is None:
+            raise CorruptData(f"{self._open().url}: DCP metadata has no storage entry for "
+                              f"{fqn!r} at {item.storage_index.offset}")
+        rel, offset, length = (getattr(info, k, None)
+                               for k in ("relative_path", "offset", "length"))
+        if not (isinstance(rel, str) and rel and _count(offset) and _count(length)):
+            raise CorruptData(f"{self._open().url}: {fqn!r}: bad storage entry "
+                              f"{rel!r} [{offset!r}, +{length!r})")
+        return info
+
     def _read_file(self, step: RemoteStep, path: str, items: list[ReadItem],
                    planner: Any, stop: threading.Event) -> None:
-        where = f"{step.url}/{step.stored(path).key}"
+        f = step.stored(path)
+        where = f"{step.url}/{f.key}"
         slices: dict[tuple[int, int], list[ReadItem]] = {}
         transforms: dict[tuple[int, int], tuple[str, ...]] = {}
         for item in items:
-            info = self.storage_data[item.storage_index]
-            at = (int(info.offset), int(info.length))
+            info = self._info(item)
+            at = (info.offset, info.length)
+            if info.offset + info.length > f.size:  # before any range or buffer of it
+                raise CorruptData(f"{where}: {item.storage_index.fqn!r}: DCP metadata puts "
+                                  f"its slice at [{info.offset}, +{info.length}), past the "
+                                  f"file's {f.size} bytes")
             slices.setdefault(at, []).append(item)
             transforms[at] = tuple(getattr(info, "transform_descriptors", None) or ())
         router = _Router(where, stop)
         for (offset, length), reqs in sorted(slices.items()):
             what = f"{where} [{offset}, +{length})"
-            sink = (_Transformed(length, reqs, planner, transforms[offset, length], what)
-                    if transforms[offset, length] else _slice(reqs, length, planner, what))
+            sink = (_Transformed(length, reqs, planner, transforms[offset, length], what,
+                                 self._chunks)
+                    if transforms[offset, length]
+                    else _slice(reqs, length, planner, what, self._chunks))
             router.add(offset, length, sink)
         step.reader(path).read(router.ranges(), router.feed, router.place)
         router.finish()
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 class _Locked:
@@ -230,11 +268,12 @@ class _Bytes:
             self.planner.load_bytes(req, io.BytesIO(self.buf))
 
 
-def _slice(reqs: list[ReadItem], length: int, planner: Any, where: str) -> TensorSlice | _Bytes:
+def _slice(reqs: list[ReadItem], length: int, planner: Any, where: str,
+           chunks: dict[MetadataIndex, Chunk]) -> TensorSlice | _Bytes:
     if all(r.type == LoadItemType.BYTE_IO for r in reqs):
         return _Bytes(length, reqs, planner)
-    wants = [Want(r.storage_offsets, r.lengths, _resolver(planner, r), _committer(planner, r))
-             for r in reqs]
+    wants = [Want(r.storage_offsets, r.lengths, _resolver(planner, r), _committer(planner, r),
+                  *chunks.get(r.storage_index, (None, None))) for r in reqs]
     return TensorSlice(length, wants, where)
 
 
@@ -244,9 +283,10 @@ class _Transformed(_Bytes):
     (`torch.load(weights_only=True)`; the slice is the size of one saved item)."""
 
     def __init__(self, length: int, reqs: list[ReadItem], planner: Any,
-                 descriptors: tuple[str, ...], where: str) -> None:
+                 descriptors: tuple[str, ...], where: str,
+                 chunks: dict[MetadataIndex, Chunk]) -> None:
         super().__init__(length, reqs, planner)
-        self.descriptors, self.where = descriptors, where
+        self.descriptors, self.where, self.chunks = descriptors, where, chunks
 
     def finish(self) -> None:
         from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
@@ -257,16 +297,42 @@ class _Transformed(_Bytes):
             try:
                 stream = _StorageReaderTransforms().transform_load_stream(
                     req, self.descriptors, io.BytesIO(self.buf))
-                data = io.BytesIO(stream.read())
+                chunk = self.chunks.get(req.storage_index)
+                raw = _read_upto(stream, None if req.type == LoadItemType.BYTE_IO or chunk is None
+                                 else math.prod(chunk[0]) * chunk[1].itemsize + _ARCHIVE_SLACK)
+                if raw is None:
+                    raise CorruptData(f"{self.where}: undoing DCP transforms "
+                                      f"{list(self.descriptors)} gives more than {chunk} holds")
                 if req.type == LoadItemType.BYTE_IO:
-                    self.planner.load_bytes(req, data)
+                    self.planner.load_bytes(req, io.BytesIO(raw))
                     continue
-                tensor = torch.load(data, map_location="cpu", weights_only=True)
+                scan_archive(raw, self.where)
+                tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            except CorruptData:
+                raise
             except Exception as exc:
                 raise CorruptData(f"{self.where}: DCP transforms {list(self.descriptors)} "
                                   f"could not be undone ({type(exc).__name__}: {exc})") from None
             Want(req.storage_offsets, req.lengths, _resolver(self.planner, req),
-                 _committer(self.planner, req)).fill(tensor, self.where)
+                 _committer(self.planner, req), *self.chunks.get(req.storage_index, (None, None))
+                 ).fill(tensor, self.where)
+
+
+# What a tensor's torch.save archive holds beside the tensor's bytes (data.pkl, byteorder,
+# version, the directory): a transformed slice that undoes to more is refused unread.
+_ARCHIVE_SLACK = 4 << 20
+
+
+def _read_upto(stream: Any, limit: int | None) -> bytes | None:
+    """All of `stream`, or None as soon as it gives more than `limit` bytes."""
+    if limit is None:
+        return bytes(stream.read())
+    out = bytearray()
+    while piece := stream.read(min(1 << 20, limit + 1 - len(out))):
+        out += piece
+        if len(out) > limit:
+            return None
+    return bytes(out)
 
 
 def _resolver(planner: Any, req: ReadItem) -> Any:

@@ -2,7 +2,10 @@
 straight into the destination tensor: the archive's records are parsed as they stream by, the
 tensor's bytes land in the destination's memory when the layouts agree, else in one buffer the
 size of the saved tensor. Anything unusual falls back to `torch.load(weights_only=True)` of the
-whole slice. Nothing of the file runs: data.pkl is read with inert stand-ins.
+whole slice. Nothing of the file runs: every pickle goes through the daemon's bounded opcode
+scan (`formats.picklescan`) before an unpickler sees it, and data.pkl is read with inert
+stand-ins. A size the header claims is compared with the bytes the slice holds before any
+memory of that size is taken.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import io
 import pickle
 import re
 import struct
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +22,8 @@ from typing import Any
 import torch
 
 from ckptd.codec.buffers import same_memory
-from ckptd.errors import CorruptData
+from ckptd.errors import CorruptData, ValidationFailed
+from ckptd.formats.picklescan import SAFE_GLOBALS, scan_pickle
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # zip local file header
 _LOCAL_SIG, _CENTRAL_SIG, _DESC_SIG = 0x04034B50, 0x02014B50, 0x08074B50
@@ -92,7 +97,36 @@ class _LayoutReader(pickle.Unpickler):
         return _Ref(str(key), dtype, numel)
 
 
-def read_layout(pkl: bytes) -> _Layout:
+def scan(pkl: bytes, where: str) -> None:
+    """The daemon's opcode scan of one pickle of a slice (bounded memo and stack, the globals
+    torch.load(weights_only=True) allows): CorruptData naming `where` when it refuses."""
+    try:
+        scan_pickle(pkl, where, SAFE_GLOBALS)
+    except ValidationFailed as exc:
+        raise CorruptData(f"{where}: refused ({exc.reason}: {exc.message})") from None
+
+
+def scan_archive(data: bytes, where: str) -> None:
+    """Scan every pickle of a tensor archive held in memory before torch.load reads it:
+    CorruptData naming `where` when it is no zip torch writes or a pickle is refused."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            for info in archive.infolist():
+                if not info.filename.endswith(".pkl"):
+                    continue
+                if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(data):
+                    raise CorruptData(f"{where}: {info.filename} is not stored as torch "
+                                      "stores it")
+                scan(archive.read(info), f"{where} {info.filename}")
+    except CorruptData:
+        raise
+    except Exception as exc:  # untrusted bytes: no zip, no tensor archive
+        raise CorruptData(f"{where}: not a tensor archive ({type(exc).__name__}: {exc})"
+                          ) from None
+
+
+def read_layout(pkl: bytes, where: str) -> _Layout:
+    scan(pkl, f"{where} data.pkl")
     try:
         found = _LayoutReader(io.BytesIO(pkl)).load()
     except _Unusual:
@@ -116,10 +150,29 @@ class Want:
     lengths: Sequence[int]
     target: Target
     done: Done
+    chunk: tuple[int, ...] | None = None  # the saved tensor's size, as the metadata says
+    dtype: torch.dtype | None = None  # and its element type
 
     def fill(self, saved: torch.Tensor, where: str) -> None:
         """Copy this item's hypercube of the saved tensor into its destination."""
-        piece = _narrow(saved, self.storage_offsets, self.lengths)
+        size = tuple(saved.size())
+        if self.chunk is not None and size != self.chunk:
+            raise CorruptData(f"{where}: the slice holds a tensor of {size}, the metadata's "
+                              f"chunk is {self.chunk}")
+        if self.dtype is not None and saved.dtype != self.dtype:
+            raise CorruptData(f"{where}: the slice holds {saved.dtype}, the metadata says "
+                              f"{self.dtype}")
+        if not _whole(size, tuple(saved.stride()), int(saved.storage_offset()),
+                      saved.untyped_storage().nbytes() // max(saved.element_size(), 1)):
+            raise CorruptData(f"{where}: the saved tensor's view ({size}, stride "
+                              f"{tuple(saved.stride())}, offset {saved.storage_offset()}) is "
+                              "not its storage's every element once, as DCP saves it")
+        try:
+            piece = _narrow(saved, self.storage_offsets, self.lengths)
+        except (RuntimeError, IndexError, ValueError, TypeError):
+            raise CorruptData(f"{where}: the saved tensor of {tuple(saved.size())} has no "
+                              f"piece of {list(self.lengths)} at {list(self.storage_offsets)}"
+                              ) from None
         target = self.target()
         if target.size() != piece.size():
             raise CorruptData(f"{where}: the saved piece is {tuple(piece.size())}, "
@@ -151,7 +204,7 @@ class TensorSlice:
         self._zip64_data = False
         self._consumed = 0  # bytes of the slice parsed and dropped from the head
         self._data_at = -1  # where the storage's bytes start in the slice, once known
-        self._state = "records"  # records | data | descriptor | done
+        self._state = "records"  # records | data | descriptor | trailer | done
         self._got = 0
 
     # -- feeding -----------------------------------------------------------------------------
@@ -189,7 +242,15 @@ class TensorSlice:
         return view[n:]
 
     def _parse(self) -> None:
-        while self._state in ("records", "descriptor"):
+        while self._state in ("records", "descriptor", "trailer"):
+            if self._state == "trailer":  # the record after the tensor's: where it must be
+                if len(self._head) < 4:
+                    return
+                if struct.unpack_from("<I", self._head)[0] not in (_LOCAL_SIG, _CENTRAL_SIG):
+                    raise CorruptData(f"{self.where}: no zip record follows the tensor's "
+                                      "bytes: its record is not where its header puts it")
+                self._state = "done"
+                return
             if self._state == "descriptor":
                 if len(self._head) < 4:
                     return
@@ -199,8 +260,8 @@ class TensorSlice:
                         return
                     self._check_descriptor(size)
                     del self._head[:size]
-                self._state = "done" if self._layout is not None else "records"
-                return
+                self._state = "trailer" if self._layout is not None else "records"
+                continue
             if not self._record():
                 return
 
@@ -229,7 +290,7 @@ class TensorSlice:
         if end is None:
             return False
         if name.endswith("data.pkl"):
-            self._layout = read_layout(bytes(head[start:end]))
+            self._layout = read_layout(bytes(head[start:end]), self.where)
         elif name.endswith("/byteorder") and bytes(head[start:end]) != b"little":
             raise _Unusual("a big-endian archive")
         drop = end + self._descriptor_len(flags, end)
@@ -262,6 +323,10 @@ class TensorSlice:
         if layout is None or name.rsplit("/", 1)[-1] != layout.key:
             raise _Unusual(f"record {name!r} before data.pkl, or a second storage")
         nbytes = layout.numel * layout.dtype.itemsize
+        held = self.length - (self._consumed + start)  # the slice's bytes after the header
+        if nbytes > held:  # before any memory of the claimed size is taken
+            raise CorruptData(f"{self.where}: data.pkl claims a storage of {nbytes} bytes, "
+                              f"the slice holds {max(held, 0)} after its header")
         self._zip64_data = nbytes >= _ZIP64
         self._data_at = self._consumed + start  # set before _dest: `placement` reads both
         self._dest = self._destination(layout, nbytes)
@@ -311,6 +376,9 @@ class TensorSlice:
         contiguous, the whole tensor wanted, the destination in CPU memory."""
         if layout.offset != 0 or tuple(want.lengths) != layout.size:
             return False
+        if (want.chunk is not None and want.chunk != layout.size
+                or want.dtype is not None and want.dtype != layout.dtype):
+            return False
         if any(want.storage_offsets) or layout.numel != _numel(layout.size):
             return False
         if layout.stride != _contiguous(layout.size):
@@ -344,12 +412,13 @@ class TensorSlice:
         self._temp = None
 
     def _finish_slow(self) -> None:
+        data, self._seen = bytes(self._seen), bytearray()
+        scan_archive(data, self.where)
         try:
-            tensor = torch.load(io.BytesIO(self._seen), map_location="cpu", weights_only=True)
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as exc:
             raise CorruptData(f"{self.where}: not a tensor archive torch can read ({exc})"
                               ) from None
-        self._seen = bytearray()
         if not isinstance(tensor, torch.Tensor):
             raise CorruptData(f"{self.where}: the slice does not hold a tensor")
         self._fill(tensor)
@@ -357,6 +426,20 @@ class TensorSlice:
     def _fill(self, tensor: torch.Tensor) -> None:
         for want in self.wants:
             want.fill(tensor, self.where)
+
+
+def _whole(size: tuple[int, ...], stride: tuple[int, ...], offset: int, numel: int) -> bool:
+    """The view is its storage of `numel` elements, each element once (any order of the
+    dimensions): what DCP saves, a chunk whose storage is its own."""
+    if offset != 0 or len(stride) != len(size) or _numel(size) != numel:
+        return False
+    expected = 1
+    for n, st in sorted(((n, st) for n, st in zip(size, stride, strict=True) if n != 1),
+                        key=lambda p: p[1]):
+        if st != expected:
+            return numel == 0
+        expected *= n
+    return True
 
 
 def _numel(size: tuple[int, ...]) -> int:
