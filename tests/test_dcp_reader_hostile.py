@@ -185,6 +185,16 @@ def test_a_metadata_that_omits_a_chunks_storage_entry(source: Path, remote: Path
     ckptd_error(load_error(K, url_of(remote)), CorruptData, f.key, "'step'", "no storage entry")
 
 
+@pytest.mark.parametrize("rel", ["../../../step-2/__0_0.distcp", "/etc/passwd", ".."])
+def test_a_storage_entry_naming_a_file_outside_the_checkpoint(source: Path, remote: Path,
+                                                             rel: str) -> None:
+    md = metadata_of(source)
+    md.storage_data[W].relative_path = rel
+    f = put_metadata(remote, md)
+    ckptd_error(load_error(K, url_of(remote)), CorruptData, f.key, "'w'",
+                "leaves the checkpoint directory")
+
+
 @pytest.mark.parametrize("field", ["state_dict_metadata", "storage_data"])
 def test_a_metadata_without_a_field(source: Path, field: str) -> None:
     """A Metadata pickled without a field (its BUILD state lacks the key): found by the

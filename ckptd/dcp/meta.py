@@ -1,10 +1,10 @@
 """A DCP `.metadata` pickle read into torch's own Metadata classes, through an unpickler that
 resolves only the names DCP metadata holds (the allow-list `formats.dcpmeta` checks files with):
 anything else is refused before it is looked up, so nothing named by the file runs. The bytes go
-through the daemon's bounded opcode scan and its metadata checks first (`dcpmeta.parse_once`),
-so no unpickler sees a memo index or a stack the scan would refuse; then every number a load
-acts on (tensor sizes, chunk offsets and sizes, the storage entry of every chunk) is checked
-before DCP's planner sees the Metadata.
+through the daemon's bounded opcode scan first (`dcpmeta.scan_metadata`), so no unpickler
+sees a memo index or a stack the scan would refuse; then every number a load acts on (tensor
+sizes, chunk offsets and sizes, the storage entry of every chunk, each entry a byte range of a
+file inside the checkpoint directory) is checked before DCP's planner sees the Metadata.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import io
 import pickle
+import posixpath
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptd.errors import CorruptData, ValidationFailed
-from ckptd.formats.dcpmeta import ALLOWED_GLOBALS, MAX_METADATA_BYTES, parse_once
+from ckptd.formats.dcpmeta import ALLOWED_GLOBALS, MAX_METADATA_BYTES, scan_metadata
 
 __all__ = ["MAX_METADATA_BYTES", "read_metadata"]
 
@@ -45,8 +46,8 @@ def read_metadata(data: bytes, where: str) -> Metadata:
     metadata or says what no DCP save says."""
     if len(data) > MAX_METADATA_BYTES:
         raise CorruptData(f"{where}: DCP metadata over {MAX_METADATA_BYTES} bytes")
-    try:  # the opcode scan (bounded memo and stack), the storage entries' shapes and paths
-        parse_once(data, where)
+    try:  # the daemon's opcode scan: a bounded memo and stack, DCP's names only
+        scan_metadata(data, where)
     except ValidationFailed as exc:
         raise CorruptData(f"{where}: not DCP metadata ({exc.reason}: {exc.message})") from None
     try:
@@ -87,6 +88,10 @@ def check_metadata(md: Metadata, where: str) -> None:
         if not (isinstance(rel, str) and rel and _count(offset) and _count(length)):
             raise CorruptData(f"{where}: {fqn!r}: bad storage entry "
                               f"{rel!r} [{offset!r}, +{length!r})")
+        norm = posixpath.normpath(rel)
+        if posixpath.isabs(rel) or norm == ".." or norm.startswith("../"):
+            raise CorruptData(f"{where}: {fqn!r}: data file {rel!r} leaves the checkpoint "
+                              "directory")
     for fqn, entry in state.items():
         if not isinstance(fqn, str):
             raise CorruptData(f"{where}: a state_dict key is a {type(fqn).__name__}")

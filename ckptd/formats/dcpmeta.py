@@ -201,6 +201,18 @@ def parse_once(data: bytes, path: str = ".metadata") -> DcpMetadata:
     return hit
 
 
+def scan_metadata(data: bytes, path: str = ".metadata") -> None:
+    """The bounded opcode scan every reader of a `.metadata` runs before its unpickler: its
+    memo and stack are bounded, so a memo bomb is refused before an unpickler would build a
+    memo the size of the index it names. ValidationFailed: `unsafe_pickle` for a global
+    outside ALLOWED_GLOBALS, `bad_metadata` for opcodes that do not parse or a bomb."""
+    try:
+        picklescan.scan_pickle(data, path, _SCAN_ALLOWED)
+    except ValidationFailed as exc:
+        reason = Reason.UNSAFE_PICKLE if exc.reason == Reason.UNSAFE_PICKLE else Reason.BAD_METADATA
+        raise ValidationFailed(reason, exc.message, path) from None
+
+
 def parse_dcp_metadata(data: bytes, path: str = ".metadata") -> DcpMetadata:
     """Parse `.metadata` bytes. Raises ValidationFailed: `unsafe_pickle` when the pickle names
     anything outside ALLOWED_GLOBALS; `bad_metadata` when it does not parse or does not have
@@ -209,13 +221,7 @@ def parse_dcp_metadata(data: bytes, path: str = ".metadata") -> DcpMetadata:
         raise ValidationFailed(
             Reason.BAD_METADATA, f"{path}: over {MAX_METADATA_BYTES} bytes", path
         )
-    # The opcode scan first: its memo and stack are bounded, so a memo bomb is refused before
-    # the unpickler would build a million-entry memo of its own.
-    try:
-        picklescan.scan_pickle(data, path, _SCAN_ALLOWED)
-    except ValidationFailed as exc:
-        reason = Reason.UNSAFE_PICKLE if exc.reason == Reason.UNSAFE_PICKLE else Reason.BAD_METADATA
-        raise ValidationFailed(reason, exc.message, path) from None
+    scan_metadata(data, path)
     try:
         root = _RestrictedUnpickler(data).load()
     except _Unsafe as exc:
