@@ -153,9 +153,9 @@ class _Machine:
     def step(self, op: pickletools.OpcodeInfo, arg: object) -> None:
         if len(self.stack) > MAX_STACK:
             raise ValueError(f"stack over {MAX_STACK} items (a memory bomb, not a checkpoint)")
-        handler = getattr(self, f"_op_{op.name}", None)
+        handler = _HANDLERS.get(op.name)
         if handler is not None:
-            handler(arg)
+            handler(self, arg)
         elif op.name in _CALLS:
             self._call(op.name, _CALLS[op.name])
         elif op.name in _STRINGS:
@@ -166,12 +166,19 @@ class _Machine:
             self._generic(op)
 
     def _generic(self, op: pickletools.OpcodeInfo) -> None:
-        before = op.stack_before
-        if pickletools.markobject in before:
+        effect = _EFFECTS.get(op.name)
+        if effect is None:
+            before = op.stack_before
+            mark = pickletools.markobject in before
+            if mark:
+                before = before[: before.index(pickletools.markobject)]
+            effect = _EFFECTS[op.name] = (mark, len(before), len(op.stack_after))
+        mark, pops, pushes = effect
+        if mark:
             self._pop_mark()
-            before = before[: before.index(pickletools.markobject)]
-        self._pop(len(before))
-        self.stack.extend(_UNKNOWN for _ in op.stack_after)
+        if pops:
+            self._pop(pops)
+        self.stack.extend([_UNKNOWN] * pushes)
 
     def _pop(self, n: int) -> list[object]:
         if n > len(self.stack) or any(v is _MARK for v in self.stack[len(self.stack) - n :]):
@@ -278,6 +285,13 @@ class _Machine:
 
     _op_PUT = _op_BINPUT = _op_LONG_BINPUT = _put
     _op_GET = _op_BINGET = _op_LONG_BINGET = _get
+
+
+# Each opcode's handler and each other opcode's stack effect (MARK popped first, items
+# popped, items pushed), looked up by name once per opcode rather than built per step.
+_HANDLERS = {name.removeprefix("_op_"): fn for name, fn in vars(_Machine).items()
+             if name.startswith("_op_")}
+_EFFECTS: dict[str, tuple[bool, int, int]] = {}
 
 
 def scan_pickle(
