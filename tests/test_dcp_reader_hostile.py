@@ -336,7 +336,6 @@ def test_a_hostile_load_costs_what_a_good_one_costs(source: Path, tmp_path: Path
         assert "CorruptData" in bad["error"] and f.key in bad["error"], (case, bad)
         assert bad["rss"] <= good["rss"] + EXTRA_RSS, (case, bad, good)
         assert bad["cpu"] <= CPU_SECONDS, (case, bad)
-        print(case, {k: bad[k] for k in ("rss", "peak_vm", "cpu")}, "good:", good)
 
 
 # -- fuzz: mutations of real DCP-written bytes -----------------------------------------------

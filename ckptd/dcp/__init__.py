@@ -254,16 +254,17 @@ class _Locked:
 class _Bytes:
     """A BYTE_IO item's slice, collected and handed to the planner."""
 
-    def __init__(self, length: int, reqs: list[ReadItem], planner: Any) -> None:
+    def __init__(self, length: int, reqs: list[ReadItem], planner: Any, where: str) -> None:
         self.buf = bytearray()
-        self.length, self.reqs, self.planner = length, reqs, planner
+        self.length, self.reqs, self.planner, self.where = length, reqs, planner, where
 
     def feed(self, view: memoryview) -> None:
         self.buf += view
 
     def finish(self) -> None:
         if len(self.buf) != self.length:
-            raise CorruptData(f"a bytes item got {len(self.buf)} of {self.length} bytes")
+            raise CorruptData(f"{self.where}: a bytes item got {len(self.buf)} of {self.length} "
+                              "bytes")
         for req in self.reqs:
             self.planner.load_bytes(req, io.BytesIO(self.buf))
 
@@ -271,7 +272,7 @@ class _Bytes:
 def _slice(reqs: list[ReadItem], length: int, planner: Any, where: str,
            chunks: dict[MetadataIndex, Chunk]) -> TensorSlice | _Bytes:
     if all(r.type == LoadItemType.BYTE_IO for r in reqs):
-        return _Bytes(length, reqs, planner)
+        return _Bytes(length, reqs, planner, where)
     wants = [Want(r.storage_offsets, r.lengths, _resolver(planner, r), _committer(planner, r),
                   *chunks.get(r.storage_index, (None, None))) for r in reqs]
     return TensorSlice(length, wants, where)
@@ -285,8 +286,8 @@ class _Transformed(_Bytes):
     def __init__(self, length: int, reqs: list[ReadItem], planner: Any,
                  descriptors: tuple[str, ...], where: str,
                  chunks: dict[MetadataIndex, Chunk]) -> None:
-        super().__init__(length, reqs, planner)
-        self.descriptors, self.where, self.chunks = descriptors, where, chunks
+        super().__init__(length, reqs, planner, where)
+        self.descriptors, self.chunks = descriptors, chunks
 
     def finish(self) -> None:
         from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
