@@ -105,7 +105,15 @@ def _set(doc: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, An
     return doc
 
 
-_DELETE = object()
+class _Deleted:
+    """The marker for "this key is left out"; its repr is stable, so test ids are the same in
+    every process (pytest-xdist compares them)."""
+
+    def __repr__(self) -> str:
+        return "<deleted>"
+
+
+_DELETE = _Deleted()
 # (where in meta.json, the value put there): every one is refused before a tensor is read.
 HOSTILE = [
     (("step",), None), (("step",), -1), (("step",), 1.5), (("step",), "3"), (("step",), True),
