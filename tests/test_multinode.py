@@ -321,6 +321,71 @@ def test_a_crashed_first_attempt_is_never_mixed_into_the_re_save(
             f["hash"])
 
 
+def test_a_re_save_right_after_a_crash_commits_its_own_bytes_on_every_node(
+        nodes: Any, tmp_path: Path) -> None:
+    """The sequence a busy machine gave: step 5 saved on three nodes, the save killed before
+    `.metadata` (no commit), every node's part of it written; the step re-saved in place
+    seconds later with other bytes (every first-attempt file inside any window of mtimes),
+    and the non-coordinators' daemons held (SIGSTOP: their uploads of the re-save come late)
+    until the coordinator, with the record, has looked at the parts. Their first attempt's
+    parts cover the record by path and size; only the nodes can tell they are not the
+    re-save's. The commit holds the re-save's bytes of every node, whoever is slow."""
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+    import xxhash
+
+    cluster = nodes()
+    cluster.start()
+    started = time.monotonic()
+    dcp_save(cluster.roots(), 5, seed=50, crash=True)  # no .metadata anywhere
+    parts = tmp_path / "remote" / "job" / "step-5" / "_parts"
+    wait_until(lambda: len(list(parts.glob("*.json"))) == WORLD, 30,
+               "every node's part of the crashed attempt")
+    first = {p.name for p in parts.glob("*.json")}
+    print(f"first attempt's parts: {time.monotonic() - started:.1f}s")
+    manifest = tmp_path / "remote" / "job" / "step-5" / "MANIFEST.json"
+
+    def coordinator_looked() -> bool:  # with the record: committed, or waiting on the others
+        return manifest.exists() or any(
+            e.get("step") == 5 and "in no part of the save" in str(e.get("error"))
+            for e in cluster.handles[0].events("commit_waiting"))
+
+    slow = cluster.handles[1:]
+    for h in slow:
+        h.signal(signal.SIGSTOP)
+    try:
+        dcp_save(cluster.roots(), 5, seed=51)  # the re-save, in place, at once
+        wait_until(coordinator_looked, 60, "the coordinator's look at the parts with its record",
+                   detail=lambda: cluster.handles[0].log_text()[-3000:])
+    finally:
+        for h in slow:
+            h.signal(signal.SIGCONT)
+    print(f"re-saved, coordinator looked: {time.monotonic() - started:.1f}s")
+    wait_until(manifest.exists, 60, "the commit of step 5")
+    doc = _manifest(tmp_path, 5)
+    chosen = {f'{n["node"]}.{n["attempt"]}.json' for n in doc["nodes"]}
+    assert not chosen & first, f"the commit holds first-attempt parts {sorted(chosen & first)}"
+    print(f"committed: {time.monotonic() - started:.1f}s")
+    cluster.wait_committed(5)
+    for f in doc["files"]:  # the re-save's bytes: the files on the nodes' disks now
+        node = int(f["key"][1])
+        assert xxhash.xxh3_128_hexdigest((cluster.root(node) / f["path"]).read_bytes()) == (
+            f["hash"]), f
+    want = full_state(51)
+    for n in range(WORLD):  # restored with every node's config: the re-save, whole
+        out = tmp_path / f"restored-n{n}"
+        cluster.restore(n, 5, out, "--all")
+        for r in range(WORLD):
+            name = f"step-5/__{r}_0.distcp"
+            assert (out / name).read_bytes() == (cluster.root(r) / name).read_bytes(), (n, r)
+        got = {"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS)}, "step": 0}
+        dcp.load(got, checkpoint_id=str(out / "step-5"))
+        assert torch.equal(got["model"]["w"], want["w"]), n
+        assert torch.equal(got["model"]["b"], want["b"]) and got["step"] == 51, n
+    print(f"restored from every node: {time.monotonic() - started:.1f}s")
+
+
 
 def test_a_deepspeed_save_split_over_nodes_commits_and_restores_whole(
         nodes: Any, tmp_path: Path) -> None:

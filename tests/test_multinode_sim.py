@@ -1,9 +1,11 @@
 """Simulation of the multi-node commit (ckptd.cluster.commit) over a create-only store: 64 nodes
 x 1,000 steps with skewed clocks, daemons that die and come back, slow daemons, crashed first
-attempts re-saved later, and a coordinator killed after writing its part. After every event the
-step it touched is checked: committed at most once, never mixing attempts, covering the whole
-save, and no node treats a step as latest or prunable before its commit. At the end every step
-whose save completed is committed exactly once. Seeded; a few seconds."""
+attempts re-saved at once or later, and a coordinator killed after writing its part. A node
+confirms its part for the coordinator's save once it has seen the record and finds its files
+unchanged (`stages.parts`). After every event the step it touched is checked: committed at most
+once, never mixing attempts, covering the whole save, and no node treats a step as latest or
+prunable before its commit. At the end every step whose save completed is committed exactly
+once. Seeded; a few seconds."""
 
 from __future__ import annotations
 
@@ -59,6 +61,8 @@ class Sim:
         self.saves: dict[int, Save] = {}
         self.disk: dict[tuple[int, int], tuple[float, str]] = {}  # (node, step) -> (mtime, hash)
         self.published: dict[tuple[int, int], str] = {}  # (node, step) -> attempt published
+        self.mine: dict[tuple[int, int], cc.Part] = {}  # (node, step) -> its part published
+        self.confirms: dict[int, dict[str, set[str]]] = {}  # step -> coordinator -> parts
         self.uploaded: dict[int, set[int]] = {n: set() for n in range(NODES)}  # node -> steps
         self.parts_by_step: dict[int, list[cc.Part]] = {}
         self.pending: dict[tuple[int, int], list[tuple[float, str]]] = {}  # writes to come
@@ -67,7 +71,7 @@ class Sim:
         self.commits = 0
         self.events = 0
         self.polls: dict[tuple[int, int], int] = {}
-        self.plans: dict[int, tuple[int, cc.Plan]] = {}
+        self.plans: dict[int, tuple[tuple[int, int], cc.Plan]] = {}
         self.newest: dict[int, float] = {}
         self.horizon = 0.0
         self.checked: dict[int, object] = {}  # step -> the commit checked already
@@ -110,10 +114,14 @@ class Sim:
     def schedule_job(self) -> None:
         t = 0.0
         for step in range(self.steps):
-            if self.rng.random() < 0.1:  # a crashed first attempt, a re-save after the gap
+            if self.rng.random() < 0.1:  # a crashed first attempt and its re-save
                 some = self.rng.sample(range(NODES), self.rng.randrange(1, NODES))
                 end = self.write_attempt(step, t, some, record=False)
-                t = end + cc.GAP_S + self.rng.uniform(1, 600)
+                # The record comes last (DCP): re-saved at once, inside any window of mtimes,
+                # half the time. Where it comes first, after the gap (docs/MULTINODE.md).
+                soon = not self.deepspeed and self.rng.random() < 0.5
+                t = end + (self.rng.uniform(1, 30) if soon else
+                           cc.GAP_S + self.rng.uniform(1, 600))
             end = self.write_attempt(step, t, list(range(NODES)), record=True)
             t = end + self.rng.uniform(1, 400)
         self.horizon = t + 20 * COMMIT_TIMEOUT + 4000
@@ -144,10 +152,22 @@ class Sim:
             self.parts_by_step.setdefault(step, []).append(part)
             self.newest[step] = now
         self.published[(node, step)] = attempt
+        self.mine[(node, step)] = part
+        self.confirm(node, step)
         if node == 0 and record is not None and self.rng.random() < 0.02:
             self.at(now + 0.01, "die", 0, int(self.rng.uniform(60, 2000)))
         self.polls[(node, step)] = 0
         self.later(now, node, step)
+
+    def confirm(self, node: int, step: int) -> None:
+        """Having seen the coordinator's part, a node confirms its own part for that save
+        when its file on disk is still the part's (else it has yet to observe a re-save)."""
+        coord = cc.coordinator(self.parts_by_step.get(step, []))
+        mine = self.mine.get((node, step))
+        if coord is None or mine is None or coord.node == str(node):
+            return
+        if self.disk[(node, step)] == (mine.files[0].mtime, mine.files[0].hash):
+            self.confirms.setdefault(step, {}).setdefault(coord.name, set()).add(mine.name)
 
     def poll(self, node: int, step: int, now: float) -> None:
         manifest = self.store.objects.get((step, "MANIFEST.json"))
@@ -158,6 +178,7 @@ class Sim:
                 self.uploaded[node].add(step)
             return
         parts = self.parts_by_step.get(step, [])
+        self.confirm(node, step)
         newest = self.newest.get(step, now)  # the newest part's write
         if node != 0 and now - newest < COMMIT_TIMEOUT:
             self.later(now, node, step)
@@ -174,9 +195,11 @@ class Sim:
 
     def plan(self, step: int, parts: list[cc.Part]) -> cc.Plan:
         """`choose` is pure and parts are only added: decided again only when one was."""
+        confirms = self.confirms.get(step, {})
+        seen = (len(parts), sum(len(v) for v in confirms.values()))
         hit = self.plans.get(step)
-        if hit is None or hit[0] != len(parts):
-            hit = (len(parts), cc.choose(parts, (str(n) for n in range(NODES))))
+        if hit is None or hit[0] != seen:
+            hit = (seen, cc.choose(parts, (str(n) for n in range(NODES)), confirms))
             self.plans[step] = hit
         return hit[1]
 
@@ -252,17 +275,43 @@ def test_a_part_of_an_earlier_attempt_is_never_chosen() -> None:
         cc.PartFile("s/a", 10, 1000.0 + cc.GAP_S + 5, "h-a", "x", "none", 10, "0.c/s/a"),
         cc.PartFile("s/.metadata", 1, 1000.0 + cc.GAP_S + 6, "m", "x", "none", 1,
                     "0.c/s/.metadata")), cc.CommitRecord("s/.metadata", 1000.0 + cc.GAP_S + 6, exp))
-    plan = cc.choose([old, coord])
+    plan = cc.choose([old, coord], confirmed={"0.c": {"1.old"}})
     assert not plan.covered and plan.missing_nodes == ("1",)
     new = cc.Part("1", "new", "dcp", (cc.PartFile("s/b", 10, 1000.0 + cc.GAP_S + 4, "h-new", "x",
                                                   "none", 10, "1.new/s/b"),))
-    plan = cc.choose([old, coord, new])
+    plan = cc.choose([old, coord, new], confirmed={"0.c": {"1.old", "1.new"}})
     assert plan.covered and {p.name for p in plan.chosen} == {"0.c", "1.new"}
     assert not cc.may_commit(plan, "1", now=0.0, commit_timeout=60)
     assert cc.may_commit(plan, "0", now=0.0, commit_timeout=60)
     short = cc.Part("1", "short", "dcp", (cc.PartFile("s/b", 9, 1000.0 + cc.GAP_S + 4, "h",
                                                       "x", "none", 9, "1.short/s/b"),))
-    assert not cc.choose([coord, short]).covered
+    assert not cc.choose([coord, short], confirmed={"0.c": {"1.short"}}).covered
+
+
+def test_only_a_part_its_node_confirmed_for_the_save_is_chosen() -> None:
+    """A crash and a re-save seconds apart: node 1's first-attempt part lies inside the
+    re-save's window and covers the record by path and size. It is chosen only once node 1
+    has confirmed it for the coordinator's save, which node 1 does only when its files are
+    that part's after it saw the record; it confirms its re-save's part instead."""
+    exp = {"s/a": 10, "s/b": 10}
+    first = cc.Part("1", "first", "dcp", (cc.PartFile("s/b", 10, 1000.0, "h-old", "x", "none",
+                                                      10, "1.first/s/b"),))
+    coord = cc.Part("0", "c", "dcp", (
+        cc.PartFile("s/a", 10, 1005.0, "h-a", "x", "none", 10, "0.c/s/a"),
+        cc.PartFile("s/.metadata", 1, 1006.0, "m", "x", "none", 1, "0.c/s/.metadata")),
+        cc.CommitRecord("s/.metadata", 1006.0, exp))
+    lo, hi = cc.window(coord)
+    assert lo <= 1000.0 <= hi  # the window alone cannot tell the attempts apart
+    for confirmed in ({}, {"0.c": {"1.other"}}, {"0.other": {"1.first"}}):
+        plan = cc.choose([first, coord], confirmed=confirmed)
+        assert not plan.covered and plan.missing_nodes == ("1",), confirmed
+    again = cc.Part("1", "again", "dcp", (cc.PartFile("s/b", 10, 1004.0, "h-new", "x", "none",
+                                                      10, "1.again/s/b"),))
+    plan = cc.choose([first, coord, again], confirmed={"0.c": {"1.again"}})
+    assert plan.covered and {p.name for p in plan.chosen} == {"0.c", "1.again"}
+    assert {f.hash for f in plan.files} == {"h-a", "m", "h-new"}
+    assert cc.parse_confirms(["0.c/1.again", "0.c/1.first", "0.c", "x/y/z", "0.c/..",
+                              "0.c/bad name.x"]) == {"0.c": frozenset({"1.again", "1.first"})}
 
 
 def test_a_part_round_trips_and_bad_parts_are_refused() -> None:

@@ -148,8 +148,9 @@ def test_an_exact_record_refuses_a_longer_file() -> None:
 
     longer = cc.Part("1", "a", "native", (cc.PartFile("s/optim.rank1.pt", 11, 99.0, "h", "x",
                                                       "none", 11, "1.a/s/optim.rank1.pt"),))
-    assert cc.choose([coord(False), longer]).covered
-    plan = cc.choose([coord(True), longer])
+    seen = {"0.c": {"1.a"}}  # node 1 confirmed its part for the record's save
+    assert cc.choose([coord(False), longer], confirmed=seen).covered
+    plan = cc.choose([coord(True), longer], confirmed=seen)
     assert not plan.covered and "needs 10" in plan.problems[0]
     assert cc.parse_part(coord(True).to_bytes(), "p").record == coord(True).record
 

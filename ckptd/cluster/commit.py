@@ -9,7 +9,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,10 @@ from ckptd.remote.manifest import distinct_paths
 
 PART_FORMAT = "ckptd-part/1"
 PARTS_DIR = "_parts"
+# `_confirms/<coordinator part>/<node>.<attempt>`: that node's part is its share of the save
+# whose record the coordinator part holds (written by the node after it saw the record).
+CONFIRMS_DIR = "_confirms"
+CONFIRM_FORMAT = "ckptd-confirm/1"
 MAX_PART_BYTES = inputs.PART.cap
 # Clocks of the nodes of one job agree within SKEW_S (NTP keeps them within milliseconds).
 SKEW_S = 30.0
@@ -195,8 +199,36 @@ def window(coordinator: Part) -> tuple[float, float]:
     return first - SPREAD_S - SKEW_S, last + coordinator.record.after + SKEW_S
 
 
-def choose(parts: Sequence[Part], known_nodes: Iterable[str] = ()) -> Plan:
-    """Decide the step from every part written at it (any node, any attempt)."""
+def confirm_key(coord: Part, part: Part) -> str:
+    """Where `part`'s node confirms `part` for the save of `coord`'s record (relative to the
+    step's prefix)."""
+    return f"{CONFIRMS_DIR}/{coord.name}/{part.name}"
+
+
+def parse_confirms(keys: Iterable[str]) -> dict[str, frozenset[str]]:
+    """The confirmations under a step's `_confirms/` (keys relative to it): coordinator part
+    -> the parts confirmed for its save. A key of another shape is ignored (it confirms
+    nothing)."""
+    out: dict[str, set[str]] = {}
+    for key in keys:
+        bits = key.split("/")
+        if len(bits) != 2 or not all(_part_name(b) for b in bits):
+            continue
+        out.setdefault(bits[0], set()).add(bits[1])
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+def _part_name(name: str) -> bool:
+    node, _dot, attempt = name.rpartition(".")
+    return valid_ids(node, attempt)
+
+
+def choose(parts: Sequence[Part], known_nodes: Iterable[str] = (),
+           confirmed: Mapping[str, Collection[str]] | None = None) -> Plan:
+    """Decide the step from every part written at it (any node, any attempt) and the
+    confirmations (`parse_confirms`): a node's part is chosen only when that node confirmed
+    it for the coordinator part's save, i.e. found its files unchanged after it saw the
+    record (`stages.parts`); the window of mtimes is checked as well."""
     newest = max((p.written for p in parts), default=-math.inf)
     coord = _coordinator(parts)
     known = sorted(set(known_nodes) | {p.node for p in parts})
@@ -207,11 +239,12 @@ def choose(parts: Sequence[Part], known_nodes: Iterable[str] = ()) -> Plan:
     by_node: dict[str, list[Part]] = {}
     for p in parts:
         by_node.setdefault(p.node, []).append(p)
+    vouched = (confirmed or {}).get(coord.name, ())
     chosen, missing, problems = [coord], [], []
     for node in known:
         if node == coord.node:
             continue
-        fits = [p for p in by_node.get(node, []) if _within(p, lo, hi)]
+        fits = [p for p in by_node.get(node, []) if p.name in vouched and _within(p, lo, hi)]
         if fits:  # two looks at one save (a share that grew after it settled): the newest
             chosen.append(max(fits, key=lambda p: (p.newest_mtime, len(p.files), p.attempt)))
         else:
@@ -221,6 +254,11 @@ def choose(parts: Sequence[Part], known_nodes: Iterable[str] = ()) -> Plan:
     return Plan(coord.node, tuple(chosen), covered=not problems, missing_nodes=tuple(missing),
                 problems=tuple(problems), newest_written=newest,
                 files=tuple(files) if not problems else ())
+
+
+def coordinator(parts: Sequence[Part]) -> Part | None:
+    """The part whose record decides the step (`_coordinator`)."""
+    return _coordinator(parts)
 
 
 def _coordinator(parts: Sequence[Part]) -> Part | None:

@@ -82,11 +82,15 @@ def run_share_upload(root: RootConfig, job: Job, progress: Progress, backend: Ba
             " committed. Use nodes = 1 for it (on a shared file system, with the lease)")
     record = reader(root.path, manifest, mtimes)
     share = parts.Share(node=node, commit_timeout=root.commit_timeout, mtimes=mtimes,
-                        record=record, known_nodes=known_nodes)
+                        record=record, known_nodes=known_nodes,
+                        current=lambda: validated_mtimes(root, job, manifest) == mtimes)
     progress.total = manifest.stored_size
-    return parts.upload_share(backend, root.name, copies.objects_dir(root.path, step),
-                              manifest, share, time.time(), progress=progress.advance,
-                              concurrency=root.upload.concurrency)
+    try:
+        return parts.upload_share(backend, root.name, copies.objects_dir(root.path, step),
+                                  manifest, share, time.time(), progress=progress.advance,
+                                  concurrency=root.upload.concurrency)
+    except parts.ShareChanged as exc:
+        return Changed(str(exc))
 
 
 def validated_mtimes(root: RootConfig, job: Job, manifest: Manifest

@@ -5,12 +5,14 @@ the coordinator's save. Decisions are `ckptd.cluster.commit`'s; never imports th
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from ckptd import fileio
@@ -36,6 +38,10 @@ PROBE_DIR = "_probe"
 MAX_PARTS = 100_000
 
 
+def _unchanged() -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class Share:
     """This node's side of a multi-node upload: who it is, its files' mtimes, its record."""
@@ -45,6 +51,15 @@ class Share:
     mtimes: Mapping[str, float]  # original path -> mtime (this node's clock)
     record: cc.CommitRecord | None = None
     known_nodes: frozenset[str] = frozenset()
+    # Whether this node's files are still the validated ones (stat them again): asked after
+    # the coordinator's record was seen, before this node confirms its part for that save,
+    # and before this node writes a commit.
+    current: Callable[[], bool] = _unchanged
+
+
+class ShareChanged(TransientError):
+    """This node's files changed since they were validated (a re-save under way): its part
+    is neither confirmed nor committed; the root is rescanned."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +95,7 @@ def upload_share(backend: Backend, root_name: str, objects_dir: Path, manifest: 
     committed = read_commit(backend, root_name, manifest.step)
     latest = False
     if committed is None:
-        committed = _try_commit(backend, root_name, manifest, share, now)
+        committed = _try_commit(backend, root_name, manifest, share, part, now)
         latest = advance_latest(backend, root_name, manifest.step)
     if (share.node, part.attempt) not in {(n, a) for n, a, _r in committed.nodes}:
         raise PermanentError(
@@ -271,12 +286,52 @@ def read_parts(backend: Backend, root_name: str, step: int) -> list[cc.Part]:
     return out
 
 
+def read_confirms(backend: Backend, root_name: str, step: int) -> dict[str, frozenset[str]]:
+    """The confirmations written at the step (`cc.parse_confirms`; one LIST, no reads)."""
+    prefix = f"{step_prefix(root_name, step)}/{cc.CONFIRMS_DIR}/"
+    keys = [m.key[len(prefix):] for m in islice(backend.list(prefix), MAX_PARTS)]
+    return cc.parse_confirms(keys)
+
+
+def _confirm(backend: Backend, root_name: str, step: int, coord: cc.Part, part: cc.Part,
+             share: Share, confirmed: Mapping[str, frozenset[str]]) -> None:
+    """Confirm this node's part for the save of `coord`'s record: only once the record was
+    seen (read from the store before this is called) and the files are found unchanged
+    after that. The record is written after every rank's files of its save (DCP, native),
+    so files still unchanged after it are that save's files, never an earlier attempt's:
+    a part of a crashed attempt whose files a re-save has rewritten is never confirmed,
+    however the nodes' uploads are timed."""
+    if part.name in confirmed.get(coord.name, ()):
+        return
+    if not share.current():
+        raise ShareChanged(f"the files of step {step} changed since they were validated;"
+                           " rescanning")
+    key = f"{step_prefix(root_name, step)}/{cc.confirm_key(coord, part)}"
+    body = json.dumps({"format": cc.CONFIRM_FORMAT, "node": part.node,
+                       "attempt": part.attempt, "for": coord.name}).encode() + b"\n"
+    try:
+        backend.put(key, body, create_only=True)
+    except ObjectExists:
+        pass  # confirmed by an earlier look: the key alone says it
+    get_logger().info("part_confirmed", root=root_name, step=step, part=part.name,
+                      coordinator=coord.name)
+
+
 def _try_commit(backend: Backend, root_name: str, manifest: Manifest, share: Share,
-                now: float) -> Manifest:
+                part: cc.Part, now: float) -> Manifest:
     parts = read_parts(backend, root_name, manifest.step)
-    plan = cc.choose(parts, share.known_nodes)
+    confirmed = read_confirms(backend, root_name, manifest.step)
+    coord = cc.coordinator(parts)
+    if coord is not None and coord.node != share.node:
+        _confirm(backend, root_name, manifest.step, coord, part, share, confirmed)
+        confirmed = {**confirmed, coord.name: confirmed.get(coord.name, frozenset()) | {
+            part.name}}
+    plan = cc.choose(parts, share.known_nodes, confirmed)
     if not cc.may_commit(plan, share.node, now, share.commit_timeout):
         raise NotCommitted(manifest.step, plan, cc.node_states(parts, None, share.known_nodes))
+    if not share.current():
+        raise ShareChanged(f"the files of step {manifest.step} changed since they were"
+                           " validated; rescanning")
     coord = plan.chosen[0]
     commit = Manifest(
         root=root_name, step=manifest.step, layout=coord.layout,
