@@ -28,8 +28,9 @@ MAX_PART_BYTES = inputs.PART.cap
 SKEW_S = 30.0
 # The ranks of one save finish writing within SPREAD_S of the coordinator's first own file.
 SPREAD_S = 120.0
-# The assumption that keeps attempts apart: a re-save of a step starts more than GAP_S after the
-# last write of the attempt it replaces (a restart, a reload, training back to the step).
+# Where a node's confirmation cannot keep attempts apart (a record written before other ranks'
+# files; a later save of a completed, uncommitted one), the window does, assuming a re-save of a
+# step starts more than GAP_S after the last write of the attempt it replaces.
 GAP_S = SPREAD_S + 2 * SKEW_S
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", re.ASCII)  # as daemon.node
 _ATTEMPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$", re.ASCII)  # no dot: split at the last
