@@ -379,7 +379,8 @@ def test_a_re_save_right_after_a_crash_commits_its_own_bytes_on_every_node(
         for r in range(WORLD):
             name = f"step-5/__{r}_0.distcp"
             assert (out / name).read_bytes() == (cluster.root(r) / name).read_bytes(), (n, r)
-        got = {"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS)}, "step": 0}
+        got: dict[str, Any] = {"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS)},
+                               "step": 0}
         dcp.load(got, checkpoint_id=str(out / "step-5"))
         assert torch.equal(got["model"]["w"], want["w"]), n
         assert torch.equal(got["model"]["b"], want["b"]) and got["step"] == 51, n
