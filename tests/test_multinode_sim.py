@@ -13,6 +13,9 @@ import heapq
 import random
 from dataclasses import dataclass, field
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from ckptd.cluster import commit as cc
 
 NODES = 64
@@ -328,3 +331,28 @@ def test_a_part_round_trips_and_bad_parts_are_refused() -> None:
         except cc.BadPart:
             continue
         raise AssertionError(bad)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.text(alphabet="n0.1-_/ ab\x00é", max_size=24), max_size=20),
+       st.sets(st.sampled_from(["0.c/1.first", "0.c/1.again", "0.old/1.first"]), max_size=3))
+def test_any_confirmation_keys_are_parsed_or_ignored(junk: list[str], real: set[str]) -> None:
+    """Any key names under `_confirms/` (a bucket anyone may write): parsed without error,
+    only well-formed `<node>.<attempt>/<node>.<attempt>` pairs kept, and a part is chosen only
+    when a key names it under the coordinator's part."""
+    got = cc.parse_confirms([*junk, *real])
+    for coord, names in got.items():
+        for name in names:
+            assert f"{coord}/{name}" in [*junk, *real]
+            assert all(cc.valid_ids(*n.rsplit(".", 1)) for n in (coord, name))
+    first = cc.Part("1", "first", "dcp", (cc.PartFile("s/b", 10, 1000.0, "h-old", "x", "none",
+                                                      10, "1.first/s/b"),))
+    again = cc.Part("1", "again", "dcp", (cc.PartFile("s/b", 10, 1004.0, "h-new", "x", "none",
+                                                      10, "1.again/s/b"),))
+    coord_part = cc.Part("0", "c", "dcp", (
+        cc.PartFile("s/.metadata", 1, 1006.0, "m", "x", "none", 1, "0.c/s/.metadata"),),
+        cc.CommitRecord("s/.metadata", 1006.0, {"s/b": 10}))
+    plan = cc.choose([first, again, coord_part], confirmed=got)
+    vouched = {n for k in [*junk, *real] if k.startswith("0.c/") for n in [k[4:]]}
+    assert {p.name for p in plan.chosen[1:]} <= vouched
+    assert plan.covered == bool(vouched & {"1.first", "1.again"})
