@@ -111,7 +111,6 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.remote.holds", "sweep_stale"): "readers' hold objects no longer fresh, not a step's",
     ("ckptd.remote.holds", "_Held.end"): "the reader's own hold object, at the end of its read",
     ("ckptd.remote.layout", "_swap"): "an unreadable LATEST pointer object, rewritten",
-    ("ckptd.service.effects", "LatestPublisher.publish"): "<root>/.ckptd/latest.json",
     ("ckptd.service.recovery", "remove_stale_temps"): "ckptd's own temp files",
     ("ckptd.service.lease_files", "retire_claims"): "the root lease's own claim files",
     ("ckptd.service.lease_files", "drop_claims_below"): "the root lease's own claim files",
