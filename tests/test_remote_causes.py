@@ -43,11 +43,12 @@ from torch.distributed.checkpoint import FileSystemReader
 import ckptd
 from ckptd.backends import Backend, LocalBackend, ObjectMeta
 from ckptd.backends.base import COPY_CHUNK, SMALL_OBJECT_MAX, Source
-from ckptd.errors import CorruptData, NotFound, ObjectReplaced
+from ckptd.errors import CorruptData, NotFound, ObjectReplaced, PermanentError
 from ckptd.remote.manifest import step_prefix
 from ckptd.remote.openfile import RemoteFile
 from ckptd.remote.step import RemoteStep
 from ckptd.restore.files import restore_remote
+from ckptd.restore.source import read_remote_manifest
 
 pytest_plugins = ["s3server"]  # fixtures: s3_server, s3_url
 pytestmark = [pytest.mark.timeout(120),
@@ -259,6 +260,35 @@ def test_a_missing_object_is_not_found_to_restore_from_a_local_copy(remote: Path
     (objects / m.files[0].key).unlink()
     with pytest.raises(NotFound, match="missing"):
         restore_from_dir(objects, m, tmp_path / "to")
+
+
+class _Denied(Changing):
+    """`inner`, except that reading `key` is denied, as a store refuses a credential."""
+
+    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
+        if key == self.key:
+            raise PermanentError(f"{self.url}/{key}: access denied")
+        return self.inner.get_bytes(key, limit)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_manifest_that_cannot_be_read_keeps_its_class_on_every_path(remote: Path,
+                                                                      kind: str) -> None:
+    """A denied manifest is the store's error on the loaders' way in as on restore's, never
+    called corrupt on one of them; a malformed one is CorruptData on both."""
+    k = KINDS[kind]
+    key = f"{step_prefix(k.root, k.step)}/MANIFEST.json"
+    denied = _Denied(LocalBackend(remote), key, "delete", None)
+    for read in (lambda: RemoteStep.at(denied, k.root, k.step),
+                 lambda: read_remote_manifest(denied, k.root, k.step)):
+        with pytest.raises(PermanentError, match="access denied"):
+            read()
+    (remote / key).write_text('{"format": "ckptd-manifest/1", "files": 7}')
+    plain = LocalBackend(remote)
+    for read in (lambda: RemoteStep.at(plain, k.root, k.step),
+                 lambda: read_remote_manifest(plain, k.root, k.step)):
+        with pytest.raises(CorruptData, match="MANIFEST.json"):
+            read()
 
 
 # -- the manifest's sizes against the object -----------------------------------------------

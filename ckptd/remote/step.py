@@ -15,7 +15,7 @@ from typing import Any
 from ckptd.backends import Backend, backend_for_upload, make_backend, wrap_backend
 from ckptd.codec.decoder import release_idle
 from ckptd.config import find_config, load_config
-from ckptd.errors import ConfigError, CorruptData, NotFound, PermanentError
+from ckptd.errors import ConfigError, CorruptData, NotFound
 from ckptd.remote.holds import ReaderHold, daemon_socket
 from ckptd.remote.layout import is_committed
 from ckptd.remote.manifest import Manifest, StoredFile, step_prefix
@@ -95,15 +95,24 @@ class RemoteStep:
              config: str | os.PathLike[str] | None = None, remote: str | None = None,
              threads: int = DEFAULT_THREADS) -> RemoteStep:
         backend = open_backend(root, config, remote)
+        return cls.at(backend, root, step, socket=daemon_socket(config, remote),
+                      threads=threads)
+
+    @classmethod
+    def at(cls, backend: Backend, root: str, step: StepArg = "latest", *,
+           socket: str | None = None, threads: int = DEFAULT_THREADS) -> RemoteStep:
+        """The step opened through `backend`. Errors keep their class, as `ckptd restore`
+        reads the same manifest: NotFound (not committed, gone), CorruptData (malformed),
+        a storage error (denied, unreachable) as the backend raised it."""
         n = choose_step(backend, root, step)
         # Held before the manifest is read: a step deleted before the hold landed is not
         # read at all, one held is not deleted while it is read (docs/REMOTE_LOAD.md).
-        hold = ReaderHold(backend, root, n, socket=daemon_socket(config, remote))
+        hold = ReaderHold(backend, root, n, socket=socket)
         try:
             manifest = read_remote_manifest(backend, root, n)
-        except (CorruptData, PermanentError) as exc:
+        except CorruptData as exc:
             hold.close()
-            raise CorruptData(f"step {n} of {root!r}: {exc}") from None
+            raise type(exc)(f"step {n} of {root!r}: {exc}") from None
         except BaseException:
             hold.close()
             raise
