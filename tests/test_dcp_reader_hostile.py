@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from support.published import publish
 from test_remote_read_hostile import (
@@ -344,24 +344,34 @@ MUTATION = st.tuples(st.sampled_from(["flip", "set", "insert", "cut"]),
                      st.floats(0, 1, exclude_max=True), st.binary(min_size=1, max_size=8))
 
 
-def mutate(data: bytes, plan: list[tuple[str, float, bytes]], allowed: list[range]) -> bytes:
-    """`data` with each mutation of `plan` applied at a place in `allowed` (a cut anywhere)."""
+def mutate(data: bytes, plan: list[tuple[str, float, bytes]],
+           protect: range | None = None) -> bytes:
+    """`data` with each mutation of `plan` applied at a place outside `protect` (a cut
+    anywhere). `protect` moves with the bytes inserted before it, so no flip, set or insert
+    ever lands inside it, whatever came before."""
     out = bytearray(data)
-    total = sum(len(r) for r in allowed)
+    keep = protect if protect is not None else range(len(out), len(out))
     for how, where, value in plan:
+        allowed = [range(0, keep.start), range(keep.stop, len(out))]
+        total = sum(len(r) for r in allowed)
+        if how == "cut":
+            del out[int(where * len(out)) :]
+            keep = range(min(keep.start, len(out)), min(keep.stop, len(out)))
+            continue
+        if total == 0:
+            continue
         pos = int(where * total)
-        at = next((r.start + pos - sum(len(q) for q in allowed[:i])
-                   for i, r in enumerate(allowed)
-                   if pos < sum(len(q) for q in allowed[: i + 1])), 0)
-        at = min(at, max(len(out) - 1, 0))
-        if how == "flip" and out:
+        r = allowed[0] if pos < len(allowed[0]) else allowed[1]
+        at = r.start + (pos if r is allowed[0] else pos - len(allowed[0]))
+        if how == "flip":
             out[at] ^= value[0] or 1
         elif how == "set":
+            value = value[: r.stop - at]
             out[at : at + len(value)] = value
         elif how == "insert":
             out[at:at] = value
-        elif how == "cut":
-            del out[int(where * len(out)) :]
+            if at <= keep.start:
+                keep = range(keep.start + len(value), keep.stop + len(value))
     return bytes(out)
 
 
@@ -381,13 +391,17 @@ def _w_slice(source: Path) -> tuple[bytes, range]:
                                  HealthCheck.too_slow])
 @given(plan=st.lists(MUTATION, min_size=1, max_size=4),
        cuts=st.lists(st.integers(1, 1 << 16), max_size=6))
+# A set that ends the header: it must stop at the tensor's first byte, not change it.
+@example(plan=[("set", 0.4453125, b"\x00\x00\x00")], cuts=[])
+# Bytes inserted before the tensor move it: a set in the trailer must not land in it.
+@example(plan=[("insert", 0.1, b"\x01\x02\x03\x04"), ("set", 0.5, b"\x00" * 8)], cuts=[])
 def test_a_mutated_slice_is_read_whole_or_refused(source: Path, plan: list[Any],
                                                   cuts: list[int]) -> None:
     """Header and trailer bytes of a real slice flipped, set, inserted or cut, fed in pieces of
     any size: the destination gets exactly the saved tensor, or the slice is CorruptData.
     (The tensor's own bytes are the block hashes' to check, not the parser's.)"""
     piece, data = _w_slice(source)
-    bad = mutate(piece, plan, [range(0, data.start), range(data.stop, len(piece))])
+    bad = mutate(piece, plan, data)
     dest = torch.zeros(300, 200)
     done: list[torch.Tensor] = []
     ts = TensorSlice(len(bad), [Want((0, 0), (300, 200), lambda: dest, done.append,
@@ -414,7 +428,7 @@ def test_a_mutated_metadata_is_read_or_refused(source: Path, plan: list[Any]) ->
     """A real `.metadata` flipped, set, inserted or cut anywhere: Metadata whose every entry
     the checks passed, or CorruptData; nothing else, within seconds."""
     raw = original(source, ".metadata")
-    bad = mutate(raw, plan, [range(0, len(raw))])
+    bad = mutate(raw, plan)
     cpu = time.process_time()
     try:
         md = read_metadata(bad, "fuzz/.metadata")
