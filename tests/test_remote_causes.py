@@ -15,11 +15,12 @@ import dataclasses
 import io
 import os
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import pytest
+from support.passthrough import PassThrough
 from test_remote_read_hostile import (
     KINDS,
     STREAMED,
@@ -41,8 +42,8 @@ from test_upload import s3_backend
 from torch.distributed.checkpoint import FileSystemReader
 
 import ckptd
-from ckptd.backends import Backend, LocalBackend, ObjectMeta
-from ckptd.backends.base import COPY_CHUNK, SMALL_OBJECT_MAX, Source
+from ckptd.backends import Backend, LocalBackend
+from ckptd.backends.base import COPY_CHUNK, SMALL_OBJECT_MAX
 from ckptd.errors import CorruptData, NotFound, ObjectReplaced, PermanentError
 from ckptd.remote.manifest import step_prefix
 from ckptd.remote.openfile import RemoteFile
@@ -58,7 +59,7 @@ __all__ = ["remote", "source"]  # fixtures of test_remote_read_hostile, used her
 DCP = KINDS["dcp"]
 
 
-class Changing:
+class Changing(PassThrough):
     """`inner`, passed through, except that object `key` is changed once, at a fixed point:
     after the first ranged read of it (the block index), or as its first download starts
     (the reader's first look, a HEAD, is made by then). `how`: "rename" puts other bytes of
@@ -68,8 +69,8 @@ class Changing:
     removes it."""
 
     def __init__(self, inner: Backend, key: str, how: str, file: Path | None) -> None:
-        self.inner, self.key, self.how, self.file = inner, key, how, file
-        self.url, self.part_size = inner.url, inner.part_size
+        super().__init__(inner)
+        self.key, self.how, self.file = key, how, file
         self.changed = False
 
     def change(self) -> None:
@@ -107,25 +108,6 @@ class Changing:
         if key == self.key:
             self.change()
         return data
-
-    def put(self, key: str, src: Source, size: int | None = None, *,
-            create_only: bool = False, if_match: str | None = None) -> ObjectMeta:
-        return self.inner.put(key, src, size, create_only=create_only, if_match=if_match)
-
-    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
-        return self.inner.get_bytes(key, limit)
-
-    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
-        return self.inner.get_versioned(key, limit)
-
-    def stat(self, key: str) -> ObjectMeta:
-        return self.inner.stat(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
 
 
 class _AfterFirstWrite:

@@ -12,19 +12,20 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.ckpts import save_single
+from support.passthrough import PassThrough
 from support.published import publish
 from support.wait import wait_until
 from test_backends import s3_backend
 from test_upload_daemon import upload_cfg, wait_remote
 
 from ckptd.backends import Backend, LocalBackend
-from ckptd.backends.base import SMALL_OBJECT_MAX, ObjectMeta, Source
+from ckptd.backends.base import ObjectMeta, Source
 from ckptd.config import parse_config
 from ckptd.errors import NotFound, PermanentError
 from ckptd.remote import holds
@@ -40,43 +41,13 @@ pytest_plugins = ["s3server"]  # fixtures: s3_server, s3_url
 KEEP_ONE = {"remote": {"keep_last": 1, "keep_best": 0, "keep_every": 0, "keep_within": ""}}
 
 
-class ReadOnly:
+class ReadOnly(PassThrough):
     """A backend whose credentials may read but not write (a put is refused, as S3 refuses it
     with 403): every read passes through."""
-
-    def __init__(self, inner: Backend) -> None:
-        self.inner = inner
-
-    @property
-    def url(self) -> str:
-        return self.inner.url
-
-    @property
-    def part_size(self) -> int:
-        return self.inner.part_size
 
     def put(self, key: str, src: Source, size: int | None = None, *,
             create_only: bool = False, if_match: str | None = None) -> ObjectMeta:
         raise PermanentError(f"{self.url}/{key}: access denied (read-only credentials)")
-
-    def get(self, key: str, dst: BinaryIO) -> int:
-        return self.inner.get(key, dst)
-
-    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
-        return self.inner.get_bytes(key, limit)
-
-    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
-        return self.inner.get_versioned(key, limit)
-
-    def get_range(self, key: str, start: int, end: int, etag: str | None = None
-                  ) -> bytes | memoryview:
-        return self.inner.get_range(key, start, end, etag)
-
-    def stat(self, key: str) -> ObjectMeta:
-        return self.inner.stat(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
-        return self.inner.list(prefix)
 
     def delete(self, key: str) -> None:
         raise PermanentError(f"{self.url}/{key}: access denied (read-only credentials)")
