@@ -26,7 +26,7 @@ from test_upload_daemon import upload_cfg, wait_remote
 
 from ckptd.backends import Backend, LocalBackend
 from ckptd.backends.base import ObjectMeta, Source
-from ckptd.config import parse_config
+from ckptd.config import load_config, parse_config
 from ckptd.errors import NotFound, PermanentError
 from ckptd.remote import holds
 from ckptd.remote.layout import is_committed
@@ -368,3 +368,24 @@ def test_fuzz_any_listing_of_holds_is_read_within_its_rule(objs: list[tuple[str,
              and abs(m.mtime - now) <= holds.HOLD_TTL_S}
     assert got.steps == fresh and not got.over_cap
     assert all(holds.parse_hold_key("r", k) is not None for k in got.stale)
+
+
+def test_a_local_restore_holds_its_step_through_the_daemon(inproc_daemon: Any,
+                                                           tmp_path: Path) -> None:
+    """The daemon releases a compressed copy once its upload is done; a restore reading that
+    copy holds the step through the daemon, so the release waits for the read."""
+    from test_compress_stage import stage
+    from test_layouts_real import detect
+
+    d = _keep_one(inproc_daemon, upload_cfg(f"file://{tmp_path / 'remote'}"))
+    _saved(d, 1)
+    root = d.roots["r1"]
+    [cand] = [c for c in detect(root) if c.step == 1]
+    stage(root, cand, "zstd")  # a copy the daemon would release, as it does after an upload
+    held: list[bool] = []
+    step, paths = restore(load_config(d.config), "r1", 1, tmp_path / "out",
+                          progress=lambda _d, _t: held.append(1 in d.store.in_use("r1",
+                                                                                  time.time())))
+    assert step == 1 and [p.name for p in paths] == ["model_step_1.pt"]
+    assert held and all(held)
+    assert 1 not in d.store.in_use("r1", time.time())

@@ -359,6 +359,29 @@ def test_explicit_step_prefers_the_local_copy(copies: tuple[Path, Path], tmp_pat
     assert step == 9 and filecmp.cmp(root / "model_step_9.pt", paths[0], shallow=False)
 
 
+def test_a_local_copy_gone_under_the_read_is_restored_from_the_remote(
+        copies: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy released (or damaged) while a restore reads it: the restore starts over from the
+    remote, where the step is committed; with no remote, NotFound, and nothing left behind."""
+    from ckptd import fileio
+    from ckptd.restore import files
+
+    root, remote = copies
+    real = files.decode_object
+
+    def released_first(src: Path, *args: Any) -> None:
+        fileio.remove_tree(src.parent)  # the step's copy, as a release does it, before the open
+        real(src, *args)
+
+    monkeypatch.setattr(files, "decode_object", released_first)
+    step, paths = restore(config(tmp_path, root, remote), "r", 7, tmp_path / "out")
+    assert step == 7 and filecmp.cmp(root / "model_step_7.pt", paths[0], shallow=False)
+
+    with pytest.raises(NotFound, match="local copy of step 5 of 'r' disappeared"):
+        restore(config(tmp_path, root, None), "r", 5, tmp_path / "out5")
+    assert not (tmp_path / "out5").exists()
+
+
 def test_latest_follows_latest_json_then_the_highest_copy(copies: tuple[Path, Path],
                                                           tmp_path: Path) -> None:
     root, remote = copies

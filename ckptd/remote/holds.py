@@ -123,21 +123,22 @@ def new_owner() -> str:
 
 
 class ReaderHold:
-    """A hold on one remote step for as long as it is read; `close()` (or leaving the `with`)
+    """A hold on one step for as long as it is read; `close()` (or leaving the `with`)
     ends it. Taken through the daemon at `socket` (the client's default where None) when it
-    takes it, else as a hold object in the bucket, created create-only; renewed every RENEW_S
+    takes it, else as a hold object in the bucket, created create-only (with `backend` None,
+    a read of the local copy: the daemon only, none without one); renewed every RENEW_S
     on a thread this object owns. `how` says which: "daemon", "bucket", or "none" when neither
     could be taken (read-only credentials): the read goes on without one, and a step deleted
     under it fails the read with NotFound naming the object."""
 
-    def __init__(self, backend: Backend, root_name: str, step: int, *,
+    def __init__(self, backend: Backend | None, root_name: str, step: int, *,
                  socket: str | None = None, daemon: bool = True,
                  renew_s: float = RENEW_S) -> None:
         self.root, self.step = root_name, int(step)
         self.owner = new_owner()
         self.key = hold_key(root_name, self.step, self.owner)
         self._held = _Held(backend, root_name, self.step, self.owner, self.key, renew_s)
-        if not (daemon and self._held.by_daemon(socket)):
+        if not (daemon and self._held.by_daemon(socket)) and backend is not None:
             self._held.by_bucket()
         self.how = self._held.how
         # A reader dropped without close (DCP never closes its reader) ends its hold when it
@@ -158,7 +159,7 @@ class ReaderHold:
 class _Held:
     """The hold itself, its renewal thread and its release."""
 
-    def __init__(self, backend: Backend, root: str, step: int, owner: str, key: str,
+    def __init__(self, backend: Backend | None, root: str, step: int, owner: str, key: str,
                  renew_s: float) -> None:
         self.backend, self.root, self.step, self.owner, self.key = backend, root, step, owner, key
         self.renew_s = min(max(renew_s, 0.01), RENEW_S)
@@ -176,13 +177,14 @@ class _Held:
             hold.__enter__()
         except ClientError as exc:
             if exc.status:  # reached, and refused (unknown step, a standby): the bucket
-                log.info("ckptd refused a hold on %s step %s (%s): holding it in the bucket",
+                log.info("ckptd refused a hold on %s step %s (%s)",
                          self.root, self.step, exc)
             return False
         self._daemon, self.how = hold, "daemon"
         return True
 
     def by_bucket(self) -> None:
+        assert self.backend is not None
         try:
             self.backend.put(self.key, self._body(), create_only=True)
         except (StorageError, OSError) as exc:
@@ -207,7 +209,7 @@ class _Held:
             try:
                 if self.how == "daemon":
                     self._daemon.__enter__()
-                else:  # overwritten: a hold object swept as stale meanwhile comes back
+                elif self.backend is not None:  # overwritten: swept as stale, it comes back
                     self.backend.put(self.key, self._body())
             except Exception as exc:  # the read goes on; the next round tries again
                 log.warning("renewing the hold on %s step %s failed: %s", self.root,
@@ -218,7 +220,7 @@ class _Held:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         try:
-            if self.how == "bucket":
+            if self.how == "bucket" and self.backend is not None:
                 self.backend.delete(self.key)
             elif self.how == "daemon":
                 self._daemon.__exit__(None, None, None)

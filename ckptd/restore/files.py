@@ -27,7 +27,8 @@ from ckptd.copies.store import objects_dir, read_local_manifest
 from ckptd.errors import NotFound, UnsafePath
 from ckptd.fileio import DurableWriter, write_error
 from ckptd.log import get_logger
-from ckptd.remote.holds import ReaderHold
+from ckptd.remote.holds import ReaderHold, daemon_socket
+from ckptd.remote.layout import is_committed
 from ckptd.remote.manifest import Manifest, StoredFile, for_node, step_prefix
 from ckptd.restore import pipe as restore_pipe
 from ckptd.restore.source import (
@@ -69,6 +70,32 @@ def _restore_file(src: Path, f: StoredFile, to: Path, progress: Progress | None)
     return dest
 
 
+def restore_local(root_name: str, root_dir: Path, step: int, to: Path,
+                  progress: TotalProgress | None = None, socket: str | None = None
+                  ) -> list[Path] | None:
+    """Restore a step from its local compressed copy, held through the daemon at `socket`
+    while it is read (a daemon releases a copy once it is uploaded, unless a reader holds
+    it); without a daemon nothing else deletes it. None when the copy is gone, before the
+    read or under it (a hold refused, a copy damaged by hand): the caller tries the next
+    tier. Nothing of a read that failed is left in `to`."""
+    with ReaderHold(None, root_name, step, socket=socket):
+        manifest = read_local_manifest(root_dir, step)
+        if manifest is None:
+            get_logger().warning("restore_source_gone", root=root_name, step=step,
+                                 tier="local", error="its manifest is gone")
+            return None
+        check_target(to, [f.path for f in manifest.files])
+        cb = _cumulative(progress, manifest.size)
+        try:
+            return all_or_nothing(to, with_pointers(manifest, lambda staging:
+                                  restore_from_dir(objects_dir(root_dir, step), manifest,
+                                                   staging, cb)))
+        except NotFound as exc:
+            get_logger().warning("restore_source_gone", root=root_name, step=step,
+                                 tier="local", error=str(exc))
+            return None
+
+
 def restore_from_dir(
     objects_dir: Path, manifest: Manifest, to: Path, progress: Progress | None = None
 ) -> list[Path]:
@@ -86,7 +113,12 @@ def restore_from_dir(
         src = fileio.safe_join(objects_dir, f.key)
         if not src.is_file():
             raise NotFound(f"{f.path}: stored object {src} is missing")
-        restored.append(_restore_file(src, f, to, progress))
+        try:
+            restored.append(_restore_file(src, f, to, progress))
+        except FileNotFoundError as exc:
+            if str(exc.filename) != str(src):  # the target's, not the copy's: a write error
+                raise write_error(exc, str(to)) from exc
+            raise NotFound(f"{f.path}: stored object {src} is missing") from None
     return _one_mtime(restored)
 
 
@@ -187,14 +219,12 @@ def restore(
                               node or config.daemon.node_id, str(config.daemon.socket))
     n, where = resolve_step(root.path, root.name, step, backend)
     if where == "local":
-        manifest = read_local_manifest(root.path, n)
-        if manifest is None:  # removed between resolving and reading
+        done = restore_local(root.name, root.path, n, Path(to), progress,
+                             str(config.daemon.socket))
+        if done is not None:
+            return n, done
+        if backend is None or not is_committed(backend, root.name, n):
             raise NotFound(f"the local copy of step {n} of {root_name!r} disappeared")
-        check_target(Path(to), [f.path for f in manifest.files])
-        cb = _cumulative(progress, manifest.size)
-        return n, all_or_nothing(Path(to), with_pointers(manifest, lambda staging:
-                                 restore_from_dir(objects_dir(root.path, n), manifest,
-                                                  staging, cb)))
     assert backend is not None
     with ReaderHold(backend, root.name, n, socket=str(config.daemon.socket)):
         remote = read_remote_manifest(backend, root.name, n)
@@ -329,11 +359,10 @@ def restore_checkpoint(root_name: str, step: int, to: Path, root_dir: Path | Non
     one, else from the remote named by the config (`config_path`, else as the daemon finds
     its own: `config.find_config`)."""
     if root_dir is not None:
-        manifest = read_local_manifest(Path(root_dir), step)
-        if manifest is not None:
-            return all_or_nothing(Path(to), with_pointers(manifest, lambda staging:
-                                  restore_from_dir(objects_dir(Path(root_dir), step),
-                                                   manifest, staging)))
+        done = restore_local(root_name, Path(root_dir), step, Path(to),
+                             socket=daemon_socket(config_path, None))
+        if done is not None:
+            return done
     from ckptd.config import find_config, load_config
     from ckptd.errors import ConfigError
 
