@@ -28,9 +28,9 @@ from ckptd.errors import (
     PermanentError,
     PreconditionFailed,
 )
+from ckptd.fetch.pipe import Pipe
 from ckptd.fileio import HASH_ALG, HashSink
 from ckptd.remote.manifest import StoredFile
-from ckptd.restore.pipe import Pipe
 
 R = TypeVar("R")
 # (raw offset, bytes) in ascending raw order; the view is only valid during the call.
