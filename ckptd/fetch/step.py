@@ -77,7 +77,7 @@ class RemoteStep:
         # Blocks in flight (fetched, decoding or decoded and not yet delivered) across the
         # files read at once: what bounds the reader's memory (a few blocks each way).
         self.window = 2 * self.threads + 2
-        # Span requests in flight (8 MiB each, fetch.objects.SPAN): as many as decoding
+        # Span requests in flight (8 MiB each, fetch.spans.SPAN): as many as decoding
         # threads, two at least. On 2 vCPUs shared with the server, 2 loaded a 1.6 GB step in
         # 4.6 s at 18 MiB over a local load's peak, 4 in 5.1 s at 62 MiB over it (measured).
         self.fetches = max(2, self.threads)
