@@ -23,12 +23,12 @@ from ckptd.clock import SYSTEM, Clock
 from ckptd.config import Config, RootConfig, check_installed, load_config, needs_restart
 from ckptd.errors import ConfigError
 from ckptd.lifecycle.changes import Changes
+from ckptd.lifecycle.policy import policy_of
 from ckptd.log import get_logger
 from ckptd.service import recovery, sdnotify
 from ckptd.service.discovery import BOUND_S as DISCOVER_S
 from ckptd.service.discovery import Discovery
 from ckptd.service.effects import Effects
-from ckptd.service.jobs import policy_of
 from ckptd.service.lease import Leases
 from ckptd.service.metrics import Metrics, MetricsServer
 from ckptd.service.observe import SafeTimes, root_samples, summary

@@ -160,6 +160,9 @@ class Candidate:
     # One node's share of a multi-node save (docs/MULTINODE.md): files its record names that
     # are not here belong to other nodes, and validation does not require them.
     node_share: bool = False
+    # Pending because a member is short of the size its layout's metadata promises (not
+    # because one is missing): the cause a save that never completes is judged invalid by.
+    truncated: bool = False
 
 
 @dataclass(frozen=True)

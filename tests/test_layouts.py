@@ -419,6 +419,8 @@ def _check(got: list[Candidate], want: list[E]) -> None:
             assert cand.complete is exp.complete, cand
         assert exp.waiting in cand.waiting_for, cand
         assert cand.complete == (cand.waiting_for == ""), cand
+        # The typed cause a stalled save is given up by: a member short of its promised size.
+        assert cand.truncated == ("to reach" in cand.waiting_for), cand
         assert cand.invalid_reason == exp.invalid, cand
         if exp.path is not None:
             assert cand.path == exp.path, cand

@@ -23,7 +23,9 @@ from ckptd import fileio
 from ckptd.backends import Backend, ObjectMeta
 from ckptd.config import RootConfig
 from ckptd.copies import store as copies
+from ckptd.lifecycle import answers
 from ckptd.lifecycle.changes import Changes
+from ckptd.lifecycle.policy import policy_of
 from ckptd.lifecycle.table import Effect, Event
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote, Tier
@@ -156,9 +158,9 @@ class Effects:
             self._release(root, a.step, local, remote)
         if Effect.RELEASE_COPY in a.effects and a.target is not None and (
                 a.target.local is Local.PRUNED or a.target.local is Local.PRESENT
-                and not root.retention.local.compress_older):
-            # The copy was made for the upload: kept only where retention keeps compressed
-            # copies of checkpoints still on disk.
+                and not answers.copy_needed_by(a.target, policy_of(root).keeps_copies)):
+            # The copy was made for the upload; the planner applies the same rule, so a
+            # release refused now is planned again.
             if self._release(root, a.step, local, remote):
                 self.store.record(a.root, a.step, Event.COPY_DROPPED)
 

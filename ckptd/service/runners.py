@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 from ckptd.backends import Backend
 from ckptd.config import RootConfig
 from ckptd.errors import PermanentError
+from ckptd.lifecycle.policy import policy_of
 from ckptd.lifecycle.table import Stage
 from ckptd.remote.manifest import StoredFile
 from ckptd.retention.executor import Nets
@@ -89,7 +90,7 @@ class ValidateRunner(Runner[Validated]):
     def _early_backend(self, root: RootConfig) -> Backend | None:
         """Where objects may be sent while validation goes on; None if it cannot be had
         (the upload stage reports why): validation never fails for the store's sake."""
-        if not root.upload.enabled or root.multi_node:
+        if not policy_of(root).sends_early:
             return None
         try:
             return self.crew.backend_for(root)

@@ -16,8 +16,9 @@ from typing import Any
 
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
+from ckptd.lifecycle.table import Stall, gives_up
 from ckptd.log import get_logger
-from ckptd.model import Candidate, Reason, Snapshot, State
+from ckptd.model import Candidate, Snapshot
 from ckptd.service.metrics import Metrics
 from ckptd.store import Found, Store
 from ckptd.units import format_duration
@@ -176,12 +177,13 @@ class Scanner:
         file never written, a shard short of its bytes) is invalid, with the reason."""
         for c in pending:
             rec = self.store.checkpoint(root.name, c.step)
-            if rec is None or rec.state is not State.PENDING:
+            if rec is None:
                 continue
             changed = [snap.files[f].changed_at for f in c.files if f in snap.files]
-            if now - max(changed, default=rec.created) < root.pending_timeout:
+            stall = Stall(now - max(changed, default=rec.created), c.truncated)
+            reason = gives_up(self.store.status(root.name, c.step), stall, root.pending_timeout)
+            if reason is None:
                 continue
-            reason = Reason.TRUNCATED if "to reach" in c.waiting_for else Reason.MISSING_FILE
             message = (f"still incomplete {format_duration(root.pending_timeout)} after its"
                        f" last change: waiting for {c.waiting_for}")
             if self.store.give_up(root.name, c.step, reason.value, message, now):

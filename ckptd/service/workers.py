@@ -21,6 +21,7 @@ from typing import Any
 from ckptd.backends import Backend
 from ckptd.config import RootConfig
 from ckptd.errors import CkptdError, PermanentError
+from ckptd.lifecycle import answers
 from ckptd.lifecycle.table import Stage
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, State, Tier, ValidationResult
@@ -116,7 +117,7 @@ class Workers:
                 continue
             rec = (self.store.latest(name, Tier.LOCAL) if not root.multi_node else
                    newest_local(self.store.checkpoints(name)))  # latest waits for commits
-            if rec is not None and rec.remote.value != "uploaded":
+            if rec is not None and not answers.is_committed(rec):
                 targets[name] = rec.step
                 self.store.expedite(name, rec.step)  # no waiting out an earlier backoff
         with self._lock:
@@ -319,9 +320,9 @@ class Workers:
         if seen is not None:
             return seen
         nodes = self.waiting.committed(root.name, rec.step)
-        if nodes is not None and rec.remote.value == "uploaded":
+        if nodes is not None and answers.is_committed(rec):
             return dict.fromkeys(sorted(nodes), "committed")
-        if rec.remote.value == "uploaded":
+        if answers.is_committed(rec):
             return {self.node: "committed"}
         return {self.node: "uploading" if rec.remote.value == "uploading" else "local"}
 

@@ -16,7 +16,7 @@ from ckptd.client import Client
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import Config, RootConfig, load_config
 from ckptd.daemon import Daemon
-from ckptd.service.jobs import policy_of
+from ckptd.lifecycle.policy import policy_of
 from ckptd.service.metrics import Metrics
 from ckptd.service.workers import Workers
 from ckptd.store import Found, Store
