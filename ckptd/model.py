@@ -54,6 +54,34 @@ class Reason(StrEnum):
     CHANGED = "changed"  # files changed while being validated
 
 
+class RootError(StrEnum):
+    """The kinds of error a root's status shows as `last_error`. The service that meets one sets
+    it by kind with its message; once the cause is gone it clears its own kinds, never another's
+    (the newest error set is the one shown)."""
+
+    SCAN = "scan"  # a scan of the root failed
+    ROOT_MISSING = "root_missing"  # the root's path is not there (the scan and the lease see it)
+    UNREADABLE = "unreadable"  # directories under the root the scan could not read
+    LEASE = "lease"  # the root lease could not be taken or renewed
+    RETENTION = "retention"  # a retention run failed
+    VALIDATE = "validate"  # a stage failed (the upload: also a store that refuses commits)
+    COMPRESS = "compress"
+    UPLOAD = "upload"
+    VALIDATE_STUCK = "validate_stuck"  # a stage's call went past its bound and was set aside
+    COMPRESS_STUCK = "compress_stuck"
+    UPLOAD_STUCK = "upload_stuck"
+
+    @classmethod
+    def of_stage(cls, stage: str, stuck: bool = False) -> RootError:
+        """A stage's failure, or (`stuck`) its call set aside past its bound."""
+        return cls(f"{stage}_stuck" if stuck else stage)
+
+    @classmethod
+    def cleared_by_stage(cls, stage: str) -> tuple[RootError, ...]:
+        """What a stage that went through clears: its failures and its stalls."""
+        return cls.of_stage(stage), cls.of_stage(stage, stuck=True)
+
+
 # Names that never belong to a complete checkpoint (docs/LAYOUTS.md: temporary names).
 TEMP_SUFFIXES = (".tmp", ".partial")
 TEMP_MARKERS = (".orbax-checkpoint-tmp",)

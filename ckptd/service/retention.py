@@ -17,6 +17,7 @@ from ckptd.backends import Backend, ObjectMeta
 from ckptd.config import RootConfig
 from ckptd.errors import NotFound, ServiceUnavailable
 from ckptd.log import get_logger
+from ckptd.model import RootError
 from ckptd.retention import executor, planner
 from ckptd.retention.executor import Outcome
 from ckptd.retention.report import RootHealth, adopted_json, adopted_records, health_json
@@ -234,12 +235,13 @@ class RetentionService:
         except Exception as exc:  # one root's failure must not stop the others' retention
             try:
                 self.log.error("prune_run_failed", root=name, error=str(exc), exc_info=True)
-                self.store.set_root_error(name, f"retention: {exc}", time.time())
+                self.store.set_root_error(name, RootError.RETENTION, f"retention: {exc}",
+                                          time.time())
             finally:  # even when recording fails, nobody is left waiting
                 for fut in futures:
                     fut.set_exception(exc)
             return
-        self.store.clear_root_error(name, "retention:")  # a run went through again
+        self.store.clear_root_error(name, RootError.RETENTION)  # a run went through again
         for fut in futures:
             fut.set_result(outcomes)
 

@@ -18,7 +18,7 @@ from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.lifecycle.table import Stall, gives_up
 from ckptd.log import get_logger
-from ckptd.model import Candidate, Snapshot
+from ckptd.model import Candidate, RootError, Snapshot
 from ckptd.service.metrics import Metrics
 from ckptd.store import Found, Store
 from ckptd.units import format_duration
@@ -126,7 +126,8 @@ class Scanner:
                 self.scan_root(root)
             except Exception as exc:  # one root's bad state must not stop the others' scans
                 self.metrics.error("scan")
-                self.store.set_root_error(root.name, f"scan: {exc}", self.clock.time())
+                self.store.set_root_error(root.name, RootError.SCAN, f"scan: {exc}",
+                                          self.clock.time())
                 self.log.error("scan_failed", root=root.name, error=str(exc), exc_info=True)
         with self._count_lock:
             self.scans += 1
@@ -136,8 +137,8 @@ class Scanner:
         if scanner is None:
             return  # removed by a reload meanwhile
         if not root.path.is_dir():
-            self.store.set_root_error(root.name, f"root path {root.path} does not exist",
-                                      self.clock.time())
+            self.store.set_root_error(root.name, RootError.ROOT_MISSING,
+                                      f"root path {root.path} does not exist", self.clock.time())
             return
         self.watcher.watch(root.path, scanner.open_files)
         with self.exclusive:
@@ -149,10 +150,12 @@ class Scanner:
         self._give_up_stale(root, snap, [c for c, _ in found if not c.complete], now)
         self._report_bad(root.name, snap.bad_contents)
         if scanner.unreadable:
-            self.store.set_root_error(root.name, f"could not read {sorted(scanner.unreadable)}"
+            self.store.set_root_error(root.name, RootError.UNREADABLE,
+                                      f"could not read {sorted(scanner.unreadable)}"
                                       " (checkpoints there are not marked gone)", now)
         else:
-            self.store.clear_root_error(root.name, "scan:", "could not read", "root path")
+            self.store.clear_root_error(root.name, RootError.SCAN, RootError.UNREADABLE,
+                                        RootError.ROOT_MISSING)
         if any(not c.complete for c, _ in found):
             self._pending.add(root.name)
         else:

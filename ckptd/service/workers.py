@@ -24,7 +24,7 @@ from ckptd.errors import CkptdError, PermanentError
 from ckptd.lifecycle import answers
 from ckptd.lifecycle.table import Stage
 from ckptd.log import get_logger
-from ckptd.model import CheckpointRecord, State, Tier, ValidationResult
+from ckptd.model import CheckpointRecord, RootError, State, Tier, ValidationResult
 from ckptd.retention.views import StoreNets
 from ckptd.service.commits import Waiting, newest_local
 from ckptd.service.jobs import Changed, Damaged
@@ -254,7 +254,8 @@ class Workers:
         job = done.job
         self.metrics.observe_stage(job.stage, done.seconds)
         runner.measure(self.metrics, job.checkpoint.root, progress, outcome)
-        self.store.clear_root_error(done.root.name, f"{job.stage}:")  # that stage works again
+        # That stage works again.
+        self.store.clear_root_error(done.root.name, *RootError.cleared_by_stage(job.stage))
         changed = runner.record(done, outcome)
         if changed is not None:
             self._changed(job, done.log, changed.why)
@@ -304,10 +305,10 @@ class Workers:
         if stuck:
             self.metrics.error(f"stuck:{call.stage}")
             words = call.words(time.monotonic())
-            self.store.set_root_error(call.root, f"{call.stage}: stuck: {words}; set aside",
-                                      time.time())
+            self.store.set_root_error(call.root, RootError.of_stage(call.stage, stuck=True),
+                                      f"{call.stage}: stuck: {words}; set aside", time.time())
         else:
-            self.store.clear_root_error(call.root, f"{call.stage}: stuck:")
+            self.store.clear_root_error(call.root, RootError.of_stage(call.stage, stuck=True))
         self.wake()
 
     def uncommitted(self, root: str, nodes: int) -> list[dict[str, Any]]:

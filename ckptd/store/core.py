@@ -24,6 +24,7 @@ from ckptd.lifecycle.table import (
     next_stage,
     transition,
 )
+from ckptd.model import RootError
 from ckptd.store import schema
 from ckptd.store.reads import Reads
 from ckptd.store.rows import (
@@ -209,10 +210,12 @@ class Core(Reads):
                    " claim_expires=NULL WHERE id=?", (cid,))
 
     @staticmethod
-    def _set_error(db: sqlite3.Connection, root: str, error: str, now: float) -> None:
-        db.execute("INSERT INTO roots (name, last_error, last_error_at) VALUES (?,?,?)"
-                   " ON CONFLICT(name) DO UPDATE SET last_error=excluded.last_error,"
-                   " last_error_at=excluded.last_error_at", (root, error, now))
+    def _set_error(db: sqlite3.Connection, root: str, kind: RootError, error: str,
+                   now: float) -> None:
+        db.execute("INSERT INTO roots (name, last_error, last_error_at, last_error_kind)"
+                   " VALUES (?,?,?,?) ON CONFLICT(name) DO UPDATE SET"
+                   " last_error=excluded.last_error, last_error_at=excluded.last_error_at,"
+                   " last_error_kind=excluded.last_error_kind", (root, error, now, kind.value))
 
 
 def _uploading_now(row: sqlite3.Row, now: float) -> bool:
