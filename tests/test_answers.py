@@ -278,3 +278,11 @@ def test_newest_asks_from_the_top_only_until_one_passes() -> None:
 ])
 def test_where_of_a_document(doc: dict[str, object], local: Local, remote: Remote) -> None:
     assert answers.where_of(doc) == answers.Where(local, remote)
+
+
+@pytest.mark.parametrize("remote", list(Remote))
+def test_committed_and_was_committed(remote: Remote) -> None:
+    r = Rec(1, remote=remote)
+    assert answers.is_committed(r) == (remote is UPLOADED)
+    assert answers.was_committed(r) == (remote in (UPLOADED, GONE))
+    assert answers.is_committed(answers.where_of({"remote": remote.value})) == (remote is UPLOADED)

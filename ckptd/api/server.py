@@ -27,7 +27,7 @@ from ckptd.config import RootConfig
 from ckptd.errors import HttpError, ServiceUnavailable
 from ckptd.lifecycle import answers
 from ckptd.log import get_logger
-from ckptd.model import CheckpointRecord, Remote, State, Tier
+from ckptd.model import CheckpointRecord, State, Tier
 from ckptd.store import Store
 
 MAX_BODY = 1024 * 1024
@@ -380,7 +380,7 @@ def _reached(rec: CheckpointRecord, until: str) -> bool:
     if until == "valid":
         return rec.state is State.VALID
     # A step retention has since removed remotely did reach "uploaded".
-    return rec.state is State.VALID and rec.remote in (Remote.UPLOADED, Remote.PRUNED)
+    return rec.state is State.VALID and answers.was_committed(rec)
 
 
 class UnixHttpServer:

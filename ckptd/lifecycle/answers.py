@@ -50,6 +50,11 @@ def is_committed(r: Placed) -> bool:
     return r.remote is COMMITTED
 
 
+def was_committed(r: Placed) -> bool:
+    """Its remote copy is committed, or was until retention pruned it: the upload is done."""
+    return is_committed(r) or r.remote is Remote.PRUNED
+
+
 def in_tier(r: Placed, tier: Tier) -> bool:
     """A copy of it can be had in `tier` (ANY: on disk or committed remotely)."""
     on_disk = r.local in ON_DISK

@@ -142,8 +142,7 @@ class Workers:
             if name not in roots or not roots[name].upload.enabled:
                 continue  # the root stopped uploading (reload): nothing left to flush there
             rec = self.store.checkpoint(name, step)
-            if rec is not None and rec.state is State.VALID and rec.remote.value in (
-                    "none", "uploading"):
+            if rec is not None and rec.state is State.VALID and not answers.was_committed(rec):
                 left[name] = step
         with self._lock:
             if self._flushing == flushing:

@@ -339,9 +339,9 @@ def _resolve_latest(root: Path, name: str, client: Any, stream: bool) -> Path | 
     info = _ask_latest(root, name, client)
     if info is not None and info.get("step") is not None:
         where = _under(root, info.get("path"))
-        if info.get("local") == "present" and where is not None and where.exists():
-            return where
         copies = answers.where_of(info)
+        if copies.local is Local.PRESENT and where is not None and where.exists():
+            return where
         compressed = copies.local is Local.COMPRESSED
         if stream and not compressed and answers.is_committed(copies):
             return int(info["step"])
