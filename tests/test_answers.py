@@ -229,21 +229,22 @@ def test_store_prefilter_is_in_tier_any(status: Status) -> None:
     assert kept == (status.state is V and answers.in_tier(status, Tier.ANY))
 
 
-@pytest.mark.parametrize(("remote", "keeps", "needed"), [
-    (NONE, False, ("not_uploaded",)), (UPLOADING, False, ("not_uploaded",)),
-    (UPLOADED, False, ()), (UPLOADED, True, ("compress_older",)),
-    (GONE, True, ("not_uploaded", "compress_older")),
+@pytest.mark.parametrize(("local", "remote", "keeps", "needed"), [
+    (PRESENT, NONE, False, ("not_uploaded",)), (PRESENT, UPLOADING, False, ("not_uploaded",)),
+    (PRESENT, UPLOADED, False, ()), (PRESENT, UPLOADED, True, ("compress_older",)),
+    (PRESENT, GONE, True, ("not_uploaded", "compress_older")),
+    (COMPRESSED, UPLOADED, False, ("local",)), (PRUNED, NONE, True, ()),
 ])
-def test_copy_needed_by(remote: Remote, keeps: bool, needed: tuple[str, ...]) -> None:
-    assert answers.copy_needed_by(Rec(1, remote=remote), keeps) == needed
+def test_copy_needed_by(local: Local, remote: Remote, keeps: bool,
+                        needed: tuple[str, ...]) -> None:
+    assert answers.copy_needed_by(Rec(1, local=local, remote=remote), keeps) == needed
 
 
-@pytest.mark.parametrize("status", [s for s in STATUSES if s.copy and s.local is PRESENT],
-                         ids=str)
+@pytest.mark.parametrize("status", [s for s in STATUSES if s.copy], ids=str)
 @pytest.mark.parametrize("keeps", [False, True])
 def test_planner_releases_a_copy_by_the_one_rule(status: Status, keeps: bool) -> None:
-    """The retention plan keeps a copy beside the originals exactly while
-    `answers.copy_needed_by` names something that needs it (no reader holds it here)."""
+    """The retention plan deletes a copy exactly where `answers.copy_needed_by` (the rule the
+    effects apply after an upload) names nothing that needs it (no reader holds it here)."""
     from ckptd.retention import planner
 
     v = planner.CheckpointView(step=1, state=status.state, local=status.local,
@@ -251,7 +252,8 @@ def test_planner_releases_a_copy_by_the_one_rule(status: Status, keeps: bool) ->
     d = planner._copy_decision(v, planner.Action.KEEP, keeps)
     needed = answers.copy_needed_by(status, keeps)
     assert (d.action is planner.Action.DELETE) == (not needed)
-    assert tuple(str(t) for t in d.tags) == (needed or ("released",))
+    if status.local is PRESENT:
+        assert tuple(str(t) for t in d.tags) == (needed or ("released",))
 
 
 @pytest.mark.parametrize(("steps_", "usable", "want"), [

@@ -79,11 +79,15 @@ def where_of(doc: Mapping[str, object]) -> Where:
 
 
 def copy_needed_by(r: Placed, keeps_copies: bool) -> tuple[str, ...]:
-    """What still needs the local compressed copy made beside a checkpoint's originals:
+    """What still needs a checkpoint's local compressed copy. Beside the originals on disk:
     "not_uploaded" (the upload, until the remote copy is committed) and "compress_older"
-    (retention may yet keep the copy instead of the originals). Empty: the copy may go.
-    Asked only of a copy beside originals on disk: one compressed in place is the local
-    copy, and one whose originals are gone goes with them."""
+    (retention may yet keep the copy instead of the originals). Compressed in place, the copy
+    is the checkpoint's local copy ("local"); with the originals gone, nothing: it goes with
+    them. Empty: the copy may go."""
+    if r.local is Local.COMPRESSED:
+        return ("local",)
+    if r.local is not Local.PRESENT:
+        return ()
     return tuple(why for hit, why in ((not is_committed(r), "not_uploaded"),
                                       (keeps_copies, "compress_older")) if hit)
 

@@ -157,8 +157,7 @@ class Effects:
         if Effect.REMOVE_COPY in a.effects:
             self._release(root, a.step, local, remote)
         if Effect.RELEASE_COPY in a.effects and a.target is not None and (
-                a.target.local is Local.PRUNED or a.target.local is Local.PRESENT
-                and not answers.copy_needed_by(a.target, policy_of(root).keeps_copies)):
+                not answers.copy_needed_by(a.target, policy_of(root).keeps_copies)):
             # The copy was made for the upload; the planner applies the same rule, so a
             # release refused now is planned again.
             if self._release(root, a.step, local, remote):
