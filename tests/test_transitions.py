@@ -265,3 +265,20 @@ def test_giving_up_is_the_tables_gave_up(source: Status | None) -> None:
     assert gives_up(source, late, 10.0) == (Reason.MISSING_FILE if allowed else None)
     short = Stall(idle=10.0, truncated=True)
     assert gives_up(source, short, 10.0) == (Reason.TRUNCATED if allowed else None)
+
+
+@pytest.mark.parametrize(("uploads", "multi_node", "early"),
+                         [(False, False, False), (True, False, True), (True, True, False),
+                          (False, True, False)])
+def test_sending_early_is_the_policys(uploads: bool, multi_node: bool, early: bool) -> None:
+    """Whether validation sends objects ahead of the upload: one rule, read from the config in
+    one place (the validate runner and the validate job both ask it)."""
+    from ckptd.config import RootConfig
+    from ckptd.lifecycle.policy import policy_of
+
+    root = RootConfig.model_validate({
+        "name": "r", "path": "/nonexistent", "nodes": 2 if multi_node else 1,
+        **({"upload": {"url": "file:///nonexistent"}} if uploads else {})})
+    policy = policy_of(root)
+    assert (policy.uploads, policy.committed_only) == (uploads, multi_node)
+    assert policy.sends_early is early
