@@ -177,7 +177,8 @@ class Scanner:
     def _give_up_stale(self, root: RootConfig, snap: Snapshot, pending: list[Candidate],
                        now: float) -> None:
         """A save still incomplete `pending_timeout` after its files last changed (a registered
-        file never written, a shard short of its bytes) is invalid, with the reason."""
+        file never written, a shard short of its bytes) is given up: the lifecycle decides
+        (`gives_up`) from its status, how long it stalled and its candidate's typed cause."""
         for c in pending:
             rec = self.store.checkpoint(root.name, c.step)
             if rec is None:
