@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
+from support.clock import FakeClock
 
 from ckptd.api.documents import ApiContext
 from ckptd.api.door import bind_socket
@@ -22,6 +23,7 @@ from ckptd.backends import Backend, LocalBackend
 from ckptd.backends.base import SMALL_OBJECT_MAX, ObjectMeta, Source
 from ckptd.cli.main import main as cli_main
 from ckptd.client import Client
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig, parse_config
 from ckptd.errors import NotFound, ServiceUnavailable, TransientError
 from ckptd.lifecycle.changes import Changes
@@ -111,10 +113,11 @@ class Setup:
         self.backend = OverlapRecorder(LocalBackend(remote))
 
     def service(self, backend_for: Callable[[RootConfig], Backend | None] | None = None,
-                timer_s: float = 60.0, api_timeout: float = 540.0) -> RetentionService:
+                timer_s: float = 60.0, api_timeout: float = 540.0,
+                clock: Clock = SYSTEM) -> RetentionService:
         return RetentionService(self.store, lambda: self.roots,
                                 backend_for or (lambda root: self.backend), timer_s=timer_s,
-                                api_timeout=api_timeout)
+                                api_timeout=api_timeout, clock=clock)
 
 
 @pytest.fixture
@@ -244,6 +247,24 @@ def test_the_supervisor_runs_the_loop_on_its_own_thread(setup: Setup) -> None:
     threads = {t.ident: t.name for t in threading.enumerate()}
     assert "ckptd-retention" not in threads.values()
     assert setup.backend.threads and threading.get_ident() not in setup.backend.threads
+
+def test_a_readers_hold_expires_by_the_services_clock(setup: Setup) -> None:
+    """A reader's hold keeps its step from the remote deletes until it expires on the clock
+    the retention service is given: an hour's hold lapses when that clock moves an hour, not
+    after an hour of waiting; the next run deletes the step."""
+    clock = FakeClock()
+    svc = setup.service(lambda root: setup.backend.inner, clock=clock)
+    setup.store.hold("r1", 3, "reader-1", clock.time() + 3600)
+    loop, stop = looping(svc)
+    try:
+        held = summary(svc.run_now("r1", timeout=30))
+        assert (3, "remote", "deleted") not in held
+        assert [s for s, tier, action in held if action == "deleted"] == [1, 2, 4, 5]
+        clock.advance(3601)
+        assert summary(svc.run_now("r1", timeout=30)) == [(3, "remote", "deleted")]
+    finally:
+        halt(svc, loop, stop)
+
 
 def test_the_dry_run_plan_is_a_read_on_the_callers_thread(setup: Setup) -> None:
     svc = setup.service()  # no loop: planning does not need it
