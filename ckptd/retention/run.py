@@ -1,6 +1,8 @@
 """One retention run of one root: plan from the store's facts, execute with fresh guards, record
-the outcomes, compress in place what the plan defers. Never chooses when it runs (the scheduler),
-decides nothing (the planner) and deletes nothing itself (the executor does).
+the outcomes, compress in place what the plan defers. Never chooses when it runs (the scheduler)
+or what is kept (the planner), and deletes nothing itself (the executor does). What it decides
+is only whether the remote part runs: not while the bucket's hold objects cannot be read, and
+on a multi-node root only on the node that coordinates it (`cluster.coordinator`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 watcher's events only wake it early. Also keeps the watcher alive.
 
 Owns the roots' scanners, the inotify/polling watcher, the scan loop's pacing and its count
-(`scans`, in status). Decides nothing about checkpoints (layouts find, the lifecycle table
-decides, the store records); reads time only from the clock it is given.
+(`scans`, in status). Decides one thing about checkpoints: a save still pending its root's
+`pending_timeout` after its files last changed has given up, and why (`_give_up_stale`: the
+table's `gave_up` event); the rest is others' (layouts find, the lifecycle table decides, the
+store records). Reads time only from the clock it is given.
 """
 
 from __future__ import annotations
