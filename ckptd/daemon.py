@@ -53,7 +53,7 @@ class Daemon:
         how long a stage call may go without progress before it is stuck (stage -> seconds;
         `workers.STAGE_BOUNDS_S` for the others); `clock` is the one every service reads time
         from (lease, scan, discovery, workers, retention, persist, effects, recovery, the
-        supervisor's restarts and call board)."""
+        supervisor's restarts and call board, the metrics, the API)."""
         self.clock = clock
         self.config = config
         self.config_path = config_path
@@ -130,7 +130,7 @@ class Daemon:
                                       clock=self.clock)
         self.ctx = ApiContext(store, self.roots, self.changes, self.scanner, self.workers,
                               self.retention, self.discovery, self.supervisor, self.metrics,
-                              leases, self.persist)
+                              leases, self.persist, clock=self.clock)
         self.server = UnixHttpServer(sock, self.ctx)
         self._add_services()
         self.supervisor.start()

@@ -248,13 +248,26 @@ def test_the_supervisor_runs_the_loop_on_its_own_thread(setup: Setup) -> None:
     assert "ckptd-retention" not in threads.values()
     assert setup.backend.threads and threading.get_ident() not in setup.backend.threads
 
-def test_a_readers_hold_expires_by_the_services_clock(setup: Setup) -> None:
-    """A reader's hold keeps its step from the remote deletes until it expires on the clock
-    the retention service is given: an hour's hold lapses when that clock moves an hour, not
-    after an hour of waiting; the next run deletes the step."""
+def test_a_readers_hold_expires_by_the_daemons_clock(setup: Setup, short_dir: Path) -> None:
+    """A reader's hold, taken through the socket API, keeps its step from the remote deletes
+    until it expires on the clock the API and the retention service are given: an hour's hold
+    lapses when that clock moves an hour, not after an hour of waiting."""
     clock = FakeClock()
     svc = setup.service(lambda root: setup.backend.inner, clock=clock)
-    setup.store.hold("r1", 3, "reader-1", clock.time() + 3600)
+    roots = lambda: setup.roots  # noqa: E731
+    metrics = Metrics(process=False, clock=clock)
+    ctx = ApiContext(setup.store, roots, Changes(),
+                     Scanner(setup.store, roots, lambda: 30.0, False, metrics, clock=clock),
+                     Workers(setup.store, roots, 0, lambda: None, lambda root: None, metrics,
+                             nets=svc.nets, clock=clock),
+                     svc, Discovery(setup.store, roots, lambda root: None, clock=clock),
+                     Supervisor(clock=clock), metrics, clock=clock)
+    server = UnixHttpServer(bind_socket(short_dir / "api.sock"), ctx)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    clock.advance(86400)  # a day on: the hold is timed by this clock, not the real one
+    status, _ = Client(short_dir / "api.sock", timeout=10).request(
+        "PUT", "/v1/roots/r1/checkpoints/3/hold?owner=reader-1&ttl=3600")
+    assert status == 200
     loop, stop = looping(svc)
 
     def remote_left() -> list[int]:
@@ -268,6 +281,8 @@ def test_a_readers_hold_expires_by_the_services_clock(setup: Setup) -> None:
         assert remote_left() == [6]
     finally:
         halt(svc, loop, stop)
+        server.shutdown()
+        server.server_close()
 
 
 def test_the_dry_run_plan_is_a_read_on_the_callers_thread(setup: Setup) -> None:
