@@ -18,7 +18,7 @@ standard library only and imports nothing of ckptd, and this module never import
 
 Private flow signals that stay exceptions, because a callee that is not ckptd's must be unwound
 (a return value cannot cross it): `formats.picklescan._Unsafe` and `formats.dcpmeta._Unsafe`
-(inside a pickle interpreter and `pickle.Unpickler.find_class`), `restore.pipe._Cancelled`
+(inside a pickle interpreter and `pickle.Unpickler.find_class`), `fetch.pipe._Cancelled`
 (inside a backend's `get` writing into the pipe), `torch._arena_copy.Unsupported` (inside
 `torch.save`'s pickler). They never leave their module's caller.
 

@@ -182,8 +182,8 @@ def test_resave_of_an_uploaded_step_replaces_the_remote_copy(inproc_daemon: Any,
     assert c.wait("r1", 4, until="uploaded", timeout=60)
     out = tmp_path / "out"
     from ckptd.backends import make_backend
+    from ckptd.fetch.source import read_remote_manifest
     from ckptd.restore.files import restore_remote
-    from ckptd.restore.source import read_remote_manifest
 
     backend = make_backend(f"file://{remote}")
     restore_remote(backend, read_remote_manifest(backend, "r1", 4), out)

@@ -41,8 +41,8 @@ from ckptd.dcp.slices import TensorSlice, Want, scan_archive
 from ckptd.errors import BadInput, Cancelled, CorruptData, NotFound
 
 if TYPE_CHECKING:  # the backends and the config load only when a read begins
-    from ckptd.remote.objects import Ranges
-    from ckptd.remote.step import RemoteStep, StepArg
+    from ckptd.fetch.objects import Ranges
+    from ckptd.fetch.step import RemoteStep, StepArg
 
 __all__ = ["StorageReader"]
 
@@ -90,7 +90,7 @@ class StorageReader(_StorageReader):
         if self._failed is not None:  # DCP asks again per rank: one failure is enough
             raise self._failed
         if self._step is None:
-            from ckptd.remote.step import DEFAULT_THREADS, RemoteStep
+            from ckptd.fetch.step import DEFAULT_THREADS, RemoteStep
 
             try:
                 self._step = RemoteStep.open(self.root, self.requested, config=self.config,

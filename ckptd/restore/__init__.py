@@ -1,4 +1,3 @@
-"""The way back: a step's files rebuilt from its local copy or its remote objects (`files`),
-which step and from where (`source`), one remote object downloaded and decoded as a pipeline
-(`pipe`), and the one JSON line a restore child answers with (`answer`). The checked decoder
-they use is `ckptd.copies.decode`. Never touches the daemon's store."""
+"""The way back to files: `ckptd restore` rebuilds a step's files from its local copy or its
+remote objects (`files`, reading through `ckptd.fetch`), and the restore child's one JSON line
+(`answer`). Never touches the daemon's store."""

@@ -15,10 +15,10 @@ from ckptd.clock import SYSTEM, Clock
 from ckptd.cluster.coordinator import coordinates
 from ckptd.config import RootConfig
 from ckptd.errors import CkptdError
+from ckptd.fetch import holds
 from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, State, Tier
-from ckptd.remote import holds
 from ckptd.remote import layout as remote
 from ckptd.retention import executor, planner, trash
 from ckptd.retention.inplace import InPlace
