@@ -27,8 +27,6 @@ from ckptd.model import CKPTD_DIR, Candidate, FileInfo, PlainValue, RootOptions,
 
 # ckptd's own transient names (temp files, a restore's staging directory): never checkpoint data.
 OWN_TEMP_PREFIX = ".ckptd-"
-# Small marker/metadata files a layout asked for are read into the snapshot through the bounded
-# reader, each up to the cap of its kind (`layouts.content_kind`, docs/SECURITY.md).
 # An "opened for writing" mark with no close event expires after this long without change:
 # inotify may never report the close of a file written into a just-created directory.
 OPEN_MARK_MIN_S = 30.0
@@ -218,7 +216,8 @@ class RootScanner:
 
 def stat_member(real_root: str, path: str) -> tuple[os.stat_result, bool]:
     """stat() a member and say whether it is a symlink leading out of the root (then the link
-    itself is stat'ed, never its target). The scanner and the stages use this one rule."""
+    itself is stat'ed, never its target). The scanner and the checks that a stage's files did
+    not change (`member_stats`, `file_fingerprint`) use this one rule."""
     st = os.lstat(path)
     if not stat.S_ISLNK(st.st_mode):
         return st, False

@@ -183,8 +183,6 @@ def _root_name(value: str) -> str:
 
 
 _GLOBAL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
-# Modules whose globals can run code or touch the system when a pickle calls them: never
-# trusted, whatever a config says.
 # Modules whose globals can run code, start processes, or touch files, the network or the
 # interpreter when a pickle calls them: never trusted, whatever the config says.
 _NEVER_TRUSTED = frozenset({

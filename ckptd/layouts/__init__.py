@@ -1,6 +1,8 @@
 """Layout recognizers: which checkpoints a root's snapshot holds and which are complete.
 `detect` runs them most specific first, each file claimed by one candidate at most.
-Pure: functions of a `Snapshot`, `RootOptions` and `now`; no I/O, no clock."""
+Pure: functions of a `Snapshot`, `RootOptions` and `now`; no I/O, no clock. The contract is
+`base`, shared helpers `common`; one module per layout: `native`, `registered`, `dcp`, `split`,
+`ranked`, `hf`, `deepspeed`, `megatron`, `orbax`, `single`."""
 
 from __future__ import annotations
 

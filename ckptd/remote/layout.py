@@ -1,8 +1,9 @@
 """Reading the remote layout of a root: committed steps, their manifests, the LATEST pointer.
 
 Owns the key names under `<url>/<root>/` and what counts as committed (a step with a
-MANIFEST.json); writes nothing except LATEST (compare-and-swap only), and never imports the
-store or a stage.
+MANIFEST.json); writes nothing except LATEST (compare-and-swap, or create-only where it is
+absent; removed only where it cannot be read or no committed step is left), and never imports
+the store or a stage.
 """
 
 from __future__ import annotations

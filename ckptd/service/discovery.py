@@ -54,7 +54,7 @@ class Discovery:
         self.store = store
         self.clock = clock
         self.bound_s = bound_s
-        self.calls = calls if calls is not None else Calls()
+        self.calls = calls if calls is not None else Calls(clock)
         # Roots a client asked to see listed afresh, each with the event its waiters wait on.
         self._asked: dict[str, threading.Event] = {}
         self.roots = roots

@@ -1,6 +1,8 @@
 """How validate and compress are called for one claimed job (a Candidate, a Stager), and the two
-answers that are not failures: `Changed`, `Damaged`. Decides and records nothing: the stages
-work, the workers record (the upload's call is `service.uploads`).
+answers that are not failures: `Changed`, `Damaged`. Records nothing (the workers record; the
+upload's call is `service.uploads`). Decides only how a stage is called: whether the copy is
+built in validation's read pass and its objects sent early, and that a full disk defers the
+copy instead of failing the validation.
 """
 
 from __future__ import annotations

@@ -2,10 +2,13 @@
 files and the rule). Looks at every root's lease every few seconds, takes a free or stale one,
 renews its own, and stands by where another daemon holds the root.
 
-Owns each root's lease state (the files are `lease_files`); decides nothing (the pure `judge`
-does); reads time only from the clock it is given. The daemon gives the other services only the
-roots this one holds (`acting`), so a standby root is never scanned, validated, uploaded,
-pruned, or has its latest.json written by this daemon.
+Owns each root's lease state (the files are `lease_files`). Who holds a root is the pure
+`judge`'s decision; decided here is only what it is handed and what follows for this daemon:
+whether a holder on this machine is alive (`holder_alive`: its pid, and for this very process
+a token of its own), and that this daemon acts only while its last renewal is younger than half
+the timeout (`holds`). Reads time only from the clock it is given. The daemon gives the other
+services only the roots this one holds (`acting`), so a standby root is never scanned,
+validated, uploaded, pruned, or has its latest.json written by this daemon.
 """
 from __future__ import annotations
 

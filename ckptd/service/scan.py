@@ -2,8 +2,10 @@
 watcher's events only wake it early. Also keeps the watcher alive.
 
 Owns the roots' scanners, the inotify/polling watcher, the scan loop's pacing and its count
-(`scans`, in status). Decides nothing about checkpoints (layouts find, the lifecycle table
-decides, the store records); reads time only from the clock it is given.
+(`scans`, in status). Decides nothing about checkpoints: it gathers each pending save's
+stall (how long unchanged, truncated or not) and asks the lifecycle table whether it gave up
+(`lifecycle.table.gives_up`, applied by `_give_up_stale`); layouts find, the table decides, the
+store records. Reads time only from the clock it is given.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ share. Records nothing, decides nothing of the commit (`ckptd.stages.parts`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from functools import partial
 
@@ -62,8 +61,8 @@ def run_upload(root: RootConfig, job: Job, progress: Progress, backend: Backend,
 
 def run_share_upload(root: RootConfig, job: Job, progress: Progress, backend: Backend,
                      expected: Sequence[StoredFile], node: str,
-                     known_nodes: frozenset[str]) -> parts.ShareResult | Changed:
-    """A multi-node root: this node's share of the step (docs/MULTINODE.md). Raises
+                     known_nodes: frozenset[str], now: float) -> parts.ShareResult | Changed:
+    """A multi-node root: this node's share of the step (docs/MULTINODE.md), as of `now`. Raises
     NotCommitted while the step waits for other nodes' parts. Never replaces a remote step."""
     step = job.checkpoint.step
     manifest = _local_copy(root, step, expected)
@@ -87,7 +86,7 @@ def run_share_upload(root: RootConfig, job: Job, progress: Progress, backend: Ba
     progress.total = manifest.stored_size
     try:
         return parts.upload_share(backend, root.name, copies.objects_dir(root.path, step),
-                                  manifest, share, time.time(), progress=progress.advance,
+                                  manifest, share, now, progress=progress.advance,
                                   concurrency=root.upload.concurrency)
     except parts.ShareChanged as exc:
         return Changed(str(exc))

@@ -1,6 +1,8 @@
 """The core of the state store: one SQLite connection, transactions, and the one way a status
 changes: an event applied through the lifecycle table, logged, and handed after commit to the
-effects hook. Decides nothing itself: the table does.
+effects hook. The table decides every transition; the one thing decided here is that a
+transition's `discard_early` effect is dropped while a live upload claim on the row may be
+sending that save (`_uploading_now`).
 """
 
 from __future__ import annotations

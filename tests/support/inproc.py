@@ -33,7 +33,7 @@ class InProcessDaemon:
     def __init__(self, layout: Layout, events_log: list[dict[str, Any]],
                  clock: Clock = SYSTEM) -> None:
         self.layout = layout
-        self.clock = clock  # what its lease, scan and discovery services read the time from
+        self.clock = clock  # what its services read the time from
         self._events = events_log
         self._daemon: Daemon | None = None
 
