@@ -89,6 +89,15 @@ TEMP_MARKERS = (".orbax-checkpoint-tmp",)
 MAX_STEP = 2**63
 # ckptd's own directory inside each root; never scanned as checkpoint data.
 CKPTD_DIR = ".ckptd"
+# ckptd's own transient names anywhere in a root (temp files, a restore's staging directory).
+OWN_PREFIX = f"{CKPTD_DIR}-"
+
+
+def is_own(rel: str) -> bool:
+    """Is `rel` (a '/'-separated path relative to a root, or one name) ckptd's own: inside a
+    `.ckptd/` directory or named `.ckptd-*`, at any depth? Never checkpoint data: the scanner
+    skips it, no watch is put on it, and its changes never wake the scanner."""
+    return any(part == CKPTD_DIR or part.startswith(OWN_PREFIX) for part in rel.split("/"))
 
 
 @dataclass(frozen=True)
