@@ -515,9 +515,9 @@ def test_wants_content(rel: str, layout: str, wanted: bool) -> None:
 
 
 def test_names_and_get() -> None:
-    assert set(layouts.NAMES) == {"native", "registered", "dcp", "split", "ranked", "hf",
+    assert set(layouts.names()) == {"native", "registered", "dcp", "split", "ranked", "hf",
                                   "deepspeed", "megatron", "orbax", "single"}
-    assert all(layouts.get(n).name == n for n in layouts.NAMES)
+    assert all(layouts.get(n).name == n for n in layouts.names())
     with pytest.raises(ValueError, match="unknown layout"):
         layouts.get("nope")
 

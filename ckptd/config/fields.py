@@ -23,6 +23,7 @@ from pydantic import (
     ValidationInfo,
 )
 
+from ckptd import layouts
 from ckptd.units import (
     FreeSpace,
     format_duration,
@@ -40,13 +41,7 @@ _ROOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _REMOTE_SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
 
-Layout = Literal[
-    "auto", "native", "registered", "dcp", "split", "ranked",
-    "hf", "deepspeed", "megatron", "orbax", "single",
-]  # fmt: skip
-LAYOUT_NAMES: tuple[str, ...] = get_args(Layout)[1:]
 Codec = Literal["auto", "zstd", "zstd-bytegroup", "none"]
-MetricMode = Literal["min", "max"]
 LogFormat = Literal["auto", "json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -101,6 +96,14 @@ def _socket_path(value: Any, info: ValidationInfo) -> Path:
             f"{_SOCKET_PATH_MAX}: choose a shorter path"
         )
     return path
+
+
+def _layout(value: Any) -> str:
+    """"auto" or a registered layout's name (`ckptd.layouts.register`)."""
+    known = ("auto", *layouts.names())
+    if not isinstance(value, str) or value not in known:
+        raise ValueError(f"must be one of: {', '.join(known)}, got {_show(value)}")
+    return value
 
 
 def _duration(value: Any) -> float:
@@ -309,6 +312,7 @@ Rate = Annotated[
     Render(lambda v: "" if v is None else format_size(v, exact=True) + "/s"),
 ]
 Free = Annotated[FreeSpace, PlainValidator(_free), Render(str)]
+LayoutName = Annotated[str, PlainValidator(_layout)]
 
 
 def _show(value: object) -> str:
