@@ -6,7 +6,6 @@ share. Records nothing, decides nothing of the commit (`ckptd.stages.parts`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
 from ckptd.backends import Backend
 from ckptd.config import RootConfig
@@ -69,11 +68,7 @@ def run_share_upload(root: RootConfig, job: Job, progress: Progress, backend: Ba
     mtimes = validated_mtimes(root, job, manifest)
     if isinstance(mtimes, Changed):
         return mtimes
-    readers: dict[str, records.RecordReader] = {
-        "dcp": records.dcp_record, "megatron": records.megatron_record,
-        "deepspeed": records.deepspeed_record, "native": records.native_record,
-        "ranked": partial(records.ranked_record, world_size=root.world_size)}
-    reader = readers.get(manifest.layout)
+    reader = records.reader_for(manifest.layout, root.world_size)
     if reader is None:
         raise PermanentError(
             f"a {manifest.layout} checkpoint has no commit record a multi-node root understands"
