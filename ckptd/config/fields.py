@@ -39,7 +39,13 @@ DEFAULT_SOCKET_PATH = Path("/run/ckptd/ckptd.sock")
 _SOCKET_PATH_MAX = 107
 _ROOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_REMOTE_SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
+# The object-store URL schemes an upload URL may use besides file:, each with how its URL is
+# written in error sentences ("" where another's words cover it). `ckptd.backends.register`
+# adds a store's scheme here with the backend that opens it.
+STORAGE_SCHEMES: dict[str, str] = {
+    "s3": "s3://bucket/prefix", "gs": "gs://bucket/prefix", "az": "az://container/prefix",
+    "abfs": "abfs://container@account.dfs.core.windows.net/prefix", "abfss": "",
+}
 
 Codec = Literal["auto", "zstd", "zstd-bytegroup", "none"]
 LogFormat = Literal["auto", "json", "console"]
@@ -254,10 +260,10 @@ def _upload_url(value: str, info: ValidationInfo) -> str:
     if value.startswith("file:"):
         return _file_url(value, info)
     scheme, sep, rest = value.partition("://")
-    if not sep or scheme not in _REMOTE_SCHEMES:
+    if not sep or scheme not in STORAGE_SCHEMES:
+        forms = [form for form in STORAGE_SCHEMES.values() if form]
         raise ValueError(
-            f"{_show(value)} is not a supported URL: use s3://bucket/prefix, gs://bucket/prefix, "
-            "az://container/prefix, abfs://container@account.dfs.core.windows.net/prefix, "
+            f"{_show(value)} is not a supported URL: use {', '.join(forms)}, "
             "file:///absolute/dir or file:relative/dir"
         )
     if not rest.split("/", 1)[0]:
