@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 
 class State(StrEnum):
@@ -29,6 +29,10 @@ class Remote(StrEnum):
     UPLOADING = "uploading"
     UPLOADED = "uploaded"
     PRUNED = "pruned"
+
+
+# Whether a root's metric is better low or high (`metric_mode` in the config).
+MetricMode = Literal["min", "max"]
 
 
 class Tier(StrEnum):

@@ -353,11 +353,11 @@ def test_modules_a_package_docstring_names_are_there() -> None:
     is a module of this package, or a name the package defines (a top-level module, a package
     or a layout's name is a word of its own): a module that moved away, or never lived here,
     is not described as this package's."""
-    from ckptd.layouts import NAMES
+    from ckptd.layouts import names
 
     ckptd = ROOT / "ckptd"
     modules = {m.stem for pkg in _packages() for m in pkg.glob("*.py")}
-    own_words = {p.stem for p in ckptd.glob("*.py")} | {p.name for p in _packages()} | set(NAMES)
+    own_words = {p.stem for p in ckptd.glob("*.py")} | {p.name for p in _packages()} | set(names())
     bad = []
     for pkg in _packages():
         here = {m.stem for m in pkg.glob("*.py")} | set().union(

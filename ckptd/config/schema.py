@@ -58,8 +58,7 @@ from ckptd.config.fields import (
     node_of_host,
 )
 from ckptd.errors import NotFound
-from ckptd.lifecycle.answers import MetricMode
-from ckptd.model import RootOptions
+from ckptd.model import MetricMode, RootOptions
 from ckptd.units import (
     FreeSpace,
     format_duration,

@@ -9,11 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
-from ckptd.model import Local, Remote, State, Tier
-
-MetricMode = Literal["min", "max"]
+from ckptd.model import Local, MetricMode, Remote, State, Tier
 
 # A local copy ckptd can restore from: the original files, or the compressed copy in place.
 ON_DISK = (Local.PRESENT, Local.COMPRESSED)

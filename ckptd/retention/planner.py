@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from ckptd import units
 from ckptd.lifecycle import answers
-from ckptd.lifecycle.answers import MetricMode as MetricMode
 from ckptd.model import Local, Remote, State, Tier
+from ckptd.model import MetricMode as MetricMode
 
 TierName = Literal["local", "remote"]
 

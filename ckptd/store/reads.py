@@ -11,9 +11,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ckptd.lifecycle import answers
-from ckptd.lifecycle.answers import MetricMode
 from ckptd.lifecycle.table import Event, Policy, Status
-from ckptd.model import CheckpointRecord, FileRecord, State, Tier
+from ckptd.model import CheckpointRecord, FileRecord, MetricMode, State, Tier
 from ckptd.remote.manifest import StoredFile
 from ckptd.store.rows import record_of, status_of
 
