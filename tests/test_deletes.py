@@ -83,9 +83,10 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.backends.wrappers", "RetryingBackend.delete"): "forwards to the wrapped backend",
     ("ckptd.backends.wrappers", "ThrottledBackend.delete"): "forwards to the wrapped backend",
     ("ckptd.backends.wrappers", "LimitedBackend.delete"): "forwards to the wrapped backend",
-    ("ckptd.fileio", "atomic_write_bytes"): "its own temp file, renamed over the file it writes",
-    ("ckptd.fileio", "remove_tree"): "the primitive the trash and the listed places call",
-    ("ckptd.fileio", "_open_dir_or_unlink"): "remove_tree's own step",
+    ("ckptd.fileio.durable", "atomic_write_bytes"):
+        "its own temp file, renamed over the file it writes",
+    ("ckptd.fileio.paths", "remove_tree"): "the primitive the trash and the listed places call",
+    ("ckptd.fileio.paths", "_open_dir_or_unlink"): "remove_tree's own step",
     # The remote-step delete protocol, handed only to the executor.
     ("ckptd.stages.upload", "delete_step"):
         "the remote-step delete protocol; only ever passed to the executor "
