@@ -28,7 +28,7 @@ from ckptd.config import RootConfig, parse_config
 from ckptd.errors import NotFound, ServiceUnavailable, TransientError
 from ckptd.lifecycle.changes import Changes
 from ckptd.remote.manifest import Manifest
-from ckptd.retention.executor import Outcome
+from ckptd.retention.outcomes import Outcome
 from ckptd.service.discovery import Discovery
 from ckptd.service.metrics import Metrics
 from ckptd.service.retention import RetentionService

@@ -22,6 +22,7 @@ from ckptd.model import CheckpointRecord, State, Tier
 from ckptd.remote import layout as remote
 from ckptd.retention import executor, planner, trash
 from ckptd.retention.inplace import InPlace
+from ckptd.retention.outcomes import Outcome
 from ckptd.retention.report import RootHealth
 from ckptd.retention.views import (
     StoreNets,
@@ -73,7 +74,7 @@ class Runner:
         status = self.store.status(root.name, r.step)
         return status is not None and status.copy
 
-    def run(self, root: RootConfig, delete_adopted: bool = False) -> list[executor.Outcome]:
+    def run(self, root: RootConfig, delete_adopted: bool = False) -> list[Outcome]:
         # Only the local deletes hold the lock (with the guards they check, read inside it):
         # remote calls and compressing in place can take long and must not hold up scans,
         # pins or readers' holds.
@@ -87,7 +88,7 @@ class Runner:
         return outcomes + remote_out
 
     def _run_local(self, root: RootConfig, now: float, delete_adopted: bool = False
-                   ) -> tuple[planner.Plan, list[executor.Outcome]]:
+                   ) -> tuple[planner.Plan, list[Outcome]]:
         records = self.store.checkpoints(root.name)
         plan = self.plan(root, now, delete_adopted, records)
         self._check_preflight(root, records, plan)
@@ -104,7 +105,7 @@ class Runner:
     def _pruned(self, name: str, step: int) -> None:
         self.store.record(name, step, Event.PRUNED_LOCAL, self.clock.time())
 
-    def _remote(self, root: RootConfig, plan: planner.Plan) -> list[executor.Outcome]:
+    def _remote(self, root: RootConfig, plan: planner.Plan) -> list[Outcome]:
         if not any(i.remote is planner.Action.DELETE for i in plan.items):
             return []
         backend = self.backend_for(root)
@@ -153,7 +154,7 @@ class Runner:
         the bucket)."""
         return StoreNets(self.store, root, self.nets, self.clock.time, delete_adopted, also_in_use)
 
-    def _record(self, root: RootConfig, outcomes: list[executor.Outcome]) -> None:
+    def _record(self, root: RootConfig, outcomes: list[Outcome]) -> None:
         """Record what was done as lifecycle events; their effects (a released compressed
         copy removed, latest.json) follow the transition."""
         for o in outcomes:

@@ -20,7 +20,7 @@ from ckptd.errors import NotFound, ServiceUnavailable
 from ckptd.log import get_logger
 from ckptd.model import RootError
 from ckptd.retention import executor, planner
-from ckptd.retention.executor import Outcome
+from ckptd.retention.outcomes import Outcome
 from ckptd.retention.report import RootHealth, adopted_json, adopted_records, health_json
 from ckptd.retention.run import Runner
 from ckptd.retention.views import StoreNets, disk_of
