@@ -196,7 +196,7 @@ def test_a_start_removes_the_temp_file_of_a_crashed_file_put(inproc_daemon: Any,
     """A process killed mid-put leaves its temp file in the file:// remote: the next daemon
     start removes it once stale, and the finished object beside it stays."""
     from ckptd.backends import LocalBackend
-    from ckptd.backends.local import TMP_MARK
+    from ckptd.backends.localfiles import TMP_MARK
     from ckptd.service.recovery import STALE_PUT_S
 
     remote = tmp_path / "remote"
