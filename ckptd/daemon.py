@@ -1,5 +1,6 @@
 """The composition root: builds the store, the services and the API from a Config and wires
-them; owns the state-dir lock, signals, startup recovery, reload and graceful stop.
+them; owns the state-dir lock, signals, startup recovery, reload and graceful stop. Whether the
+whole can make progress is `service.health`'s to say.
 
 Decides nothing about checkpoints and runs no loop of its own besides the main thread's
 signal/watchdog beat: every other thread is a service under the supervisor.
@@ -29,6 +30,7 @@ from ckptd.service import recovery, sdnotify
 from ckptd.service.discovery import BOUND_S as DISCOVER_S
 from ckptd.service.discovery import Discovery
 from ckptd.service.effects import Effects
+from ckptd.service.health import Health
 from ckptd.service.lease import Leases
 from ckptd.service.metrics import Metrics, MetricsServer
 from ckptd.service.observe import SafeTimes, root_samples, summary
@@ -132,9 +134,11 @@ class Daemon:
                               self.retention, self.discovery, self.supervisor, self.metrics,
                               leases, self.persist, clock=self.clock)
         self.server = UnixHttpServer(sock, self.ctx)
+        self.health = Health(self.supervisor, self.workers, self.scanner, store, self.ctx,
+                             lambda: self.config.daemon.scan_interval, STOP_GRACE_S)
         self._add_services()
         self.supervisor.start()
-        self._watch_scan()
+        self.health.watch_scan()
         self.log.info("daemon_ready", socket=str(cfg.daemon.socket), roots=sorted(self.roots()),
                       pid=os.getpid(), socket_activated=self._socket_inherited)
         self.notifier.ready(status=self.summary())
@@ -173,8 +177,8 @@ class Daemon:
         last_status = 0.0
         while not self._stop.wait(1.0):
             self._handle_signals()
-            self._check_state()
-            self.watchdog.beat(self.healthy())
+            self.health.check_state()
+            self.watchdog.beat(self.health.healthy())
             if time.monotonic() - last_status >= STATUS_EVERY_S:
                 last_status = time.monotonic()
                 self.notifier.status(self.summary())
@@ -190,37 +194,6 @@ class Daemon:
                 self.workers.flush()
             else:
                 self.log.info("daemon_stopping", signal=signal.Signals(signum).name)
-
-    def _check_state(self) -> None:
-        """A state database deleted or replaced under us: stop acting on the roots at once."""
-        if self.ctx.problem is not None:
-            return
-        why = self.store.lost()
-        if why is None:
-            return
-        self.ctx.problem = f"{why}; ckptd stopped acting on its roots until restarted"
-        self.log.error("state_db_lost", error=why)
-        self.supervisor.stop("lease", "scan", "watch", "discovery", "retention",
-                             *self.workers.names, timeout=STOP_GRACE_S)
-
-    def healthy(self) -> bool:
-        """The daemon as a whole can make progress: every service is up, the scan loop turns
-        and at least one stage worker is free of a stuck call. What the watchdog vouches for:
-        one stuck item is degraded health (`ctx.state`), set aside, never a restart."""
-        stuck = self.workers.stuck()
-        all_stuck = bool(stuck) and len(stuck) >= len(self.workers.names)
-        if all_stuck:
-            self.log.error("all_workers_stuck", workers=stuck)
-        return (self.supervisor.running() and not all_stuck
-                and self.scanner.healthy(self.config.daemon.scan_interval))
-
-    def _watch_scan(self) -> None:
-        """The scan loop as one long call on the board: each turn is a beat; quiet for as long
-        as the watchdog allows (`scanner.healthy`) it is stuck, and health says so. Again at
-        each reload: the bound follows `scan_interval`."""
-        self.supervisor.calls.begin("scan", "scan", "", None,
-                                    2 * self.config.daemon.scan_interval + 60,
-                                    progress=lambda: self.scanner.beat)
 
     def _stuck(self, call: Call, stuck: bool) -> None:
         """A call went past its bound (or moved again): set its item aside."""
@@ -263,7 +236,7 @@ class Daemon:
             self.metrics.remove_root(name)
         self.store.set_policies({r.name: policy_of(r) for r in new.roots})
         self.scanner.set_roots(self.roots())
-        self._watch_scan()
+        self.health.watch_scan()
         self.store.retry_now()
         self.log.info("config_reloaded", roots=sorted(self.roots()),
                       added=sorted(set(self.roots()) - old_roots),
