@@ -1,6 +1,6 @@
-"""Paths ckptd did not choose: a root's member opened beneath the root's descriptor, a relative
-name joined under a directory ckptd made, and a tree removed; none of them follows a symbolic
-link. Never reads or writes a file's bytes.
+"""Paths ckptd did not choose: a root's member opened beneath the root's descriptor and a tree
+removed, neither following a symbolic link; a relative name joined under a directory ckptd
+made, refused where it leads out. Never reads or writes a file's bytes.
 """
 
 from __future__ import annotations
