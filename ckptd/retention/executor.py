@@ -441,5 +441,3 @@ def _discard_early(backend: Backend, root_name: str, step: int,
             continue  # gone already, or the store fails: a straggler at worst
     log.info("early_objects_discarded", step=step, objects=gone, of=len(sent))
     return gone
-
-
