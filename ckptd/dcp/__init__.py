@@ -5,8 +5,6 @@ whole against its manifest hash), and routes each tensor's bytes into the destin
 The package: reader (the StorageReader), route (a file's bytes to its slices), slices (one
 tensor's archive parsed as it streams), tensorpkl (a slice's pickles), meta (`.metadata`).
 Decides nothing about the plan (DCP's planner does) and writes nothing but the destinations.
-Its parts: the restricted `.metadata` reader (`meta`) and a tensor's archive parsed as it
-streams, into its destination (`slices`).
 """
 
 from ckptd.dcp.reader import StorageReader
