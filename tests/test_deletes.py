@@ -30,7 +30,7 @@ from ckptd.backends.local import LocalBackend
 from ckptd.copies import store as copies
 from ckptd.errors import CorruptData
 from ckptd.model import Candidate, Local, Remote
-from ckptd.remote import layout as remote
+from ckptd.remote import keys as remote
 from ckptd.remote.manifest import Manifest
 from ckptd.retention import executor, trash
 from ckptd.retention.nets import SHARED
@@ -107,10 +107,10 @@ ALLOWED_FUNCTIONS = {
         "(ckptd.torch's fallback writer), as ckptd.torch does",
     ("ckptd.arena_write", "_fresh_dir"): "a stale half-written save dir of the door",
     ("ckptd.arena_write", "_write_one"): "a file of the save it is writing, written again",
-    ("ckptd.remote.layout", "retreat_latest"): "the LATEST pointer object, not a step's bytes",
+    ("ckptd.remote.keys", "retreat_latest"): "the LATEST pointer object, not a step's bytes",
     ("ckptd.fetch.holds", "sweep_stale"): "readers' hold objects no longer fresh, not a step's",
     ("ckptd.fetch.holds", "_Held.end"): "the reader's own hold object, at the end of its read",
-    ("ckptd.remote.layout", "_swap"): "an unreadable LATEST pointer object, rewritten",
+    ("ckptd.remote.keys", "_swap"): "an unreadable LATEST pointer object, rewritten",
     ("ckptd.service.recovery", "remove_stale_temps"): "ckptd's own temp files",
     ("ckptd.service.lease_files", "retire_claims"): "the root lease's own claim files",
     ("ckptd.service.lease_files", "drop_claims_below"): "the root lease's own claim files",

@@ -35,7 +35,7 @@ R = TypeVar("R", bound=Facts)
 
 def is_committed(r: Facts) -> bool:
     """Its remote copy is committed: the upload stage verified every object, then wrote the
-    step's MANIFEST.json (`ckptd.remote.layout` reads that), so committed is also verified."""
+    step's MANIFEST.json (`ckptd.remote.keys` reads that), so committed is also verified."""
     return r.remote is Remote.UPLOADED
 
 

@@ -21,7 +21,7 @@ from ckptd.backends.base import same_object
 from ckptd.errors import CkptdError, ObjectNotFound, StorageError
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote
-from ckptd.remote.layout import manifest_key
+from ckptd.remote.keys import manifest_key
 from ckptd.remote.manifest import step_prefix
 from ckptd.retention import trash as trashcan  # (`trash` is the guarded move below)
 from ckptd.retention.nets import (

@@ -17,7 +17,7 @@ from ckptd.fetch import holds
 from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, State, Tier
-from ckptd.remote import layout as remote
+from ckptd.remote import keys as remote
 from ckptd.retention import executor, planner, trash
 from ckptd.retention.inplace import InPlace
 from ckptd.retention.report import RootHealth
