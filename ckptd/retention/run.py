@@ -37,7 +37,7 @@ _EVENTS = {("deleted", "local"): Event.PRUNED_LOCAL,  # "trashed" was recorded a
            ("deleted", "copy"): Event.COPY_DROPPED}
 
 
-class Runner:
+class RetentionRun:
     """Runs a root's retention; only the retention service's thread calls `run`. `exclusive`
     and `nets` are the service's locks, held for the local deletes."""
 
