@@ -30,7 +30,7 @@ from ckptd.retention.nets import (
     NOT_ON_DISK,
     UNSAFE_PATH,
     Act,
-    Refusal,
+    DeleteRefused,
     check_nets,
 )
 from ckptd.retention.nets import Guards as Guards  # what `Nets.held` yields
@@ -156,7 +156,8 @@ def execute_copies(
         target = targets.get(item.step)
         if target is None or target.step != item.step:
             log = get_logger(root=root or Path(root_dir).name)
-            out.append(_refused(log, item.step, "copy", Refusal(NO_TARGET, "no copy recorded")))
+            out.append(_refused(log, item.step, "copy",
+                                DeleteRefused(NO_TARGET, "no copy recorded")))
             continue
         got = release_copy(root_dir, target, nets, root=root)
         out.append(Outcome(got.step, "copy", got.action, got.reason, got.bytes_freed))
@@ -173,7 +174,8 @@ def _delete_local(
     log: Any,
 ) -> Outcome:
     if target is None or target.step != item.step:
-        return _refused(log, item.step, "local", Refusal(NO_TARGET, "no record for this step"))
+        return _refused(log, item.step, "local",
+                        DeleteRefused(NO_TARGET, "no record for this step"))
     try:
         got = _trash(root_dir, target, guards, trash_dir, log)
     except OSError as exc:
@@ -221,7 +223,7 @@ def _remove_remote(backend: Backend, root_name: str, step: int, act: Act, guards
     """The nets of `act`, then `delete_step`: the bytes it freed, or a refused/failed Outcome."""
     try:
         check_nets(step, act, guards)
-    except Refusal as refusal:
+    except DeleteRefused as refusal:
         return _refused(log, step, "remote", refusal)
     size = _remote_bytes(backend, root_name, step)
     try:
@@ -261,9 +263,9 @@ def _trash(root_dir: Path, target: Target, guards: Guards, trash_dir: Path, log:
     try:
         check_nets(target.step, "prune_local", guards)
         if target.local is Local.PRUNED:
-            raise Refusal(NOT_ON_DISK)
+            raise DeleteRefused(NOT_ON_DISK)
         moves = trashcan.moves(real_root, target.path, target.files, target.is_dir, trash_real)
-    except Refusal as refusal:
+    except DeleteRefused as refusal:
         return _refused(log, target.step, "local", refusal)
     record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
     if record is None:
@@ -309,7 +311,7 @@ def replace_originals(
             check_nets(target.step, "compress", guards)
             members = list(dict.fromkeys(trashcan.relative(f) for f in target.files))
             moves = trashcan.file_moves(real_root, members)
-        except Refusal as refusal:
+        except DeleteRefused as refusal:
             return _refused(log, target.step, "local", refusal)
         try:
             check()
@@ -339,7 +341,7 @@ def release_copy(
     copy another owner released first is "already gone", not a failure."""
     log = get_logger(root=root or Path(root_dir).name)
     if target.local is Local.COMPRESSED:
-        why = Refusal(COMPRESSED, "the copy is the checkpoint's local form")
+        why = DeleteRefused(COMPRESSED, "the copy is the checkpoint's local form")
         return _refused(log, target.step, "local", why)
     act: Act = "release_copy" if target.local is Local.PRESENT else "release_last"
     real_root = Path(root_dir).resolve()
@@ -349,9 +351,9 @@ def release_copy(
             check_nets(target.step, act, guards)
             anchor = trashcan.relative(target.path)
             if not anchor.startswith(f"{CKPTD_DIR}/") or not target.is_dir:
-                raise Refusal(UNSAFE_PATH, f"{anchor!r} is not a compressed copy")
+                raise DeleteRefused(UNSAFE_PATH, f"{anchor!r} is not a compressed copy")
             moves = trashcan.dir_move(real_root, anchor, [], trash_real)
-        except Refusal as refusal:
+        except DeleteRefused as refusal:
             return _refused(log, target.step, "local", refusal)
         try:
             record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
@@ -379,9 +381,10 @@ def install_copy(root_dir: Path, step: int, staging: Path, final: Path, *, nets:
         try:
             trash_real = trashcan.own_trash(real_root)
             if not rel.startswith(f"{CKPTD_DIR}/"):
-                raise Refusal(UNSAFE_PATH, f"{final} is not a compressed copy inside the root")
+                raise DeleteRefused(UNSAFE_PATH,
+                                    f"{final} is not a compressed copy inside the root")
             moves = trashcan.dir_move(real_root, trashcan.relative(rel), [], trash_real)
-        except Refusal as refusal:
+        except DeleteRefused as refusal:
             raise CkptdError(f"cannot replace the compressed copy of step {step}: "
                              f"{refusal.reason}") from None
         record = trashcan.move_into_trash(real_root, step, moves, trash_real)
@@ -406,7 +409,7 @@ def replace_save(root_dir: Path, step: int, swap: Callable[[], str | None], *,
         try:
             trash_real = trashcan.own_trash(real_root)
             check_nets(step, "replace_save", guards)
-        except Refusal as refusal:
+        except DeleteRefused as refusal:
             log.info("save_replace_waiting", step=step, reason=refusal.reason)
             return False
         aside = swap()
@@ -415,7 +418,7 @@ def replace_save(root_dir: Path, step: int, swap: Callable[[], str | None], *,
         try:
             moves = trashcan.dir_move(real_root, trashcan.relative(aside), [], trash_real)
             record = trashcan.move_into_trash(real_root, step, moves, trash_real)
-        except (Refusal, OSError) as exc:  # committed already: the leftover is only named
+        except (DeleteRefused, OSError) as exc:  # committed already: the leftover is only named
             log.error("prune_failed", step=step, tier="local",
                       reason=f"the earlier save {aside} was left: {exc}")
             return True
@@ -492,7 +495,7 @@ def _pruned(log: Any, item: PlanItem, tier: TierName, freed: int) -> Outcome:
     return Outcome(item.step, tier, "deleted", reason, freed)
 
 
-def _refused(log: Any, step: int, tier: TierName, refusal: Refusal) -> Outcome:
+def _refused(log: Any, step: int, tier: TierName, refusal: DeleteRefused) -> Outcome:
     log.warning("prune_refused", step=step, tier=tier, reason=refusal.reason)
     return Outcome(step, tier, "refused", refusal.reason)
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 from ckptd.retention.planner import Tag
 
-# Refusal tags beyond the planner's vocabulary.
+# Reasons a delete is refused for, beyond the planner's vocabulary.
 UNSAFE_PATH = "unsafe_path"  # outside the root, absolute, climbing, or ckptd's own files
 SYMLINK = "symlink"  # a symlinked checkpoint directory, or a parent link leaving the root
 NOT_ON_DISK = "not_on_disk"  # the store says the local copy is already gone
@@ -42,7 +42,7 @@ class Guards:
     adopted: frozenset[int] = frozenset()  # adopted, no remote copy, and no --apply
 
 
-class Refusal(Exception):
+class DeleteRefused(Exception):
     """A destructive act refused: by a net, or by a name it may not touch. Never escapes the
     executor: it becomes an Outcome `refused` with this reason."""
 
@@ -97,7 +97,7 @@ _NET_TAGS = {"remote_latest": str(Tag.LATEST), "not_verified": str(Tag.NOT_UPLOA
 
 
 def check_nets(step: int, act: Act, g: Guards) -> None:
-    """Raise Refusal naming the first net that forbids `act` on `step`."""
+    """Raise DeleteRefused naming the first net that forbids `act` on `step`."""
     for net in NETS[act]:
         if _net_holds(net, step, g):
-            raise Refusal(_NET_TAGS.get(net, net))
+            raise DeleteRefused(_NET_TAGS.get(net, net))
