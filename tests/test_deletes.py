@@ -225,7 +225,7 @@ def test_executor_delete_calls_are_its_only_callers_of_delete_step() -> None:
 
 def nets(**kw: Any) -> FixedNets:
     base: dict[str, Any] = {"latest_step": None, "best_step": None, "pinned": frozenset(),
-                            "in_use": frozenset(), "remote_verified": frozenset(),
+                            "in_use": frozenset(), "committed": frozenset(),
                             "upload_configured": False}
     base.update(kw)
     return FixedNets(executor.Guards(**base))

@@ -57,7 +57,7 @@ class Target:
     """One checkpoint's local copy as the store knows it now. `path` is the root-relative anchor
     (its directory, or its main file); `files` are the root-relative member files. For a local
     compressed copy, pass its directory (e.g. `.ckptd/objects/step-<N>`) with `is_dir=True`.
-    `remote` is informational: the nets read `Guards.remote_verified`."""
+    `remote` is informational: the nets read `Guards.committed`."""
 
     step: int
     path: str

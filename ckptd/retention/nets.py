@@ -35,7 +35,7 @@ class Guards:
     best_step: int | None
     pinned: frozenset[int]
     in_use: frozenset[int]
-    remote_verified: frozenset[int]
+    committed: frozenset[int]
     upload_configured: bool
     invalid: frozenset[int] = frozenset()
     shared: frozenset[int] = frozenset()
@@ -59,7 +59,7 @@ class DeleteRefused(Exception):
 # local save by the newer one, which the async-save writer commits in its place).
 NETS: dict[str, tuple[str, ...]] = {
     "prune_local": ("latest", "best", "pinned", "in_use", "not_uploaded", "shared", "adopted"),
-    "prune_remote": ("latest", "best", "pinned", "in_use", "remote_latest", "not_verified"),
+    "prune_remote": ("latest", "best", "pinned", "in_use", "newest_committed", "not_committed"),
     "compress": ("latest", "in_use", "invalid", "shared"),
     "release_copy": ("in_use",),  # the originals are on disk: the copy is a spare
     "release_last": ("latest", "best", "pinned", "in_use", "not_uploaded", "adopted"),
@@ -78,21 +78,21 @@ def _net_holds(net: str, step: int, g: Guards) -> bool:
     if net == "in_use":
         return step in g.in_use
     if net == "not_uploaded":
-        return g.upload_configured and step not in g.remote_verified and step not in g.invalid
+        return g.upload_configured and step not in g.committed and step not in g.invalid
     if net == "shared":
         return step in g.shared
     if net == "adopted":
         return step in g.adopted
-    if net == "remote_latest":
-        return step == max(g.remote_verified, default=None)
-    if net == "not_verified":  # not committed and verified: an upload may be writing it now
-        return step not in g.remote_verified
+    if net == "newest_committed":
+        return step == max(g.committed, default=None)
+    if net == "not_committed":  # no MANIFEST.json yet: an upload may be writing it now
+        return step not in g.committed
     if net == "invalid":
         return step in g.invalid
     raise ValueError(f"unknown net {net!r}")
 
 
-_NET_TAGS = {"remote_latest": str(Tag.LATEST), "not_verified": str(Tag.NOT_UPLOADED),
+_NET_TAGS = {"newest_committed": str(Tag.LATEST), "not_committed": str(Tag.NOT_UPLOADED),
              "shared": SHARED}
 
 
