@@ -17,7 +17,7 @@ from ckptd.config.load import (
     parse_config,
 )
 from ckptd.config.schema import (
-    CompressConfig,
+    CodecConfig,
     Config,
     DaemonConfig,
     LocalRetention,
@@ -35,7 +35,7 @@ __all__ = [
     "find_config",
     "DEFAULT_SOCKET_PATH",
     "LAYOUT_NAMES",
-    "CompressConfig",
+    "CodecConfig",
     "Config",
     "DaemonConfig",
     "FreeSpace",

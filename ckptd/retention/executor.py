@@ -104,7 +104,8 @@ def execute_local(
     `on_trashed(step, entry)` runs between the two so the store records "trashed" before any
     byte is removed; if it raises, the checkpoint is put back and the outcome is `failed`. An
     outcome `trashed` means gone from its place but not yet removed (purge_trash finishes it).
-    Compress items come back as `deferred` (reason "compress"): the caller compresses in place.
+    Compress items come back as `deferred` (reason "compress"): the caller replaces their
+    originals (`replace_originals`).
     """
     log = get_logger(root=root or Path(root_dir).name)
     # A caller bug fails before any move.
@@ -296,7 +297,7 @@ def replace_originals(
     """Compress-in-place: delete a checkpoint's original files, its verified local compressed
     copy staying the checkpoint's only local form.
 
-    The nets of "compress" first; then `check()`, which must raise unless the copy is verified
+    Its nets first; then `check()`, which must raise unless the copy is verified
     and durable and every original is still the file it holds (CorruptData, UnsafePath); then
     each member file moves into the trash (a directory never moves whole: files that are not
     the checkpoint's stay), the directories this emptied at and below `target.path` (or below
@@ -308,7 +309,7 @@ def replace_originals(
     with nets.held() as guards:
         try:
             trash_real = trashcan.own_trash(real_root)
-            check_nets(target.step, "compress", guards)
+            check_nets(target.step, "replace_originals", guards)
             members = list(dict.fromkeys(trashcan.relative(f) for f in target.files))
             moves = trashcan.file_moves(real_root, members)
         except DeleteRefused as refusal:

@@ -18,7 +18,7 @@ NO_TARGET = "no_target"  # the caller passed no (or a mismatched) Target for a p
 SHARED = "shared_files"  # its files are also another checkpoint's
 COMPRESSED = "compressed"  # the copy is the checkpoint's only local form
 
-Act = Literal["prune_local", "prune_remote", "compress", "release_copy", "release_last",
+Act = Literal["prune_local", "prune_remote", "replace_originals", "release_copy", "release_last",
               "replace_remote", "replace_save"]
 
 
@@ -60,7 +60,7 @@ class DeleteRefused(Exception):
 NETS: dict[str, tuple[str, ...]] = {
     "prune_local": ("latest", "best", "pinned", "in_use", "not_uploaded", "shared", "adopted"),
     "prune_remote": ("latest", "best", "pinned", "in_use", "newest_committed", "not_committed"),
-    "compress": ("latest", "in_use", "invalid", "shared"),
+    "replace_originals": ("latest", "in_use", "invalid", "shared"),
     "release_copy": ("in_use",),  # the originals are on disk: the copy is a spare
     "release_last": ("latest", "best", "pinned", "in_use", "not_uploaded", "adopted"),
     "replace_remote": ("in_use",),

@@ -156,7 +156,7 @@ class RetentionRun:
             if event is not None:
                 self.store.record(root.name, o.step, event, time.time())
             elif o.action == "deferred" and o.reason == "compress":
-                self.inplace.compress(root, o.step)
+                self.inplace.replace_originals(root, o.step)
 
     def _check_preflight(self, root: RootConfig, records: list[CheckpointRecord],
                          plan: planner.Plan) -> None:
