@@ -1,6 +1,6 @@
 """Start-up: the state-dir lock, recovery, and the daemon's listening socket.
 
-Owns what a restart after a crash cleans up: every lease dropped (one daemon per state dir),
+Owns what a restart after a crash cleans up: every work claim dropped (one daemon per state dir),
 ckptd's own temp files (a `file://` remote's too) and staging dirs; and the pins kept beside
 each root. Checkpoint bytes go only through the retention executor: deletes half done in the
 trash (`purge_trash`) and compressed copies whose transition to "no copy" committed before
