@@ -1,4 +1,4 @@
-"""The upload stage and the remote layout, against a directory and a real SeaweedFS server.
+"""The upload stage and the remote keys, against a directory and a real SeaweedFS server.
 
 Faults go through the real TCP proxy (tests/faultproxy.py) or a wrapper implementing the
 Backend protocol around a real backend; kill -9 hits a real uploading process.
@@ -553,7 +553,7 @@ def test_local_problems_are_permanent(tmp_path: Path) -> None:
     assert list_steps(backend, ROOT) == []
 
 
-# -- reading the remote layout --------------------------------------------------------------------
+# -- reading the remote keys ----------------------------------------------------------------------
 
 
 def test_list_steps_counts_only_committed_canonical_steps(backend: Backend, tmp_path: Path) -> None:
