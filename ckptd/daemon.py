@@ -23,12 +23,12 @@ from ckptd.clock import SYSTEM, Clock
 from ckptd.config import Config, RootConfig, check_installed, load_config, needs_restart
 from ckptd.errors import ConfigError
 from ckptd.lifecycle.changes import Changes
+from ckptd.lifecycle.policy import policy_of
 from ckptd.log import get_logger
 from ckptd.service import recovery, sdnotify
 from ckptd.service.discovery import BOUND_S as DISCOVER_S
 from ckptd.service.discovery import Discovery
 from ckptd.service.effects import Effects
-from ckptd.service.jobs import policy_of
 from ckptd.service.lease import Leases
 from ckptd.service.metrics import Metrics, MetricsServer
 from ckptd.service.observe import SafeTimes, root_samples, summary
@@ -51,7 +51,9 @@ class Daemon:
                  stage_bounds: Mapping[str, float] | None = None, clock: Clock = SYSTEM) -> None:
         """`backends` gives each root its backend (a BackendCache by default); `stage_bounds`
         how long a stage call may go without progress before it is stuck (stage -> seconds;
-        `workers.STAGE_BOUNDS_S` for the others); `clock` times the lease, scan and discovery."""
+        `workers.STAGE_BOUNDS_S` for the others); `clock` is the one every service reads time
+        from (lease, scan, discovery, workers, retention, persist, effects, recovery, the
+        supervisor's restarts and call board, the metrics, the API)."""
         self.clock = clock
         self.config = config
         self.config_path = config_path
@@ -59,11 +61,11 @@ class Daemon:
         self.lock = StateDirLock(config.daemon.state_dir)
         self._store_factory = store_factory
         self.changes = Changes()
-        self.metrics = Metrics()
+        self.metrics = Metrics(clock=clock)
         self.backends = backends if backends is not None else BackendCache()
         self._stage_bounds = stage_bounds
         self.supervisor = Supervisor(on_crash=lambda name: self.metrics.error(f"service:{name}"),
-                                     on_stuck=self._stuck)
+                                     on_stuck=self._stuck, clock=clock)
         self._stop = threading.Event()
         self.signals = recovery.SignalInbox(self._stop)
         self.notifier = sdnotify.Notifier.from_env(
@@ -85,7 +87,7 @@ class Daemon:
         self.store = store = self._store_factory(cfg.daemon.state_dir / "state.db")
         store.set_policies({r.name: policy_of(r) for r in cfg.roots})
         nets = threading.RLock()  # pins, readers' holds and every delete read the nets under it
-        recovery.recover(store, cfg, nets)
+        recovery.recover(store, cfg, nets, self.clock)
         # The socket before the roots: an unusable socket dir stops the start (exit 78)
         # before this daemon takes any root's lease.
         sock, self._socket_inherited = recovery.listen_socket(cfg.daemon)
@@ -98,20 +100,22 @@ class Daemon:
                                           node=cfg.daemon.node_id, calls=self.supervisor.calls,
                                           nets=nets,
                                           bound_s=(self._stage_bounds or {}).get(
-                                              "retention", RETENTION_S))
+                                              "retention", RETENTION_S), clock=self.clock)
         self.scanner = Scanner(store, acting, lambda: self.config.daemon.scan_interval,
                                cfg.daemon.polling, self.metrics, self.retention.exclusive,
                                may_adopt=leases.fresh, clock=self.clock)
         self.workers = Workers(store, acting, cfg.daemon.workers, self.scanner.wake,
                                self.backends.get, self.metrics, nets=self.retention.nets,
                                node=cfg.daemon.node_id,
-                               calls=self.supervisor.calls, bounds=self._stage_bounds)
+                               calls=self.supervisor.calls, bounds=self._stage_bounds,
+                               clock=self.clock)
         self.discovery = Discovery(store, acting, self.backends.get, self.metrics,
                                    calls=self.supervisor.calls, bound_s=(
                                        self._stage_bounds or {}).get("discover", DISCOVER_S),
                                    clock=self.clock)
         self.effects = Effects(store, acting, self.changes, self.workers, self.retention,
-                               self.scanner, self.retention.nets, self.backends.get)
+                               self.scanner, self.retention.nets, self.backends.get,
+                               clock=self.clock)
         self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention,
                                                       leases.holds, self.clock.time()))
         self.metrics.set_health(lambda: (self.ctx.state() == "degraded",
@@ -122,10 +126,11 @@ class Daemon:
         self.persist = PersistService(store, self.roots, self.scanner.wake,
                                       lambda: self.config.daemon.socket,
                                       lambda: self.config.daemon.socket_group,
-                                      calls=self.supervisor.calls, nets=self.retention.nets)
+                                      calls=self.supervisor.calls, nets=self.retention.nets,
+                                      clock=self.clock)
         self.ctx = ApiContext(store, self.roots, self.changes, self.scanner, self.workers,
                               self.retention, self.discovery, self.supervisor, self.metrics,
-                              leases, self.persist)
+                              leases, self.persist, clock=self.clock)
         self.server = UnixHttpServer(sock, self.ctx)
         self._add_services()
         self.supervisor.start()
@@ -244,7 +249,7 @@ class Daemon:
         except Exception as exc:  # noqa: BLE001 - a bad reload never takes the daemon down
             self.log.error("config_reload_rejected", error=f"{type(exc).__name__}: {exc}")
         finally:
-            self.metrics.reloaded(ok, time.time())
+            self.metrics.reloaded(ok, self.clock.time())
             self.notifier.ready(status=self.summary())
         return ok
 

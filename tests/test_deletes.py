@@ -98,14 +98,15 @@ ALLOWED_FUNCTIONS = {
         "a bare Stager's copy renamed in where none is (it never replaces one)",
     ("ckptd.stages.upload_local", "Ledger._open"): "the upload ledger's old-format file",
     ("ckptd.stages.parts", "_probe"): "the create-only probe object it just wrote",
-    ("ckptd.arena_write", "_commit"): "the save's own rendezvous markers",
-    ("ckptd.arena_write", "_swap"):
+    ("ckptd.arena_write", "commit"): "the save's own rendezvous markers (every native writer's)",
+    ("ckptd.arena_write", "swap"):
         "renames the new save in, the earlier save of the step aside (the daemon's writer "
         "calls it inside executor.replace_save, behind its nets, which trashes that one)",
-    ("ckptd.arena_write", "_replace_here"):
+    ("ckptd.arena_write", "replace_here"):
         "the trainer's own earlier save of a step it saves again, in the trainer's process "
         "(ckptd.torch's fallback writer), as ckptd.torch does",
-    ("ckptd.arena_write", "_fresh_dir"): "a stale half-written save dir of the door",
+    ("ckptd.arena_write", "fresh_dir"):
+        "a stale half-written save dir of the door, or of the trainer's own interrupted save",
     ("ckptd.arena_write", "_write_one"): "a file of the save it is writing, written again",
     ("ckptd.remote.keys", "retreat_latest"): "the LATEST pointer object, not a step's bytes",
     ("ckptd.fetch.holds", "sweep_stale"): "readers' hold objects no longer fresh, not a step's",
@@ -123,9 +124,6 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.restore.files", "all_or_nothing"): "restore's own staging in the target",
     ("ckptd.fetch.pipe", "_attempt"): "restore's own temp file, renamed into the target",
     ("ckptd.torch._native", "save"): "the trainer's own failed save dir, in its process",
-    ("ckptd.torch._native", "_commit"): "the trainer's own rendezvous markers",
-    ("ckptd.torch._native", "_swap_in"): "the trainer's own earlier save of the step it saves",
-    ("ckptd.torch._native", "_fresh_dir"): "the trainer's own interrupted save dir",
     ("ckptd.torch._nodelocal", "save"): "the trainer's own rendezvous probes",
     ("ckptd.torch._nodelocal", "_clear"): "what an interrupted save of the trainer left",
 }

@@ -69,7 +69,7 @@ class Counting:
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
-        self.url, self.part_size = inner.url, inner.part_size
+        self.url, self.part_size, self.md5_etags = inner.url, inner.part_size, inner.md5_etags
         self.active = self.peak = 0
         self._lock = threading.Lock()
 

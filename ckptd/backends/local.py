@@ -58,6 +58,7 @@ class LocalBackend:
         self.base = os.path.realpath(os.fspath(base_dir))
         self.url = "file://" + self.base
         self.part_size = part_size
+        self.md5_etags = False  # no etags at all
 
     def __repr__(self) -> str:
         return f"LocalBackend({self.base!r})"

@@ -99,6 +99,7 @@ class ObstoreBackend:
             raise PermanentError(f"part_size {part_size} is below S3's minimum of 5 MiB")
         self.url = url.rstrip("/")
         self._gcs = urlsplit(url).scheme == "gs"  # version tags carry the generation
+        self.md5_etags = urlsplit(url).scheme in S3_SCHEMES
         self.part_size = part_size
         self.concurrency = max(1, concurrency)
         retry = _retry_config(request_retries, request_timeout_s)

@@ -3,6 +3,8 @@ step straight from the root's remote, no staging disk: each rank fetches only th
 byte ranges its read items need, checks every block as it is decoded (and every file it reads
 whole against its manifest hash), and routes each tensor's bytes into the destination tensor.
 Decides nothing about the plan (DCP's planner does) and writes nothing but the destinations.
+Its parts: the restricted `.metadata` reader (`meta`) and a tensor's archive parsed as it
+streams, into its destination (`slices`).
 """
 
 from __future__ import annotations

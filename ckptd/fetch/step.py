@@ -18,7 +18,7 @@ from ckptd.config import find_config, load_config
 from ckptd.errors import ConfigError, CorruptData, NotFound
 from ckptd.fetch.holds import ReaderHold, daemon_socket
 from ckptd.fetch.objects import ObjectReader, ReadStats
-from ckptd.fetch.source import best_step, list_remote_steps, read_remote_manifest
+from ckptd.fetch.source import list_remote_steps, newest_copy, read_remote_manifest
 from ckptd.remote.keys import manifest_exists
 from ckptd.remote.manifest import Manifest, StoredFile, step_prefix
 
@@ -54,7 +54,7 @@ def choose_step(backend: Backend, root: str, step: StepArg) -> int:
     """`step` itself if committed, or for "latest" the newest committed step whose manifest
     reads (LATEST is a hint only: the manifests decide). NotFound says what was looked at."""
     if step == "latest":
-        found = best_step(set(), set(list_remote_steps(backend, root)), backend, root)
+        found = newest_copy(set(), set(list_remote_steps(backend, root)), backend, root)
         if found is None:
             raise NotFound(f"no committed step of {root!r} at {backend.url}")
         return found

@@ -29,8 +29,8 @@ from ckptd.fetch import pipe
 from ckptd.fetch.holds import ReaderHold, daemon_socket
 from ckptd.fetch.source import (
     StepArg,
-    best_step,
     list_remote_steps,
+    newest_copy,
     read_remote_manifest,
     remote_backend,
     resolve_step,
@@ -242,8 +242,8 @@ def _restore_nodes(root: RootConfig, backend: Backend | None, step: StepArg, to:
     if backend is None:
         raise NotFound(f"root {root.name!r} has no upload.url: a multi-node step is restored"
                        " from its commit")
-    n = step if step != "latest" else best_step(set(), set(list_remote_steps(backend, root.name)),
-                                            backend, root.name)
+    n = step if step != "latest" else newest_copy(
+        set(), set(list_remote_steps(backend, root.name)), backend, root.name)
     if n is None:
         raise NotFound(f"no committed step of {root.name!r} at {backend.url}")
     with ReaderHold(backend, root.name, n, socket=socket):

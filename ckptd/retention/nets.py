@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ckptd.lifecycle import answers
 from ckptd.retention.planner import Tag
 
 # Reasons a delete is refused for, beyond the planner's vocabulary.
@@ -84,7 +85,7 @@ def _net_holds(net: str, step: int, g: Guards) -> bool:
     if net == "adopted":
         return step in g.adopted
     if net == "newest_committed":
-        return step == max(g.committed, default=None)
+        return step == answers.newest(g.committed)
     if net == "not_committed":  # no MANIFEST.json yet: an upload may be writing it now
         return step not in g.committed
     if net == "invalid":

@@ -5,14 +5,15 @@ picks its code; the worker's loop (claims, renewals, failures) is `ckptd.service
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ckptd.backends import Backend
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.errors import PermanentError
+from ckptd.lifecycle.policy import policy_of
 from ckptd.lifecycle.table import Stage
 from ckptd.remote.manifest import StoredFile
 from ckptd.retention.executor import Nets
@@ -39,6 +40,7 @@ class Crew:
     # A root's nets, read under the lock pins and readers' holds take (`views.StoreNets`):
     # what every executor call a stage makes is given.
     nets_of: Callable[[RootConfig], Nets]
+    clock: Clock = SYSTEM  # what outcomes are recorded at
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class ValidateRunner(StageRunner[Validated]):
     def _early_backend(self, root: RootConfig) -> Backend | None:
         """Where objects may be sent while validation goes on; None if it cannot be had
         (the upload stage reports why): validation never fails for the store's sake."""
-        if not root.upload.enabled or root.multi_node:
+        if not policy_of(root).sends_early:
             return None
         try:
             return self.crew.backend_for(root)
@@ -101,7 +103,7 @@ class ValidateRunner(StageRunner[Validated]):
         if file_fingerprint(done.root.path, job.files) != done.fingerprint:
             return Changed("files changed during validation; rescanning")
         if not self.crew.store.finish_validation(job, job.owner, done.fingerprint, result,
-                                                 time.time(), stored=outcome.stored,
+                                                 self.crew.clock.time(), stored=outcome.stored,
                                                  size_on_disk=done.size):
             return None
         if result.valid:
@@ -125,7 +127,7 @@ class CompressRunner(StageRunner[Sequence[StoredFile]]):
 
     def record(self, done: Done, outcome: Sequence[StoredFile]) -> Changed | None:
         job = done.job
-        if self.crew.store.finish_compress(job, job.owner, outcome, time.time()):
+        if self.crew.store.finish_compress(job, job.owner, outcome, self.crew.clock.time()):
             done.log.info("stage_succeeded", seconds=done.seconds)
         return None
 
@@ -150,14 +152,14 @@ class UploadRunner(StageRunner[UploadResult]):
         known = crew.waiting.known(root.name, root.nodes,
                                    lambda: uploads.known_nodes(backend, root.name))
         result = uploads.run_share_upload(root, job, progress, backend, expected, crew.node,
-                                          known)
+                                          known, crew.clock.time())
         if not isinstance(result, Changed):
             crew.waiting.done(rec.root, rec.step, result.nodes)
         return result
 
     def record(self, done: Done, outcome: UploadResult) -> Changed | None:
         job = done.job
-        if self.crew.store.finish_upload(job, job.owner, time.time()):
+        if self.crew.store.finish_upload(job, job.owner, self.crew.clock.time()):
             done.log.info("checkpoint_uploaded", seconds=done.seconds,
                           sent_bytes=outcome.sent_bytes,
                           skipped_objects=outcome.skipped_objects)

@@ -1,5 +1,7 @@
-"""The state store: SQLite schema and migrations (`schema`), the Store (`store`) that persists
-what the lifecycle table decides, and the plain types it hands out (`rows`)."""
+"""The state store: SQLite schema and migrations (`schema`); the Store (`store`), assembled from
+its queries (`reads`), its transactions and the one way a status changes (`core`), what scans,
+the API, retention and discovery record (`sync`) and claims and stage outcomes (`work`); the
+plain types it hands out (`rows`); and the pins kept beside each root (`pins`)."""
 
 from ckptd.store.rows import Applied, Found, Job, SyncChange
 from ckptd.store.schema import MIGRATIONS
