@@ -1,12 +1,14 @@
-"""The pictures are the code's: DESIGN.md's lifecycle diagram shows every transition of the
-table, its architecture diagram the import contract's layers and the real imports between
-packages, both as `tools/diagrams.py` draws them now."""
+"""The pictures are the code's and the table's: DESIGN.md's lifecycle diagram shows every
+transition of the table, its architecture diagram the import contract's layers and the real
+imports between packages, both as `tools/diagrams.py` draws them now; docs/performance.svg has
+a bar for each ratio of PERFORMANCE.md's `make bench` table, as `bench/plot.py` draws it."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
 import sys
+import xml.etree.ElementTree as ET
 from collections import defaultdict
 from types import ModuleType
 
@@ -25,6 +27,7 @@ def _tool(path: str) -> ModuleType:
 
 
 diagrams = _tool("tools/diagrams.py")
+plot = _tool("bench/plot.py")
 ARROW = re.compile(r"^\s*(\S+) --> (\S+)(?: : (.*))?$")
 
 
@@ -126,3 +129,44 @@ def test_check_mode_names_the_command(tmp_path, monkeypatch, capsys) -> None:  #
     assert "make diagrams" in capsys.readouterr().out
     assert diagrams.main([]) == 0 and stale.read_text() == text
 
+
+def test_the_performance_plot_has_a_bar_per_ratio_row() -> None:
+    doc = (DOCS / "PERFORMANCE.md").read_text()
+    table = doc.split("<!-- make-bench:begin -->")[1].split("<!-- make-bench:end -->")[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("| ")]
+    col = rows[0].index("ckptd / baseline")
+    ratios = [r for r in rows[1:] if re.match(r"(?:[a-z]+ )?\d", r[col])
+              and "MiB" not in r[col].split("(")[0]]
+    svg = ET.parse(DOCS / "performance.svg").getroot()  # well-formed, or this raises
+    ns = "{http://www.w3.org/2000/svg}"
+    assert svg.tag == f"{ns}svg"
+    bars = [r for r in svg.iter(f"{ns}rect") if r.get("class") == "bar"]
+    assert len(bars) == len(ratios) >= 8, (len(bars), len(ratios))
+    assert [b.findtext(f"{ns}title", "").rsplit(": ", 1)[0] for b in bars] == [r[0] for r in ratios]
+    assert len([p for p in svg.iter(f"{ns}path") if p.get("class") == "goal"]) == len(ratios)
+    assert "(performance.svg)" in doc, "PERFORMANCE.md does not show the plot"
+    assert (DOCS / "performance.svg").read_text() == plot.svg(plot.bars(doc)), (
+        "docs/performance.svg is not the table's: run python bench/plot.py")
+
+
+def test_the_plot_reads_ratios_goals_and_verdicts() -> None:
+    doc = "\n".join([
+        "<!-- make-bench:begin -->",
+        "| measure | baseline | baseline | ckptd | ckptd / baseline | goal | verdict |",
+        "|---|---|---|---|---|---|---|",
+        "| save | aws | 30 s | 17 s | wall 0.59 (0.54–0.82, 3 runs); bytes 0.883 | ≤ 0.5× wall |"
+        " **not met** |",
+        "| rss | — | — | 171 MiB | — | ≤ 200 MiB | **met** |",
+        "| bf16 | zipnn |  |  | 0.9994× zipnn's size (0.9989–0.9998, 2 inputs) |"
+        " ≤ zipnn's on every input | **met** |",
+        "| speed | zipnn |  |  | 1.94× zipnn's MB/s/core (1.19–2.69, 2 inputs) | keep ≥ 1.2× |"
+        " **met** |",
+        "| resume rss | — | — | — | +40 MiB (+38–+41, 3 runs) | ≤ +128 MiB | **met** |",
+        "<!-- make-bench:end -->"])
+    got = [(b.measure, b.ratio, b.low, b.high, b.goal, b.goal_text, b.met)
+           for b in plot.bars(doc)]
+    assert got == [("save", 0.59, 0.54, 0.82, 0.5, "≤ 0.5×", False),
+                   ("bf16", 0.9994, 0.9989, 0.9998, 1.0, "≤ 1.0×", True),
+                   ("speed", 1.94, 1.19, 2.69, 1.2, "≥ 1.2×", True)]
+    ET.fromstring(plot.svg(plot.bars(doc)))
