@@ -36,8 +36,8 @@ import ckptd
 ROOT = Path(__file__).resolve().parents[1]
 # What the sdist holds beside the package (MANIFEST.in), copied so the build never writes into
 # the checkout (no build/ or egg-info left to mix into a later wheel).
-SOURCES = ("ckptd", "pyproject.toml", "README.md", "MANIFEST.in", "CHANGELOG.md",
-           "config.example.toml", "systemd")
+SOURCES = ("ckptd", "pyproject.toml", "README.md", "MANIFEST.in", "CHANGELOG.md", "LICENSE",
+           "config.example.toml", "systemd", "deploy/ckptd.toml")
 TORCH_LINE = "ModuleNotFoundError: {} needs PyTorch: pip install 'ckptd[torch]'"
 INSTALL_S = 600.0  # a first run downloads the dependencies into pip's cache
 
@@ -90,6 +90,7 @@ def _make(base: Path) -> None:
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, src / name, ignore=ignore)
         else:
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, src / name)
     _checked([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(src)],
              base, INSTALL_S)
@@ -221,6 +222,26 @@ def test_config_check_and_the_torch_features_of_the_command_line(slim: Slim,
         assert done.stderr == f"ckptd {what} needs PyTorch: pip install 'ckptd[torch]'\n"
     out = _checked([ckptd_bin, "verify", str(ckpt)], tmp_path, 30)
     assert out.startswith(f"{ckpt}: single step 5: valid"), out
+
+
+def test_the_server_config_checks_as_installed_and_matches_the_unit(slim: Slim,
+                                                                    tmp_path: Path) -> None:
+    """deploy/ckptd.toml, the config for /etc/ckptd/ckptd.toml: the installed `ckptd config
+    check` accepts it as is, and its state directory and socket are where the systemd unit's
+    StateDirectory= and RuntimeDirectory= put them."""
+    server = ROOT / "deploy" / "ckptd.toml"
+    out = _checked([slim.bin("ckptd"), "config", "check", str(server)], tmp_path, 30)
+    assert out.startswith(f"# {server}: OK (1 root(s))"), out
+    parsed = tomllib.loads(server.read_text())
+    unit = (ROOT / "systemd" / "ckptd.service").read_text()
+    state = re.search(r"^StateDirectory=(\S+)$", unit, re.M)
+    runtime = re.search(r"^RuntimeDirectory=(\S+)$", unit, re.M)
+    assert state and runtime
+    assert parsed["daemon"]["state_dir"] == f"/var/lib/{state[1]}"
+    assert Path(parsed["daemon"]["socket"]).parent == Path(f"/run/{runtime[1]}")
+    assert parsed["metrics"]["listen"].startswith("127.0.0.1:")  # no open port by default
+    assert not any(k in parsed["defaults"]["upload"] for k in
+                   ("access_key_id", "secret_access_key")), "credentials belong elsewhere"
 
 
 def _example_moved(base: Path, sock: Path) -> tuple[Path, dict[str, Any]]:
