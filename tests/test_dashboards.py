@@ -315,7 +315,8 @@ def test_every_rule_names_only_what_the_daemon_exports(exported: Exported) -> No
             problems.append(f"{r['alert']}: {exc}")
     assert not problems, "\n".join(problems)
     assert {"up", "ckptd_unsafe_seconds", "ckptd_errors_total", "ckptd_degraded",
-            "ckptd_disk_free_bytes", "ckptd_min_free_bytes", "ckptd_root_held"} <= used
+            "ckptd_disk_free_bytes", "ckptd_min_free_bytes", "ckptd_root_held",
+            "ckptd_invalid_checkpoints", "ckptd_preflight_warning"} <= used
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool (Prometheus' own checker) not on PATH")
