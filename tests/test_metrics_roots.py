@@ -1,7 +1,8 @@
 """Every per-root series is exported for each configured root from the first scrape of a real
 daemon's `/metrics` (its Unix socket), before anything happened: counters and histograms at 0,
 gauges at 0 where 0 is a fact, and absent only where 0 would be a made-up value (a step
-number, a ratio). A root added by reload gets them at once; a root removed loses them."""
+number, a ratio). A root added by reload gets them at once; a root removed loses them, and
+one that comes back starts again from 0 (`Metrics.set_roots`, which the daemon calls)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from support.config import root_table
 
 from ckptd.client import Client
 from ckptd.model import Reason, State
+from ckptd.service.metrics import Metrics
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -89,3 +91,25 @@ def test_a_root_added_by_reload_is_exported_at_once_and_a_removed_one_is_gone(
     m = scrape(d.client)
     assert roots_in(m) == {"llm", "bert"}
     assert_fresh(m, "bert", remote=False)
+
+
+def test_set_roots_starts_new_roots_at_0_and_a_returning_root_from_0() -> None:
+    m = Metrics(process=False)
+    m.set_roots(["a", "b"])
+    m.add_bytes("read", "a", 5)
+    m.observe_safe("a", 3.0)
+    m.bad_inputs("a", "metadata", 2)
+    m.set_roots(["a", "b"])  # a reload that changes nothing keeps the counts
+    assert value(parsed(m), "ckptd_bytes_read_total", root="a") == 5
+    m.set_roots(["b"])
+    assert "a" not in roots_in(parsed(m))
+    m.set_roots(["a", "b"])
+    fresh = parsed(m)
+    for name, labels in [("ckptd_bytes_read_total", {}), ("ckptd_time_to_safe_seconds_count", {}),
+                         ("ckptd_bad_inputs", {"kind": "metadata"})]:
+        assert value(fresh, name, root="a", **labels) == 0, name
+
+
+def parsed(m: Metrics) -> Samples:
+    return {(s.name, tuple(sorted(s.labels.items()))): float(s.value)
+            for fam in text_string_to_metric_families(m.render()) for s in fam.samples}
