@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from structlog.testing import capture_logs
-from test_upload import s3_backend
+from support.uploads import s3_backend
 
 from ckptd.backends import (
     Backend,

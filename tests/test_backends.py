@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import pytest
 from structlog.testing import capture_logs
+from support.uploads import s3_backend
 
 from ckptd.backends import (
     Backend,
@@ -58,23 +59,6 @@ pytest_plugins = ["s3server", "azurite"]  # fixtures: s3_server, s3_url, fault_p
 MiB = 1024 * 1024
 PART = 5 * MiB  # S3's smallest part: multipart cases stay small and fast
 REPO = Path(__file__).resolve().parent.parent
-
-
-def s3_backend(server: S3Server, url: str, endpoint: str = "", **kw: Any) -> ObstoreBackend:
-    """An ObstoreBackend on the test server; obstore's own retries off so ours decide."""
-    options: dict[str, Any] = {
-        "endpoint": endpoint or server.endpoint,
-        "region": server.region,
-        "access_key_id": server.access_key,
-        "secret_access_key": server.secret_key,
-        "part_size": PART,
-        "concurrency": 2,
-        "request_retries": 0,
-        "read_timeout_s": 5.0,
-        "request_timeout_s": 30.0,
-    }
-    options.update(kw)
-    return ObstoreBackend(url, **options)
 
 
 def retrying(inner: Backend, attempts: int = 4) -> RetryingBackend:

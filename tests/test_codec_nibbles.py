@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from test_codec import BLOCK, decode, encode, trained_weights
+from support.codec_data import BLOCK, decode, encode, trained_weights
 
 from ckptd.codec import frame, nibbles, planes
 from ckptd.errors import CorruptData

@@ -10,20 +10,18 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 
 import layout_writers as w
 import numpy as np
 import pytest
-import torch
+from support.compress import list_temps, odd_files, stage, stager
+from support.layouts_real import CASES, detect
 from support.nets import no_nets
 from support.wait import wait_until
-from test_layouts_real import CASES, detect
 from writers import flip_byte, member_data_offset, truncate
 
 from ckptd import fileio
-from ckptd.codec import BLOCK_SIZE
 from ckptd.copies.store import (
     check_replaceable,
     local_steps,
@@ -43,12 +41,6 @@ from ckptd.stages.validate import validate
 
 CODECS = ["none", "zstd", "zstd-bytegroup", "auto"]
 HERE = Path(__file__).resolve().parent
-
-
-def stager(root: Path, cand: Candidate, codec: str = "auto", threads: int = 1) -> Stager:
-    """As the daemon builds it: the executor installs the copy (over a superseded one)."""
-    return Stager(root, "r", cand.step, cand.layout, codec, 3, threads, 0.03,
-                  install=partial(executor.install_copy, root, cand.step, nets=no_nets()))
 
 
 NO_NETS = no_nets()
@@ -77,22 +69,10 @@ def replace_originals(root: Path, manifest: Manifest, paths: list[str],
     return present
 
 
-def stage(root: Path, cand: Candidate, codec: str = "auto", threads: int = 1) -> Manifest:
-    """What the pipeline does: validate with the stager's sinks, then commit."""
-    st = stager(root, cand, codec, threads)
-    result = validate(root, cand, extra_sinks=st.sinks_for)
-    assert result.valid, result
-    return st.commit(result.files, result.metrics)
-
-
 def assert_restored(root: Path, to: Path, manifest: Manifest) -> None:
     for f in manifest.files:
         assert filecmp.cmp(root / f.path, to / f.path, shallow=False), f.path
     assert not list_temps(to)
-
-
-def list_temps(top: Path) -> list[Path]:
-    return [p for p in top.rglob("*") if p.name.startswith(fileio.TEMP_PREFIX)]
 
 
 def staging_dirs(root: Path) -> list[str]:
@@ -138,29 +118,6 @@ def test_round_trip_every_layout(name: str, codec: str, layouts_dir: Path, tmp_p
     restored = restore_from_dir(objects_dir(root, cand.step), manifest, tmp_path / "out")
     assert sorted(restored) == sorted(tmp_path / "out" / f.path for f in manifest.files)
     assert_restored(root, tmp_path / "out", manifest)
-
-
-def odd_files(root: Path) -> Candidate:
-    """Sizes that stress the framing: empty, 1 byte, not a multiple of the element width,
-    several codec blocks and read chunks, incompressible and all-zero data."""
-    g = torch.Generator().manual_seed(1)
-    f32 = torch.randn(100_003, generator=g).numpy().tobytes()
-    bf16 = torch.randn(50_001, generator=g).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
-    big = np.random.default_rng(2).standard_normal((2 * BLOCK_SIZE + 4096) // 4, np.float32)
-    data = {
-        "odd/empty.dat": b"",
-        "odd/one.dat": b"\x07",
-        "odd/f32_plus3.dat": f32 + b"xyz",
-        "odd/bf16_plus1.dat": bf16 + b"!",
-        "odd/multi_block.dat": big.tobytes() + b"12345",
-        "odd/random.dat": np.random.default_rng(3).bytes((1 << 20) + 1),
-        "odd/zeros.dat": bytes(3 << 20),
-        "odd/model.safetensors": w.safetensors_bytes({"w": torch.randn(33, 7, generator=g)}),
-    }
-    for rel, content in data.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(content)
-    return Candidate("registered", 3, "odd", tuple(data), complete=True)
 
 
 @pytest.mark.parametrize("codec,threads", [(c, 1) for c in CODECS] + [("zstd-bytegroup", 3)])

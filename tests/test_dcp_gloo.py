@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import torch
 from support.config import SETTLE_S
-from support.wait import WaitTimeout, wait_scans, wait_until
+from support.published import published_step
+from support.wait import wait_scans
 
 # DCP warns when it reads or writes without a process group, which is what these tests mean.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -98,20 +99,6 @@ def _rank_main(ckpt_dir: str, seed: int, die_rank: int) -> None:
     dcp.save(state, storage_writer=Writer(ckpt_dir, thread_count=1))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def published_step(root: Path, timeout: float = 10.0) -> int | None:
-    """The step in `<root>/.ckptd/latest.json`, once the daemon has written it (else None)."""
-    def read() -> tuple[int] | None:  # a tuple: step 0 is an answer too
-        try:
-            return (int(json.loads((root / ".ckptd" / "latest.json").read_text())["step"]),)
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    try:
-        return wait_until(read, timeout, f"{root}/.ckptd/latest.json")[0]
-    except WaitTimeout:
-        return None
 
 
 def rot_byte_mid(path: Path) -> None:

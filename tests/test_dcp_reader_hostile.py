@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from support.published import publish
-from test_remote_read_hostile import (
+from support.remote_reads import (
     KINDS,
     ckptd_error,
     dcp_state,

@@ -236,7 +236,7 @@ def test_an_arena_member_claiming_2_62_bytes_is_refused_at_once() -> None:
 def test_the_persist_door_refuses_such_an_arena_and_frees_its_slot(inproc_daemon: Any) -> None:
     """Through the real door: the save fails at once naming the member, the arena is marked
     failed, and nothing holds a save slot or lands in the root."""
-    from test_async_save import post_persist
+    from support.async_save import post_persist
 
     d = inproc_daemon(roots=[{"name": "r1"}])
     torch.serialization.set_crc32_options(False)

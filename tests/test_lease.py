@@ -18,9 +18,8 @@ from typing import Any
 import pytest
 from support.ckpts import save_single
 from support.clock import FakeClock
-from support.config import write_layout
 from support.fixtures import short_tempdir
-from support.proc import DaemonHandle
+from support.leases import _daemon, _root_status
 from support.wait import wait_until
 
 from ckptd.client import Client, ClientError
@@ -83,22 +82,6 @@ def test_a_damaged_lease_document_is_refused(doc: Any) -> None:
 
 
 # -- real daemons on one root ---------------------------------------------------------------------
-
-
-def _daemon(base: Path, sock_dir: Path, root: Path, remote: Path, node: str,
-            lease_timeout: str = "4s") -> DaemonHandle:
-    base.mkdir(parents=True, exist_ok=True)
-    layout = write_layout(base, sock_dir / f"{node}.sock",
-                          [{"name": "r", "path": root, "upload": {"url": f"file://{remote}"}}],
-                          node=node, lease_timeout=lease_timeout)
-    return DaemonHandle(layout, base / "daemon.log")
-
-
-def _root_status(d: DaemonHandle) -> dict[str, Any]:
-    doc = Client(d.socket, timeout=5.0, strict=True).status()
-    assert doc is not None
-    (root,) = doc["roots"]
-    return root  # type: ignore[no-any-return]
 
 
 def _uploads(remote: Path) -> list[str]:

@@ -17,8 +17,8 @@ import pytest
 from support.ckpts import save_single
 from support.clock import FakeClock
 from support.fixtures import short_tempdir
+from support.leases import _daemon, _root_status
 from support.wait import wait_until
-from test_lease import _daemon, _root_status
 
 from ckptd.cluster.lease import MAX_GENERATION, Holder
 from ckptd.config import RootConfig

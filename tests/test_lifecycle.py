@@ -19,9 +19,9 @@ import pytest
 import torch
 from support.ckpts import save_single
 from support.config import root_table
+from support.published import published_step
 from support.wait import WaitTimeout, wait_scans, wait_until
 from support.wire import cli
-from test_dcp_gloo import published_step
 
 from ckptd.client import Client
 

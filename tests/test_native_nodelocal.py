@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from test_layouts_real import snapshot
+from support.layouts_real import snapshot
 
 import ckptd.torch
 from ckptd import layouts

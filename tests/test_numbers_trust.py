@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import Harness, raw
+from support.async_save import post_persist, sealed_arena
 from support.wait import wait_until
-from test_async_save import post_persist, sealed_arena
 from writers import save_torch
 
 from ckptd import arena, layouts

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 
 import pytest
 from support.passthrough import PassThrough
-from test_remote_read_hostile import (
+from support.remote_reads import (
     KINDS,
     STREAMED,
     Kind,
@@ -38,7 +38,7 @@ from test_remote_read_hostile import (
     stored,
     url_of,
 )
-from test_upload import s3_backend
+from support.uploads import s3_backend
 from torch.distributed.checkpoint import FileSystemReader
 
 import ckptd

@@ -20,9 +20,8 @@ from hypothesis import strategies as st
 from support.ckpts import save_single
 from support.passthrough import PassThrough
 from support.published import publish
+from support.uploads import s3_backend, upload_cfg, wait_remote
 from support.wait import wait_until
-from test_backends import s3_backend
-from test_upload_daemon import upload_cfg, wait_remote
 
 from ckptd.backends import Backend, LocalBackend
 from ckptd.backends.base import ObjectMeta, Source
@@ -291,7 +290,7 @@ def test_ckptd_restore_holds_the_step_while_it_restores(tmp_path: Path, remote: 
 def test_the_dcp_reader_holds_the_step_until_its_last_read(tmp_path: Path, no_daemon: None
                                                            ) -> None:
     import torch.distributed.checkpoint as dcp
-    from test_dcp_reader import ROOT, blank_like, same, saved, state
+    from support.dcp_state import ROOT, blank_like, same, saved, state
 
     from ckptd.dcp import StorageReader
 
@@ -374,8 +373,8 @@ def test_a_local_restore_holds_its_step_through_the_daemon(inproc_daemon: Any,
                                                            tmp_path: Path) -> None:
     """The daemon releases a compressed copy once its upload is done; a restore reading that
     copy holds the step through the daemon, so the release waits for the read."""
-    from test_compress_stage import stage
-    from test_layouts_real import detect
+    from support.compress import stage
+    from support.layouts_real import detect
 
     d = _keep_one(inproc_daemon, upload_cfg(f"file://{tmp_path / 'remote'}"))
     _saved(d, 1)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import layout_writers as w
 import pytest
-from test_compress_stage import list_temps, odd_files, stage
-from test_layouts_real import detect
+from support.compress import list_temps, odd_files, stage
+from support.layouts_real import detect
 from writers import flip_byte
 
 from ckptd.backends import Backend, LocalBackend, ObjectMeta, ObstoreBackend, make_backend

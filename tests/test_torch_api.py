@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+from support.torch_state import net, same, trained
 from support.wait import wait_until
 from torch.optim.swa_utils import AveragedModel
 
@@ -43,31 +44,6 @@ def finish(proc: subprocess.Popen[str], rc: int = 0) -> list[dict[str, Any]]:
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == rc, err[-3000:]
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-
-
-def net(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-
-
-def trained(seed: int = 0, steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = net(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(4, 6)).pow(2).mean().backward()
-        opt.step()
-    return model, opt
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def check_meta(step_dir: Path, step: int, world: int) -> dict[str, Any]:

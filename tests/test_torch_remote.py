@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from support.published import publish
-from test_torch_api import same, trained
+from support.torch_state import same, trained
 
 import ckptd.torch as ckpt
 from ckptd.backends import LocalBackend

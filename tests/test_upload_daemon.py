@@ -14,27 +14,12 @@ from typing import Any
 
 import torch
 from support.ckpts import flip_byte, save_single
+from support.uploads import upload_cfg, wait_remote
 from support.wait import wait_until
 
 from ckptd.client import Client
 
 pytest_plugins = ["s3server"]
-
-
-def upload_cfg(url: str, s3: Any = None, **extra: Any) -> dict[str, Any]:
-    up: dict[str, Any] = {"url": url, **extra}
-    if s3 is not None:
-        up.update(endpoint=s3.endpoint, region=s3.region, access_key_id=s3.access_key,
-                  secret_access_key=s3.secret_key)
-    return up
-
-
-def wait_remote(c: Client, root: str, step: int, timeout: float = 60) -> dict[str, Any]:
-    def uploaded() -> dict[str, Any] | None:
-        rec = c.checkpoint(root, step)
-        return rec if rec and rec["remote"] == "uploaded" else None
-
-    return wait_until(uploaded, timeout, f"{root} step {step} uploaded")
 
 
 def test_file_remote_upload_latest_remote_and_wait(inproc_daemon: Any, tmp_path: Path) -> None:

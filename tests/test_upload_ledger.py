@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from structlog.testing import capture_logs
-from test_upload import (
+from support.uploads import (
     PART,
     ROOT,
     Recording,
