@@ -1,14 +1,13 @@
-"""Numbers and metadata from outside, bounded where they enter: a metric of 400 digits at the
-socket or in an async save's head, a world size or a rank of tens of millions in a root's file
-names or metadata, metadata that is a link, a FIFO or over its cap. Each is refused or set aside
-as one bad item; the root's other checkpoints carry on. Against the real daemon (in-process,
-real socket, real SQLite), real files and the pure layouts."""
+"""A root's metadata, bounded where it enters the layouts: a metric of 400 digits in a
+`meta.json`, metadata that is a link or over its cap, a pointer file over its cap, a world
+size or a rank of tens of millions in file names or metadata, any bytes in any metadata file.
+Each is one bad or waiting item; the root's other checkpoints carry on. Against a real daemon
+(in-process, real socket, real SQLite) and the pure layouts."""
 
 from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -17,33 +16,14 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import Harness, raw
-from support.async_save import post_persist, sealed_arena
+from support import Harness
+from support.harness import checkpoints
+from support.numbers import HUGE
 from support.wait import wait_until
 from writers import save_torch
 
-from ckptd import arena, layouts
+from ckptd import layouts
 from ckptd.model import FileInfo, RootOptions, Snapshot
-from ckptd.store import pins
-from ckptd.watch import RootScanner
-
-HUGE = "9" * 400  # an integer no float holds: float(10**400) raises OverflowError
-
-
-@pytest.fixture
-def h(tmp_path: Path, short_dir: Path) -> Any:
-    harness = Harness(tmp_path, short_dir)
-    harness.daemon.start()
-    try:
-        yield harness
-    finally:
-        harness.daemon.stop(grace=5)
-
-
-def checkpoints(h: Harness) -> dict[int, dict[str, Any]]:
-    status, doc = h.client.request("GET", "/v1/roots/r/checkpoints")
-    assert status == 200, doc
-    return {c["step"]: c for c in doc["checkpoints"]}
 
 
 def message(h: Harness, step: int) -> str:
@@ -61,49 +41,6 @@ def native_step(root: Path, step: int, metrics_json: str = "{}") -> Path:
         f'{{"format": "ckptd-native/1", "step": {step}, "world_size": 1, "files": [{{"path":'
         f' "model.pt", "size": {size}}}], "metrics": {metrics_json}}}')
     return d
-
-
-# -- at the socket --------------------------------------------------------------------------
-
-
-def test_a_400_digit_metric_in_a_registration_is_a_400_and_scans_go_on(h: Harness) -> None:
-    save_torch(h.root / "model_step_1.pt")
-    body = b'{"step": 1, "metrics": {"loss": %s}}' % HUGE.encode()
-    status, doc = raw(h.daemon.config.daemon.socket, "POST", "/v1/roots/r/checkpoints", body)
-    assert status == 400 and doc["error"] == "bad_field", doc
-    assert "metric 'loss'" in doc["message"]
-    save_torch(h.root / "model_step_2.pt")
-    assert h.client.wait("r", 2, until="valid", timeout=30)
-    assert h.client.wait("r", 1, until="valid", timeout=30)
-    assert checkpoints(h)[1]["metrics"] == {}
-    assert h.client.health()["status"] == "ok"  # type: ignore[index]
-
-
-def test_a_400_digit_metric_in_an_async_saves_head_is_refused(inproc_daemon: Any) -> None:
-    d = inproc_daemon(roots=[{"name": "r1"}])
-    fd, body = sealed_arena()
-    body["dir"] = str(d.roots["r1"])
-    body["head"]["metrics"] = {"loss": 10**400}
-    try:
-        got = post_persist(d.socket, body, fd)
-    finally:
-        os.close(fd)
-    assert got[0] == 400 and got[1]["error"] == "bad_arena", got
-    assert "loss" in got[1]["message"]
-    assert [p.name for p in d.roots["r1"].iterdir()] == [".ckptd"]
-
-
-def test_a_huge_integer_anywhere_in_an_async_saves_head_is_refused(inproc_daemon: Any) -> None:
-    """The head becomes meta.json, read back as strict JSON: refused at the door, not later."""
-    d = inproc_daemon(roots=[{"name": "r1"}])
-    fd, body = sealed_arena()
-    body["dir"] = str(d.roots["r1"])
-    body["head"]["config"] = {"lr_steps": [1, 2**70]}
-    try:
-        got = post_persist(d.socket, body, fd)
-    finally:
-        os.close(fd)
-    assert got[0] == 400 and got[1]["error"] == "bad_arena", got
 
 
 # -- on disk ----------------------------------------------------------------------------------
@@ -156,36 +93,6 @@ def test_a_pointer_file_over_its_cap_is_reported_and_the_root_goes_on(h: Harness
     root = h.client.status()["roots"][0]  # type: ignore[index]
     assert "ds/latest" in root["unrecognised"], root
     assert checkpoints(h)[5]["state"] == "pending"
-
-
-def test_a_pins_file_that_is_a_fifo_never_blocks(tmp_path: Path) -> None:
-    (tmp_path / ".ckptd").mkdir()
-    os.mkfifo(pins.pins_path(tmp_path))
-    got: list[set[int]] = []
-    t = threading.Thread(target=lambda: got.append(pins.read_pins(tmp_path)), daemon=True)
-    t.start()
-    t.join(10)
-    assert got == [set()]  # the old read_bytes() waited for a writer forever
-
-
-def test_pins_are_never_read_through_a_ckptd_dir_that_is_a_link(tmp_path: Path) -> None:
-    root, outside = tmp_path / "root", tmp_path / "outside"
-    root.mkdir()
-    outside.mkdir()
-    (outside / "pins.json").write_text('{"format": "ckptd-pins/1", "steps": [3]}')
-    assert pins.read_pins(outside.parent / "outside" / "..") == set()  # no .ckptd there
-    (root / ".ckptd").symlink_to(outside)
-    assert pins.read_pins(root) == set()
-    (root / ".ckptd").unlink()
-    (root / ".ckptd").mkdir()
-    (outside / "pins.json").rename(root / ".ckptd" / "pins.json")
-    assert pins.read_pins(root) == {3}
-
-
-def test_a_pins_file_with_a_huge_step_is_read_as_no_pins(tmp_path: Path) -> None:
-    (tmp_path / ".ckptd").mkdir()
-    pins.pins_path(tmp_path).write_text(f'{{"format": "ckptd-pins/1", "steps": [1, {HUGE}]}}')
-    assert pins.read_pins(tmp_path) == set()
 
 
 # -- world sizes and ranks ----------------------------------------------------------------------
@@ -241,47 +148,6 @@ def test_a_rank_of_1e8_in_a_file_name_is_bad_metadata(files: dict[str, int]) -> 
     (cand,) = _detect_bounded(snap)
     assert cand.invalid_reason == "bad_metadata", cand
     assert "99999999" in cand.invalid_message
-
-
-# -- the scanner's reads of metadata: each kind's cap, never a FIFO ---------------------------
-
-
-@pytest.mark.parametrize(("rel", "cap"), [
-    ("step-5/meta.json", 1 << 20),
-    ("checkpoint-5/trainer_state.json", 16 << 20),
-    ("step-5/.metadata", 64 << 20),
-    ("latest", 4 << 10),
-    ("latest_checkpointed_iteration.txt", 4 << 10),
-    ("meta_5.json", 1 << 20),
-])
-def test_the_scanner_reads_each_metadata_kind_up_to_its_cap(tmp_path: Path, rel: str,
-                                                            cap: int) -> None:
-    """At the cap the file is read; one byte over (a sparse file: nothing is read to learn
-    it) it is refused, with why, and the snapshot says so; a FIFO at the name is never
-    waited on (the walk lists regular files only)."""
-    path = tmp_path / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("wb") as f:
-        f.truncate(cap)
-    scanner = RootScanner("r", tmp_path, "auto", RootOptions(settle=0.0))
-    snap, _ = scanner.scan(time.time())
-    assert len(snap.contents[rel]) == cap and rel not in snap.bad_contents
-    with path.open("ab") as f:
-        f.truncate(cap + 1)
-    snap, _ = scanner.scan(time.time())
-    assert rel not in snap.contents and "cap" in snap.bad_contents[rel]
-    path.unlink()
-    os.mkfifo(path)
-    t0 = time.monotonic()
-    snap, _ = scanner.scan(time.time())
-    assert time.monotonic() - t0 < 5 and rel not in snap.contents
-
-
-def test_an_arena_header_out_of_range_is_refused() -> None:
-    assert arena.read_header(arena.pack_header(arena.State.SEALED, 2**63 - 1, 8192))
-    for generation, used in ((2**63, 8192), (1, arena.MAX_ARENA + 1)):
-        with pytest.raises(ValueError, match="out of range"):
-            arena.read_header(arena.pack_header(arena.State.SEALED, generation, used))
 
 
 # -- the layouts' metadata readers, fuzzed ------------------------------------------------------
