@@ -46,7 +46,10 @@ def run_job(base: Path) -> list[dict[str, Any]]:
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_SOCKET", "CKPTD_CONFIG")}
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"})
+                "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1",
+                # each rank runs this file, whose imports need tests/ (support) on its path
+                "PYTHONPATH": os.pathsep.join(filter(None, [
+                    str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))})
     procs = [subprocess.Popen([sys.executable, __file__, str(base)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
