@@ -1,4 +1,5 @@
-"""A lease service's daemon and a root's lease status read from a running daemon. Holds no tests."""
+"""A `ckptd run` process for one node of a root whose remote is a shared file:// directory, and
+the root's status such a daemon answers. Holds no tests."""
 
 from __future__ import annotations
 
