@@ -23,12 +23,8 @@ from ckptd.errors import BadInput, UnsafePath
 from ckptd.formats import torchhead
 from ckptd.inotify import Inotify
 from ckptd.log import get_logger
-from ckptd.model import CKPTD_DIR, Candidate, FileInfo, PlainValue, RootOptions, Snapshot
+from ckptd.model import Candidate, FileInfo, PlainValue, RootOptions, Snapshot, is_own
 
-# ckptd's own transient names (temp files, a restore's staging directory): never checkpoint data.
-OWN_TEMP_PREFIX = ".ckptd-"
-# Small marker/metadata files a layout asked for are read into the snapshot through the bounded
-# reader, each up to the cap of its kind (`layouts.content_kind`, docs/SECURITY.md).
 # An "opened for writing" mark with no close event expires after this long without change:
 # inotify may never report the close of a file written into a just-created directory.
 OPEN_MARK_MIN_S = 30.0
@@ -143,12 +139,11 @@ class RootScanner:
                 continue
             for entry in entries:
                 rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-                if not rel_dir and (entry.name == CKPTD_DIR or (
-                        self._top is not None
-                        and not self._top(entry.name, entry.is_dir(follow_symlinks=False)))):
+                if is_own(entry.name):
+                    continue  # `.ckptd/`, ckptd's temp files and a restore's staging dir
+                if not rel_dir and self._top is not None and not self._top(
+                        entry.name, entry.is_dir(follow_symlinks=False)):
                     continue
-                if entry.name.startswith(OWN_TEMP_PREFIX):
-                    continue  # ckptd's own temp files and a restore's staging dir, anywhere
                 try:
                     st, escapes = stat_member(self._real_root, entry.path)
                 except OSError:
@@ -218,7 +213,8 @@ class RootScanner:
 
 def stat_member(real_root: str, path: str) -> tuple[os.stat_result, bool]:
     """stat() a member and say whether it is a symlink leading out of the root (then the link
-    itself is stat'ed, never its target). The scanner and the stages use this one rule."""
+    itself is stat'ed, never its target). The scanner and the checks that a stage's files did
+    not change (`member_stats`, `file_fingerprint`) use this one rule."""
     st = os.lstat(path)
     if not stat.S_ISLNK(st.st_mode):
         return st, False
@@ -359,7 +355,7 @@ class EventWatcher:
                 return True
             if not path.is_dir():
                 return False
-            handler = _Handler(open_files, self._wake, self._clock)
+            handler = _Handler(key, open_files, self._wake, self._clock)
             try:
                 self._watches[key] = self._observer.schedule(
                     handler, key, recursive=True, event_filter=_events_wanted())
@@ -402,13 +398,18 @@ def _events_wanted() -> list[Any]:
 class _Handler:
     """A watchdog event handler: duck-typed `dispatch` keeps watchdog types out of the API."""
 
-    def __init__(self, open_files: OpenFiles, wake: Callable[[], None], clock: Clock) -> None:
+    def __init__(self, root: str, open_files: OpenFiles, wake: Callable[[], None],
+                 clock: Clock) -> None:
+        self._root = root
         self._open = open_files
         self._wake = wake
         self._clock = clock
 
     def dispatch(self, event: Any) -> None:
-        if f"/{CKPTD_DIR}/" in f"{event.src_path}/":
+        # ckptd's own paths are left out as the kernel watches leave them out; a move out of
+        # one (a restore's staging directory renamed into place) is the new path's event.
+        paths = [event.src_path, getattr(event, "dest_path", "") or event.src_path]
+        if all(is_own(os.path.relpath(p, self._root)) for p in paths):
             return
         kind = event.event_type
         if not event.is_directory:

@@ -4,7 +4,6 @@
 
 from ckptd.config.fields import (
     DEFAULT_SOCKET_PATH,
-    LAYOUT_NAMES,
     check_trusted_globals,
     node_of_host,
     render_toml,
@@ -17,7 +16,7 @@ from ckptd.config.load import (
     parse_config,
 )
 from ckptd.config.schema import (
-    CompressConfig,
+    CodecConfig,
     Config,
     DaemonConfig,
     LocalRetention,
@@ -34,8 +33,7 @@ __all__ = [
     "DEFAULT_CONFIG_PATH",
     "find_config",
     "DEFAULT_SOCKET_PATH",
-    "LAYOUT_NAMES",
-    "CompressConfig",
+    "CodecConfig",
     "Config",
     "DaemonConfig",
     "FreeSpace",

@@ -31,10 +31,9 @@ from ckptd.config.fields import (
     Expect,
     Flag,
     Free,
-    Layout,
+    LayoutName,
     LogFormat,
     LogLevel,
-    MetricMode,
     OptionalDuration,
     PartSize,
     PositiveDuration,
@@ -59,7 +58,7 @@ from ckptd.config.fields import (
     node_of_host,
 )
 from ckptd.errors import NotFound
-from ckptd.model import RootOptions
+from ckptd.model import MetricMode, RootOptions
 from ckptd.units import (
     FreeSpace,
     format_duration,
@@ -103,7 +102,7 @@ class MetricsConfig(_Model):
         return _split_listen(self.listen) if self.listen else None
 
 
-class CompressConfig(_Model):
+class CodecConfig(_Model):
     codec: Annotated[Codec, _one_of(Codec)] = "auto"
     level: Annotated[int, Field(ge=1, le=22), Expect("a whole number from 1 to 22")] = 3
     threads: Threads = 1
@@ -170,7 +169,7 @@ class RootConfig(_Model):
 
     name: Annotated[str, AfterValidator(_root_name), Expect("a string")]
     path: ConfigPath
-    layout: Annotated[Layout, _one_of(Layout)] = "auto"
+    layout: LayoutName = "auto"
     settle: Duration = 5.0
     # A save still incomplete this long after its files last changed is given up: invalid,
     # with the reason its layout names (a file never written, a shard short of its bytes).
@@ -188,7 +187,7 @@ class RootConfig(_Model):
                                Expect('a list of "module.Name" strings')] = []  # noqa: RUF012
     metric: Text = ""
     metric_mode: Annotated[MetricMode, _one_of(MetricMode)] = "min"
-    compress: CompressConfig = Field(default_factory=CompressConfig)
+    compress: CodecConfig = Field(default_factory=CodecConfig)
     upload: UploadConfig = Field(default_factory=UploadConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
 

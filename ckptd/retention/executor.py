@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from ckptd import fileio
 from ckptd.backends import Backend, ObjectMeta
@@ -21,7 +21,7 @@ from ckptd.backends.base import same_object
 from ckptd.errors import CkptdError, ObjectNotFound, StorageError
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote
-from ckptd.remote.layout import manifest_key
+from ckptd.remote.keys import manifest_key
 from ckptd.remote.manifest import step_prefix
 from ckptd.retention import trash as trashcan  # (`trash` is the guarded move below)
 from ckptd.retention.nets import (
@@ -30,15 +30,14 @@ from ckptd.retention.nets import (
     NOT_ON_DISK,
     UNSAFE_PATH,
     Act,
-    Refusal,
+    DeleteRefused,
     check_nets,
 )
 from ckptd.retention.nets import Guards as Guards  # what `Nets.held` yields
+from ckptd.retention.outcomes import Outcome, already_gone, failed, pruned, refused, remote_bytes
 from ckptd.retention.planner import Action, Plan, PlanItem
 from ckptd.retention.trash import TrashRecord
 
-TierName = Literal["local", "remote", "copy"]  # "copy": a local compressed copy beside originals
-OutcomeAction = Literal["deleted", "trashed", "refused", "deferred", "failed"]
 DeleteStep = Callable[[Backend, str, int], object]  # its result is ignored
 OnTrashed = Callable[[int, Path], None]
 
@@ -57,7 +56,7 @@ class Target:
     """One checkpoint's local copy as the store knows it now. `path` is the root-relative anchor
     (its directory, or its main file); `files` are the root-relative member files. For a local
     compressed copy, pass its directory (e.g. `.ckptd/objects/step-<N>`) with `is_dir=True`.
-    `remote` is informational: the nets read `Guards.remote_verified`."""
+    `remote` is informational: the nets read `Guards.committed`."""
 
     step: int
     path: str
@@ -65,25 +64,6 @@ class Target:
     local: Local
     remote: Remote
     is_dir: bool
-
-
-
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What happened to one tier's copy of one step; the scheduler records it in the store."""
-
-    step: int
-    tier: TierName
-    action: OutcomeAction
-    reason: str
-    bytes_freed: int = 0
-
-    def as_json(self) -> dict[str, Any]:
-        return {"step": self.step, "tier": self.tier, "action": self.action,
-                "reason": self.reason, "bytes_freed": self.bytes_freed}
-
 
 
 # --- the plan, carried out -------------------------------------------------------------------
@@ -104,7 +84,8 @@ def execute_local(
     `on_trashed(step, entry)` runs between the two so the store records "trashed" before any
     byte is removed; if it raises, the checkpoint is put back and the outcome is `failed`. An
     outcome `trashed` means gone from its place but not yet removed (purge_trash finishes it).
-    Compress items come back as `deferred` (reason "compress"): the caller compresses in place.
+    Compress items come back as `deferred` (reason "compress"): the caller replaces their
+    originals (`replace_originals`).
     """
     log = get_logger(root=root or Path(root_dir).name)
     # A caller bug fails before any move.
@@ -156,7 +137,8 @@ def execute_copies(
         target = targets.get(item.step)
         if target is None or target.step != item.step:
             log = get_logger(root=root or Path(root_dir).name)
-            out.append(_refused(log, item.step, "copy", Refusal(NO_TARGET, "no copy recorded")))
+            out.append(refused(log, item.step, "copy",
+                               DeleteRefused(NO_TARGET, "no copy recorded")))
             continue
         got = release_copy(root_dir, target, nets, root=root)
         out.append(Outcome(got.step, "copy", got.action, got.reason, got.bytes_freed))
@@ -173,11 +155,11 @@ def _delete_local(
     log: Any,
 ) -> Outcome:
     if target is None or target.step != item.step:
-        return _refused(log, item.step, "local", Refusal(NO_TARGET, "no record for this step"))
+        return refused(log, item.step, "local", DeleteRefused(NO_TARGET, "no record for this step"))
     try:
         got = _trash(root_dir, target, guards, trash_dir, log)
     except OSError as exc:
-        return _failed(log, item.step, "local", f"moving into the trash: {exc}")
+        return failed(log, item.step, "local", f"moving into the trash: {exc}")
     if isinstance(got, Outcome):
         return got
     if on_trashed is not None:
@@ -192,7 +174,7 @@ def _delete_local(
         why = f"removing {got.entry} failed: {exc}; left for purge_trash"
         log.error("prune_failed", step=item.step, tier="local", reason=why)
         return Outcome(item.step, "local", "trashed", why)
-    return _pruned(log, item, "local", freed)
+    return pruned(log, item, "local", freed)
 
 
 def _put_back(log: Any, record: TrashRecord, cause: Exception) -> Outcome:
@@ -200,8 +182,8 @@ def _put_back(log: Any, record: TrashRecord, cause: Exception) -> Outcome:
         trashcan.restore(record)
     except OSError as exc:
         why = f"recording failed ({cause}); putting back failed too ({exc}), left in trash"
-        return _failed(log, record.step, "local", why)
-    return _failed(log, record.step, "local", f"recording failed ({cause}); put back")
+        return failed(log, record.step, "local", why)
+    return failed(log, record.step, "local", f"recording failed ({cause}); put back")
 
 
 def _delete_remote(
@@ -213,7 +195,7 @@ def _delete_remote(
     log: Any,
 ) -> Outcome:
     got = _remove_remote(backend, root_name, item.step, "prune_remote", guards, delete_step, log)
-    return got if isinstance(got, Outcome) else _pruned(log, item, "remote", got)
+    return got if isinstance(got, Outcome) else pruned(log, item, "remote", got)
 
 
 def _remove_remote(backend: Backend, root_name: str, step: int, act: Act, guards: Guards,
@@ -221,22 +203,14 @@ def _remove_remote(backend: Backend, root_name: str, step: int, act: Act, guards
     """The nets of `act`, then `delete_step`: the bytes it freed, or a refused/failed Outcome."""
     try:
         check_nets(step, act, guards)
-    except Refusal as refusal:
-        return _refused(log, step, "remote", refusal)
-    size = _remote_bytes(backend, root_name, step)
+    except DeleteRefused as refusal:
+        return refused(log, step, "remote", refusal)
+    size = remote_bytes(backend, root_name, step)
     try:
         delete_step(backend, root_name, step)
     except (StorageError, OSError) as exc:
-        return _failed(log, step, "remote", str(exc))
+        return failed(log, step, "remote", str(exc))
     return size
-
-
-def _remote_bytes(backend: Backend, root_name: str, step: int) -> int:
-    """Stored size of a remote step, best effort: only a number for logs and metrics."""
-    try:
-        return sum(m.size for m in backend.list(step_prefix(root_name, step)))
-    except StorageError:
-        return 0
 
 
 def trash(
@@ -261,26 +235,18 @@ def _trash(root_dir: Path, target: Target, guards: Guards, trash_dir: Path, log:
     try:
         check_nets(target.step, "prune_local", guards)
         if target.local is Local.PRUNED:
-            raise Refusal(NOT_ON_DISK)
+            raise DeleteRefused(NOT_ON_DISK)
         moves = trashcan.moves(real_root, target.path, target.files, target.is_dir, trash_real)
-    except Refusal as refusal:
-        return _refused(log, target.step, "local", refusal)
+    except DeleteRefused as refusal:
+        return refused(log, target.step, "local", refusal)
     record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
     if record is None:
-        return _already_gone(log, target.step)
+        return already_gone(log, target.step)
     log.info("checkpoint_trashed", step=target.step, tier="local", trash=str(record.entry))
     return record
 
 
-def _already_gone(log: Any, step: int) -> Outcome:
-    """Nothing left to move: another owner's delete (through this executor) got there first,
-    or the files went by hand. The delete is done; nothing failed."""
-    log.info("checkpoint_pruned", step=step, tier="local", reason="already gone", bytes_freed=0)
-    return Outcome(step, "local", "deleted", "already gone")
-
-
 # --- the other destructive acts ---------------------------------------------------------------
-
 
 
 def replace_originals(
@@ -294,7 +260,7 @@ def replace_originals(
     """Compress-in-place: delete a checkpoint's original files, its verified local compressed
     copy staying the checkpoint's only local form.
 
-    The nets of "compress" first; then `check()`, which must raise unless the copy is verified
+    Its nets first; then `check()`, which must raise unless the copy is verified
     and durable and every original is still the file it holds (CorruptData, UnsafePath); then
     each member file moves into the trash (a directory never moves whole: files that are not
     the checkpoint's stay), the directories this emptied at and below `target.path` (or below
@@ -306,19 +272,19 @@ def replace_originals(
     with nets.held() as guards:
         try:
             trash_real = trashcan.own_trash(real_root)
-            check_nets(target.step, "compress", guards)
+            check_nets(target.step, "replace_originals", guards)
             members = list(dict.fromkeys(trashcan.relative(f) for f in target.files))
             moves = trashcan.file_moves(real_root, members)
-        except Refusal as refusal:
-            return _refused(log, target.step, "local", refusal)
+        except DeleteRefused as refusal:
+            return refused(log, target.step, "local", refusal)
         try:
             check()
         except (CkptdError, OSError) as exc:
-            return _failed(log, target.step, "local", f"originals kept: {exc}")
+            return failed(log, target.step, "local", f"originals kept: {exc}")
         try:
             record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
         except OSError as exc:
-            return _failed(log, target.step, "local", f"moving into the trash: {exc}")
+            return failed(log, target.step, "local", f"moving into the trash: {exc}")
     if record is None:
         return Outcome(target.step, "local", "deleted", "already gone")
     gone = set(record.moved)
@@ -339,8 +305,8 @@ def release_copy(
     copy another owner released first is "already gone", not a failure."""
     log = get_logger(root=root or Path(root_dir).name)
     if target.local is Local.COMPRESSED:
-        why = Refusal(COMPRESSED, "the copy is the checkpoint's local form")
-        return _refused(log, target.step, "local", why)
+        why = DeleteRefused(COMPRESSED, "the copy is the checkpoint's local form")
+        return refused(log, target.step, "local", why)
     act: Act = "release_copy" if target.local is Local.PRESENT else "release_last"
     real_root = Path(root_dir).resolve()
     with nets.held() as guards:
@@ -349,14 +315,14 @@ def release_copy(
             check_nets(target.step, act, guards)
             anchor = trashcan.relative(target.path)
             if not anchor.startswith(f"{CKPTD_DIR}/") or not target.is_dir:
-                raise Refusal(UNSAFE_PATH, f"{anchor!r} is not a compressed copy")
+                raise DeleteRefused(UNSAFE_PATH, f"{anchor!r} is not a compressed copy")
             moves = trashcan.dir_move(real_root, anchor, [], trash_real)
-        except Refusal as refusal:
-            return _refused(log, target.step, "local", refusal)
+        except DeleteRefused as refusal:
+            return refused(log, target.step, "local", refusal)
         try:
             record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
         except OSError as exc:
-            return _failed(log, target.step, "local", f"moving into the trash: {exc}")
+            return failed(log, target.step, "local", f"moving into the trash: {exc}")
     if record is None:
         return Outcome(target.step, "local", "deleted", "already gone")
     freed = trashcan.purge_or_leave(log, record)
@@ -379,9 +345,10 @@ def install_copy(root_dir: Path, step: int, staging: Path, final: Path, *, nets:
         try:
             trash_real = trashcan.own_trash(real_root)
             if not rel.startswith(f"{CKPTD_DIR}/"):
-                raise Refusal(UNSAFE_PATH, f"{final} is not a compressed copy inside the root")
+                raise DeleteRefused(UNSAFE_PATH,
+                                    f"{final} is not a compressed copy inside the root")
             moves = trashcan.dir_move(real_root, trashcan.relative(rel), [], trash_real)
-        except Refusal as refusal:
+        except DeleteRefused as refusal:
             raise CkptdError(f"cannot replace the compressed copy of step {step}: "
                              f"{refusal.reason}") from None
         record = trashcan.move_into_trash(real_root, step, moves, trash_real)
@@ -406,7 +373,7 @@ def replace_save(root_dir: Path, step: int, swap: Callable[[], str | None], *,
         try:
             trash_real = trashcan.own_trash(real_root)
             check_nets(step, "replace_save", guards)
-        except Refusal as refusal:
+        except DeleteRefused as refusal:
             log.info("save_replace_waiting", step=step, reason=refusal.reason)
             return False
         aside = swap()
@@ -415,7 +382,7 @@ def replace_save(root_dir: Path, step: int, swap: Callable[[], str | None], *,
         try:
             moves = trashcan.dir_move(real_root, trashcan.relative(aside), [], trash_real)
             record = trashcan.move_into_trash(real_root, step, moves, trash_real)
-        except (Refusal, OSError) as exc:  # committed already: the leftover is only named
+        except (DeleteRefused, OSError) as exc:  # committed already: the leftover is only named
             log.error("prune_failed", step=step, tier="local",
                       reason=f"the earlier save {aside} was left: {exc}")
             return True
@@ -477,26 +444,3 @@ def _discard_early(backend: Backend, root_name: str, step: int,
             continue  # gone already, or the store fails: a straggler at worst
     log.info("early_objects_discarded", step=step, objects=gone, of=len(sent))
     return gone
-
-
-# --- outcomes and their events ---------------------------------------------------------------
-
-
-def _tier_reasons(item: PlanItem, tier: TierName) -> str:
-    return ",".join(r for r in item.reasons if r.startswith(f"{tier}:"))
-
-
-def _pruned(log: Any, item: PlanItem, tier: TierName, freed: int) -> Outcome:
-    reason = _tier_reasons(item, tier)
-    log.info("checkpoint_pruned", step=item.step, tier=tier, reason=reason, bytes_freed=freed)
-    return Outcome(item.step, tier, "deleted", reason, freed)
-
-
-def _refused(log: Any, step: int, tier: TierName, refusal: Refusal) -> Outcome:
-    log.warning("prune_refused", step=step, tier=tier, reason=refusal.reason)
-    return Outcome(step, tier, "refused", refusal.reason)
-
-
-def _failed(log: Any, step: int, tier: TierName, reason: str) -> Outcome:
-    log.error("prune_failed", step=step, tier=tier, reason=reason)
-    return Outcome(step, tier, "failed", reason)

@@ -5,14 +5,15 @@ picks its code; the worker's loop (claims, renewals, failures) is `ckptd.service
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ckptd.backends import Backend
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.errors import PermanentError
+from ckptd.lifecycle.policy import policy_of
 from ckptd.lifecycle.table import Stage
 from ckptd.remote.manifest import StoredFile
 from ckptd.retention.executor import Nets
@@ -39,6 +40,7 @@ class Crew:
     # A root's nets, read under the lock pins and readers' holds take (`views.StoreNets`):
     # what every executor call a stage makes is given.
     nets_of: Callable[[RootConfig], Nets]
+    clock: Clock = SYSTEM  # what outcomes are recorded at
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class Done:
     size: int  # the checkpoint's bytes on disk
 
 
-class Runner(Generic[OutcomeT]):
+class StageRunner(Generic[OutcomeT]):
     """One stage's code. `checks_files`: its input is the checkpoint's files on disk, so they
     are checked against the row's fingerprint before it runs."""
 
@@ -81,7 +83,7 @@ def _written(metrics: Metrics, root: str, progress: Progress,
         metrics.add_bytes("written", root, written)
 
 
-class ValidateRunner(Runner[Validated]):
+class ValidateRunner(StageRunner[Validated]):
     def run(self, root: RootConfig, job: Job, progress: Progress) -> Validated:
         return jobs.run_validate(root, job, progress, self.crew.nets_of(root),
                                  self._early_backend(root))
@@ -89,7 +91,7 @@ class ValidateRunner(Runner[Validated]):
     def _early_backend(self, root: RootConfig) -> Backend | None:
         """Where objects may be sent while validation goes on; None if it cannot be had
         (the upload stage reports why): validation never fails for the store's sake."""
-        if not root.upload.enabled or root.multi_node:
+        if not policy_of(root).sends_early:
             return None
         try:
             return self.crew.backend_for(root)
@@ -101,7 +103,7 @@ class ValidateRunner(Runner[Validated]):
         if file_fingerprint(done.root.path, job.files) != done.fingerprint:
             return Changed("files changed during validation; rescanning")
         if not self.crew.store.finish_validation(job, job.owner, done.fingerprint, result,
-                                                 time.time(), stored=outcome.stored,
+                                                 self.crew.clock.time(), stored=outcome.stored,
                                                  size_on_disk=done.size):
             return None
         if result.valid:
@@ -118,14 +120,14 @@ class ValidateRunner(Runner[Validated]):
         _written(metrics, root, progress, outcome.stored)
 
 
-class CompressRunner(Runner[Sequence[StoredFile]]):
+class CompressRunner(StageRunner[Sequence[StoredFile]]):
     def run(self, root: RootConfig, job: Job, progress: Progress
             ) -> Sequence[StoredFile] | Damaged:
         return jobs.run_compress(root, job, progress, self.crew.nets_of(root))
 
     def record(self, done: Done, outcome: Sequence[StoredFile]) -> Changed | None:
         job = done.job
-        if self.crew.store.finish_compress(job, job.owner, outcome, time.time()):
+        if self.crew.store.finish_compress(job, job.owner, outcome, self.crew.clock.time()):
             done.log.info("stage_succeeded", seconds=done.seconds)
         return None
 
@@ -134,7 +136,7 @@ class CompressRunner(Runner[Sequence[StoredFile]]):
         _written(metrics, root, progress, outcome)
 
 
-class UploadRunner(Runner[UploadResult]):
+class UploadRunner(StageRunner[UploadResult]):
     checks_files = False  # it reads the compressed copy, checked against the row's files
 
     def run(self, root: RootConfig, job: Job, progress: Progress) -> UploadResult | Changed:
@@ -150,14 +152,14 @@ class UploadRunner(Runner[UploadResult]):
         known = crew.waiting.known(root.name, root.nodes,
                                    lambda: uploads.known_nodes(backend, root.name))
         result = uploads.run_share_upload(root, job, progress, backend, expected, crew.node,
-                                          known)
+                                          known, crew.clock.time())
         if not isinstance(result, Changed):
             crew.waiting.done(rec.root, rec.step, result.nodes)
         return result
 
     def record(self, done: Done, outcome: UploadResult) -> Changed | None:
         job = done.job
-        if self.crew.store.finish_upload(job, job.owner, time.time()):
+        if self.crew.store.finish_upload(job, job.owner, self.crew.clock.time()):
             done.log.info("checkpoint_uploaded", seconds=done.seconds,
                           sent_bytes=outcome.sent_bytes,
                           skipped_objects=outcome.skipped_objects)
@@ -168,9 +170,9 @@ class UploadRunner(Runner[UploadResult]):
         metrics.add_bytes("uploaded", root, int(outcome.sent_bytes))
 
 
-def runners(crew: Crew) -> Mapping[Stage, Runner[Any]]:
+def runners(crew: Crew) -> Mapping[Stage, StageRunner[Any]]:
     """The table: every Stage of the lifecycle has its runner."""
-    table: dict[Stage, Runner[Any]] = {Stage.VALIDATE: ValidateRunner(crew),
+    table: dict[Stage, StageRunner[Any]] = {Stage.VALIDATE: ValidateRunner(crew),
                                        Stage.COMPRESS: CompressRunner(crew),
                                        Stage.UPLOAD: UploadRunner(crew)}
     assert set(table) == set(Stage), "a stage without a runner"

@@ -32,7 +32,7 @@ from ckptd import fileio
 from ckptd.backends.base import Backend, ObjectMeta, bare
 from ckptd.errors import CkptdError, ObjectExists, ObjectNotFound
 from ckptd.log import get_logger
-from ckptd.remote.layout import manifest_key, step_objects
+from ckptd.remote.keys import manifest_key, step_objects
 from ckptd.remote.manifest import step_prefix
 from ckptd.stages.upload_local import LEDGER_NAME, Ledger, Meter, ObjectReader
 
@@ -46,7 +46,6 @@ WHOLE_MAX = 4 << 20
 # and how long an invalid step's end waits, so that what it sent can be discarded.
 FINISH_WAIT_S = 2.0
 ABANDON_WAIT_S = 10.0
-_MD5_SCHEMES = ("s3://", "s3a://")
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class EarlySender:
         self._queue: deque[_Offer] = deque()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._md5 = backend.url.startswith(_MD5_SCHEMES)
+        self._md5 = backend.md5_etags
         self._threads = max(1, concurrency)
         self._pool: ThreadPoolExecutor | None = None
         self._running = 0

@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
-from urllib.parse import urlsplit
 
 from ckptd import fileio
 from ckptd.backends.base import Backend, ObjectMeta, bare, same_object
@@ -29,7 +28,7 @@ from ckptd.errors import (
     UnsafePath,
 )
 from ckptd.log import get_logger
-from ckptd.remote.layout import (
+from ckptd.remote.keys import (
     advance_latest,
     listed_committed,
     manifest_key,
@@ -50,10 +49,6 @@ from ckptd.stages.upload_local import (
 )
 
 Progress = Callable[[int], None]
-
-# Stores whose single-part etags are the MD5 of the content (S3 and compatibles, unencrypted
-# or SSE-S3). GCS and Azure etags are opaque; file:// has none.
-_MD5_ETAG_SCHEMES = ("s3", "s3a")
 
 
 @dataclass(frozen=True)
@@ -188,7 +183,7 @@ class _Run:
         self.objects_dir = objects_dir
         self.meter = meter
         self.ledger = Ledger.load(objects_dir / LEDGER_NAME, backend.url)
-        self.md5_etags = urlsplit(backend.url).scheme in _MD5_ETAG_SCHEMES
+        self.md5_etags = backend.md5_etags
         self.expected: dict[str, ObjectMeta] = {}  # key -> the object verification must find
         self.checksummed = 0
         self.stop = threading.Event()

@@ -14,7 +14,7 @@ from ckptd.lifecycle.table import (
     Sighting,
     classify,
 )
-from ckptd.model import State
+from ckptd.model import RootError, State
 from ckptd.remote.manifest import Manifest
 from ckptd.store.core import Core
 from ckptd.store.rows import (
@@ -223,9 +223,10 @@ class Sync(Core):
             db.execute("DELETE FROM readers WHERE root=? AND step=? AND owner=?",
                        (root, step, owner))
 
-    def set_root_error(self, root: str, error: str, now: float) -> None:
+    def set_root_error(self, root: str, kind: RootError, error: str, now: float) -> None:
+        """The root's error of `kind`, shown in status until one of its kinds is cleared."""
         with self._tx() as db:
-            self._set_error(db, root, error, now)
+            self._set_error(db, root, kind, error, now)
 
     def give_up(self, root: str, step: int, reason: str, message: str, now: float) -> bool:
         """A save that stayed incomplete past its deadline: invalid with the reason given."""
@@ -234,13 +235,13 @@ class Sync(Core):
             return row is not None and self._atomically(db, lambda: self._apply(
                 db, row, Event.GAVE_UP, now, reason=reason, message=message))
 
-    def clear_root_error(self, root: str, *prefixes: str) -> None:
+    def clear_root_error(self, root: str, *kinds: RootError) -> None:
         """The cause of the root's last error is gone (the stage or scan that failed has
-        since succeeded): status stops showing it."""
+        since succeeded): status stops showing it, if it is of one of `kinds`."""
         with self._tx() as db:
-            db.executemany("UPDATE roots SET last_error='', last_error_at=NULL WHERE name=?"
-                           " AND substr(last_error, 1, length(?))=?",
-                           [(root, p, p) for p in prefixes])
+            db.executemany("UPDATE roots SET last_error='', last_error_at=NULL,"
+                           " last_error_kind='' WHERE name=? AND last_error_kind=?",
+                           [(root, k.value) for k in kinds])
 
     def set_published_latest(self, root: str, step: int | None, doc: str = "") -> None:
         with self._tx() as db:

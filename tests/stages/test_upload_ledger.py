@@ -29,7 +29,7 @@ from support.uploads import (
 
 from ckptd.backends import Backend, LocalBackend
 from ckptd.errors import PermanentError, TransientError
-from ckptd.remote.layout import list_steps
+from ckptd.remote.keys import list_steps
 from ckptd.remote.manifest import Manifest
 from ckptd.stages.upload import upload_step
 from ckptd.stages.upload_local import LEDGER_NAME, Ledger
