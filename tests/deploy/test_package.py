@@ -14,7 +14,7 @@ from typing import Any
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def project() -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import promql_parser as pql
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "ckptd-rules.yaml"
 RULE_TESTS = ROOT / "deploy" / "prometheus" / "ckptd-rules.test.yaml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "ckptd.json"
