@@ -59,6 +59,7 @@ def _argvs(d: Any, tmp_path: Path, saved: Path) -> dict[str, list[str]]:
         "verify": ["verify", str(saved)],
         "config": ["config", "check", str(d.config)],
         "doctor": ["doctor", "--no-remote", *cfg],
+        "completion": ["completion", "bash"],
         # the daemon and the demo: each in its own test below
     }
 
@@ -82,6 +83,7 @@ def test_every_command_answers_json(inproc_daemon: Any, tmp_path: Path,
     assert docs["register"]["registered"] is True and docs["probe"]["ok"] is True
     assert docs["restore"]["step"] == 1 and docs["verify"]["valid"] is True
     assert docs["config"]["ok"] is True and docs["config"]["config"]["roots"][0]["name"] == "r1"
+    assert docs["completion"]["shell"] == "bash" and "complete -" in docs["completion"]["script"]
     # --json is accepted before the command too
     code, doc, _ = _run(["--json", "status", "--socket", str(d.socket)], capsys)
     assert code == 0 and doc["status"] in ("ok", "degraded")

@@ -1,6 +1,7 @@
 """The command line on a terminal and off it: progress with rate and ETA for restore, wait and
 flush on a pty and nothing through a pipe; `status --watch` only on a terminal; a socket that
-refuses the user says "permission denied", a missing daemon says it is not running."""
+refuses the user says "permission denied", a missing daemon says it is not running; and the
+shell completion script, sourced by a real bash."""
 
 from __future__ import annotations
 
@@ -192,3 +193,38 @@ def test_no_daemon_still_says_is_it_running(short_dir: Path,
     assert main(["status", "--socket", str(dead)]) == 69
     err = capsys.readouterr().err
     assert "is the daemon running?" in err and "permission denied" not in err
+
+
+def _bash(script: str) -> str:
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**ENV, "CKPTD": f"{sys.executable} -m ckptd"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_bash_completion_from_the_parser() -> None:
+    out = _bash("source <($CKPTD completion bash); complete -p ckptd")
+    assert out.strip() == "complete -o default -F _ckptd ckptd"
+    words = _bash('source <($CKPTD completion bash); COMP_WORDS=(ckptd re); COMP_CWORD=1;'
+                  ' _ckptd; echo "${COMPREPLY[*]}"')
+    assert words.split() == ["register", "restore"]
+    words = _bash('source <($CKPTD completion bash); COMP_WORDS=(ckptd latest r --tier "");'
+                  ' COMP_CWORD=4; _ckptd; echo "${COMPREPLY[*]}"')
+    assert words.split() == ["any", "local", "remote"]
+    words = _bash('source <($CKPTD completion bash); COMP_WORDS=(ckptd --socket /s probe "");'
+                  ' COMP_CWORD=4; _ckptd; echo "${COMPREPLY[*]}"')
+    assert {"live", "ready", "--timeout", "--json"} <= set(words.split())
+
+
+@pytest.mark.parametrize("shell", ["zsh", "fish"])
+def test_zsh_and_fish_scripts_name_every_command(shell: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["completion", shell]) == 0
+    text = capsys.readouterr().out
+    for command in ("status", "restore", "completion", "wait", "flush"):
+        assert command in text
+    if shell == "fish":
+        assert "complete -c ckptd" in text and "-l json" in text
+    else:
+        assert text.startswith("#compdef ckptd") and "bashcompinit" in text
+    assert main(["completion", "tcsh"]) == 2

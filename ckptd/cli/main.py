@@ -364,6 +364,17 @@ def _said(args: argparse.Namespace, doc: dict[str, Any], line: str) -> None:
         print(line)
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    from ckptd.cli.completion import script
+
+    text = script(build_parser(), args.shell)
+    if args.json:
+        print_json({"shell": args.shell, "script": text})
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def _q(s: str) -> str:
     import urllib.parse
 
@@ -377,5 +388,5 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "hold": cmd_hold, "prune": cmd_prune,
     "restore": cmd_restore, "flush": cmd_flush, "probe": cmd_probe,
     "verify": cmd_verify, "config": cmd_config,
-    "demo": cmd_demo, "doctor": cmd_doctor,
+    "demo": cmd_demo, "doctor": cmd_doctor, "completion": cmd_completion,
 }

@@ -92,6 +92,9 @@ _COMMAND_EXAMPLES = {
     "probe": "  ckptd probe live    (liveness: restart the daemon when this fails)\n"
              "  ckptd probe ready   (readiness and start-up)\nexit 0 yes, 1 the daemon"
              " answered no (the reason on stderr), 69 no answer within --timeout.",
+    "completion": "  source <(ckptd completion bash)        (in ~/.bashrc)\n"
+                  "  ckptd completion zsh > \"${fpath[1]}/_ckptd\"\n"
+                  "  ckptd completion fish > ~/.config/fish/completions/ckptd.fish",
     "doctor": "  ckptd doctor\n  ckptd doctor --config ./ckptd.toml --no-remote\n"
               "exit 0 when no problem was found, 1 otherwise.",
 }
@@ -191,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--unit", metavar="PATH", help="the systemd unit to check (default: the"
                    " installed ckptd.service, with its drop-ins)")
     s.add_argument("--no-remote", action="store_true", help="skip the remote probe")
+    s = cmd("completion", "print a shell completion script for ckptd")
+    s.add_argument("shell", choices=["bash", "zsh", "fish"])
     return p
 
 
