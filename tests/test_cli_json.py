@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from support.wait import wait_until
 
 from ckptd.cli.main import COMMANDS, main
 from ckptd.cli.parser import build_parser
+from ckptd.client import Client, ClientError
 
 
 def _commands() -> list[str]:
@@ -129,6 +129,13 @@ def test_demo_with_json_is_json(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert code == 2 and doc["error"]["kind"] == "usage"
 
 
+def _answers(sock: Path) -> bool:
+    try:
+        return bool(Client(sock, timeout=2.0, strict=True).request_json("GET", "/v1/status"))
+    except ClientError:
+        return False
+
+
 def test_run_with_json_logs_json_lines(tmp_path: Path, short_dir: Path) -> None:
     layout = write_layout(tmp_path, short_dir / "ckptd.sock", log_format="console")
     env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_SOCKET", "CKPTD_CONFIG")}
@@ -136,9 +143,8 @@ def test_run_with_json_logs_json_lines(tmp_path: Path, short_dir: Path) -> None:
                              str(layout.config)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
-        wait_until(lambda: layout.socket.exists() or proc.poll() is not None, 60,
-                   "the daemon's socket")
-        time.sleep(0.5)
+        wait_until(lambda: proc.poll() is not None or _answers(layout.socket), 60,
+                   "the daemon answering")
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
