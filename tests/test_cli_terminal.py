@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from support.ckpts import save_single
+from support.config import write_layout
 
 import ckptd.cli.render  # noqa: F401  (imported before a child drops root: it reads no files then)
 from ckptd.cli.main import main
@@ -31,11 +32,12 @@ def test_progress_line_has_rate_and_eta() -> None:
     assert progress_line(0, 100, 0.0).endswith("-/s  ETA -")
 
 
-def _on_pty(argv: list[str], timeout: float = 90) -> tuple[int, str, str]:
+def _on_pty(argv: list[str], timeout: float = 90,
+            prog: tuple[str, ...] = ("-m", "ckptd")) -> tuple[int, str, str]:
     """Run `ckptd ARGV` with stderr on a pty (stdout a pipe): exit code, stdout, what the
     terminal got."""
     master, slave = os.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "ckptd", *argv], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, *prog, *argv], stdout=subprocess.PIPE,
                             stderr=slave, env=ENV, text=True)
     os.close(slave)
     seen = b""
@@ -60,8 +62,8 @@ def _on_pty(argv: list[str], timeout: float = 90) -> tuple[int, str, str]:
             proc.wait()
 
 
-def _on_pipe(argv: list[str]) -> tuple[int, str, str]:
-    done = subprocess.run([sys.executable, "-m", "ckptd", *argv], capture_output=True, text=True,
+def _on_pipe(argv: list[str], prog: tuple[str, ...] = ("-m", "ckptd")) -> tuple[int, str, str]:
+    done = subprocess.run([sys.executable, *prog, *argv], capture_output=True, text=True,
                           env=ENV, timeout=90)
     return done.returncode, done.stdout, done.stderr
 
@@ -95,13 +97,37 @@ def test_wait_flush_and_restore_draw_progress_on_a_terminal_only(
     code, out, err = _on_pipe(["flush", "--timeout", "60", *sock])
     assert code == 0 and "r1 step 4 uploaded" in out
     _no_progress(err)
-    # restore, from the remote
-    cfg = ["--config", str(d.config)]
+    # restore, on a node that has nothing of the root: from the remote
+    node = write_layout(tmp_path / "node", tmp_path / "node.sock",
+                        [{"name": "r1", "upload": {"url": url}}])
+    cfg = ["--config", str(node.config)]
     code, out, tty = _on_pty(["restore", "r1", "1", "--to", str(tmp_path / "a"), *cfg])
     assert code == 0 and "restored r1 step 1" in out, tty
     assert "100.0%" in tty and "/s" in tty and "ETA" in tty
     code, out, err = _on_pipe(["restore", "r1", "2", "--to", str(tmp_path / "b"), *cfg])
     assert code == 0 and "restored r1 step 2" in out
+    _no_progress(err)
+
+
+LOAD = ("-c", "import sys, torch, ckptd.torch as c; m = torch.nn.Linear(512, 512);"
+        " print(c.load(sys.argv[1], model=m, source='remote', remote=sys.argv[2])[0])")
+
+
+def test_a_remote_load_draws_progress_on_a_terminal_only(tmp_path: Path) -> None:
+    import torch
+    from support.published import publish
+
+    import ckptd.torch as ckpt
+    from ckptd.backends import LocalBackend
+
+    ckpt.save(tmp_path / "r", 3, model=torch.nn.Linear(512, 512), register=False)
+    publish(tmp_path / "r", "r", 3, LocalBackend(str(tmp_path / "remote")))
+    argv = [str(tmp_path / "elsewhere" / "r"), f"file://{tmp_path / 'remote'}"]
+    code, out, tty = _on_pty(argv, prog=LOAD)
+    assert code == 0 and out.strip() == "3", tty
+    assert "100.0%" in tty and "/s" in tty and "ETA" in tty and "1MiB" in tty
+    code, out, err = _on_pipe(argv, prog=LOAD)
+    assert code == 0 and out.strip() == "3", err
     _no_progress(err)
 
 
