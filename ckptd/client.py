@@ -2,7 +2,8 @@
 
 Standard library only and cheap to import. Never raises into a training loop unless
 `strict=True`: failures log a warning and return None/False; except `latest()`, which raises
-when it cannot tell (a resume must never silently start over). Imports nothing else of ckptd.
+when it cannot tell (a resume must never silently start over). Imports nothing else of ckptd
+but its error tree (`ckptd.errors`, standard library only itself).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from ckptd.errors import CkptdError, Malformed, Signal
+
 DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
 log = logging.getLogger("ckptd.client")
 
 
-class ClientError(Exception):
+class ClientError(CkptdError):
     """The daemon answered with an error, or could not be reached (`status` is 0 then)."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
@@ -132,7 +135,7 @@ def _read_regular(path: str | os.PathLike[str], cap: int, dir_fd: int | None = N
     fd = os.open(path, flags, dir_fd=dir_fd)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
+            raise Malformed("not a regular file")
         chunks, got = [], 0
         while got <= cap:
             chunk = os.read(fd, cap + 1 - got)
@@ -143,14 +146,14 @@ def _read_regular(path: str | os.PathLike[str], cap: int, dir_fd: int | None = N
     finally:
         os.close(fd)
     if got > cap:
-        raise ValueError(f"over {cap} bytes")
+        raise Malformed(f"over {cap} bytes")
     return b"".join(chunks)
 
 
 LATEST_FILE_MAX = 64 * 1024
 
 
-class _NoAnswer(Exception):
+class _NoAnswer(Signal):
     """latest.json cannot answer: missing, unreadable or not a latest.json document."""
 
 
@@ -185,7 +188,7 @@ def _is_step(value: object) -> bool:
 
 
 def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+    raise Malformed(f"{name} is not JSON")
 
 
 def read_latest_file(root_dir: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -1,26 +1,33 @@
 """The documented exception tree of ckptd: every exception type raised across module boundaries.
 
 Imports nothing else of ckptd, and so cannot import an exception that carries an area's own
-types; those few live in their area's module and are listed here (each is caught by its area's
-caller, never by the command line):
+types; those few live in their area's module, derive from a class here, and are listed here
+(each is caught by its area's caller, never by the command line):
 
-- `ckptd.lifecycle.table.Refused`: the lifecycle table refuses a (status, event) pair; carries
-  the `Status` and `Event`. The store records nothing.
-- `ckptd.stages.parts.NotCommitted` (a TransientError): a node's part is written, the step waits
-  for the other nodes' parts; carries the commit `Plan` and the nodes' states.
-- `ckptd.service.uploads.CopyMissing`, `ckptd.service.lease_files.LeaseProblem`,
-  `ckptd.retention.nets.DeleteRefused` and `ckptd.stages.parts.ShareChanged` are their areas' own
-  signals, each caught by its caller in that area.
+- `ckptd.lifecycle.table.Refused` (a Signal): the lifecycle table refuses a (status, event)
+  pair; carries the `Status` and `Event`. The store records nothing.
+- `ckptd.stages.parts.NotCommitted` and `ShareChanged` (TransientErrors): a node's part is
+  written, the step waits for the other nodes' parts; carries the commit `Plan` and the nodes'
+  states.
+- `ckptd.retention.nets.DeleteRefused` (a Signal): a safety net refuses one deletion, with its
+  reason.
+- `ckptd.service.lease_files.LeaseProblem` (a CkptdError): a root's lease cannot be looked at
+  or written. `ckptd.service.uploads.CopyMissing` (a NotFound): no usable local copy to upload.
+- `ckptd.service.progress.StageCancelled` (an Interrupt): a running stage is stopped.
+- `ckptd.client.ClientError` and its `DaemonUnavailable` (CkptdErrors): the client is standard
+  library only and imports nothing of ckptd but this module; `ckptd.cli.main` translates them
+  into the errors below.
 
-Not here either, on purpose: `ckptd.client.ClientError` and `DaemonUnavailable`. The client is
-standard library only and imports nothing of ckptd, and this module never imports the client;
-`ckptd.cli.main` translates the client's errors into these.
+Private flow signals (Signals), because a callee that is not ckptd's must be unwound (a return
+value cannot cross it): `formats.picklescan._Unsafe` and `formats.dcpmeta._Unsafe` (inside a
+pickle interpreter and `pickle.Unpickler.find_class`), `dcp.tensorpkl.Unusual` (inside
+`pickle.Unpickler`), `fetch.pipe._Cancelled` and `fetch.openfile._Stopped` (inside a
+backend's `get` writing into a pipe), `torch._arena_copy.Unsupported` (inside `torch.save`'s
+pickler), `client._NoAnswer`. They never leave their module's caller.
 
-Private flow signals that stay exceptions, because a callee that is not ckptd's must be unwound
-(a return value cannot cross it): `formats.picklescan._Unsafe` and `formats.dcpmeta._Unsafe`
-(inside a pickle interpreter and `pickle.Unpickler.find_class`), `fetch.pipe._Cancelled`
-(inside a backend's `get` writing into the pipe), `torch._arena_copy.Unsupported` (inside
-`torch.save`'s pickler). They never leave their module's caller.
+`BadValue` and `Malformed` are also ValueErrors: a pydantic validator reports a ValueError as
+its field's error, argparse as a bad argument, and Python callers of a public function expect
+one for a bad argument. The few plain ValueErrors left are listed in tests/test_errors_tree.py.
 
 Only `ckptd.cli.main` turns these into exit codes (see `exit_code`; docs/CLI.md lists them).
 """
@@ -149,13 +156,43 @@ class Cancelled(CkptdError):
     commit."""
 
 
-class BadPart(ValueError):
+class Malformed(CorruptData, ValueError):
+    """Bytes read from a file or an object (a manifest, a lease file, a pins file, a pickle, a
+    layout's metadata, an arena header) do not parse as their format; the message says what is
+    wrong. Also a ValueError, which their parsers' callers catch."""
+
+
+class BadValue(CkptdError, ValueError):
+    """A value handed to ckptd (a config field, a command-line argument, a request's field, a
+    public function's argument) is malformed or out of range; the message names it. Also a
+    ValueError: pydantic reports it as the field's error, argparse as a bad argument."""
+
+
+class InternalError(CkptdError):
+    """ckptd broke one of its own rules (a service returned without being stopped, a loop
+    entered twice, a thread it relies on died): a fault of ckptd or its machine, never of the
+    input. The supervisor reports it and restarts the service."""
+
+
+class BadPart(Malformed):
     """A multi-node part object (`ckptd.cluster.commit.parse_part`) that is not a
     `ckptd-part/1` document; the message says what is wrong. Its readers skip that part (or
     refuse to take its key) and go on."""
 
 
-class HttpError(Exception):
+class Signal(Exception):
+    """Base of the signals that stay inside one area: a decision carried up to its own caller
+    (`lifecycle.table.Refused`, `retention.nets.Refusal`) or a private flow signal unwinding a
+    callee that is not ckptd's. Not a CkptdError, so no `except CkptdError` on its way swallows
+    it, and none reaches the command line."""
+
+
+class Interrupt(BaseException):
+    """Base of the signals that must pass through `except Exception` as well: a stage stopped
+    mid-run (`service.progress.StageCancelled`) unwinds past the stage's own error handling."""
+
+
+class HttpError(Signal):
     """An answer of the socket API to one request: `status`, a machine-readable `code` and a
     `message` (`ckptd.api`). Not a CkptdError: it never leaves the API's request handlers,
     which turn it into `{"error": code, "message": message}`."""
