@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd import inputs
-from ckptd.errors import BadInput
+from ckptd.errors import BadInput, BadValue, Malformed
 
 MAGIC = b"CKPTDAR1"
 VERSION = 1
@@ -58,12 +58,12 @@ def pack_header(state: State, generation: int, used: int) -> bytes:
 def read_header(buf: Any) -> Header:
     """The header at the start of `buf` (an mmap or bytes); ValueError if it is not one."""
     if len(buf) < _HEADER.size:
-        raise ValueError(f"not a ckptd arena header: {len(buf)} bytes, under {_HEADER.size}")
+        raise Malformed(f"not a ckptd arena header: {len(buf)} bytes, under {_HEADER.size}")
     magic, version, state, generation, used = _HEADER.unpack_from(buf, 0)
     if magic != MAGIC or version != VERSION or state not in State._value2member_map_:
-        raise ValueError("not a ckptd arena header")
+        raise Malformed("not a ckptd arena header")
     if generation >= 2**63 or used > MAX_ARENA:  # what a request may name, what an arena holds
-        raise ValueError(f"arena header out of range (generation {generation}, used {used})")
+        raise Malformed(f"arena header out of range (generation {generation}, used {used})")
     return Header(State(state), generation, used)
 
 
@@ -102,15 +102,15 @@ def check_memfd(fd: int) -> int:
     shrinking, of at most MAX_ARENA bytes."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError("the descriptor is not a memfd arena")
+        raise BadValue("the descriptor is not a memfd arena")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
-        raise ValueError("the descriptor is not a memfd arena (it has no seals)") from None
+        raise BadValue("the descriptor is not a memfd arena (it has no seals)") from None
     if not seals & fcntl.F_SEAL_SHRINK:
-        raise ValueError("the arena is not sealed against shrinking")
+        raise BadValue("the arena is not sealed against shrinking")
     if not DATA_OFFSET <= st.st_size <= MAX_ARENA:
-        raise ValueError(f"the arena's size {st.st_size} is out of range")
+        raise BadValue(f"the arena's size {st.st_size} is out of range")
     return st.st_size
 
 
@@ -163,7 +163,7 @@ class Request:
 def parse_request(body: Any, arena_size: int) -> Request:
     """A persist request checked against the arena it names; ValueError says what is wrong."""
     if not isinstance(body, dict):
-        raise ValueError("the body is not a JSON object")
+        raise BadValue("the body is not a JSON object")
     root, where = _str(body, "root"), _str(body, "dir")
     step = _int(body, "step", 0, MAX_STEP - 1)
     world = _int(body, "world_size", 1, MAX_WORLD)
@@ -172,16 +172,16 @@ def parse_request(body: Any, arena_size: int) -> Request:
     timeout = body.get("timeout", 1800.0)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
             0 < timeout <= MAX_TIMEOUT_S):
-        raise ValueError(f"timeout must be a number of seconds up to {MAX_TIMEOUT_S:.0f}")
+        raise BadValue(f"timeout must be a number of seconds up to {MAX_TIMEOUT_S:.0f}")
     files = _files(body.get("files"), rank, arena_size)
     head = body.get("head")
     if not isinstance(head, dict) or not str(head.get("format", "")).startswith("ckptd-native/"):
-        raise ValueError("head must be a meta.json head with format ckptd-native/*")
+        raise BadValue("head must be a meta.json head with format ckptd-native/*")
     if head.get("step") != step or head.get("world_size") != world:
-        raise ValueError("head's step and world_size must match the request's")
+        raise BadValue("head's step and world_size must match the request's")
     metrics = head.get("metrics", {})
     if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS:
-        raise ValueError(f"head's metrics must be at most {MAX_METRICS} numbers")
+        raise BadValue(f"head's metrics must be at most {MAX_METRICS} numbers")
     try:
         for name, value in metrics.items():
             inputs.check_float(value, f"head's metric {str(name)[:40]!r}")
@@ -189,30 +189,30 @@ def parse_request(body: Any, arena_size: int) -> Request:
         # floats, bounded nesting. Refused here rather than written and found bad later.
         inputs.loads(json.dumps(head, allow_nan=False), "head")
     except (BadInput, ValueError, RecursionError) as exc:
-        raise ValueError(f"head: {exc}") from None
+        raise BadValue(f"head: {exc}") from None
     register = body.get("register", True)
     if not isinstance(register, bool):
-        raise ValueError("register must be true or false")
+        raise BadValue("register must be true or false")
     return Request(root, where, step, rank, world, generation, float(timeout), files, head,
                    register)
 
 
 def _files(listing: Any, rank: int, arena_size: int) -> tuple[FileRange, ...]:
     if not isinstance(listing, list) or not 0 < len(listing) <= MAX_FILES:
-        raise ValueError(f"files must be a list of 1 to {MAX_FILES} entries")
+        raise BadValue(f"files must be a list of 1 to {MAX_FILES} entries")
     out: list[FileRange] = []
     for entry in listing:
         if not isinstance(entry, dict):
-            raise ValueError("each file must be an object")
+            raise BadValue("each file must be an object")
         path = _str(entry, "path")
         component = file_component(path, rank)
         if component is None or entry.get("component") != component:
-            raise ValueError(f"{path!r} is not a file rank {rank} of a native checkpoint writes")
+            raise BadValue(f"{path!r} is not a file rank {rank} of a native checkpoint writes")
         offset = _int(entry, "offset", DATA_OFFSET, arena_size)
         size = _int(entry, "size", 0, arena_size - offset)
         out.append(FileRange(path, component, offset, size))
     if len({f.path for f in out}) != len(out):
-        raise ValueError("a file is named twice")
+        raise BadValue("a file is named twice")
     return tuple(out)
 
 
@@ -229,12 +229,12 @@ def file_component(name: str, rank: int) -> str | None:
 def _str(obj: dict[str, Any], key: str) -> str:
     value = obj.get(key)
     if not isinstance(value, str) or not 0 < len(value) <= 4096 or "\x00" in value:
-        raise ValueError(f"{key} must be a non-empty string")
+        raise BadValue(f"{key} must be a non-empty string")
     return value
 
 
 def _int(obj: dict[str, Any], key: str, low: int, high: int) -> int:
     value = obj.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{key} must be an integer from {low} to {high}")
+        raise BadValue(f"{key} must be an integer from {low} to {high}")
     return value

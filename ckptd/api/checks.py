@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import inputs
-from ckptd.errors import BadInput, HttpError
+from ckptd.errors import BadInput, BadValue, HttpError
 from ckptd.model import Tier
 
 MAX_STEP = 2**63
@@ -61,13 +61,13 @@ def _encodable(value: str) -> bool:
 
 
 def no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON (numbers must be finite)")
+    raise BadValue(f"{name} is not JSON (numbers must be finite)")
 
 
 def finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):  # 1e999 parses as infinity
-        raise ValueError(f"{text[:40]} is out of range")
+        raise BadValue(f"{text[:40]} is out of range")
     return value
 
 

@@ -10,7 +10,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, runtime_checkable
 
-from ckptd.errors import BadInput, CorruptData, PermanentError, StorageError, TransientError
+from ckptd.errors import (
+    BadInput,
+    BadValue,
+    CorruptData,
+    PermanentError,
+    StorageError,
+    TransientError,
+)
 
 MiB = 1024 * 1024
 DEFAULT_PART_SIZE = 64 * MiB
@@ -215,9 +222,9 @@ def check_put_mode(create_only: bool, if_match: str | None) -> None:
 def check_range(key: str, start: int, end: int) -> None:
     """Refuse a `get_range` span that is empty, negative or over MAX_RANGE (ValueError)."""
     if not (isinstance(start, int) and isinstance(end, int)):
-        raise ValueError(f"get_range {key!r}: start and end must be integers")
+        raise BadValue(f"get_range {key!r}: start and end must be integers")
     if not 0 <= start < end or end - start > MAX_RANGE:
-        raise ValueError(
+        raise BadValue(
             f"get_range {key!r}: [{start}, {end}) is not a range of 1 to {MAX_RANGE} bytes "
             "starting at 0 or later"
         )

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar, cast
 
 from ckptd.backends.base import SMALL_OBJECT_MAX, Backend, ObjectMeta, Source, os_error
-from ckptd.errors import BadInput, ObjectExists, TransientError
+from ckptd.errors import BadInput, BadValue, ObjectExists, TransientError
 from ckptd.log import get_logger
 
 T = TypeVar("T")
@@ -261,7 +261,7 @@ class TokenBucket:
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if rate <= 0:
-            raise ValueError(f"bandwidth cap must be positive, got {rate}")
+            raise BadValue(f"bandwidth cap must be positive, got {rate}")
         self.rate = float(rate)
         self.capacity = self.rate * burst_s
         self._tokens = self.capacity

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from ckptd import build_info
-from ckptd.errors import UsageError
+from ckptd.errors import BadValue, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -209,7 +209,7 @@ def _metric(text: str) -> tuple[str, float]:
     key, sep, value = text.partition("=")
     try:
         if not sep or not key:
-            raise ValueError
+            raise BadValue
         return key, float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"metrics are KEY=NUMBER, got {text!r}") from None

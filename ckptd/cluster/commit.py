@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd import inputs
-from ckptd.errors import BadInput, BadPart
+from ckptd.errors import BadInput, BadPart, Malformed
 from ckptd.remote.manifest import distinct_paths
 
 PART_FORMAT = "ckptd-part/1"
@@ -127,7 +127,7 @@ def parse_part(data: bytes, where: str, written: float = 0.0) -> Part:
     try:
         node, attempt = str(doc["node"]), str(doc["attempt"])
         if not valid_ids(node, attempt):
-            raise ValueError(f"bad node or attempt id {node!r}.{attempt!r}")
+            raise Malformed(f"bad node or attempt id {node!r}.{attempt!r}")
         files = tuple(_part_file(f, node) for f in doc["files"])
         distinct_paths(f.path for f in files)
         return Part(node=node, attempt=attempt, layout=str(doc["layout"]), files=files,
@@ -142,7 +142,7 @@ def _part_file(f: Any, node: str) -> PartFile:
     path, key = _safe(str(f["path"])), _safe(str(f["key"]))
     owner, _dot, attempt = key.split("/", 1)[0].rpartition(".")
     if "/" not in key or owner != node or not _ATTEMPT.match(attempt):
-        raise ValueError(f"key {key!r} is not under one of {node!r}'s attempts")
+        raise Malformed(f"key {key!r} is not under one of {node!r}'s attempts")
     size = inputs.check_int(f["size"], f"size of {path[:200]!r}")
     stored = inputs.check_int(f["stored_size"], f"stored_size of {path[:200]!r}")
     mtime = inputs.check_float(f["mtime"], f"mtime of {path[:200]!r}")
@@ -160,14 +160,14 @@ def _record(doc: Any) -> CommitRecord | None:
     after = inputs.check_float(doc.get("after", 0.0), "record after", 0.0, SPREAD_S)
     exact = doc.get("exact", False)
     if not isinstance(exact, bool):
-        raise ValueError("record exact")
+        raise Malformed("record exact")
     return CommitRecord(path=_safe(str(doc["path"])), mtime=mtime, expected=expected, after=after,
                   exact=exact)
 
 
 def _safe(p: str) -> str:
     if p.startswith("/") or "\x00" in p or any(x in ("", ".", "..") for x in p.split("/")):
-        raise ValueError(f"unsafe path {p!r}")
+        raise Malformed(f"unsafe path {p!r}")
     return p
 
 

@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import Any
 
 from ckptd import inputs
-from ckptd.errors import BadInput
+from ckptd.errors import BadInput, Malformed
 
 FORMAT = "ckptd-lease/1"
 LEASE_FILE = "lease.json"
@@ -77,24 +77,24 @@ class Holder:
     def from_json(cls, doc: Any) -> Holder:
         """Parse a lease.json body; ValueError names what is wrong."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ValueError(f"not a {FORMAT} document")
+            raise Malformed(f"not a {FORMAT} document")
         fields = {"token": str, "node": str, "host": str, "boot": str, "released": bool}
         out: dict[str, Any] = {}
         for key, kind in fields.items():
             value = doc.get(key)
             if not isinstance(value, kind):
-                raise ValueError(f"{key!r} is missing or not {kind.__name__}")
+                raise Malformed(f"{key!r} is missing or not {kind.__name__}")
             if isinstance(value, str) and len(value) > 256:
-                raise ValueError(f"{key!r} is too long")
+                raise Malformed(f"{key!r} is too long")
             out[key] = value
         try:  # numbers bounded where they enter (`ckptd.inputs`): never a crash, never inf
             out["gen"] = inputs.check_int(doc.get("gen"), "'gen'", 1, MAX_GENERATION - 1)
             out["pid"] = inputs.check_int(doc.get("pid"), "'pid'", 1, 2**31 - 1)
             out["since"] = inputs.check_float(doc.get("since"), "'since'", 0.0, MAX_SINCE)
         except BadInput as exc:
-            raise ValueError(str(exc)) from None
+            raise Malformed(str(exc)) from None
         if not valid_token(out["token"]):
-            raise ValueError("'token' is not valid")
+            raise Malformed("'token' is not valid")
         return cls(**out)
 
 

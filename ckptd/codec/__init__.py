@@ -24,6 +24,7 @@ from ckptd.codec.encoder import (
 from ckptd.codec.frame import MAX_BLOCK, MIN_BLOCK
 from ckptd.codec.index import TAIL_PROBE, Block, BlockIndex, decode_block, read_index
 from ckptd.codec.planes import WIDTHS
+from ckptd.errors import BadValue
 
 CODECS = ("auto", "zstd", "zstd-bytegroup", "none")
 DEFAULT_LEVEL = 3
@@ -48,7 +49,7 @@ __all__ = [
 def codec_suffix(codec: str) -> str:
     """The object-name suffix of a stored codec (`auto` resolves per file: see `Encoder`)."""
     if codec not in SUFFIXES:
-        raise ValueError(f"no fixed suffix for codec {codec!r}")
+        raise BadValue(f"no fixed suffix for codec {codec!r}")
     return SUFFIXES[codec]
 
 
@@ -89,14 +90,14 @@ def _check_args(
     block_size: int,
 ) -> None:
     if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
+        raise BadValue(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
     if not -7 <= level <= 22:
-        raise ValueError(f"zstd level {level} out of range -7..22")
+        raise BadValue(f"zstd level {level} out of range -7..22")
     if not 1 <= threads <= MAX_THREADS:
-        raise ValueError(f"threads {threads} out of range 1..{MAX_THREADS}")
+        raise BadValue(f"threads {threads} out of range 1..{MAX_THREADS}")
     if not 0.0 <= min_saving < 1.0:
-        raise ValueError(f"min_saving {min_saving} out of range [0, 1)")
+        raise BadValue(f"min_saving {min_saving} out of range [0, 1)")
     if width_hint is not None and width_hint not in WIDTHS:
-        raise ValueError(f"width_hint {width_hint} not one of {WIDTHS}")
+        raise BadValue(f"width_hint {width_hint} not one of {WIDTHS}")
     if not MIN_BLOCK <= block_size <= MAX_BLOCK:
-        raise ValueError(f"block_size {block_size} out of range {MIN_BLOCK}..{MAX_BLOCK}")
+        raise BadValue(f"block_size {block_size} out of range {MIN_BLOCK}..{MAX_BLOCK}")

@@ -15,7 +15,7 @@ from ckptd.codec import blocks, buffers, frame, seektable
 from ckptd.codec.blocks import BlockPolicy, Coders, Encoded
 from ckptd.codec.buffers import Slot
 from ckptd.codec.planes import Workspace
-from ckptd.errors import CorruptData
+from ckptd.errors import BadValue, CorruptData
 
 BLOCK_SIZE = 4 << 20
 SUFFIXES = {"none": "", "zstd": ".zst", "zstd-bytegroup": ".zbg"}
@@ -45,16 +45,16 @@ class Encoder:
 
     def update(self, offset: int, chunk: memoryview) -> None:
         if self._finished:
-            raise ValueError("encoder already finished")
+            raise BadValue("encoder already finished")
         if offset != self.raw_size:
-            raise ValueError(f"chunk at offset {offset}, expected {self.raw_size}")
+            raise BadValue(f"chunk at offset {offset}, expected {self.raw_size}")
         view = memoryview(chunk).cast("B")
         self.raw_size += len(view)
         self._consume(view)
 
     def finish(self, total: int) -> None:
         if self._finished:
-            raise ValueError("encoder already finished")
+            raise BadValue("encoder already finished")
         if total != self.raw_size:
             self.close()
             raise CorruptData(

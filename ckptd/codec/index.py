@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ckptd.codec import decoder, frame, seektable, zstdframes
-from ckptd.errors import CorruptData
+from ckptd.errors import BadValue, CorruptData
 
 TAIL_PROBE = 64 << 10
 
@@ -113,7 +113,7 @@ class BlockIndex:
     def covering(self, start: int, end: int) -> list[Block]:
         """The blocks overlapping raw bytes [start, end), in order."""
         if not 0 <= start <= end <= self.raw_size:
-            raise ValueError(f"range [{start}, {end}) outside 0..{self.raw_size}")
+            raise BadValue(f"range [{start}, {end}) outside 0..{self.raw_size}")
         if start == end:
             return []
         step, last = self.blocks.step, len(self.blocks) - 1
@@ -131,7 +131,7 @@ def read_index(
     when the index is longer than the tail. None when the object has no index (codec `none`,
     or written before indexes existed): read it sequentially. CorruptData names what broke."""
     if stored_size < 0 or raw_size < 0 or len(tail) > stored_size:
-        raise ValueError(f"tail of {len(tail)} bytes for an object of {stored_size} bytes")
+        raise BadValue(f"tail of {len(tail)} bytes for an object of {stored_size} bytes")
     if codec == "none":
         return None
     if codec == "zstd":
@@ -319,12 +319,12 @@ def decode_block(
     stored = memoryview(stored).cast("B")
     target = memoryview(out).cast("B")
     if len(stored) != block.stored_len or len(target) < block.raw_len:
-        raise ValueError(
+        raise BadValue(
             f"block {block.index}: {len(stored)} stored bytes for {block.stored_len}, "
             f"room for {len(target)} of {block.raw_len}"
         )
     if block.raw_len > frame.MAX_BLOCK:
-        raise ValueError(f"block {block.index}: raw length {block.raw_len} over {frame.MAX_BLOCK}")
+        raise BadValue(f"block {block.index}: raw length {block.raw_len} over {frame.MAX_BLOCK}")
     target = target[: block.raw_len]
     if codec == "zstd-bytegroup":
         decoder.decode_container_block(

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from ckptd import layouts
+from ckptd.errors import BadValue
 from ckptd.units import (
     FreeSpace,
     format_duration,
@@ -90,14 +91,14 @@ def _resolve(path: Path, info: ValidationInfo) -> Path:
 def _path(value: Any, info: ValidationInfo) -> Path:
     if isinstance(value, Path) or (isinstance(value, str) and value):
         return _resolve(Path(value), info)
-    raise ValueError(f"must be a path (a non-empty string), got {_show(value)}")
+    raise BadValue(f"must be a path (a non-empty string), got {_show(value)}")
 
 
 def _socket_path(value: Any, info: ValidationInfo) -> Path:
     path = _path(value, info)
     size = len(os.fsencode(path))
     if size > _SOCKET_PATH_MAX:
-        raise ValueError(
+        raise BadValue(
             f"{str(path)!r} is {size} bytes long; a Unix socket path may be at most "
             f"{_SOCKET_PATH_MAX}: choose a shorter path"
         )
@@ -108,7 +109,7 @@ def _layout(value: Any) -> str:
     """"auto" or a registered layout's name (`ckptd.layouts.register`)."""
     known = ("auto", *layouts.names())
     if not isinstance(value, str) or value not in known:
-        raise ValueError(f"must be one of: {', '.join(known)}, got {_show(value)}")
+        raise BadValue(f"must be one of: {', '.join(known)}, got {_show(value)}")
     return value
 
 
@@ -119,36 +120,36 @@ def _duration(value: Any) -> float:
 def _positive_duration(value: Any) -> float:
     seconds = _duration(value)
     if seconds <= 0:
-        raise ValueError(f"must be a duration above zero, got {_show(value)}")
+        raise BadValue(f"must be a duration above zero, got {_show(value)}")
     return seconds
 
 
 def _store_timeout(value: Any) -> float:
     seconds = _duration(value)
     if not 0.1 <= seconds <= 86400:
-        raise ValueError(f"must be a duration from 100ms to 24h, got {_show(value)}")
+        raise BadValue(f"must be a duration from 100ms to 24h, got {_show(value)}")
     return seconds
 
 
 def _lease_timeout(value: Any) -> float:
     seconds = _duration(value)
     if not 2 <= seconds <= 86400:
-        raise ValueError(f"must be a duration from 2s to 24h, got {_show(value)}")
+        raise BadValue(f"must be a duration from 2s to 24h, got {_show(value)}")
     return seconds
 
 
 def _commit_timeout(value: Any) -> float:
     seconds = _duration(value)
     if not 10 <= seconds <= 7 * 86400:
-        raise ValueError(f"must be a duration from 10s to 7d, got {_show(value)}")
+        raise BadValue(f"must be a duration from 10s to 7d, got {_show(value)}")
     return seconds
 
 
 def _node(value: Any) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"must be a string, got {_show(value)}")
+        raise BadValue(f"must be a string, got {_show(value)}")
     if value and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", value):
-        raise ValueError("must be 1 to 64 letters, digits, '.', '_' or '-' (starting with a"
+        raise BadValue("must be 1 to 64 letters, digits, '.', '_' or '-' (starting with a"
                          f" letter or digit), or \"\" for the hostname; got {_show(value)}")
     return value
 
@@ -170,7 +171,7 @@ def _optional_duration(value: Any) -> float | None:
 def _part_size(value: Any) -> int:
     size = parse_size(cast(str, value))
     if size <= 0:
-        raise ValueError(f"must be a size above zero, got {_show(value)}")
+        raise BadValue(f"must be a size above zero, got {_show(value)}")
     return size
 
 
@@ -184,7 +185,7 @@ def _free(value: Any) -> FreeSpace:
 
 def _root_name(value: str) -> str:
     if not _ROOT_NAME.fullmatch(value):
-        raise ValueError(
+        raise BadValue(
             f'{_show(value)} is not a usable root name: 1 to 64 letters, digits, ".", "_" or "-", '
             "starting with a letter or digit"
         )
@@ -210,9 +211,9 @@ _NEVER_TRUSTED = frozenset({
 def check_trusted_globals(value: list[str]) -> list[str]:
     for name in value:
         if not _GLOBAL_NAME.fullmatch(name):
-            raise ValueError(f'{_show(name)} is not a "module.Name" global')
+            raise BadValue(f'{_show(name)} is not a "module.Name" global')
         if name.split(".")[0] in _NEVER_TRUSTED or name.split(".")[-1].startswith("__"):
-            raise ValueError(f"{_show(name)} can run code or touch the system when unpickled;"
+            raise BadValue(f"{_show(name)} can run code or touch the system when unpickled;"
                              " it is never trusted")
     return value
 
@@ -224,7 +225,7 @@ def _listen(value: str) -> str:
         return value
     address = _split_listen(value)
     if address is None:
-        raise ValueError(
+        raise BadValue(
             f'{_show(value)} is not an address: use "IP:PORT", e.g. "127.0.0.1:9464",'
             ' "[::1]:9464", or ":PORT" for every interface'
         )
@@ -249,7 +250,7 @@ def _split_listen(value: str) -> tuple[str, int] | None:
 
 def _endpoint(value: str) -> str:
     if value and urlsplit(value).scheme not in ("http", "https"):
-        raise ValueError(f'{_show(value)} is not an endpoint URL: use "https://host[:port]"')
+        raise BadValue(f'{_show(value)} is not an endpoint URL: use "https://host[:port]"')
     return value.rstrip("/")
 
 
@@ -262,12 +263,12 @@ def _upload_url(value: str, info: ValidationInfo) -> str:
     scheme, sep, rest = value.partition("://")
     if not sep or scheme not in STORAGE_SCHEMES:
         forms = [form for form in STORAGE_SCHEMES.values() if form]
-        raise ValueError(
+        raise BadValue(
             f"{_show(value)} is not a supported URL: use {', '.join(forms)}, "
             "file:///absolute/dir or file:relative/dir"
         )
     if not rest.split("/", 1)[0]:
-        raise ValueError(f"{_show(value)} names no bucket: use {scheme}://bucket/prefix")
+        raise BadValue(f"{_show(value)} names no bucket: use {scheme}://bucket/prefix")
     return f"{scheme}://{rest.rstrip('/')}"
 
 
@@ -276,13 +277,13 @@ def _file_url(value: str, info: ValidationInfo) -> str:
     if rest.startswith("//"):
         host, slash, path = rest[2:].partition("/")
         if host not in ("", "localhost"):
-            raise ValueError(
+            raise BadValue(
                 f'{_show(value)} names a host ("{host}"): use file:///absolute/dir or '
                 "file:relative/dir"
             )
         rest = slash + path
     if not rest:
-        raise ValueError(f"{_show(value)} names no directory")
+        raise BadValue(f"{_show(value)} names no directory")
     return "file://" + _resolve(Path(rest), info).as_posix()
 
 

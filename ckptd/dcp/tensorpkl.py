@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ckptd.errors import CorruptData, ValidationFailed
+from ckptd.errors import CorruptData, Signal, ValidationFailed
 from ckptd.formats.picklescan import SAFE_GLOBALS, scan_pickle
 
 _STORAGE_NAME = re.compile(r"[A-Za-z0-9]+Storage")
@@ -38,7 +38,7 @@ class Layout:
     stride: tuple[int, ...]
 
 
-class Unusual(Exception):
+class Unusual(Signal):
     """The archive is not the plain one-tensor archive DCP writes: read it the slow way."""
 
 

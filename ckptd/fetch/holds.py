@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.backends.base import Backend
-from ckptd.errors import StorageError
+from ckptd.errors import BadValue, CkptdError, StorageError
 
 log = logging.getLogger("ckptd")
 
@@ -42,7 +42,7 @@ _KEY = re.compile(r"step-(0|[1-9][0-9]{0,18})\.([A-Za-z0-9_-]{1,64})\.json")
 def hold_key(root_name: str, step: int, owner: str) -> str:
     """`<root>/_holds/step-<N>.<owner>.json`; owner: 1 to 64 of [A-Za-z0-9_-]."""
     if not _OWNER.fullmatch(owner):
-        raise ValueError(f"hold owner {owner!r}: 1 to {MAX_OWNER} of [A-Za-z0-9_-]")
+        raise BadValue(f"hold owner {owner!r}: 1 to {MAX_OWNER} of [A-Za-z0-9_-]")
     return f"{root_name}/{HOLDS_DIR}/step-{int(step)}.{owner}.json"
 
 
@@ -211,7 +211,7 @@ class _Held:
                     self._daemon.__enter__()
                 elif self.backend is not None:  # overwritten: swept as stale, it comes back
                     self.backend.put(self.key, self._body())
-            except Exception as exc:  # the read goes on; the next round tries again
+            except (CkptdError, OSError) as exc:  # the read goes on; the next round tries again
                 log.warning("renewing the hold on %s step %s failed: %s", self.root,
                             self.step, exc)
 
@@ -224,7 +224,7 @@ class _Held:
                 self.backend.delete(self.key)
             elif self.how == "daemon":
                 self._daemon.__exit__(None, None, None)
-        except Exception as exc:  # it expires on its own
+        except (CkptdError, OSError) as exc:  # it expires on its own
             log.warning("releasing the hold %s failed: %s", self.key, exc)
 
 
@@ -237,5 +237,5 @@ def daemon_socket(config: str | os.PathLike[str] | None, remote: str | None) -> 
 
         path = find_config(config)
         return None if path is None else str(load_config(path).daemon.socket)
-    except Exception:  # the read itself reports a bad config
+    except (CkptdError, OSError):  # the read itself reports a bad config
         return None

@@ -338,7 +338,7 @@ class ObjectReader:
     def _download(self, pipe: Pipe) -> None:
         try:
             self.backend.get(self.key, cast(BinaryIO, pipe), etag=self._pin)
-        except BaseException as exc:  # handed to the decoding side, which raises it
+        except BaseException as exc:  # broad: handed to the decoding side, which raises it
             pipe.end(exc)
         else:
             pipe.end(None)

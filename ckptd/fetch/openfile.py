@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ckptd.codec.index import Block, BlockIndex
-from ckptd.errors import CorruptData
+from ckptd.errors import CorruptData, Signal
 from ckptd.fetch.objects import ObjectReader
 from ckptd.fetch.step import RemoteStep, StepArg
 from ckptd.fileio import HashSink
@@ -160,7 +160,7 @@ class _Stream:
             self._put(None)
         except _Stopped:
             pass
-        except BaseException as exc:
+        except BaseException as exc:  # broad: handed to the reading side, which raises it
             self._put(exc)
 
     def _put(self, item: tuple[int, bytes] | BaseException | None) -> None:
@@ -194,7 +194,7 @@ class _Stream:
         self._thread.join()
 
 
-class _Stopped(Exception):
+class _Stopped(Signal):
     """The reader went away: the stream thread unwinds out of the decoder."""
 
 

@@ -25,6 +25,7 @@ from ckptd.errors import (
     ObjectNotFound,
     ObjectReplaced,
     PreconditionFailed,
+    Signal,
     TransientError,
 )
 from ckptd.fileio import DurableWriter, write_error
@@ -37,7 +38,7 @@ ATTEMPTS = 3  # whole-object attempts when a download fails after bytes were dec
 BUFFERED = 8 << 20  # bytes downloaded but not yet decoded, per object
 
 
-class _Cancelled(Exception):
+class _Cancelled(Signal):
     """The decoding side gave up: the download stops at its next write. An exception, not a
     return value: it is raised inside the backend's `get`, which writes into the pipe and
     only an exception unwinds; the pipe's own caller catches it."""
@@ -164,7 +165,7 @@ def first_look(backend: Backend, key: str, f: StoredFile) -> str | None:
 def _download(backend: Backend, key: str, pipe: Pipe, pin: str | None) -> None:
     try:
         backend.get(key, cast(BinaryIO, pipe), etag=pin)
-    except BaseException as exc:  # handed to the decoding thread, which raises it
+    except BaseException as exc:  # broad: handed to the decoding thread, which raises it
         pipe.end(exc)
     else:
         pipe.end(None)

@@ -54,7 +54,7 @@ def when_done(waits: list[tuple[int, Future[Any]]], pool: ThreadPoolExecutor,
             held.clear()
         try:
             pieces = [(at, f.result()) for at, f in got]
-        except BaseException as exc:  # a fetch failed: the block fails with it
+        except BaseException as exc:  # broad: a fetch failed: the block fails with it
             _settle(out.set_exception, exc)
             return
         try:

@@ -15,7 +15,7 @@ from typing import Any
 from ckptd.backends import Backend, backend_for_upload, make_backend, wrap_backend
 from ckptd.codec.decoder import release_idle
 from ckptd.config import find_config, load_config
-from ckptd.errors import ConfigError, CorruptData, NotFound
+from ckptd.errors import BadValue, ConfigError, CorruptData, NotFound
 from ckptd.fetch.holds import ReaderHold, daemon_socket
 from ckptd.fetch.objects import ObjectReader, ReadStats
 from ckptd.fetch.source import list_remote_steps, newest_copy, read_remote_manifest
@@ -59,7 +59,7 @@ def choose_step(backend: Backend, root: str, step: StepArg) -> int:
             raise NotFound(f"no committed step of {root!r} at {backend.url}")
         return found
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int or 'latest', not {step!r}")
+        raise BadValue(f"step must be a non-negative int or 'latest', not {step!r}")
     if not manifest_exists(backend, root, step):
         raise NotFound(f"step {step} of {root!r} is not committed at {backend.url} "
                        f"(no {step_prefix(root, step)}/MANIFEST.json)")

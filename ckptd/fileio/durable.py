@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ckptd.errors import CkptdError, DiskFull
+from ckptd.errors import BadValue, CkptdError, DiskFull
 from ckptd.fileio.cache import WRITEBACK_STEP, advise
 
 # Every temp file ckptd creates starts with this, so startup recovery deletes its own leftovers
@@ -39,7 +39,7 @@ def atomic_write_bytes(
     """
     final = Path(path)
     if dir_fd is not None and final.name != os.fspath(path):
-        raise ValueError(f"with dir_fd, {os.fspath(path)!r} must be a plain name")
+        raise BadValue(f"with dir_fd, {os.fspath(path)!r} must be a plain name")
     tmp = temp_name(final)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:

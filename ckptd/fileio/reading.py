@@ -12,7 +12,7 @@ from typing import Protocol
 
 import xxhash
 
-from ckptd.errors import ValidationFailed
+from ckptd.errors import BadValue, ValidationFailed
 from ckptd.fileio.cache import advise
 from ckptd.model import Reason
 
@@ -67,7 +67,7 @@ def read_pass(
     as is; whatever a sink raises stops the pass.
     """
     if chunk_size <= 0:
-        raise ValueError("chunk_size must be positive")
+        raise BadValue("chunk_size must be positive")
     own = fd is None
     if fd is None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

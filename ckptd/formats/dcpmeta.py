@@ -18,7 +18,7 @@ from typing import Any
 
 import xxhash
 
-from ckptd.errors import ValidationFailed
+from ckptd.errors import Signal, ValidationFailed
 from ckptd.formats import picklescan
 from ckptd.model import Reason
 
@@ -135,7 +135,7 @@ def _stand_ins() -> dict[tuple[str, str], Any]:
     return table
 
 
-class _Unsafe(Exception):
+class _Unsafe(Signal):
     """The metadata pickle names a global DCP metadata never holds. Raised inside
     `pickle.Unpickler.find_class`, which only an exception can stop; `parse_dcp_metadata`
     turns it into its ValidationFailed."""

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from ckptd.errors import ValidationFailed
+from ckptd.errors import Malformed, Signal, ValidationFailed
 from ckptd.model import Reason
 
 
@@ -117,7 +117,7 @@ class _Global:
     name: str
 
 
-class _Unsafe(Exception):
+class _Unsafe(Signal):
     """An opcode does what no safe checkpoint pickle does. Raised from the opcode handlers
     (several calls deep in `_Machine.step`); an exception, not a return value, so each handler
     stays a plain statement. `scan_pickle` turns it into its ValidationFailed with the
@@ -152,7 +152,7 @@ class _Machine:
 
     def step(self, op: pickletools.OpcodeInfo, arg: object) -> None:
         if len(self.stack) > MAX_STACK:
-            raise ValueError(f"stack over {MAX_STACK} items (a memory bomb, not a checkpoint)")
+            raise Malformed(f"stack over {MAX_STACK} items (a memory bomb, not a checkpoint)")
         handler = _HANDLERS.get(op.name)
         if handler is not None:
             handler(self, arg)
@@ -182,7 +182,7 @@ class _Machine:
 
     def _pop(self, n: int) -> list[object]:
         if n > len(self.stack) or any(v is _MARK for v in self.stack[len(self.stack) - n :]):
-            raise ValueError("stack underflow")
+            raise Malformed("stack underflow")
         items = self.stack[len(self.stack) - n :]
         del self.stack[len(self.stack) - n :]
         return items
@@ -193,7 +193,7 @@ class _Machine:
                 items = self.stack[i + 1 :]
                 del self.stack[i:]
                 return items
-        raise ValueError("no MARK on the stack")
+        raise Malformed("no MARK on the stack")
 
     def _check(self, full: str) -> _Global:
         # An untrusted global is noted and the walk goes on, so that one message can name every
@@ -246,7 +246,7 @@ class _Machine:
     def _op_OBJ(self, arg: object) -> None:
         items = self._pop_mark()
         if not items:
-            raise ValueError("OBJ without a class")
+            raise Malformed("OBJ without a class")
         self._callee(items[0], "OBJ")
         self.stack.append(_UNKNOWN)
 
@@ -266,18 +266,18 @@ class _Machine:
 
     def _put(self, index: object) -> None:
         if not self.stack or not isinstance(index, int):
-            raise ValueError("memo store with an empty stack")
+            raise Malformed("memo store with an empty stack")
         if not 0 <= index < MAX_MEMO:
             # Python's own unpickler sizes its memo by the largest index: 11 bytes naming
             # index 10^8 cost it 1.5 GiB. A real pickle numbers its memo from 0.
-            raise ValueError(f"memo index {index} (a memory bomb, not a checkpoint)")
+            raise Malformed(f"memo index {index} (a memory bomb, not a checkpoint)")
         if len(self.memo) >= MAX_MEMO and index not in self.memo:
-            raise ValueError(f"memo over {MAX_MEMO} entries (a memory bomb, not a checkpoint)")
+            raise Malformed(f"memo over {MAX_MEMO} entries (a memory bomb, not a checkpoint)")
         self.memo[index] = self.stack[-1]
 
     def _get(self, index: object) -> None:
         if not isinstance(index, int) or index not in self.memo:
-            raise ValueError(f"memo key {index!r} was never stored")
+            raise Malformed(f"memo key {index!r} was never stored")
         self.stack.append(self.memo[index])
 
     def _op_MEMOIZE(self, arg: object) -> None:
@@ -404,5 +404,5 @@ def _is_legacy_magic(f: BinaryIO, start: int) -> bool | None:
     f.seek(end)
     try:
         return bool(_NoGlobals(io.BytesIO(head)).load() == LEGACY_MAGIC)
-    except Exception:  # untrusted bytes: it uses a global, so cannot tell; scan what follows
+    except Exception:  # broad: untrusted bytes use a global, so cannot tell; scan what follows
         return None

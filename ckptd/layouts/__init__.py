@@ -10,6 +10,7 @@ import functools
 from collections.abc import Mapping
 
 from ckptd import inputs
+from ckptd.errors import BadValue
 from ckptd.layouts import (
     common,
     dcp,
@@ -44,9 +45,9 @@ def register(layout: Layout, auto: int | Mapping[int, Layout]) -> None:
     each place to its recognizer. ValueError for a name or a place already taken."""
     places = {auto: layout} if isinstance(auto, int) else dict(auto)
     if layout.name in _BY_NAME or layout.name == "auto":
-        raise ValueError(f"layout {layout.name!r} is already registered")
+        raise BadValue(f"layout {layout.name!r} is already registered")
     if taken := sorted(places.keys() & _AUTO.keys()):
-        raise ValueError(f"auto detection place {taken[0]} is already taken")
+        raise BadValue(f"auto detection place {taken[0]} is already taken")
     _BY_NAME[layout.name] = layout
     _AUTO.update(places)
     _field_readers.cache_clear()
@@ -68,7 +69,7 @@ def get(name: str) -> Layout:
     try:
         return _BY_NAME[name]
     except KeyError:
-        raise ValueError(
+        raise BadValue(
             f"unknown layout {name!r}; expected 'auto' or one of {names()}") from None
 
 

@@ -12,7 +12,7 @@ from functools import lru_cache
 from typing import Any
 
 from ckptd import inputs
-from ckptd.errors import BadInput
+from ckptd.errors import BadInput, Malformed
 from ckptd.model import TEMP_MARKERS, TEMP_SUFFIXES, Candidate, RootOptions, Snapshot
 
 UNFINISHED_SUFFIX = "-unfinished"  # NeMo's marker: `<checkpoint name>-unfinished` beside it
@@ -201,11 +201,11 @@ def load_json(data: bytes | None, what: str = "") -> Any:
     constants NaN and Infinity a framework writes for a NaN loss pass, as no number to
     `numeric_metrics`), or raise ValueError (bad bytes, bad UTF-8, bad JSON), naming `what`."""
     if data is None:
-        raise ValueError("no content")
+        raise Malformed("no content")
     try:
         return inputs.loads(data, what or "-", nan=True)
     except BadInput as exc:
-        raise ValueError(str(exc) if what else str(exc).removeprefix("-: ")) from None
+        raise Malformed(str(exc) if what else str(exc).removeprefix("-: ")) from None
 
 
 def numeric_metrics(obj: object, keep: Callable[[str], bool] = lambda _k: True) -> dict[str, float]:

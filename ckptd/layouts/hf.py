@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ckptd.errors import Malformed
 from ckptd.layouts import common, dcp
 from ckptd.model import Candidate, Reason, RootOptions, Snapshot
 
@@ -75,7 +76,7 @@ def _candidate(snap: Snapshot, opts: RootOptions, now: float, directory: str, st
 def metrics_of(state: object) -> dict[str, float]:
     """`best_metric`, plus the `eval_*` numbers of the newest `log_history` entry with any."""
     if not isinstance(state, dict):
-        raise ValueError("not a JSON object")
+        raise Malformed("not a JSON object")
     out = common.numeric_metrics({"best_metric": state.get("best_metric")})
     history = state.get("log_history")
     for entry in reversed(history if isinstance(history, list) else []):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd import inputs
-from ckptd.errors import BadInput
+from ckptd.errors import BadInput, Malformed
 from ckptd.layouts import common
 from ckptd.model import Candidate, Reason, RootOptions, Snapshot
 
@@ -124,30 +124,30 @@ def _parse(data: bytes, directory: str, step: int) -> _Meta:
     """The parts of `meta.json` the rule needs; ValueError names what is wrong."""
     obj = common.load_json(data)
     if not isinstance(obj, dict):
-        raise ValueError("not a JSON object")
+        raise Malformed("not a JSON object")
     fmt = obj.get("format")
     if not isinstance(fmt, str) or not fmt.startswith(FORMAT_PREFIX):
-        raise ValueError(f"format {fmt!r} is not {FORMAT_PREFIX}*")
+        raise Malformed(f"format {fmt!r} is not {FORMAT_PREFIX}*")
     listed_step = obj.get("step", step)
     if listed_step != step or isinstance(listed_step, bool):
-        raise ValueError(f"step {listed_step!r} does not match directory step {step}")
+        raise Malformed(f"step {listed_step!r} does not match directory step {step}")
     sizes = _listed_sizes(obj.get("files"), directory)
     return _Meta(sizes=sizes, metrics=common.numeric_metrics(obj.get("metrics")))
 
 
 def _listed_sizes(listing: Any, directory: str) -> dict[str, int]:
     if not isinstance(listing, list):
-        raise ValueError("'files' is not a list")
+        raise Malformed("'files' is not a list")
     sizes: dict[str, int] = {}
     for entry in listing:
         path = entry.get("path") if isinstance(entry, dict) else None
         size = entry.get("size") if isinstance(entry, dict) else None
         if not isinstance(path, str) or not _safe_relative(path):
-            raise ValueError(f"bad file path {path!r}")
+            raise Malformed(f"bad file path {path!r}")
         try:
             sizes[common.join(directory, path)] = inputs.check_int(size, f"size of {path!r}")
         except BadInput as exc:
-            raise ValueError(str(exc)) from None
+            raise Malformed(str(exc)) from None
     return sizes
 
 

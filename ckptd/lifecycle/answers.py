@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from ckptd.errors import BadValue
 from ckptd.model import Local, MetricMode, Remote, State, Tier
 
 # A local copy ckptd can restore from: the original files, or the compressed copy in place.
@@ -119,7 +120,7 @@ def ranked(records: Iterable[R], score: Callable[[R], float | None], mode: Metri
     """The records that `count` and have a finite `score`, best first (lowest for "min");
     a tie goes to the newer step: it carries more training."""
     if mode not in ("min", "max"):
-        raise ValueError(f"metric_mode must be 'min' or 'max', not {mode!r}")
+        raise BadValue(f"metric_mode must be 'min' or 'max', not {mode!r}")
     sign = 1.0 if mode == "min" else -1.0
     scored = [(sign * m, -r.step, r) for r in records
               if counts(r, tier, committed_only) and (m := finite(score(r))) is not None]

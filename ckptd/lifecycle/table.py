@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from ckptd.errors import Signal
 from ckptd.model import Local, Reason, Remote, State
 
 
@@ -122,7 +123,7 @@ class Refusal:
 Outcome = Transition | Refusal
 
 
-class Refused(Exception):
+class Refused(Signal):
     """A (status, event) pair the table refuses; the caller records nothing."""
 
     def __init__(self, source: Status | None, event: Event, reason: str) -> None:

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ckptd import inputs
-from ckptd.errors import CorruptData
+from ckptd.errors import BadValue, CorruptData, Malformed
 
 FORMAT = "ckptd-manifest/1"
 MANIFEST_NAME = "MANIFEST.json"
@@ -83,7 +83,7 @@ def for_node(manifest: Manifest, node: str) -> Manifest:
         return manifest
     parts = {n: a for n, a, _r in manifest.nodes}
     if node not in parts:
-        raise ValueError(f"step {manifest.step} was committed by nodes {sorted(parts)},"
+        raise BadValue(f"step {manifest.step} was committed by nodes {sorted(parts)},"
                          f" not {node!r}")
     records = {r for _n, _a, r in manifest.nodes if r}
     # A node's keys are under `<node>.<attempt>/` (its part's attempt, or an earlier one's
@@ -118,13 +118,13 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     try:
         listed = doc["files"]
         if not isinstance(listed, list):
-            raise ValueError("files is not a list")
+            raise Malformed("files is not a list")
         files = tuple(_file(f) for f in listed)
         distinct_paths(f.path for f in files)
         step = inputs.check_int(doc["step"], "step")
         metrics = doc.get("metrics") or {}
         if not isinstance(metrics, dict):
-            raise ValueError("metrics is not an object")
+            raise Malformed("metrics is not an object")
         return Manifest(root=str(doc["root"]), step=step, layout=str(doc["layout"]),
                         files=files, created=str(doc["created"]),
                         metrics={str(k): inputs.check_float(v, f"metric {k!r}")
@@ -140,7 +140,7 @@ def _file(f: Any) -> StoredFile:
     for p in (path, key):
         parts = p.split("/")
         if p.startswith("/") or "\x00" in p or any(x in ("", ".", "..") for x in parts):
-            raise ValueError(f"unsafe path {p[:200]!r}")
+            raise Malformed(f"unsafe path {p[:200]!r}")
     return StoredFile(path=path, size=inputs.check_int(f["size"], f"size of {path[:200]!r}"),
                       hash=str(f["hash"]), hash_alg=str(f["hash_alg"]), codec=str(f["codec"]),
                       stored_size=inputs.check_int(f["stored_size"],
@@ -154,11 +154,11 @@ def distinct_paths(names: Iterable[str]) -> None:
     paths: set[str] = set()
     for name in names:
         if name in paths:
-            raise ValueError(f"path {name[:200]!r} is named twice")
+            raise Malformed(f"path {name[:200]!r} is named twice")
         paths.add(name)
     for p in paths:
         parts = p.split("/")
         for i in range(1, len(parts)):
             above = "/".join(parts[:i])
             if above in paths:
-                raise ValueError(f"path {above[:200]!r} is also the directory of {p[:200]!r}")
+                raise Malformed(f"path {above[:200]!r} is also the directory of {p[:200]!r}")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import fileio, inputs
-from ckptd.errors import BadInput, UnsafePath
+from ckptd.errors import BadInput, Malformed, UnsafePath
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR
 
@@ -32,7 +32,7 @@ def read_pins(root: Path) -> set[int]:
         doc = _read_beside(root)
         steps = doc.get("steps") if isinstance(doc, dict) and doc.get("format") == FORMAT else None
         if not isinstance(steps, list):
-            raise ValueError("not a ckptd pins file")
+            raise Malformed("not a ckptd pins file")
         return {inputs.check_int(s, f"{path}: a pinned step") for s in steps}
     except FileNotFoundError:
         return set()

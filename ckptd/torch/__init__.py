@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 from ckptd import needs_torch
+from ckptd.errors import BadValue
 
 try:
     import torch
@@ -86,11 +87,11 @@ def save(
                             register=register, root_name=root_name, client=client,
                             timeout=timeout, writer=_nodelocal.save if node_local else None)
     if node_local:
-        raise ValueError("node_local=True saves are blocking only (blocking=True)")
+        raise BadValue("node_local=True saves are blocking only (blocking=True)")
     if if_busy not in ("wait", "skip"):
-        raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+        raise BadValue(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
     if step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step}")
+        raise BadValue(f"step must be a non-negative integer, got {step}")
     if extra is not None:
         _native._check_plain(extra, "extra")
     rank, world = _native._rank_world(rank, world_size)

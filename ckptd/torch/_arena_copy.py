@@ -17,6 +17,8 @@ from typing import Any, cast
 
 import torch
 
+from ckptd.errors import Signal
+
 _torch: Any = torch  # (for the calls torch's stubs leave untyped)
 _DEVICES = ("cpu", "cuda")
 
@@ -77,7 +79,7 @@ class Placeholders:
             raise Unsupported(f"{len(self._pending)} storage records were not recognised")
 
 
-class Unsupported(Exception):
+class Unsupported(Signal):
     """This state cannot go through placeholders; the component is written the plain way.
     An exception, not a return value: it is raised inside `torch.save`'s pickler (the
     persistent-id hook), which only an exception can stop; `_async` catches it around the save."""

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptd.errors import BadInput, CkptdError, ConfigError, NotFound, ValidationFailed
+from ckptd.errors import BadInput, BadValue, CkptdError, ConfigError, NotFound, ValidationFailed
 from ckptd.lifecycle import answers
 from ckptd.model import CKPTD_DIR, Local
 from ckptd.restore import answer
@@ -71,7 +71,7 @@ def load(
     here, else the remote.
     """
     if source not in ("auto", "local", "remote"):
-        raise ValueError(f"source must be 'auto', 'local' or 'remote', not {source!r}")
+        raise BadValue(f"source must be 'auto', 'local' or 'remote', not {source!r}")
     opts = _LoadOpts(map_location, strict, upcast_bf16, assign)
     objs = (model, optimizer, scheduler, scaler, ema)
     name = root_name or Path(path_or_root).resolve().name

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ckptd import arena_write, fileio, inputs
-from ckptd.errors import BadInput, ValidationFailed
+from ckptd.errors import BadInput, BadValue, ValidationFailed
 
 __all__ = ["FORMAT", "Stateful", "save"]  # the blocking writer; ckptd.torch re-exports
 
@@ -75,7 +75,7 @@ def save(
     public `save(node_local=True)` passes ckptd.torch._nodelocal's; needs torch.distributed).
     """
     if step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step}")
+        raise BadValue(f"step must be a non-negative integer, got {step}")
     if extra is not None:
         _check_plain(extra, "extra")
     rank, world = _rank_world(rank, world_size)
@@ -85,7 +85,7 @@ def save(
     head = _meta_head(step, world, metrics, config)  # fail on bad metrics before writing
     parts = _parts(rank, model, optimizer, scheduler, scaler, ema, extra)
     if writer is not None and not _dist_up(world):
-        raise ValueError("node_local=True needs torch.distributed initialised with every rank:"
+        raise BadValue("node_local=True needs torch.distributed initialised with every rank:"
                          " the nodes share no directory to meet in")
     try:
         if writer is not None:
@@ -260,7 +260,7 @@ def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
     rank = dist_rank if rank is None else rank
     world = dist_world if world is None else world
     if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside world_size {world}")
+        raise BadValue(f"rank {rank} is outside world_size {world}")
     return rank, world
 
 
