@@ -220,7 +220,7 @@ class Daemon:
             ok = True
         except ConfigError as exc:
             self.log.error("config_reload_rejected", error=str(exc))
-        except Exception as exc:  # noqa: BLE001 - a bad reload never takes the daemon down
+        except Exception as exc:  # broad: a bad reload never takes the daemon down
             self.log.error("config_reload_rejected", error=f"{type(exc).__name__}: {exc}")
         finally:
             self.metrics.reloaded(ok, self.clock.time())

@@ -148,7 +148,7 @@ class Handler(BaseHTTPRequestHandler):
             status, payload = self._route(method, url.path, query, body)
         except HttpError as err:
             status, payload = err.status, {"error": err.code, "message": err.message}
-        except Exception as exc:  # never let a bug kill the connection thread silently
+        except Exception as exc:  # broad: never let a bug kill the connection thread silently
             get_logger().error("api_error", path=url.path, error=str(exc), exc_info=True)
             status, payload = 500, {"error": "internal", "message": str(exc)}
         self._close_fds()  # a descriptor no handler took is never kept
@@ -400,7 +400,7 @@ class UnixHttpServer:
             handler = self._handler(conn, ("unix", 0), self)
         except OSError:  # the client went away mid-request (reset, broken pipe)
             return False
-        except Exception as exc:  # noqa: BLE001 - a bug answering one client ends its connection
+        except Exception as exc:  # broad: a bug answering one client ends its connection
             get_logger().error("api_error", error=f"{type(exc).__name__}: {exc}", exc_info=True)
             return False
         return not handler.close_connection

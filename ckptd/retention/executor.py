@@ -165,7 +165,7 @@ def _delete_local(
     if on_trashed is not None:
         try:
             on_trashed(item.step, got.entry)
-        except Exception as exc:  # the store did not record it: disk must keep agreeing
+        except Exception as exc:  # broad: the store did not record it: disk must keep agreeing
             return _put_back(log, got, exc)
     try:
         freed = trashcan.purge(got)

@@ -92,7 +92,7 @@ class InPlace:
             if manifest is None:
                 raise FileNotFoundError(f"no local compressed copy of step {step}")
             copies.check_replaceable(root.path, manifest, members)
-        except Exception as exc:
+        except Exception as exc:  # broad: any failure of the checks keeps the originals
             self._failed(root, step, cid, str(exc))
             return None
         return manifest, members

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ckptd.errors import BadValue, Signal
 from ckptd.lifecycle import answers
 from ckptd.retention.planner import Tag
 
@@ -43,7 +44,7 @@ class Guards:
     adopted: frozenset[int] = frozenset()  # adopted, no remote copy, and no --apply
 
 
-class DeleteRefused(Exception):
+class DeleteRefused(Signal):
     """A destructive act refused: by a net, or by a name it may not touch. Never escapes the
     executor: it becomes an Outcome `refused` with this reason."""
 
@@ -90,7 +91,7 @@ def _net_holds(net: str, step: int, g: Guards) -> bool:
         return step not in g.committed
     if net == "invalid":
         return step in g.invalid
-    raise ValueError(f"unknown net {net!r}")
+    raise BadValue(f"unknown net {net!r}")
 
 
 _NET_TAGS = {"newest_committed": str(Tag.LATEST), "not_committed": str(Tag.NOT_UPLOADED),

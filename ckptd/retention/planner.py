@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from ckptd import units
+from ckptd.errors import BadValue
 from ckptd.lifecycle import answers
 from ckptd.model import Local, Remote, State, Tier
 from ckptd.model import MetricMode as MetricMode
@@ -94,7 +95,7 @@ class Rules:
     def __post_init__(self) -> None:
         counts = (self.keep_last, self.keep_best, self.keep_every, self.keep_within or 0)
         if min(counts) < 0:
-            raise ValueError(f"retention rules must not be negative: {self}")
+            raise BadValue(f"retention rules must not be negative: {self}")
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class Disk:
 
     def __post_init__(self) -> None:
         if min(self.free_bytes, self.total_bytes, self.min_free_bytes) < 0:
-            raise ValueError(f"disk sizes must not be negative: {self}")
+            raise BadValue(f"disk sizes must not be negative: {self}")
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,7 @@ def _checked(checkpoints: Iterable[CheckpointView]) -> list[CheckpointView]:
     steps = [v.step for v in views]
     if len(set(steps)) != len(steps):
         # A superseded re-save must not be planned beside its successor.
-        raise ValueError("duplicate steps in retention input")
+        raise BadValue("duplicate steps in retention input")
     return views
 
 

@@ -15,7 +15,7 @@ from stat import S_ISDIR, S_ISLNK, S_ISREG
 from typing import Any
 
 from ckptd import fileio, inputs
-from ckptd.errors import CorruptData
+from ckptd.errors import BadValue, CorruptData
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR
 from ckptd.retention.nets import SYMLINK, UNSAFE_PATH, DeleteRefused
@@ -132,7 +132,7 @@ def file_moves(real_root: Path, names: list[str]) -> Moves:
 def trash_location(real_root: Path, trash_dir: Path) -> Path:
     trash_real = Path(trash_dir).resolve()
     if trash_real == real_root or not _within(real_root, trash_real):
-        raise ValueError(f"trash dir {trash_dir} must be inside the root {real_root}")
+        raise BadValue(f"trash dir {trash_dir} must be inside the root {real_root}")
     return trash_real
 
 

@@ -142,7 +142,7 @@ class Discovery:
             manifests = remote.committed_manifests(backend, name)
             steps = set(manifests)
             added, bad = self._add_unknown(name, backend, manifests)
-        except Exception as exc:  # noqa: BLE001 - a down remote is a warning, not a crash
+        except Exception as exc:  # broad: a down remote is a warning, not a crash
             self.log.warning("remote_list_failed", root=name, error=str(exc))
             return
         finally:

@@ -24,6 +24,7 @@ from ckptd.backends import Backend, ObjectMeta
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.copies import store as copies
+from ckptd.errors import CkptdError
 from ckptd.lifecycle import answers
 from ckptd.lifecycle.changes import Changes
 from ckptd.lifecycle.policy import policy_of
@@ -154,7 +155,7 @@ class Effects:
     def publish(self, root: RootConfig) -> None:
         try:
             self.publisher.publish(root)
-        except Exception as exc:  # a full disk or a lost root must not fail the transition
+        except Exception as exc:  # broad: a full disk or a lost root must not fail the transition
             self.log.warning("latest_write_failed", root=root.name, error=str(exc))
 
     def _copies(self, root: RootConfig, a: Applied) -> None:
@@ -176,7 +177,7 @@ class Effects:
         step is uncommitted. Reads only here: no remote call on the committing thread."""
         try:
             backend = self.backend_for(root)
-        except Exception as exc:  # noqa: BLE001 - a bad remote: the upload stage says why
+        except (CkptdError, OSError) as exc:  # a bad remote: the upload stage says why
             self.log.warning("early_objects_kept", root=root.name, step=step, why=str(exc))
             return
         if backend is None:

@@ -22,13 +22,13 @@ from ckptd.cluster.lease import (
     claim_name,
     valid_token,
 )
-from ckptd.errors import BadInput
+from ckptd.errors import BadInput, CkptdError
 from ckptd.model import CKPTD_DIR, RootError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class LeaseProblem(Exception):
+class LeaseProblem(CkptdError):
     """A root whose lease cannot be looked at or written; the message says why, `kind` which
     of the root's errors it is."""
 

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 
 from ckptd import __version__
 from ckptd.clock import SYSTEM, Clock
-from ckptd.errors import ConfigError
+from ckptd.errors import BadValue, ConfigError
 from ckptd.model import Reason, State
 
 # Stages run from well under a second (a small file) to hours (a 1 TB upload).
@@ -104,7 +104,7 @@ class Metrics:
         """`kind` is read, written or uploaded; `n` is not negative."""
         counter = self.bytes.get(kind)
         if counter is None:
-            raise ValueError(f"byte kind must be one of {BYTE_KINDS}, got {kind!r}")
+            raise BadValue(f"byte kind must be one of {BYTE_KINDS}, got {kind!r}")
         self._roots.add(root)
         counter.labels(root).inc(n)
 

@@ -110,7 +110,7 @@ class SafeTimes:
     def __call__(self, applied: Sequence[Applied]) -> None:
         try:
             self._observe(applied)
-        except Exception as exc:  # a metric must never cost a transition its effects
+        except Exception as exc:  # broad: a metric must never cost a transition its effects
             self.log.warning("metric_failed", metric="ckptd_time_to_safe_seconds",
                              error=str(exc))
         self.then(applied)

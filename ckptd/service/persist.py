@@ -26,7 +26,7 @@ from ckptd import arena
 from ckptd import arena_write as stage
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
-from ckptd.errors import HttpError
+from ckptd.errors import BadValue, HttpError
 from ckptd.log import get_logger
 from ckptd.retention import executor
 from ckptd.retention.views import StoreNets
@@ -187,7 +187,7 @@ class PersistService:
             arena_state = arena.State.PERSISTED
             job.outcome = {"state": "done", "path": written.path, "files": written.files,
                            "seconds": round(self.clock.monotonic() - started, 3)}
-        except Exception as exc:  # noqa: BLE001 - every failure is the save's outcome
+        except Exception as exc:  # broad: every failure is the save's outcome
             arena_state = arena.State.FAILED
             job.outcome = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
             self.log.error("async_save_failed", root=job.req.root, step=job.req.step,
@@ -257,7 +257,7 @@ def _check_access(fd: int) -> None:
     mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
     if mode != os.O_RDWR:
         how = {os.O_RDONLY: "read-only", os.O_WRONLY: "write-only"}.get(mode, f"mode {mode}")
-        raise ValueError(f"the arena descriptor is open {how}; pass the memfd itself (open"
+        raise BadValue(f"the arena descriptor is open {how}; pass the memfd itself (open"
                          " for reading and writing)")
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ckptd.errors import Interrupt
 
-class StageCancelled(BaseException):
+
+class StageCancelled(Interrupt):
     """A stop past its grace period ends a read pass early. A BaseException, so the stage's
     own error handling never records it as a failure; the stage's cleanup (a Stager's abort,
     which removes its staging dir) still runs."""

@@ -16,7 +16,7 @@ from typing import Any
 from ckptd.backends import Backend, ObjectMeta
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
-from ckptd.errors import NotFound, ServiceUnavailable
+from ckptd.errors import CkptdError, InternalError, NotFound, ServiceUnavailable
 from ckptd.log import get_logger
 from ckptd.model import RootError
 from ckptd.retention import executor, planner
@@ -104,7 +104,7 @@ class RetentionService:
             return
         try:
             backend = self.backend_for(root)
-        except Exception as exc:  # noqa: BLE001 - a bad remote: the upload stage says why
+        except (CkptdError, OSError) as exc:  # a bad remote: the upload stage says why
             self.log.warning("early_objects_kept", root=root.name, why=str(exc))
             return
         if backend is None:
@@ -123,7 +123,7 @@ class RetentionService:
         fut: Future[list[Outcome]] = Future()
         with self._mutex:
             if self._loop_thread == threading.get_ident():
-                raise RuntimeError("run_now on the retention thread would wait for itself")
+                raise InternalError("run_now on the retention thread would wait for itself")
             self._waiting.setdefault(root, []).append(fut)
             running = self._loop_thread is not None
         self._wake.set()
@@ -172,7 +172,7 @@ class RetentionService:
     def _enter(self) -> None:
         with self._mutex:
             if self._loop_thread is not None:
-                raise RuntimeError("the retention loop is already running")
+                raise InternalError("the retention loop is already running")
             self._loop_thread = threading.get_ident()
 
     def _leave(self, stopped: bool) -> None:
@@ -236,7 +236,7 @@ class RetentionService:
                 outcomes = self._runner.run(root, delete_adopted=bool(futures))
             finally:
                 self.calls.end("retention")
-        except Exception as exc:  # one root's failure must not stop the others' retention
+        except Exception as exc:  # broad: one root's failure must not stop the others' retention
             try:
                 self.log.error("prune_run_failed", root=name, error=str(exc), exc_info=True)
                 self.store.set_root_error(name, RootError.RETENTION, f"retention: {exc}",

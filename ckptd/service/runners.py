@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar
 from ckptd.backends import Backend
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
-from ckptd.errors import PermanentError
+from ckptd.errors import CkptdError, PermanentError
 from ckptd.lifecycle.policy import policy_of
 from ckptd.lifecycle.table import Stage
 from ckptd.remote.manifest import StoredFile
@@ -95,7 +95,7 @@ class ValidateRunner(StageRunner[Validated]):
             return None
         try:
             return self.crew.backend_for(root)
-        except Exception:  # noqa: BLE001 - a bad remote is the upload stage's error to report
+        except (CkptdError, OSError):  # a bad remote is the upload stage's error to report
             return None
 
     def record(self, done: Done, outcome: Validated) -> Changed | None:

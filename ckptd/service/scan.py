@@ -18,6 +18,7 @@ from typing import Any
 
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
+from ckptd.errors import InternalError
 from ckptd.lifecycle.table import Stall, gives_up
 from ckptd.log import get_logger
 from ckptd.model import Candidate, RootError, Snapshot
@@ -117,7 +118,7 @@ class Scanner:
         self.wake()  # events may have been missed while it was down
         while not stop.wait(WATCH_CHECK_S):
             if not self.watcher.alive():
-                raise RuntimeError("the file watcher's observer thread died")
+                raise InternalError("the file watcher's observer thread died")
         self.watcher.stop()
 
     # -- one scan ----------------------------------------------------------------------------
@@ -126,7 +127,7 @@ class Scanner:
         for root in list(self.roots().values()):
             try:
                 self.scan_root(root)
-            except Exception as exc:  # one root's bad state must not stop the others' scans
+            except Exception as exc:  # broad: one root's bad state must not stop the others' scans
                 self.metrics.error("scan")
                 self.store.set_root_error(root.name, RootError.SCAN, f"scan: {exc}",
                                           self.clock.time())

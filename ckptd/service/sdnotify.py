@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 
+from ckptd.errors import BadValue
+
 SD_LISTEN_FDS_START = 3
 SEND_TIMEOUT_S = 2.0
 
@@ -40,7 +42,7 @@ def format_message(fields: Mapping[str, object]) -> str:
     for key, value in fields.items():
         name = key.upper()
         if not _KEY.match(name):
-            raise ValueError(f"not a sd_notify field name: {key!r}")
+            raise BadValue(f"not a sd_notify field name: {key!r}")
         text = str(value).replace("\r", " ").replace("\n", " ")
         lines.append(f"{name}={text}")
     return "\n".join(lines)

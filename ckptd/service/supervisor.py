@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.clock import SYSTEM, Clock
+from ckptd.errors import InternalError
 from ckptd.log import get_logger
 
 BACKOFF_BASE_S = 0.5
@@ -103,7 +104,7 @@ class Calls:
             if call.progress is not None:
                 try:
                     seen = call.progress()
-                except Exception:  # noqa: BLE001 - a counter that fails shows no progress
+                except Exception:  # broad: a counter that fails shows no progress
                     continue
                 if seen != call.seen:
                     call.seen, call.beat = seen, now
@@ -180,7 +181,7 @@ class Supervisor:
             if svc.halt is not None:
                 try:
                     svc.halt()
-                except Exception as exc:  # a halt that fails must not stop the others
+                except Exception as exc:  # broad: a halt that fails must not stop the others
                     self.log.warning("service_halt_failed", service=svc.name, error=str(exc))
         # A real wait on threads, so on the real clock (a test's clock may stand still).
         deadline = time.monotonic() + timeout
@@ -202,7 +203,7 @@ class Supervisor:
                 svc.run(stop)
                 if stop.is_set():
                     break
-                raise RuntimeError("service returned without being stopped")
+                raise InternalError("service returned without being stopped")
             except BaseException as exc:  # noqa: BLE001 - anything that ends a service
                 if stop.is_set() and isinstance(exc, Exception):
                     break
@@ -227,7 +228,7 @@ class Supervisor:
         if self._on_crash is not None:
             try:
                 self._on_crash(svc.name)
-            except Exception:  # noqa: BLE001 - a metrics hiccup must not stop the restart
+            except Exception:  # broad: a metrics hiccup must not stop the restart
                 pass
 
     # -- calls past their bound ---------------------------------------------------------------
@@ -265,7 +266,7 @@ class Supervisor:
             return
         try:
             self._on_stuck(call, stuck)
-        except Exception as exc:  # noqa: BLE001 - a report that fails must not stop the watch
+        except Exception as exc:  # broad: a report that fails must not stop the watch
             self.log.warning("stuck_report_failed", who=call.who, error=str(exc))
 
     # -- health ------------------------------------------------------------------------------

@@ -10,7 +10,14 @@ from collections.abc import Sequence
 from ckptd.backends import Backend
 from ckptd.config import RootConfig
 from ckptd.copies import store as copies
-from ckptd.errors import CkptdError, CorruptData, ObjectNotFound, PermanentError, TransientError
+from ckptd.errors import (
+    CkptdError,
+    CorruptData,
+    NotFound,
+    ObjectNotFound,
+    PermanentError,
+    TransientError,
+)
 from ckptd.remote import keys as remote
 from ckptd.remote.manifest import Manifest, StoredFile
 from ckptd.retention import executor
@@ -22,7 +29,7 @@ from ckptd.store import Job
 from ckptd.watch import member_stats, stats_fingerprint
 
 
-class CopyMissing(Exception):
+class CopyMissing(NotFound):
     """The local compressed copy the store counts on is gone or is not this row's content: a
     failure, after which the store has the copy made again (`Store.copy_lost`)."""
 

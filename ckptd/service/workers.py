@@ -237,7 +237,7 @@ class Workers:
                          retry_in_s=delay)
                 self.store.defer(job, job.owner, delay, self.clock.time())
                 return
-            except Exception as exc:  # an OS, storage or code failure: retry later, never crash
+            except Exception as exc:  # broad: an OS, storage or code failure: retry, never crash
                 self._failed(job, log, exc)
                 return
             finally:
@@ -363,7 +363,7 @@ class _ClaimRenewer:
         while not self._done.wait(CLAIM_S / 3):
             try:
                 self._store.renew_claim(self._cid, self._owner, self._clock.time(), CLAIM_S)
-            except Exception as exc:  # noqa: BLE001 - the claim then expires; the stage goes on
+            except Exception as exc:  # broad: the claim then expires; the stage goes on
                 get_logger().warning("claim_renew_failed", error=str(exc))
 
 

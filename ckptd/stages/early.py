@@ -135,7 +135,7 @@ class EarlySender:
                 offer = self._queue.popleft()
             try:
                 self._put(offer)
-            except Exception as exc:  # never let one object end the sending silently
+            except Exception as exc:  # broad: never let one object end the sending silently
                 self._stopped.set()
                 get_logger().warning("early_upload_stopped", root=self.root_name,
                                      step=self.step, key=offer.key, error=repr(exc))

@@ -25,7 +25,7 @@ from ckptd.cli.main import main as cli_main
 from ckptd.client import Client
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig, parse_config
-from ckptd.errors import NotFound, ServiceUnavailable, TransientError
+from ckptd.errors import InternalError, NotFound, ServiceUnavailable, TransientError
 from ckptd.lifecycle.changes import Changes
 from ckptd.remote.manifest import Manifest
 from ckptd.retention.outcomes import Outcome
@@ -302,7 +302,7 @@ def test_two_loops_at_once_are_refused(setup: Setup) -> None:
     loop, stop = looping(svc)
     try:
         svc.run_now("r1", timeout=30)  # the loop is surely inside run() now
-        with pytest.raises(RuntimeError, match="already running"):
+        with pytest.raises(InternalError, match="already running"):
             svc.run(threading.Event())
     finally:
         halt(svc, loop, stop)

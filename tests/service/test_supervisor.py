@@ -78,7 +78,7 @@ def test_a_service_that_returns_unasked_is_restarted() -> None:
     sup.add("quits", quits)
     sup.start()
     wait_until(lambda: len(runs) >= 2, what="a restart")
-    assert sup.health()[0]["last_error"] == "RuntimeError: service returned without being stopped"
+    assert sup.health()[0]["last_error"] == "InternalError: service returned without being stopped"
     sup.stop(timeout=5)
 
 
