@@ -11,7 +11,7 @@ import builtins
 from collections.abc import Iterator
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ckptd"
+PACKAGE = Path(__file__).resolve().parents[2] / "ckptd"
 TREE = "errors.py"
 
 # (file under ckptd/, function): why the builtin stays. Kept small; a stale entry fails too.
