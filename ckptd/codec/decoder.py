@@ -14,7 +14,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ckptd.codec import buffers, frame, planes
+from ckptd.codec import buffers, frame, nibbles, planes
 from ckptd.codec.frame import BlockHeader
 from ckptd.codec.nibbles import NibblePlane
 from ckptd.codec.zstdframes import COPY_CHUNK, FrameStream
@@ -95,7 +95,7 @@ class _BlockCoder:
             pos += entry.stored_len
             parts.append(self._plane(entry.method, stored, head.plane_len, f"{where} plane {i}", i))
         rotate = head.transform == frame.TRANSFORM_SIGN_ROTATE
-        planes.merge(parts, head.width, rotate, out[start:end], self.ws)
+        nibbles.merge(parts, head.width, rotate, out[start:end], self.ws)
         top = parts[-1]
         if isinstance(top, NibblePlane) and top.marks != len(top.escapes):
             raise CorruptData(f"{where}: {top.marks} escape marks for {len(top.escapes)} escapes")

@@ -1,14 +1,18 @@
 """Exponent nibbles (plane method 2, docs/FORMAT.md): a top plane as 4-bit offsets from a base.
 
-Owns packing and unpacking only (numpy, no per-element loops); knows nothing of zstd, framing
-or I/O. Nibble 15 marks an escape, whose value is kept in an escape list in element order.
+Owns packing and unpacking only; knows nothing of zstd, framing or I/O. Nibble 15 marks an
+escape, whose value is kept in an escape list in element order. The compiled kernels
+(`kernels.native()`) do the work where they are built; the numpy code here is the reference.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
+from ckptd.codec import kernels, planes
 from ckptd.codec.planes import MERGE_CHUNK, UINT, Plane, Workspace
 
 NIBBLE_ESCAPE = 15
@@ -28,6 +32,12 @@ def pack_nibbles(top: Plane, base: int, ws: Workspace) -> tuple[Plane, Plane]:
 
     An odd count leaves the last high nibble 0. `escapes` are the elements coded as 15, in order.
     """
+    native = kernels.native()
+    if native is not None:
+        pairs = ws.get("nib_pairs", np.uint8, (len(top) + 1) // 2)
+        escapes = ws.get("nib_escapes", np.uint8, len(top))
+        found = native.pack_nibbles(top, base, pairs, escapes)
+        return pairs, escapes[:found].copy()
     sub = ws.get("nib_sub", np.uint8, len(top) + 1)
     sub[: len(top)] = top
     pairs = ws.get("nib_pairs", np.uint8, (len(top) + 1) // 2)
@@ -48,6 +58,12 @@ def split_packed(
     lower = [ws.get(f"plane{i}", np.uint8, count) for i in range(width - 2)]
     lower.append(ws.get("plane_mid", np.uint8, count))
     pairs = ws.get("nib_pairs", np.uint8, (count + 1) // 2)
+    native = kernels.native()
+    if native is not None:
+        body = np.frombuffer(data, dtype=np.uint8, count=count * width)
+        spill = ws.get("nib_escapes", np.uint8, count)
+        found = native.split_packed(body, width, base, lower, pairs, spill)
+        return lower, pairs, spill[:found].copy()
     escapes: list[Plane] = []
     for start in range(0, count, MERGE_CHUNK):
         stop = min(start + MERGE_CHUNK, count)
@@ -140,3 +156,21 @@ def unpack_nibbles(
     """Inverse of `pack_nibbles` in one piece: the top plane (in `ws`) and the 15s it held."""
     plane = NibblePlane(pairs, base, count, escapes)
     return plane.chunk(0, count, ws), plane.marks
+
+
+def merge(
+    parts: Sequence[Plane | NibblePlane], width: int, rotate: bool, out: memoryview, ws: Workspace
+) -> None:
+    """`planes.merge`, with a nibble top plane unpacked by the compiled kernel (in the same
+    pass as the merge) where there is one; `marks` of that plane is set as `chunk` sets it."""
+    top, native = parts[-1], kernels.native()
+    lower = parts[:-1]
+    if (
+        native is None
+        or width == 1
+        or not isinstance(top, NibblePlane)
+        or not all(isinstance(p, np.ndarray) for p in lower)
+    ):
+        planes.merge(parts, width, rotate, out, ws)
+        return
+    top.marks = native.merge_nibbles(lower, top.pairs, top.base, top.escapes, width, rotate, out)

@@ -1,7 +1,9 @@
-"""Byte-plane split and merge for fixed-width elements (numpy, no per-byte Python loops).
+"""Byte-plane split and merge for fixed-width elements.
 
 Owns the layout of planes inside a block (see docs/FORMAT.md, "Planes"); knows nothing of
-compression, framing or I/O. Results live in a caller-owned `Workspace`.
+compression, framing or I/O. Results live in a caller-owned `Workspace`. The compiled kernels
+(`kernels.native()`) do the work where they are built; the numpy code here is the reference
+they match byte for byte, and the path where they are not.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+
+from ckptd.codec import kernels
 
 Plane = npt.NDArray[np.uint8]
 Array = npt.NDArray[Any]
@@ -50,6 +54,12 @@ def split(data: memoryview | bytes, width: int, rotate: bool, ws: Workspace) -> 
     body = np.frombuffer(data, dtype=np.uint8, count=count * width)
     if width == 1:
         return [body]
+    native = kernels.native()
+    if native is not None:
+        names = [f"plane{i}" for i in range(width - 2)] + ["plane_mid", "plane_top"]
+        out = [ws.get(n, np.uint8, count) for n in names]
+        native.split(body, width, rotate, out)
+        return out
     words = body.view(UINT[width])
     planes: list[Plane] = []
     for i in range(width - 2):
@@ -93,6 +103,10 @@ def merge(
     unchunked).
     """
     count = len(planes[0])
+    native = kernels.native()
+    if native is not None and width > 1 and all(isinstance(p, np.ndarray) for p in planes):
+        native.merge(planes, width, rotate, out)
+        return
     words = np.frombuffer(out, dtype=UINT[width] if width > 1 else np.uint8)
     for start in range(0, count, MERGE_CHUNK):
         stop = min(start + MERGE_CHUNK, count)
