@@ -99,21 +99,48 @@ INLINE uint16_t rotr1(uint16_t t) { return (uint16_t)((t >> 1) | (t << 15)); }
 
 /* ---- split: elements into planes (plane i = byte i; the top two bytes rotated) ---- */
 
-INLINE void split_w(const uint8_t *src, uint8_t **p, Py_ssize_t n, const int w, const int rot) {
+/* Pointers copied into restrict locals: stores through uint8_t may alias anything, so without
+ * them the compiler reloads every plane pointer per element and vectorises nothing. */
+#define PLANES(p)                                                                              \
+    uint8_t *restrict p0 = p[0], *restrict p1 = p[1], *restrict p2 = p[w > 2 ? 2 : 0],         \
+                      *restrict p3 = p[w > 2 ? 3 : 0], *restrict p4 = p[w > 4 ? 4 : 0],        \
+                      *restrict p5 = p[w > 4 ? 5 : 0], *restrict p6 = p[w > 4 ? 6 : 0],        \
+                      *restrict p7 = p[w > 4 ? 7 : 0]
+
+INLINE void split_w(const uint8_t *restrict src, uint8_t *const *p, Py_ssize_t n, const int w,
+                    const int rot) {
+    PLANES(p);
     for (Py_ssize_t k = 0; k < n; k++) {
-        uint64_t v = 0;
-        memcpy(&v, src + k * w, w);
-        for (int i = 0; i < w - 2; i++)
-            p[i][k] = (uint8_t)(v >> (8 * i));
-        uint16_t t = (uint16_t)(v >> (8 * w - 16));
+        uint16_t t;
+        if (w == 2) {
+            memcpy(&t, src + 2 * k, 2);
+        } else if (w == 4) {
+            uint32_t v;
+            memcpy(&v, src + 4 * k, 4);
+            p0[k] = (uint8_t)v;
+            p1[k] = (uint8_t)(v >> 8);
+            t = (uint16_t)(v >> 16);
+        } else {
+            uint64_t v;
+            memcpy(&v, src + 8 * k, 8);
+            p0[k] = (uint8_t)v;
+            p1[k] = (uint8_t)(v >> 8);
+            p2[k] = (uint8_t)(v >> 16);
+            p3[k] = (uint8_t)(v >> 24);
+            p4[k] = (uint8_t)(v >> 32);
+            p5[k] = (uint8_t)(v >> 40);
+            t = (uint16_t)(v >> 48);
+        }
         if (rot)
             t = rotl1(t);
-        p[w - 2][k] = (uint8_t)t;
-        p[w - 1][k] = (uint8_t)(t >> 8);
+        uint8_t *restrict lo = w == 2 ? p0 : w == 4 ? p2 : p6;
+        uint8_t *restrict hi = w == 2 ? p1 : w == 4 ? p3 : p7;
+        lo[k] = (uint8_t)t;
+        hi[k] = (uint8_t)(t >> 8);
     }
 }
 
-static void split_any(const uint8_t *src, uint8_t **p, Py_ssize_t n, int w, int rot) {
+static void split_any(const uint8_t *src, uint8_t *const *p, Py_ssize_t n, int w, int rot) {
     if (w == 2)
         rot ? split_w(src, p, n, 2, 1) : split_w(src, p, n, 2, 0);
     else if (w == 4)
@@ -124,22 +151,25 @@ static void split_any(const uint8_t *src, uint8_t **p, Py_ssize_t n, int w, int 
 
 /* ---- merge: planes into elements ---- */
 
-INLINE void merge_w(uint8_t *const *p, uint8_t *out, Py_ssize_t n, const int w, const int rot) {
+INLINE void merge_w(uint8_t *const *p, uint8_t *restrict out, Py_ssize_t n, const int w,
+                    const int rot) {
+    PLANES(p);
+    const uint8_t *restrict lo = w == 2 ? p0 : w == 4 ? p2 : p6;
+    const uint8_t *restrict hi = w == 2 ? p1 : w == 4 ? p3 : p7;
     for (Py_ssize_t k = 0; k < n; k++) {
-        uint16_t t = (uint16_t)(p[w - 2][k] | (p[w - 1][k] << 8));
+        uint16_t t = (uint16_t)(lo[k] | (hi[k] << 8));
         if (rot)
             t = rotr1(t);
-        uint64_t v = (uint64_t)t << (8 * w - 16);
-        for (int i = 0; i < w - 2; i++)
-            v |= (uint64_t)p[i][k] << (8 * i);
         if (w == 2) {
-            uint16_t x = (uint16_t)v;
-            memcpy(out + 2 * k, &x, 2);
+            memcpy(out + 2 * k, &t, 2);
         } else if (w == 4) {
-            uint32_t x = (uint32_t)v;
+            uint32_t x = (uint32_t)t << 16 | (uint32_t)p1[k] << 8 | p0[k];
             memcpy(out + 4 * k, &x, 4);
         } else {
-            memcpy(out + 8 * k, &v, 8);
+            uint64_t x = (uint64_t)t << 48 | (uint64_t)p5[k] << 40 | (uint64_t)p4[k] << 32 |
+                         (uint64_t)p3[k] << 24 | (uint64_t)p2[k] << 16 | (uint64_t)p1[k] << 8 |
+                         p0[k];
+            memcpy(out + 8 * k, &x, 8);
         }
     }
 }
@@ -157,19 +187,26 @@ static void merge_any(uint8_t *const *p, uint8_t *out, Py_ssize_t n, int w, int 
 
 /* Nibbles of `top[0..n)` into pairs (n even, or the last high nibble 0); escaped values are
  * appended to `esc` at `*nesc`. */
-static void pack_chunk(const uint8_t *top, Py_ssize_t n, uint8_t base, uint8_t *pairs,
-                       uint8_t *esc, Py_ssize_t *nesc) {
-    uint8_t nib[CHUNK + 1];
+static void pack_chunk(const uint8_t *restrict top, Py_ssize_t n, uint8_t base,
+                       uint8_t *restrict pairs, uint8_t *restrict esc, Py_ssize_t *nesc) {
+    uint8_t nib[CHUNK + 8];
     uint8_t hit = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
         uint8_t d = (uint8_t)(top[k] - base);
         hit |= d >= 15;
         nib[k] = d < 15 ? d : 15;
     }
-    if (hit) {
-        for (Py_ssize_t k = 0; k < n; k++)
-            if (nib[k] == 15)
-                esc[(*nesc)++] = top[k];
+    if (hit) { /* 8 nibbles (one a byte, each <= 15) at a time: a byte + 1 reaches 16 at 15 */
+        memset(nib + n, 0, 8);
+        for (Py_ssize_t k = 0; k < n; k += 8) {
+            uint64_t x;
+            memcpy(&x, nib + k, 8);
+            if ((x + 0x0101010101010101ULL) & 0x1010101010101010ULL) {
+                for (Py_ssize_t i = k; i < k + 8 && i < n; i++)
+                    if (nib[i] == 15)
+                        esc[(*nesc)++] = top[i];
+            }
+        }
     }
     nib[n] = 0;
     for (Py_ssize_t j = 0; j < (n + 1) / 2; j++)
@@ -178,8 +215,9 @@ static void pack_chunk(const uint8_t *top, Py_ssize_t n, uint8_t base, uint8_t *
 
 /* The top plane's bytes `top[0..n)` from pairs (the i-th 15 met takes esc[i] while the list
  * lasts); returns the 15s met. */
-static Py_ssize_t unpack_chunk(const uint8_t *pairs, Py_ssize_t n, uint8_t base, uint8_t *top,
-                               const uint8_t *esc, Py_ssize_t nesc, Py_ssize_t marks) {
+static Py_ssize_t unpack_chunk(const uint8_t *restrict pairs, Py_ssize_t n, uint8_t base,
+                               uint8_t *restrict top, const uint8_t *restrict esc, Py_ssize_t nesc,
+                               Py_ssize_t marks) {
     Py_ssize_t npairs = n / 2;
     uint16_t spread = (uint16_t)(base * 0x0101);
     for (Py_ssize_t j = 0; j < npairs; j++) {
@@ -190,18 +228,20 @@ static Py_ssize_t unpack_chunk(const uint8_t *pairs, Py_ssize_t n, uint8_t base,
         top[n - 1] = (uint8_t)(base + (pairs[npairs] & 0x0F));
     if (nesc == 0)
         return 0; /* a stray 15 decodes to base + 15; the block checksum rejects it */
-    uint8_t hit = 0;
-    for (Py_ssize_t j = 0; j < (n + 1) / 2; j++)
-        hit |= ((pairs[j] & 0x0F) == 0x0F) | ((pairs[j] & 0xF0) == 0xF0);
-    if (!hit)
-        return 0;
-    Py_ssize_t met = 0;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        uint8_t nib = (k & 1) ? pairs[k >> 1] >> 4 : pairs[k >> 1] & 0x0F;
-        if (nib == 15) {
-            if (marks + met < nesc)
-                top[k] = esc[marks + met];
-            met++;
+    /* 16 nibbles at a time: bit 3 of (x & 7) + 1, and of x, set only at a nibble of 15 */
+    Py_ssize_t met = 0, npairs_all = (n + 1) / 2;
+    for (Py_ssize_t j = 0; j < npairs_all; j += 8) {
+        uint64_t x = 0;
+        memcpy(&x, pairs + j, npairs_all - j < 8 ? (size_t)(npairs_all - j) : 8);
+        if (!(((x & 0x7777777777777777ULL) + 0x1111111111111111ULL) & x & 0x8888888888888888ULL))
+            continue;
+        for (Py_ssize_t k = 2 * j; k < 2 * j + 16 && k < n; k++) {
+            uint8_t nib = (k & 1) ? pairs[k >> 1] >> 4 : pairs[k >> 1] & 0x0F;
+            if (nib == 15) {
+                if (marks + met < nesc)
+                    top[k] = esc[marks + met];
+                met++;
+            }
         }
     }
     return met;

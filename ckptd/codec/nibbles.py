@@ -162,9 +162,11 @@ def merge(
     parts: Sequence[Plane | NibblePlane], width: int, rotate: bool, out: memoryview, ws: Workspace
 ) -> None:
     """`planes.merge`, with a nibble top plane unpacked by the compiled kernel (in the same
-    pass as the merge) where there is one; `marks` of that plane is set as `chunk` sets it."""
+    pass as the merge) where there is one; `marks` of that plane counts the 15s of this merge."""
     top, native = parts[-1], kernels.native()
     lower = parts[:-1]
+    if isinstance(top, NibblePlane):
+        top.marks = 0
     if (
         native is None
         or width == 1
