@@ -2,8 +2,9 @@
 
 Owns the streaming encode/decode API (`encoder`, `decoder`, and `zstdframes` for codec `zstd`
 with its `seektable`), the block index (`index`) and the container format (`frame`; per block
-`blocks`, `planes` and `nibbles`; `buffers` kept between files) (docs/FORMAT.md); does no file
-or network I/O of its own (callers hand it chunks, streams or a fetch function).
+`blocks`, `planes` and `nibbles`, compiled or numpy as `kernels` says; `buffers` kept between
+files) (docs/FORMAT.md); does no file or network I/O of its own (callers hand it chunks,
+streams or a fetch function).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Which byte-plane kernels the codec runs: the compiled ones (`ckptd.codec._planes`, built
-from `_planes.c` at install) or the numpy reference in `planes` and `nibbles`.
+"""Which byte-plane kernels the codec runs: the compiled ones (the extension module built from
+_planes.c at install) or the numpy reference in `planes` and `nibbles`.
 
 Both write the same bytes (tests/test_codec_kernels.py runs both on the same inputs). The
 compiled module is optional: an install without a C compiler has none, and the numpy path
