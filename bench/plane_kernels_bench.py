@@ -5,7 +5,9 @@ Each input file is coded with `zstd-bytegroup` once; then every step runs under 
 turn (CKPTD_CODEC_KERNELS, rounds interleaved so load on the machine hits both alike), timed
 in thread CPU time on one thread. Figures are raw bytes per CPU second, medians of the rounds,
 and the compiled path's ratio to numpy. Both paths' outputs are checked equal.
-Usage: python bench/plane_kernels_bench.py [--rounds 5] [FILE ...]
+With `--threads N`, the whole decode also runs on N threads (compiled path, wall time): one
+object's blocks decoded in parallel, as `decode_stream(..., threads=N)` does.
+Usage: python bench/plane_kernels_bench.py [--rounds 5] [--threads N] [FILE ...]
 """
 
 from __future__ import annotations
@@ -86,6 +88,22 @@ def sizes(data: bytes, path: str) -> dict[str, int]:
             "encode (whole)": len(data), "split + nibble pack (own base)": split}
 
 
+def threads_row(path: str, rounds: int, threads: int) -> None:
+    data = open(path, "rb").read()
+    coded = encode(data)
+    use("c")
+    walls: dict[int, list[float]] = {1: [], threads: []}
+    for _ in range(rounds):
+        for n in walls:
+            t = time.perf_counter()
+            decode_stream("zstd-bytegroup", io.BytesIO(coded), Sink(), threads=n)
+            walls[n].append(time.perf_counter() - t)
+    use("numpy")
+    rate = {n: statistics.median(len(data) / w / 1e9 for w in ws) for n, ws in walls.items()}
+    print(f"| decode, wall, 1 thread / {threads} threads (compiled) | {rate[1]:.2f} | "
+          f"{rate[threads]:.2f} | {rate[threads] / rate[1]:.2f}x |")
+
+
 def run(path: str, rounds: int) -> None:
     data = open(path, "rb").read()
     coded = encode(data)
@@ -116,11 +134,14 @@ def run(path: str, rounds: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("files", nargs="*", default=DEFAULT)
     args = ap.parse_args()
     for path in args.files:
         if os.path.exists(path):
             run(path, args.rounds)
+            if args.threads > 1:
+                threads_row(path, args.rounds, args.threads)
         else:
             print(f"\n{path}: missing (bench/bench_inputs.py writes it)")
 

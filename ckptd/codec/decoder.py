@@ -6,7 +6,9 @@ index, truncation), raising CorruptData that names the block; never more than on
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import BinaryIO
 
@@ -25,10 +27,17 @@ KEEP_CODERS = 4  # idle block decoders kept for decode_block (each holds one blo
 ChunkCallback = Callable[[int], None] | None
 
 
-def decode_stream(codec: str, src: BinaryIO, dst: BinaryIO, chunk_cb: ChunkCallback = None) -> int:
+def decode_stream(
+    codec: str, src: BinaryIO, dst: BinaryIO, chunk_cb: ChunkCallback = None, threads: int = 1
+) -> int:
     """Undo `codec` from `src` into `dst`; returns the bytes written; calls `chunk_cb(n)` per
-    piece written. Raises CorruptData on corruption, truncation or an unknown codec."""
-    decoders = {"none": _copy, "zstd": _zstd_frames, "zstd-bytegroup": _container}
+    piece written. Raises CorruptData on corruption, truncation or an unknown codec.
+
+    With `threads > 1`, the blocks of a `zstd-bytegroup` object are decoded on that many
+    threads (read and written in order on the caller's), at most `threads + 1` blocks held."""
+    if codec == "zstd-bytegroup":
+        return _container(src, dst, chunk_cb or _ignore, threads)
+    decoders = {"none": _copy, "zstd": _zstd_frames}
     if codec not in decoders:
         raise CorruptData(f"unknown codec {codec!r}: cannot decode")
     return decoders[codec](src, dst, chunk_cb or _ignore)
@@ -148,11 +157,18 @@ class _BlockReader(_BlockCoder):
         self.out: planes.Plane = self.ws.get("out", np.uint8, block_size)
 
     def decode(self, src: BinaryIO, head: BlockHeader, index: int, offset: int) -> memoryview:
+        self.read(src, head, index, offset)
+        return self.decode_read(head, index, offset)
+
+    def read(self, src: BinaryIO, head: BlockHeader, index: int, offset: int) -> None:
         where = f"zstd-bytegroup: block {index} (raw offset {offset})"
-        payload = memoryview(self.payload)[: head.stored_len]
-        _read_into(src, payload, f"{where} payload")
+        _read_into(src, memoryview(self.payload)[: head.stored_len], f"{where} payload")
+
+    def decode_read(self, head: BlockHeader, index: int, offset: int) -> memoryview:
+        """Decode the payload `read` left in this reader's buffer."""
+        where = f"zstd-bytegroup: block {index} (raw offset {offset})"
         out = self.out[: head.raw_len].data
-        self.decode_into(head, payload, out, where)
+        self.decode_into(head, memoryview(self.payload)[: head.stored_len], out, where)
         return out
 
 
@@ -236,22 +252,38 @@ def _readinto(src: BinaryIO) -> Callable[[memoryview], int | None]:
     return fallback
 
 
-def _container(src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None]) -> int:
+def _container(src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None], threads: int) -> int:
     block_size, version = frame.parse_file_header(
         _read_exact(src, frame.FILE_HEADER_SIZE, "zstd-bytegroup: file header")
     )
-    reader = _BlockReader(block_size, version)
-    try:
-        return _blocks(src, dst, cb, reader, block_size)
-    finally:
-        buffers.give([reader.slot])
-
-
-def _blocks(
-    src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None], reader: _BlockReader, block_size: int
-) -> int:
-    total = index = 0
+    if threads <= 1:
+        readers = [_BlockReader(block_size, version)]
+    else:
+        readers = [_BlockReader(block_size, version) for _ in range(threads + 1)]
     rows = bytearray()  # the index record this object must end with (version 3)
+    try:
+        heads = _heads(src, block_size, version, rows)
+        if threads <= 1:
+            total = sum(_put(dst, readers[0].decode(src, *h), cb) for h in heads)
+        else:
+            with ThreadPoolExecutor(threads, "ckptd-decode") as pool:
+                total = _in_parallel(src, dst, cb, heads, readers, pool)
+    finally:
+        buffers.give([r.slot for r in readers])
+    if version >= frame.INDEXED:
+        _check_index(src, bytes(rows), block_size, version)
+    if src.read(1):
+        raise CorruptData("zstd-bytegroup: trailing bytes after the end of the object")
+    return total
+
+
+Head = tuple[BlockHeader, int, int]  # header, block index, raw offset
+
+
+def _heads(src: BinaryIO, block_size: int, version: int, rows: bytearray) -> Iterator[Head]:
+    """Each block's checked header, in order; the caller reads the payload before the next.
+    Ends after the end record; appends each block's index entry to `rows`."""
+    total = index = 0
     short = False  # a block of less than block_size raw bytes was read: the encoder's last
     while True:
         where = f"zstd-bytegroup: block {index}"
@@ -259,20 +291,63 @@ def _blocks(
         if frame.is_end(marker):
             rest = _read_exact(src, frame.END_SIZE - 4, "zstd-bytegroup: end record")
             frame.parse_end(marker + rest, index, total)
-            break
+            return
         if short:  # so every block holds a block's worth of output, however small the blocks
             raise CorruptData(f"{where} (raw offset {total}): a block after a short, last one")
         fixed = marker + _read_exact(src, frame.BLOCK_FIXED_SIZE - 4, f"{where} header")
         rest = _read_exact(src, frame.table_size(fixed), f"{where} header")
-        head = frame.parse_block_header(fixed, rest, index, block_size, reader.version)
+        head = frame.parse_block_header(fixed, rest, index, block_size, version)
         short = head.raw_len < block_size
         rows += frame.pack_entry(len(fixed) + len(rest) + head.stored_len, head.raw_len)
-        total += _put(dst, reader.decode(src, head, index, total), cb)
+        yield head, index, total
+        total += head.raw_len
         index += 1
-    if reader.version >= frame.INDEXED:
-        _check_index(src, bytes(rows), block_size, reader.version)
-    if src.read(1):
-        raise CorruptData("zstd-bytegroup: trailing bytes after the end of the object")
+
+
+def _in_parallel(
+    src: BinaryIO,
+    dst: BinaryIO,
+    cb: Callable[[int], None],
+    heads: Iterator[Head],
+    readers: list[_BlockReader],
+    pool: ThreadPoolExecutor,
+) -> int:
+    """Read blocks in order on this thread, decode them on `pool`, write them in order; a
+    reader per block in flight. On any error the blocks before it are still written and the
+    first error in stream order is the one raised, as a decode on one thread would."""
+    free = list(readers)
+    flight: deque[tuple[_BlockReader, Future[memoryview]]] = deque()
+    total = 0
+
+    def retire() -> None:
+        nonlocal total
+        reader, done = flight.popleft()
+        try:
+            total += _put(dst, done.result(), cb)
+        finally:
+            free.append(reader)
+
+    try:
+        while True:
+            if not free:
+                retire()  # an error here leaves only later blocks in flight: not written
+            try:
+                head = next(heads, None)
+                if head is not None:
+                    free[-1].read(src, *head)
+            except BaseException:
+                while flight:
+                    retire()  # the blocks before are written; an error of theirs comes first
+                raise
+            if head is None:
+                break
+            reader = free.pop()
+            flight.append((reader, pool.submit(reader.decode_read, *head)))
+        while flight:
+            retire()
+    finally:
+        for _, done in flight:
+            done.cancel()
     return total
 
 
