@@ -7,7 +7,9 @@ TORCH  := torch==2.13.0
 
 .PHONY: install demo test lint clean bench test-frameworks dist
 
-$(STAMP): pyproject.toml
+# The install compiles the codec's plane kernels in place (ckptd/codec/_planes.c, optional:
+# without a C compiler the numpy path runs), so an edit to them reinstalls.
+$(STAMP): pyproject.toml ckptd/codec/_planes.c
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
 		{ echo "ckptd needs Python 3.11+ (set PYTHON=python3.11)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
@@ -94,4 +96,5 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) $(FWVENV) $(BENCHVENV) dist .demo .pytest_cache .mypy_cache .ruff_cache .cache/azurite
+	rm -rf $(VENV) $(FWVENV) $(BENCHVENV) dist build ckptd/codec/_planes.*.so .demo .pytest_cache \
+		.mypy_cache .ruff_cache .cache/azurite
