@@ -30,10 +30,7 @@
 #define CLONES
 #endif
 
-typedef struct {
-    Py_buffer views[2 * MAX_WIDTH + 4];
-    int held;
-} Buffers;
+typedef struct { Py_buffer views[2 * MAX_WIDTH + 4]; int held; } Buffers; /* the ones held */
 
 static void release(Buffers *b) {
     for (int i = 0; i < b->held; i++)
@@ -98,10 +95,9 @@ static int disjoint(Buffers *b, int first, int count) {
 }
 
 static int check_width(int width) {
-    if (width == 2 || width == 4 || width == 8)
-        return 0;
-    PyErr_Format(PyExc_ValueError, "width %d: the kernels take 2, 4 or 8", width);
-    return -1;
+    if (width != 2 && width != 4 && width != 8)
+        PyErr_Format(PyExc_ValueError, "width %d: the kernels take 2, 4 or 8", width);
+    return width != 2 && width != 4 && width != 8 ? -1 : 0;
 }
 
 INLINE uint16_t rotl1(uint16_t t) { return (uint16_t)((t << 1) | (t >> 15)); }
@@ -127,18 +123,13 @@ INLINE void split_w(const uint8_t *restrict src, uint8_t *const *p, Py_ssize_t n
         } else if (w == 4) {
             uint32_t v;
             memcpy(&v, src + 4 * k, 4);
-            p0[k] = (uint8_t)v;
-            p1[k] = (uint8_t)(v >> 8);
+            p0[k] = (uint8_t)v, p1[k] = (uint8_t)(v >> 8);
             t = (uint16_t)(v >> 16);
         } else {
             uint64_t v;
             memcpy(&v, src + 8 * k, 8);
-            p0[k] = (uint8_t)v;
-            p1[k] = (uint8_t)(v >> 8);
-            p2[k] = (uint8_t)(v >> 16);
-            p3[k] = (uint8_t)(v >> 24);
-            p4[k] = (uint8_t)(v >> 32);
-            p5[k] = (uint8_t)(v >> 40);
+            p0[k] = (uint8_t)v, p1[k] = (uint8_t)(v >> 8), p2[k] = (uint8_t)(v >> 16);
+            p3[k] = (uint8_t)(v >> 24), p4[k] = (uint8_t)(v >> 32), p5[k] = (uint8_t)(v >> 40);
             t = (uint16_t)(v >> 48);
         }
         if (rot)
@@ -196,7 +187,6 @@ CLONES static void merge_any(uint8_t *const *p, uint8_t *out, Py_ssize_t n, int 
 }
 
 /* ---- exponent nibbles ---- */
-
 /* Nibbles of `top[0..n)` into pairs (n even, or the last high nibble 0); escaped values are
  * appended to `esc` at `*nesc`. */
 CLONES static void pack_chunk(const uint8_t *restrict top, Py_ssize_t n, uint8_t base,
@@ -269,11 +259,51 @@ CLONES static Py_ssize_t unpack_chunk(const uint8_t *restrict pairs, Py_ssize_t 
     return met;
 }
 
-/* ---- Python entry points ---- */
+/* Whole buffers, a chunk at a time, the top plane of each chunk held in `top` (in L1). */
 
-PyDoc_STRVAR(split_doc,
-             "split(src, width, rotate, planes): byte i of each of the len(src) // width elements "
-             "into planes[i]; each plane must hold exactly that many bytes.");
+static Py_ssize_t pack_all(const uint8_t *top, Py_ssize_t n, uint8_t base, uint8_t *pairs,
+                           uint8_t *esc) {
+    Py_ssize_t nesc = 0;
+    for (Py_ssize_t at = 0; at < n; at += CHUNK)
+        pack_chunk(top + at, n - at < CHUNK ? n - at : CHUNK, base, pairs + at / 2, esc, &nesc);
+    return nesc;
+}
+
+static Py_ssize_t split_packed_all(const uint8_t *src, uint8_t *const *p, Py_ssize_t n, int w,
+                                   uint8_t base, uint8_t *pairs, uint8_t *esc) {
+    uint8_t top[CHUNK], *q[MAX_WIDTH];
+    Py_ssize_t nesc = 0;
+    for (Py_ssize_t at = 0; at < n; at += CHUNK) {
+        Py_ssize_t m = n - at < CHUNK ? n - at : CHUNK;
+        for (int i = 0; i < w - 1; i++)
+            q[i] = p[i] + at;
+        q[w - 1] = top;
+        split_any(src + at * w, q, m, w, 1);
+        pack_chunk(top, m, base, pairs + at / 2, esc, &nesc);
+    }
+    return nesc;
+}
+
+static Py_ssize_t merge_nibbles_all(uint8_t *const *p, const uint8_t *pairs, uint8_t base,
+                                    const uint8_t *esc, Py_ssize_t nesc, int w, int rot,
+                                    uint8_t *out, Py_ssize_t n) {
+    uint8_t top[CHUNK], *q[MAX_WIDTH];
+    Py_ssize_t marks = 0;
+    for (Py_ssize_t at = 0; at < n; at += CHUNK) {
+        Py_ssize_t m = n - at < CHUNK ? n - at : CHUNK;
+        marks += unpack_chunk(pairs + at / 2, m, base, top, esc, nesc, marks);
+        for (int i = 0; i < w - 1; i++)
+            q[i] = p[i] + at;
+        q[w - 1] = top;
+        merge_any(q, out + at * w, m, w, rot);
+    }
+    return marks;
+}
+
+/* ---- Python entry points: arguments checked, the loops run without the GIL ---- */
+
+PyDoc_STRVAR(split_doc, "split(src, width, rotate, planes): byte i of each of the "
+                        "len(src) // width elements into planes[i], each exactly that long.");
 
 static PyObject *py_split(PyObject *self, PyObject *args) {
     PyObject *src_obj, *seq;
@@ -283,22 +313,18 @@ static PyObject *py_split(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OipO", &src_obj, &width, &rotate, &seq) || check_width(width))
         return NULL;
     Py_buffer *src = take(&b, src_obj, 0);
-    if (src == NULL)
-        goto fail;
-    Py_ssize_t n = src->len / width;
-    if (take_all(&b, seq, width, n, 1, p, "split") || disjoint(&b, 1, width))
-        goto fail;
-    Py_BEGIN_ALLOW_THREADS split_any(src->buf, p, n, width, rotate);
-    Py_END_ALLOW_THREADS release(&b);
-    Py_RETURN_NONE;
-fail:
+    if (src == NULL || take_all(&b, seq, width, src->len / width, 1, p, "split") ||
+        disjoint(&b, 1, width))
+        return release(&b), NULL;
+    PyThreadState *ts = PyEval_SaveThread();
+    split_any(src->buf, p, src->len / width, width, rotate);
+    PyEval_RestoreThread(ts);
     release(&b);
-    return NULL;
+    Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(merge_doc,
-             "merge(planes, width, rotate, out): the inverse of split; `width` planes of equal "
-             "length, `out` exactly width times as long.");
+PyDoc_STRVAR(merge_doc, "merge(planes, width, rotate, out): the inverse of split; `width` "
+                        "planes of equal length, `out` exactly width times as long.");
 
 static PyObject *py_merge(PyObject *self, PyObject *args) {
     PyObject *seq, *out_obj;
@@ -308,28 +334,22 @@ static PyObject *py_merge(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OipO", &seq, &width, &rotate, &out_obj) || check_width(width))
         return NULL;
     Py_buffer *out = take(&b, out_obj, 1);
-    if (out == NULL)
-        goto fail;
-    Py_ssize_t n = out->len / width;
-    if (out->len % width) {
+    if (out != NULL && out->len % width)
         PyErr_Format(PyExc_ValueError, "merge: output of %zd bytes for width %d", out->len,
                      width);
-        goto fail;
-    }
-    if (take_all(&b, seq, width, n, 0, p, "merge") || disjoint(&b, 0, 1))
-        goto fail;
-    Py_BEGIN_ALLOW_THREADS merge_any(p, out->buf, n, width, rotate);
-    Py_END_ALLOW_THREADS release(&b);
-    Py_RETURN_NONE;
-fail:
+    if (out == NULL || PyErr_Occurred() ||
+        take_all(&b, seq, width, out->len / width, 0, p, "merge") || disjoint(&b, 0, 1))
+        return release(&b), NULL;
+    PyThreadState *ts = PyEval_SaveThread();
+    merge_any(p, out->buf, out->len / width, width, rotate);
+    PyEval_RestoreThread(ts);
     release(&b);
-    return NULL;
+    Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(pack_doc,
-             "pack_nibbles(top, base, pairs, escapes) -> count: `top` as exponent nibbles into "
-             "`pairs` ((len(top) + 1) // 2 bytes); the escaped values into the start of "
-             "`escapes` (at least len(top) bytes); returns how many.");
+PyDoc_STRVAR(pack_doc, "pack_nibbles(top, base, pairs, escapes) -> count: `top` as exponent "
+                       "nibbles into `pairs` ((len(top) + 1) // 2 bytes), the escaped values "
+                       "into the start of `escapes` (at least len(top) bytes); how many.");
 
 static PyObject *py_pack(PyObject *self, PyObject *args) {
     PyObject *top_obj, *pairs_obj, *esc_obj;
@@ -340,30 +360,22 @@ static PyObject *py_pack(PyObject *self, PyObject *args) {
     Py_buffer *top = take(&b, top_obj, 0), *pairs = NULL, *esc = NULL;
     if (top == NULL || (pairs = take(&b, pairs_obj, 1)) == NULL ||
         (esc = take(&b, esc_obj, 1)) == NULL)
-        goto fail;
-    Py_ssize_t n = top->len, nesc = 0;
-    if (base < 0 || base > 255 || pairs->len != (n + 1) / 2 || esc->len < n) {
+        return release(&b), NULL;
+    Py_ssize_t n = top->len;
+    if (base < 0 || base > 255 || pairs->len != (n + 1) / 2 || esc->len < n)
         PyErr_SetString(PyExc_ValueError, "pack_nibbles: base, pairs or escapes of a wrong size");
-        goto fail;
-    }
-    if (disjoint(&b, 1, 2))
-        goto fail;
-    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t at = 0; at < n; at += CHUNK) {
-        Py_ssize_t m = n - at < CHUNK ? n - at : CHUNK;
-        pack_chunk((uint8_t *)top->buf + at, m, (uint8_t)base, (uint8_t *)pairs->buf + at / 2,
-                   esc->buf, &nesc);
-    }
-    Py_END_ALLOW_THREADS release(&b);
-    return PyLong_FromSsize_t(nesc);
-fail:
+    if (PyErr_Occurred() || disjoint(&b, 1, 2))
+        return release(&b), NULL;
+    PyThreadState *ts = PyEval_SaveThread();
+    Py_ssize_t nesc = pack_all(top->buf, n, (uint8_t)base, pairs->buf, esc->buf);
+    PyEval_RestoreThread(ts);
     release(&b);
-    return NULL;
+    return PyLong_FromSsize_t(nesc);
 }
 
-PyDoc_STRVAR(split_packed_doc,
-             "split_packed(src, width, base, lower, pairs, escapes) -> count: split(rotate=True) "
-             "with the top plane packed as pack_nibbles would; `lower` are the width - 1 planes "
-             "below the top.");
+PyDoc_STRVAR(split_packed_doc, "split_packed(src, width, base, lower, pairs, escapes) -> count: "
+                               "split(rotate=True) with the top plane packed as pack_nibbles "
+                               "would; `lower` are the width - 1 planes below the top.");
 
 static PyObject *py_split_packed(PyObject *self, PyObject *args) {
     PyObject *src_obj, *seq, *pairs_obj, *esc_obj;
@@ -374,39 +386,25 @@ static PyObject *py_split_packed(PyObject *self, PyObject *args) {
         check_width(width))
         return NULL;
     Py_buffer *src = take(&b, src_obj, 0), *pairs = NULL, *esc = NULL;
-    if (src == NULL)
-        goto fail;
-    Py_ssize_t n = src->len / width, nesc = 0;
-    if (take_all(&b, seq, width - 1, n, 1, p, "split_packed") ||
+    if (src == NULL || take_all(&b, seq, width - 1, src->len / width, 1, p, "split_packed") ||
         (pairs = take(&b, pairs_obj, 1)) == NULL || (esc = take(&b, esc_obj, 1)) == NULL)
-        goto fail;
-    if (base < 0 || base > 255 || pairs->len != (n + 1) / 2 || esc->len < n) {
+        return release(&b), NULL;
+    Py_ssize_t n = src->len / width;
+    if (base < 0 || base > 255 || pairs->len != (n + 1) / 2 || esc->len < n)
         PyErr_SetString(PyExc_ValueError, "split_packed: base, pairs or escapes of a wrong size");
-        goto fail;
-    }
-    if (disjoint(&b, 1, width + 1))
-        goto fail;
-    Py_BEGIN_ALLOW_THREADS uint8_t top[CHUNK];
-    uint8_t *q[MAX_WIDTH];
-    for (Py_ssize_t at = 0; at < n; at += CHUNK) {
-        Py_ssize_t m = n - at < CHUNK ? n - at : CHUNK;
-        for (int i = 0; i < width - 1; i++)
-            q[i] = p[i] + at;
-        q[width - 1] = top;
-        split_any((uint8_t *)src->buf + at * width, q, m, width, 1);
-        pack_chunk(top, m, (uint8_t)base, (uint8_t *)pairs->buf + at / 2, esc->buf, &nesc);
-    }
-    Py_END_ALLOW_THREADS release(&b);
-    return PyLong_FromSsize_t(nesc);
-fail:
+    if (PyErr_Occurred() || disjoint(&b, 1, width + 1))
+        return release(&b), NULL;
+    PyThreadState *ts = PyEval_SaveThread();
+    Py_ssize_t nesc = split_packed_all(src->buf, p, n, width, (uint8_t)base, pairs->buf, esc->buf);
+    PyEval_RestoreThread(ts);
     release(&b);
-    return NULL;
+    return PyLong_FromSsize_t(nesc);
 }
 
 PyDoc_STRVAR(merge_nibbles_doc,
-             "merge_nibbles(lower, pairs, base, escapes, width, rotate, out) -> marks: merge "
-             "with the top plane unpacked from nibble pairs; the i-th 15 takes escapes[i] while "
-             "the list lasts; returns the 15s met (a caller compares it with len(escapes)).");
+             "merge_nibbles(lower, pairs, base, escapes, width, rotate, out) -> marks: merge with "
+             "the top plane unpacked from nibble pairs; the i-th 15 takes escapes[i] while the "
+             "list lasts; returns the 15s met (a caller compares it with len(escapes)).");
 
 static PyObject *py_merge_nibbles(PyObject *self, PyObject *args) {
     PyObject *seq, *pairs_obj, *esc_obj, *out_obj;
@@ -418,36 +416,21 @@ static PyObject *py_merge_nibbles(PyObject *self, PyObject *args) {
         check_width(width))
         return NULL;
     Py_buffer *out = take(&b, out_obj, 1), *pairs = NULL, *esc = NULL;
-    if (out == NULL)
-        goto fail;
-    Py_ssize_t n = out->len / width, marks = 0;
-    if (out->len % width || (pairs = take(&b, pairs_obj, 0)) == NULL ||
+    Py_ssize_t n = out == NULL ? 0 : out->len / width;
+    if (out == NULL || (pairs = take(&b, pairs_obj, 0)) == NULL ||
         (esc = take(&b, esc_obj, 0)) == NULL ||
         take_all(&b, seq, width - 1, n, 0, p, "merge_nibbles"))
-        goto wrong;
-    if (base < 0 || base > 255 || pairs->len != (n + 1) / 2)
-        goto wrong;
-    if (disjoint(&b, 0, 1))
-        goto fail;
-    Py_BEGIN_ALLOW_THREADS uint8_t top[CHUNK];
-    uint8_t *q[MAX_WIDTH];
-    for (Py_ssize_t at = 0; at < n; at += CHUNK) {
-        Py_ssize_t m = n - at < CHUNK ? n - at : CHUNK;
-        marks += unpack_chunk((uint8_t *)pairs->buf + at / 2, m, (uint8_t)base, top, esc->buf,
-                              esc->len, marks);
-        for (int i = 0; i < width - 1; i++)
-            q[i] = p[i] + at;
-        q[width - 1] = top;
-        merge_any(q, (uint8_t *)out->buf + at * width, m, width, rotate);
-    }
-    Py_END_ALLOW_THREADS release(&b);
-    return PyLong_FromSsize_t(marks);
-wrong:
-    if (!PyErr_Occurred())
+        return release(&b), NULL;
+    if (out->len % width || base < 0 || base > 255 || pairs->len != (n + 1) / 2)
         PyErr_SetString(PyExc_ValueError, "merge_nibbles: planes, pairs or output of a wrong size");
-fail:
+    if (PyErr_Occurred() || disjoint(&b, 0, 1))
+        return release(&b), NULL;
+    PyThreadState *ts = PyEval_SaveThread();
+    Py_ssize_t marks = merge_nibbles_all(p, pairs->buf, (uint8_t)base, esc->buf, esc->len, width,
+                                         rotate, out->buf, n);
+    PyEval_RestoreThread(ts);
     release(&b);
-    return NULL;
+    return PyLong_FromSsize_t(marks);
 }
 
 static PyMethodDef methods[] = {
