@@ -392,7 +392,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="rounds; figures are their medians")
     ap.add_argument("--json", default="", help="write the result as JSON here ('-': stdout)")
     args = ap.parse_args()
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE)])
+    # The tree first; then whatever the caller put on the path (a baseline installed aside).
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), *kept])
     workdir = Path(args.workdir)
     inputs, notes = build_inputs(str(workdir), str(args.steps), str(args.random_mb))
     if args.only:
