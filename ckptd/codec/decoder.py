@@ -104,7 +104,10 @@ class _BlockCoder:
             pos += entry.stored_len
             parts.append(self._plane(entry.method, stored, head.plane_len, f"{where} plane {i}", i))
         rotate = head.transform == frame.TRANSFORM_SIGN_ROTATE
-        nibbles.merge(parts, head.width, rotate, out[start:end], self.ws)
+        try:
+            nibbles.merge(parts, head.width, rotate, out[start:end], self.ws)
+        except ValueError as err:  # the kernels' own length checks: planes that do not fit
+            raise CorruptData(f"{where}: {err}") from err
         top = parts[-1]
         if isinstance(top, NibblePlane) and top.marks != len(top.escapes):
             raise CorruptData(f"{where}: {top.marks} escape marks for {len(top.escapes)} escapes")
