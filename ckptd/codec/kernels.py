@@ -14,6 +14,8 @@ import os
 import sys
 from types import ModuleType
 
+from ckptd.errors import BadValue
+
 ENV = "CKPTD_CODEC_KERNELS"
 CHOICES = ("auto", "c", "numpy")
 
@@ -23,7 +25,7 @@ _loaded: tuple[ModuleType | None, str] | None = None
 def _load() -> tuple[ModuleType | None, str]:
     wanted = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if wanted not in CHOICES:
-        raise ValueError(f"{ENV}={wanted!r}: expected one of {', '.join(CHOICES)}")
+        raise BadValue(f"{ENV}={wanted!r}: expected one of {', '.join(CHOICES)}")
     if wanted == "numpy" or sys.byteorder != "little":
         return None, "numpy"
     try:

@@ -18,7 +18,7 @@ from ckptd.codec import decode_stream, kernels, make_encoder, nibbles, planes
 
 native = pytest.importorskip("ckptd.codec._planes", reason="the compiled kernels are not built")
 
-GOLDEN = Path(__file__).parent / "golden" / "codec"
+GOLDEN = Path(__file__).parents[1] / "golden" / "codec"
 LENGTHS = (0, 1, 2, 3, 7, 16, 4095, 4096, 4097, 8193, 1 << 17, (1 << 17) + 3, 300_001)
 
 

@@ -14,7 +14,7 @@ import xxhash
 from ckptd.codec import decode_stream, make_encoder
 from ckptd.errors import CorruptData
 
-GOLDEN = Path(__file__).parent / "golden" / "codec"
+GOLDEN = Path(__file__).parents[1] / "golden" / "codec"
 BLOCK = 1 << 16
 
 
