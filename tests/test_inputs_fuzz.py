@@ -36,7 +36,7 @@ from ckptd.errors import BadInput, BadPart, CorruptData, ValidationFailed
 from ckptd.formats import zipcrc
 from ckptd.model import Candidate, FileInfo, Reason, RootOptions, Snapshot
 from ckptd.remote.manifest import Manifest, StoredFile, parse_manifest
-from ckptd.watch import RootScanner
+from ckptd.watch.scanner import RootScanner
 
 EXAMPLES = int(os.environ.get("CKPTD_FUZZ_EXAMPLES", "200"))
 BOUND_S = 5.0  # any one parse, on the shared CI cores

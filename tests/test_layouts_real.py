@@ -14,7 +14,7 @@ import pytest
 
 from ckptd import layouts
 from ckptd.model import Candidate, FileInfo, RootOptions, Snapshot
-from ckptd.watch import RootScanner
+from ckptd.watch.scanner import RootScanner
 
 SETTLE = 5.0
 

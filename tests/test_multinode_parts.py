@@ -264,7 +264,7 @@ def test_a_share_rewritten_since_validation_is_rescanned_not_sent(tmp_path: Path
     from ckptd.service.jobs import Changed
     from ckptd.service.uploads import validated_mtimes
     from ckptd.store import Job
-    from ckptd.watch import file_fingerprint
+    from ckptd.watch.scanner import file_fingerprint
 
     root = tmp_path / "root"
     (root / "step-7").mkdir(parents=True)

@@ -25,7 +25,7 @@ from writers import save_torch
 from ckptd import arena, layouts
 from ckptd.model import FileInfo, RootOptions, Snapshot
 from ckptd.store import pins
-from ckptd.watch import RootScanner
+from ckptd.watch.scanner import RootScanner
 
 HUGE = "9" * 400  # an integer no float holds: float(10**400) raises OverflowError
 

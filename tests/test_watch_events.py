@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from support.wait import wait_until
 
-from ckptd import inotify
 from ckptd.clock import SYSTEM
-from ckptd.inotify import Inotify
-from ckptd.watch import EventWatcher, OpenFiles
+from ckptd.watch import inotify
+from ckptd.watch.inotify import Inotify
+from ckptd.watch.scanner import OpenFiles
+from ckptd.watch.watcher import open_watcher
 
 
 class _Wakes:
@@ -40,7 +41,7 @@ def test_reads_queue_no_events_and_writes_wake_the_scanner(tmp_path: Path) -> No
     unwanted = inotify.IN_OPEN_ALL
     assert not inotify.MASK & unwanted  # not even queued by the kernel
     wakes = _Wakes()
-    watcher = EventWatcher(wakes, polling=False, poll_interval=1.0)
+    watcher = open_watcher(wakes, polling=False, poll_interval=1.0)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "old.pt").write_bytes(b"x")
     watcher.watch(tmp_path, OpenFiles())

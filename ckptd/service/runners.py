@@ -23,7 +23,7 @@ from ckptd.service.metrics import Metrics
 from ckptd.service.progress import Progress
 from ckptd.stages.upload import UploadResult
 from ckptd.store import Job, Store
-from ckptd.watch import file_fingerprint
+from ckptd.watch.scanner import file_fingerprint
 
 OutcomeT = TypeVar("OutcomeT")  # what a stage's run gives back when it went through
 

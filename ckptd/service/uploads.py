@@ -21,7 +21,7 @@ from ckptd.service.progress import Progress
 from ckptd.stages import parts, records
 from ckptd.stages.upload import UploadResult, delete_step, upload_step
 from ckptd.store import Job
-from ckptd.watch import member_stats, stats_fingerprint
+from ckptd.watch.scanner import member_stats, stats_fingerprint
 
 
 class CopyMissing(Exception):

@@ -34,7 +34,7 @@ from ckptd.service.supervisor import Call, Calls
 from ckptd.service.uploads import CopyMissing
 from ckptd.stages.parts import NotCommitted
 from ckptd.store import Job, Store
-from ckptd.watch import file_fingerprint
+from ckptd.watch.scanner import file_fingerprint
 
 CLAIM_S = 60.0  # a worker's claim on its job lasts this long unless renewed
 # After files changed under a stage, wait for the scanner to see the change before retrying.
