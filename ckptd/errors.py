@@ -6,8 +6,8 @@ caller, never by the command line):
 
 - `ckptd.lifecycle.table.Refused`: the lifecycle table refuses a (status, event) pair; carries
   the `Status` and `Event`. The store records nothing.
-- `ckptd.stages.parts.NotCommitted` (a TransientError): a node's part is written, the step waits
-  for the other nodes' parts; carries the commit `Plan` and the nodes' states.
+- `ckptd.stages.multinode.parts.NotCommitted` (a TransientError): a node's part is written, the
+  step waits for the other nodes' parts; carries the commit `Plan` and the nodes' states.
 - `ckptd.service.jobs` and `ckptd.retention` keep their own stage and run signals.
 
 Not here either, on purpose: `ckptd.client.ClientError` and `DaemonUnavailable`. The client is

@@ -1,5 +1,5 @@
-"""The multi-node upload stage (ckptd.stages.parts) against a real file:// store: the probe
-refuses a store that ignores create-only writes; two nodes' shares commit once, by the
+"""The multi-node upload stage (ckptd.stages.multinode.parts) against a real file:// store: the
+probe refuses a store that ignores create-only writes; two nodes' shares commit once, by the
 coordinator, with both parts; a re-run sends nothing; a node whose part is not in the commit
 is told so; `restore --node` picks a node's files and the record. docs/MULTINODE.md."""
 
@@ -15,7 +15,7 @@ from ckptd.cluster import commit as cc
 from ckptd.errors import BadPart, PermanentError, TransientError
 from ckptd.remote.layout import read_manifest
 from ckptd.remote.manifest import Manifest, StoredFile, for_node
-from ckptd.stages import parts, records
+from ckptd.stages.multinode import parts, records
 
 
 class IgnoresCreateOnly:

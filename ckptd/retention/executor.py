@@ -444,7 +444,7 @@ def replace_remote(
 
 def discard_early(backend: Backend, root_name: str, step: int,
                   sent: Mapping[str, ObjectMeta], *, nets: Nets) -> int:
-    """Delete the objects an early sender put for `step` (`stages.early`) when that save of
+    """Delete the objects an early sender put for `step` (`stages.sending.early`) when that save of
     the step will not commit (invalid, superseded, judged damaged): only while the step is
     uncommitted remotely, and only each object that is still the very one put (same size and
     etag, else mtime). Under the nets' lock like every delete (an uncommitted step has no

@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptd.lifecycle import answers
 from ckptd.model import CheckpointRecord, Tier
-from ckptd.stages.parts import NotCommitted
+from ckptd.stages.multinode.parts import NotCommitted
 
 
 def newest_local(records: list[CheckpointRecord]) -> CheckpointRecord | None:

@@ -20,7 +20,7 @@ from ckptd.remote.manifest import StoredFile
 from ckptd.retention import executor
 from ckptd.service.progress import Progress
 from ckptd.stages import compress
-from ckptd.stages.early import EarlySender
+from ckptd.stages.sending.early import EarlySender
 from ckptd.stages.validate import validate
 from ckptd.store import Job
 
@@ -85,7 +85,7 @@ def run_validate(root: RootConfig, job: Job, progress: Progress, nets: executor.
                  backend: Backend | None = None) -> Validated:
     """Validate, and when the root wants a compressed copy, build it in the same read pass.
     With `backend` (a single-node root that uploads), each object is also sent as soon as it
-    is finished (`stages.early`); the upload stage still verifies and commits."""
+    is finished (`stages.sending.early`); the upload stage still verifies and commits."""
     cand = candidate_of(job, node_share=root.multi_node)
     if cand.invalid_reason:
         return Validated(ValidationResult(False, cand.invalid_reason, cand.invalid_message))

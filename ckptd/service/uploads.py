@@ -1,6 +1,6 @@
 """How the upload stage is called for one claimed job: the local copy checked against the row's
 files, then one node's upload (an earlier save's replaced through the executor) or a multi-node
-share. Records nothing, decides nothing of the commit (`ckptd.stages.parts`).
+share. Records nothing, decides nothing of the commit (`ckptd.stages.multinode.parts`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ckptd.remote.manifest import Manifest, StoredFile
 from ckptd.retention import executor
 from ckptd.service.jobs import Changed
 from ckptd.service.progress import Progress
-from ckptd.stages import parts, records
+from ckptd.stages.multinode import parts, records
 from ckptd.stages.upload import UploadResult, delete_step, upload_step
 from ckptd.store import Job
 from ckptd.watch.scanner import member_stats, stats_fingerprint

@@ -32,7 +32,7 @@ from ckptd.service.progress import Progress, StageCancelled
 from ckptd.service.runners import Crew, Done, Runner, runners
 from ckptd.service.supervisor import Call, Calls
 from ckptd.service.uploads import CopyMissing
-from ckptd.stages.parts import NotCommitted
+from ckptd.stages.multinode.parts import NotCommitted
 from ckptd.store import Job, Store
 from ckptd.watch.scanner import file_fingerprint
 
