@@ -1,0 +1,29 @@
+"""A root's own fields in the state store, beside its checkpoints: its last error (set by
+whichever service failed on it, cleared when that works again) and the latest step it published.
+"""
+
+from __future__ import annotations
+
+from ckptd.store.core import Core
+
+
+class Roots(Core):
+    """A root's last error and its published latest."""
+
+    def set_root_error(self, root: str, error: str, now: float) -> None:
+        with self._tx() as db:
+            self._set_error(db, root, error, now)
+
+    def clear_root_error(self, root: str, *prefixes: str) -> None:
+        """The cause of the root's last error is gone (the stage or scan that failed has
+        since succeeded): status stops showing it."""
+        with self._tx() as db:
+            db.executemany("UPDATE roots SET last_error='', last_error_at=NULL WHERE name=?"
+                           " AND substr(last_error, 1, length(?))=?",
+                           [(root, p, p) for p in prefixes])
+
+    def set_published_latest(self, root: str, step: int | None, doc: str = "") -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO roots (name, latest_step, latest_doc) VALUES (?,?,?)"
+                       " ON CONFLICT(name) DO UPDATE SET latest_step=excluded.latest_step,"
+                       " latest_doc=excluded.latest_doc", (root, step, doc))
