@@ -90,8 +90,7 @@ def run_validate(root: RootConfig, job: Job, progress: Progress, nets: executor.
     if cand.invalid_reason:
         return Validated(ValidationResult(False, cand.invalid_reason, cand.invalid_message))
     if not policy_of(root).wants_copy:
-        return Validated(validate(root.path, cand, **_checks(root),
-                                  extra_sinks=lambda _rel: [progress]))
+        return Validated(validate(root.path, cand, **_checks(root), every_file=[progress]))
     stager = stager_for(root, job, nets)
     if backend is not None and root.upload.enabled and not root.multi_node:
         step = job.checkpoint.step
@@ -99,8 +98,8 @@ def run_validate(root: RootConfig, job: Job, progress: Progress, nets: executor.
             EarlySender(backend, root.name, step, stager.staging, root.upload.concurrency),
             partial(executor.discard_early, backend, root.name, step, nets=nets))
     try:
-        result = validate(root.path, cand, **_checks(root),
-                          extra_sinks=lambda rel: [progress, *stager.sinks_for(rel)])
+        result = validate(root.path, cand, **_checks(root), every_file=[progress],
+                          extra_sinks=stager.sinks_for)
         if not result.valid:
             stager.abort()
             return Validated(result)
@@ -112,8 +111,7 @@ def run_validate(root: RootConfig, job: Job, progress: Progress, nets: executor.
         get_logger().warning("compressed_copy_deferred", root=root.name,
                              step=job.checkpoint.step, error=str(exc))
         progress.done = 0
-        return Validated(validate(root.path, cand, **_checks(root),
-                                  extra_sinks=lambda _rel: [progress]))
+        return Validated(validate(root.path, cand, **_checks(root), every_file=[progress]))
     except BaseException:
         stager.abort()
         raise
@@ -126,8 +124,8 @@ def run_compress(root: RootConfig, job: Job, progress: Progress, nets: executor.
     stager = stager_for(root, job, nets)
     try:
         result = validate(root.path, candidate_of(job, node_share=root.multi_node), deep=False,
-                          trusted=frozenset(root.trusted_globals),
-                          extra_sinks=lambda rel: [progress, *stager.sinks_for(rel)])
+                          trusted=frozenset(root.trusted_globals), every_file=[progress],
+                          extra_sinks=stager.sinks_for)
         if not result.valid:
             stager.abort()
             return Damaged(result)
