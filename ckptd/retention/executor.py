@@ -85,6 +85,17 @@ class Outcome:
                 "reason": self.reason, "bytes_freed": self.bytes_freed}
 
 
+@dataclass(frozen=True)
+class LocalRun:
+    """What `execute_local` did, and what it leaves to its caller. `outcomes`: one per local
+    item of the plan, in its order (a compress item's is `deferred`, reason "compress": a
+    report, what `prune --apply` answers); `compress`: the steps the plan compresses in place,
+    which the caller does (`retention.inplace`), never the executor's local part."""
+
+    outcomes: list[Outcome]
+    compress: tuple[int, ...]
+
+
 
 # --- the plan, carried out -------------------------------------------------------------------
 
@@ -98,27 +109,29 @@ def execute_local(
     *,
     on_trashed: OnTrashed | None = None,
     root: str | None = None,
-) -> list[Outcome]:
+) -> LocalRun:
     """Every local delete of `plan`, oldest first, each through `trash` then `purge`.
 
     `on_trashed(step, entry)` runs between the two so the store records "trashed" before any
     byte is removed; if it raises, the checkpoint is put back and the outcome is `failed`. An
     outcome `trashed` means gone from its place but not yet removed (purge_trash finishes it).
-    Compress items come back as `deferred` (reason "compress"): the caller compresses in place.
+    Compress items are left to the caller (`LocalRun.compress`), which compresses in place.
     """
     log = get_logger(root=root or Path(root_dir).name)
     # A caller bug fails before any move.
     trashcan.trash_location(Path(root_dir).resolve(), trash_dir)
     out: list[Outcome] = []
+    compress: list[int] = []
     with nets.held() as guards:
         for item in plan.items:
             if item.local is Action.COMPRESS:
+                compress.append(item.step)
                 out.append(Outcome(item.step, "local", "deferred", "compress"))
             elif item.local is Action.DELETE:
                 target = targets.get(item.step)
                 out.append(_delete_local(root_dir, item, target, guards, trash_dir, on_trashed,
                                          log))
-    return out
+    return LocalRun(out, tuple(compress))
 
 
 def execute_remote(
