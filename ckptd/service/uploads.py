@@ -98,7 +98,10 @@ def validated_mtimes(root: RootConfig, job: Job, manifest: Manifest
     """Each file's mtime (this node's clock), from the same stat pass that checks the files
     are still the ones validated (the row's fingerprint). The mtimes tie the part to its save
     attempt: read from files a re-save has rewritten since, they would name the re-save's
-    attempt for the earlier save's bytes."""
+    attempt for the earlier save's bytes. A check of its own, not the worker's
+    (`Workers._files_changed`): the upload reads the copy, but a part names the originals'
+    mtimes, and the multi-node commit asks again (`Share.current`) before a node confirms its
+    part and before it writes a commit."""
     stats = member_stats(root.path, dict.fromkeys([*job.files, *(f.path for f in manifest.files)]))
     if (stats_fingerprint(job.files, stats) != job.checkpoint.fingerprint
             or any(f.path not in stats for f in manifest.files)):
