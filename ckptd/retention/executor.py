@@ -87,10 +87,9 @@ class Outcome:
 
 @dataclass(frozen=True)
 class LocalRun:
-    """What `execute_local` did, and what it leaves to its caller. `outcomes`: one per local
-    item of the plan, in its order (a compress item's is `deferred`, reason "compress": a
-    report, what `prune --apply` answers); `compress`: the steps the plan compresses in place,
-    which the caller does (`retention.inplace`), never the executor's local part."""
+    """What `execute_local` did (`outcomes`, in plan order; a compress item's is `deferred`:
+    the report `prune --apply` answers) and the steps it leaves the caller to compress in place
+    (`retention.inplace`)."""
 
     outcomes: list[Outcome]
     compress: tuple[int, ...]

@@ -64,16 +64,16 @@ def validate(
     every_file: Sequence[Sink] = (),
 ) -> ValidationResult:
     """Validate `cand`'s files under `root_dir`. Never raises for a bad checkpoint: the result
-    carries a machine-readable reason. `extra_sinks(rel)` adds sinks (a compressor) to each
-    file's single read pass, and `every_file` sinks (progress) see every file's pass. `deep`
-    also loads torch files and safetensors and rejects NaN/Inf in floating tensors. Valid
-    means every file was also fsynced. `trusted` adds the root's trusted globals to the
-    weights-only allow-list of pickle checks (to which the candidate's layout adds its
-    framework's own, `layouts.trusted_globals`). Raises
-    TooManyFiles (retry later) when the step has more files than the process may open."""
+    carries a machine-readable reason. Each file's single read pass also feeds `every_file`
+    (progress) and `extra_sinks(rel)` (a compressor). `deep` also loads torch files and
+    safetensors and rejects NaN/Inf in floating tensors. Valid means every file was also
+    fsynced. `trusted` adds the root's trusted globals to the weights-only allow-list of pickle
+    checks (to which the candidate's layout adds its framework's own, `layouts.trusted_globals`).
+    Raises TooManyFiles (retry later) when the step has more files than the process may open."""
     if cand.invalid_reason:
         return ValidationResult(False, cand.invalid_reason, cand.invalid_message)
-    run = _Run(Path(root_dir), cand, deep, extra_sinks, trusted, tuple(every_file))
+    extra = extra_sinks or (lambda rel: [])
+    run = _Run(Path(root_dir), cand, deep, lambda rel: [*every_file, *extra(rel)], trusted)
     try:
         run.check()
     except ValidationFailed as exc:
@@ -88,7 +88,7 @@ class _Run:
 
     def __init__(
         self, root: Path, cand: Candidate, deep: bool, extra_sinks: SinkFactory | None,
-        trusted: frozenset[str] = frozenset(), every_file: tuple[Sink, ...] = (),
+        trusted: frozenset[str] = frozenset(),
     ) -> None:
         self.root, self.cand, self.deep = root, cand, deep
         self.trusted = trusted | layouts.trusted_globals(cand.layout)
@@ -96,7 +96,6 @@ class _Run:
         # Plain top-level values of each torch member's pickle (for `cand.rank_files`).
         self.fields: dict[str, dict[str, PlainValue]] = {}
         self.extra_sinks = extra_sinks or (lambda rel: [])
-        self.every_file = every_file
         self.members: list[_Member] = []
         self.dcp_ranges: dict[str, tuple[tuple[int, int], ...]] = {}
         self._fds: list[int] = []
@@ -185,8 +184,7 @@ class _Run:
     def _read(self, m: _Member) -> None:
         hasher = HashSink()
         fmt, after = self._format_sinks(m)
-        sinks = [hasher, *fmt, *self.every_file, *self.extra_sinks(m.rel)]
-        size = fileio.read_pass(m.rel, sinks, fd=m.fd)
+        size = fileio.read_pass(m.rel, [hasher, *fmt, *self.extra_sinks(m.rel)], fd=m.fd)
         if size != m.size:
             raise ValidationFailed(Reason.CHANGED, f"{m.rel} changed while validated", m.rel)
         m.record = FileRecord(m.rel, size, hasher.digest, HASH_ALG)
