@@ -1,5 +1,6 @@
 """A root's own fields in the state store, beside its checkpoints: its last error (set by
 whichever service failed on it, cleared when that works again) and the latest step it published.
+Never touches a checkpoint's row.
 """
 
 from __future__ import annotations
