@@ -146,8 +146,9 @@ class UploadRunner(Runner[UploadResult]):
             return uploads.run_upload(
                 root, job, progress, backend, expected, nets,
                 replace_remote=crew.store.replaced_upload(rec.root, rec.step))
-        known = crew.waiting.known(root.name, root.nodes,
-                                   lambda: uploads.known_nodes(backend, root.name))
+        known = crew.waiting.known(root.name)
+        if len(known) < root.nodes:  # looked up again while not every node is known
+            known = crew.waiting.learn(root.name, uploads.known_nodes(backend, root.name))
         result = uploads.run_share_upload(root, job, progress, backend, expected, crew.node,
                                           known)
         if not isinstance(result, Changed):
