@@ -243,7 +243,7 @@ def environment(server: Any, scratch: Path) -> dict[str, str]:
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPYCACHEPREFIX"] = str(scratch / "pycache")
     subprocess.run([sys.executable, "-c", "import torch, torch.distributed.checkpoint, "
-                    "ckptd.dcp, ckptd.torch, ckptd.remote.step, ckptd.cli.main"], env=env,
+                    "ckptd.dcp, ckptd.torch, ckptd.fetch.step, ckptd.cli.main"], env=env,
                    check=True)
     for aws in (shutil.which("aws", path=env.get("PATH")),):
         if aws:  # the AWS CLI is Python too

@@ -109,9 +109,9 @@ def ckptd_upload(args: argparse.Namespace) -> dict[str, object]:
 
 
 def ckptd_restore(args: argparse.Namespace) -> dict[str, object]:
+    from ckptd.fetch.source import read_remote_manifest
     from ckptd.heap import return_large_buffers
     from ckptd.restore.files import restore_remote
-    from ckptd.restore.source import read_remote_manifest
 
     return_large_buffers()  # as `ckptd restore` does
     started = time.perf_counter()

@@ -57,5 +57,5 @@ def __getattr__(name: str) -> object:
     if name == "open":
         import importlib
 
-        return importlib.import_module("ckptd.remote.openfile").open_remote
+        return importlib.import_module("ckptd.fetch.openfile").open_remote
     raise AttributeError(f"module 'ckptd' has no attribute {name!r}")

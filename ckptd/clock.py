@@ -1,6 +1,9 @@
 """The daemon's clock as one small protocol: wall time and monotonic time. The daemon hands
-`SYSTEM` to the services that judge time (lease, scan settle, discovery); tests hand them a
-clock they move by hand. Imports nothing else of ckptd; never sleeps."""
+`SYSTEM` to every service that judges time (lease, scan settle, discovery, the stage workers,
+retention, persist, the effects hook, start-up recovery, the supervisor's restarts and call
+board, the metrics, the API's holds and registrations); tests hand them a clock they move by
+hand. Imports nothing else of ckptd;
+never sleeps: a service's waits are on its own events, in real time."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The composition root: builds the store, the services and the API from a Config and wires
-them; owns the state-dir lock, signals, startup recovery, reload and graceful stop.
+them; owns the state-dir lock, signals, startup recovery, reload and graceful stop. Whether the
+whole can make progress is `service.health`'s to say.
 
 Decides nothing about checkpoints and runs no loop of its own besides the main thread's
 signal/watchdog beat: every other thread is a service under the supervisor.
@@ -23,12 +24,13 @@ from ckptd.clock import SYSTEM, Clock
 from ckptd.config import Config, RootConfig, check_installed, load_config, needs_restart
 from ckptd.errors import ConfigError
 from ckptd.lifecycle.changes import Changes
+from ckptd.lifecycle.policy import policy_of
 from ckptd.log import get_logger
 from ckptd.service import recovery, sdnotify
 from ckptd.service.discovery import BOUND_S as DISCOVER_S
 from ckptd.service.discovery import Discovery
 from ckptd.service.effects import Effects
-from ckptd.service.jobs import policy_of
+from ckptd.service.health import Health
 from ckptd.service.lease import Leases
 from ckptd.service.metrics import Metrics, MetricsServer
 from ckptd.service.observe import SafeTimes, root_samples, summary
@@ -51,7 +53,9 @@ class Daemon:
                  stage_bounds: Mapping[str, float] | None = None, clock: Clock = SYSTEM) -> None:
         """`backends` gives each root its backend (a BackendCache by default); `stage_bounds`
         how long a stage call may go without progress before it is stuck (stage -> seconds;
-        `workers.STAGE_BOUNDS_S` for the others); `clock` times the lease, scan and discovery."""
+        `workers.STAGE_BOUNDS_S` for the others); `clock` is the one every service reads time
+        from (lease, scan, discovery, workers, retention, persist, effects, recovery, the
+        supervisor's restarts and call board, the metrics, the API)."""
         self.clock = clock
         self.config = config
         self.config_path = config_path
@@ -59,11 +63,11 @@ class Daemon:
         self.lock = StateDirLock(config.daemon.state_dir)
         self._store_factory = store_factory
         self.changes = Changes()
-        self.metrics = Metrics()
+        self.metrics = Metrics(clock=clock)
         self.backends = backends if backends is not None else BackendCache()
         self._stage_bounds = stage_bounds
         self.supervisor = Supervisor(on_crash=lambda name: self.metrics.error(f"service:{name}"),
-                                     on_stuck=self._stuck)
+                                     on_stuck=self._stuck, clock=clock)
         self._stop = threading.Event()
         self.signals = recovery.SignalInbox(self._stop)
         self.notifier = sdnotify.Notifier.from_env(
@@ -85,7 +89,7 @@ class Daemon:
         self.store = store = self._store_factory(cfg.daemon.state_dir / "state.db")
         store.set_policies({r.name: policy_of(r) for r in cfg.roots})
         nets = threading.RLock()  # pins, readers' holds and every delete read the nets under it
-        recovery.recover(store, cfg, nets)
+        recovery.recover(store, cfg, nets, self.clock)
         # The socket before the roots: an unusable socket dir stops the start (exit 78)
         # before this daemon takes any root's lease.
         sock, self._socket_inherited = recovery.listen_socket(cfg.daemon)
@@ -98,20 +102,22 @@ class Daemon:
                                           node=cfg.daemon.node_id, calls=self.supervisor.calls,
                                           nets=nets,
                                           bound_s=(self._stage_bounds or {}).get(
-                                              "retention", RETENTION_S))
+                                              "retention", RETENTION_S), clock=self.clock)
         self.scanner = Scanner(store, acting, lambda: self.config.daemon.scan_interval,
                                cfg.daemon.polling, self.metrics, self.retention.exclusive,
                                may_adopt=leases.fresh, clock=self.clock)
         self.workers = Workers(store, acting, cfg.daemon.workers, self.scanner.wake,
                                self.backends.get, self.metrics, nets=self.retention.nets,
                                node=cfg.daemon.node_id,
-                               calls=self.supervisor.calls, bounds=self._stage_bounds)
+                               calls=self.supervisor.calls, bounds=self._stage_bounds,
+                               clock=self.clock)
         self.discovery = Discovery(store, acting, self.backends.get, self.metrics,
                                    calls=self.supervisor.calls, bound_s=(
                                        self._stage_bounds or {}).get("discover", DISCOVER_S),
                                    clock=self.clock)
         self.effects = Effects(store, acting, self.changes, self.workers, self.retention,
-                               self.scanner, self.retention.nets, self.backends.get)
+                               self.scanner, self.retention.nets, self.backends.get,
+                               clock=self.clock)
         self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention,
                                                       leases.holds, self.clock.time()))
         self.metrics.set_health(lambda: (self.ctx.state() == "degraded",
@@ -122,14 +128,17 @@ class Daemon:
         self.persist = PersistService(store, self.roots, self.scanner.wake,
                                       lambda: self.config.daemon.socket,
                                       lambda: self.config.daemon.socket_group,
-                                      calls=self.supervisor.calls, nets=self.retention.nets)
+                                      calls=self.supervisor.calls, nets=self.retention.nets,
+                                      clock=self.clock)
         self.ctx = ApiContext(store, self.roots, self.changes, self.scanner, self.workers,
                               self.retention, self.discovery, self.supervisor, self.metrics,
-                              leases, self.persist)
+                              leases, self.persist, clock=self.clock)
         self.server = UnixHttpServer(sock, self.ctx)
+        self.health = Health(self.supervisor, self.workers, self.scanner, store, self.ctx,
+                             lambda: self.config.daemon.scan_interval, STOP_GRACE_S)
         self._add_services()
         self.supervisor.start()
-        self._watch_scan()
+        self.health.watch_scan()
         self.log.info("daemon_ready", socket=str(cfg.daemon.socket), roots=sorted(self.roots()),
                       pid=os.getpid(), socket_activated=self._socket_inherited)
         self.notifier.ready(status=self.summary())
@@ -168,8 +177,8 @@ class Daemon:
         last_status = 0.0
         while not self._stop.wait(1.0):
             self._handle_signals()
-            self._check_state()
-            self.watchdog.beat(self.healthy())
+            self.health.check_state()
+            self.watchdog.beat(self.health.healthy())
             if time.monotonic() - last_status >= STATUS_EVERY_S:
                 last_status = time.monotonic()
                 self.notifier.status(self.summary())
@@ -185,37 +194,6 @@ class Daemon:
                 self.workers.flush()
             else:
                 self.log.info("daemon_stopping", signal=signal.Signals(signum).name)
-
-    def _check_state(self) -> None:
-        """A state database deleted or replaced under us: stop acting on the roots at once."""
-        if self.ctx.problem is not None:
-            return
-        why = self.store.lost()
-        if why is None:
-            return
-        self.ctx.problem = f"{why}; ckptd stopped acting on its roots until restarted"
-        self.log.error("state_db_lost", error=why)
-        self.supervisor.stop("lease", "scan", "watch", "discovery", "retention",
-                             *self.workers.names, timeout=STOP_GRACE_S)
-
-    def healthy(self) -> bool:
-        """The daemon as a whole can make progress: every service is up, the scan loop turns
-        and at least one stage worker is free of a stuck call. What the watchdog vouches for:
-        one stuck item is degraded health (`ctx.state`), set aside, never a restart."""
-        stuck = self.workers.stuck()
-        all_stuck = bool(stuck) and len(stuck) >= len(self.workers.names)
-        if all_stuck:
-            self.log.error("all_workers_stuck", workers=stuck)
-        return (self.supervisor.running() and not all_stuck
-                and self.scanner.healthy(self.config.daemon.scan_interval))
-
-    def _watch_scan(self) -> None:
-        """The scan loop as one long call on the board: each turn is a beat; quiet for as long
-        as the watchdog allows (`scanner.healthy`) it is stuck, and health says so. Again at
-        each reload: the bound follows `scan_interval`."""
-        self.supervisor.calls.begin("scan", "scan", "", None,
-                                    2 * self.config.daemon.scan_interval + 60,
-                                    progress=lambda: self.scanner.beat)
 
     def _stuck(self, call: Call, stuck: bool) -> None:
         """A call went past its bound (or moved again): set its item aside."""
@@ -244,7 +222,7 @@ class Daemon:
         except Exception as exc:  # noqa: BLE001 - a bad reload never takes the daemon down
             self.log.error("config_reload_rejected", error=f"{type(exc).__name__}: {exc}")
         finally:
-            self.metrics.reloaded(ok, time.time())
+            self.metrics.reloaded(ok, self.clock.time())
             self.notifier.ready(status=self.summary())
         return ok
 
@@ -258,7 +236,7 @@ class Daemon:
             self.metrics.remove_root(name)
         self.store.set_policies({r.name: policy_of(r) for r in new.roots})
         self.scanner.set_roots(self.roots())
-        self._watch_scan()
+        self.health.watch_scan()
         self.store.retry_now()
         self.log.info("config_reloaded", roots=sorted(self.roots()),
                       added=sorted(set(self.roots()) - old_roots),

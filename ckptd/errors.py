@@ -8,7 +8,9 @@ caller, never by the command line):
   the `Status` and `Event`. The store records nothing.
 - `ckptd.stages.multinode.parts.NotCommitted` (a TransientError): a node's part is written, the
   step waits for the other nodes' parts; carries the commit `Plan` and the nodes' states.
-- `ckptd.service.jobs` and `ckptd.retention` keep their own stage and run signals.
+- `ckptd.service.uploads.CopyMissing`, `ckptd.service.lease_files.LeaseProblem`,
+  `ckptd.retention.nets.Refusal` and `ckptd.stages.multinode.parts.ShareChanged` are their
+  areas' own signals, each caught by its caller in that area.
 
 Not here either, on purpose: `ckptd.client.ClientError` and `DaemonUnavailable`. The client is
 standard library only and imports nothing of ckptd, and this module never imports the client;
@@ -16,7 +18,7 @@ standard library only and imports nothing of ckptd, and this module never import
 
 Private flow signals that stay exceptions, because a callee that is not ckptd's must be unwound
 (a return value cannot cross it): `formats.picklescan._Unsafe` and `formats.dcpmeta._Unsafe`
-(inside a pickle interpreter and `pickle.Unpickler.find_class`), `restore.pipe._Cancelled`
+(inside a pickle interpreter and `pickle.Unpickler.find_class`), `fetch.pipe._Cancelled`
 (inside a backend's `get` writing into the pipe), `torch._arena_copy.Unsupported` (inside
 `torch.save`'s pickler). They never leave their module's caller.
 

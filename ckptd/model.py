@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 
 class State(StrEnum):
@@ -29,6 +29,10 @@ class Remote(StrEnum):
     UPLOADING = "uploading"
     UPLOADED = "uploaded"
     PRUNED = "pruned"
+
+
+# Whether a root's metric is better low or high (`metric_mode` in the config).
+MetricMode = Literal["min", "max"]
 
 
 class Tier(StrEnum):
@@ -54,6 +58,34 @@ class Reason(StrEnum):
     CHANGED = "changed"  # files changed while being validated
 
 
+class RootError(StrEnum):
+    """The kinds of error a root's status shows as `last_error`. The service that meets one sets
+    it by kind with its message; once the cause is gone it clears its own kinds, never another's
+    (the newest error set is the one shown)."""
+
+    SCAN = "scan"  # a scan of the root failed
+    ROOT_MISSING = "root_missing"  # the root's path is not there (the scan and the lease see it)
+    UNREADABLE = "unreadable"  # directories under the root the scan could not read
+    LEASE = "lease"  # the root lease could not be taken or renewed
+    RETENTION = "retention"  # a retention run failed
+    VALIDATE = "validate"  # a stage failed (the upload: also a store that refuses commits)
+    COMPRESS = "compress"
+    UPLOAD = "upload"
+    VALIDATE_STUCK = "validate_stuck"  # a stage's call went past its bound and was set aside
+    COMPRESS_STUCK = "compress_stuck"
+    UPLOAD_STUCK = "upload_stuck"
+
+    @classmethod
+    def of_stage(cls, stage: str, stuck: bool = False) -> RootError:
+        """A stage's failure, or (`stuck`) its call set aside past its bound."""
+        return cls(f"{stage}_stuck" if stuck else stage)
+
+    @classmethod
+    def cleared_by_stage(cls, stage: str) -> tuple[RootError, ...]:
+        """What a stage that went through clears: its failures and its stalls."""
+        return cls.of_stage(stage), cls.of_stage(stage, stuck=True)
+
+
 # Names that never belong to a complete checkpoint (docs/LAYOUTS.md: temporary names).
 TEMP_SUFFIXES = (".tmp", ".partial")
 TEMP_MARKERS = (".orbax-checkpoint-tmp",)
@@ -61,6 +93,15 @@ TEMP_MARKERS = (".orbax-checkpoint-tmp",)
 MAX_STEP = 2**63
 # ckptd's own directory inside each root; never scanned as checkpoint data.
 CKPTD_DIR = ".ckptd"
+# ckptd's own transient names anywhere in a root (temp files, a restore's staging directory).
+OWN_PREFIX = f"{CKPTD_DIR}-"
+
+
+def is_own(rel: str) -> bool:
+    """Is `rel` (a '/'-separated path relative to a root, or one name) ckptd's own: inside a
+    `.ckptd/` directory or named `.ckptd-*`, at any depth? Never checkpoint data: the scanner
+    skips it, no watch is put on it, and its changes never wake the scanner."""
+    return any(part == CKPTD_DIR or part.startswith(OWN_PREFIX) for part in rel.split("/"))
 
 
 @dataclass(frozen=True)
@@ -160,6 +201,9 @@ class Candidate:
     # One node's share of a multi-node save (docs/MULTINODE.md): files its record names that
     # are not here belong to other nodes, and validation does not require them.
     node_share: bool = False
+    # Pending because a member is short of the size its layout's metadata promises (not
+    # because one is missing): the cause a save that never completes is judged invalid by.
+    truncated: bool = False
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 
 from ckptd.lifecycle import answers
 from ckptd.lifecycle.answers import MetricMode
-from ckptd.lifecycle.table import Event, Policy
+from ckptd.lifecycle.table import STATUSES, Event, Policy, Status
 from ckptd.model import Candidate, FileRecord, Local, Remote, State, Tier, ValidationResult
 from ckptd.remote.manifest import Manifest, StoredFile
 from ckptd.store import Found, Store
@@ -210,3 +210,81 @@ def test_the_stores_latest_reads_back_past_newer_rows(tmp_path: Path, remote_onl
     latest_local = store.latest("r", Tier.LOCAL)
     assert latest_local is not None and latest_local.step == 1
     store.close()
+
+
+# -- one rule each: the other places ask these ------------------------------------------------
+
+@pytest.mark.parametrize("status", STATUSES, ids=str)
+def test_store_prefilter_is_in_tier_any(status: Status) -> None:
+    """The store's SQL pre-filter keeps exactly the valid rows `in_tier(ANY)` says have a
+    copy: for every status a row may have."""
+    import sqlite3
+
+    from ckptd.store.reads import ANSWERABLE
+
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE c (state TEXT, local TEXT, remote TEXT)")
+    db.execute("INSERT INTO c VALUES (?,?,?)", (status.state, status.local, status.remote))
+    kept = bool(db.execute(f"SELECT COUNT(*) FROM c WHERE {ANSWERABLE}").fetchone()[0])  # noqa: S608
+    assert kept == (status.state is V and answers.in_tier(status, Tier.ANY))
+
+
+@pytest.mark.parametrize(("local", "remote", "keeps", "needed"), [
+    (PRESENT, NONE, False, ("not_uploaded",)), (PRESENT, UPLOADING, False, ("not_uploaded",)),
+    (PRESENT, UPLOADED, False, ()), (PRESENT, UPLOADED, True, ("compress_older",)),
+    (PRESENT, GONE, True, ("not_uploaded", "compress_older")),
+    (COMPRESSED, UPLOADED, False, ("local",)), (PRUNED, NONE, True, ()),
+])
+def test_copy_needed_by(local: Local, remote: Remote, keeps: bool,
+                        needed: tuple[str, ...]) -> None:
+    assert answers.copy_needed_by(Rec(1, local=local, remote=remote), keeps) == needed
+
+
+@pytest.mark.parametrize("status", [s for s in STATUSES if s.copy], ids=str)
+@pytest.mark.parametrize("keeps", [False, True])
+def test_planner_releases_a_copy_by_the_one_rule(status: Status, keeps: bool) -> None:
+    """The retention plan deletes a copy exactly where `answers.copy_needed_by` (the rule the
+    effects apply after an upload) names nothing that needs it (no reader holds it here)."""
+    from ckptd.retention import planner
+
+    v = planner.CheckpointView(step=1, state=status.state, local=status.local,
+                               remote=status.remote, completed=0.0, bytes=1, copy=True)
+    d = planner._copy_decision(v, planner.Action.KEEP, keeps)
+    needed = answers.copy_needed_by(status, keeps)
+    assert (d.action is planner.Action.DELETE) == (not needed)
+    if status.local is PRESENT:
+        assert tuple(str(t) for t in d.tags) == (needed or ("released",))
+
+
+@pytest.mark.parametrize(("steps_", "usable", "want"), [
+    ([], None, None), ([3, 1, 2], None, 3), ([3, 1, 2], {1, 2}, 2), ([5, 5, 4], {4}, 4),
+    ([2, 1], set(), None),
+])
+def test_newest(steps_: list[int], usable: set[int] | None, want: int | None) -> None:
+    if usable is None:
+        assert answers.newest(steps_) == want
+    else:
+        assert answers.newest(steps_, usable.__contains__) == want
+
+
+def test_newest_asks_from_the_top_only_until_one_passes() -> None:
+    asked: list[int] = []
+    assert answers.newest([1, 4, 2, 3], lambda n: asked.append(n) or n <= 3) == 3
+    assert asked == [4, 3]
+
+
+@pytest.mark.parametrize(("doc", "local", "remote"), [
+    ({"local": "present", "remote": "uploaded"}, PRESENT, UPLOADED),
+    ({"local": "compressed"}, COMPRESSED, NONE),
+    ({"local": ["x"], "remote": "later"}, PRUNED, NONE),
+])
+def test_where_of_a_document(doc: dict[str, object], local: Local, remote: Remote) -> None:
+    assert answers.where_of(doc) == answers.Where(local, remote)
+
+
+@pytest.mark.parametrize("remote", list(Remote))
+def test_committed_and_was_committed(remote: Remote) -> None:
+    r = Rec(1, remote=remote)
+    assert answers.is_committed(r) == (remote is UPLOADED)
+    assert answers.was_committed(r) == (remote in (UPLOADED, GONE))
+    assert answers.is_committed(answers.where_of({"remote": remote.value})) == (remote is UPLOADED)

@@ -38,7 +38,7 @@ from ckptd.backends import (
     wrap_backend,
 )
 from ckptd.backends.base import SMALL_OBJECT_MAX
-from ckptd.backends.local import TMP_MARK
+from ckptd.backends.localfiles import TMP_MARK
 from ckptd.errors import (
     BadInput,
     ObjectExists,

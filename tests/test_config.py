@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from ckptd import layouts
 from ckptd.config import (
     DEFAULT_CONFIG_PATH,
-    LAYOUT_NAMES,
     Config,
     DaemonConfig,
     FreeSpace,
@@ -204,7 +204,7 @@ def test_settle_zero_is_allowed(tmp_path: Path) -> None:
     assert load(tmp_path, MINIMAL_ROOT + "settle = 0\n").root("llm").settle == 0.0
 
 
-@pytest.mark.parametrize("layout", ["auto", *LAYOUT_NAMES])
+@pytest.mark.parametrize("layout", ["auto", *layouts.names()])
 def test_every_layout_name_is_accepted(tmp_path: Path, layout: str) -> None:
     assert load(tmp_path, MINIMAL_ROOT + f'layout = "{layout}"\n').root("llm").layout == layout
 

@@ -87,7 +87,7 @@ def job(tmp_path_factory: pytest.TempPathFactory, worker_id: str
 
 def step_files(url: str, step: int) -> dict[str, Any]:
     """path -> (stored size, the largest stored block) of each file of the step."""
-    from ckptd.remote.step import RemoteStep
+    from ckptd.fetch.step import RemoteStep
 
     found = {}
     with RemoteStep.open(ROOT, step, remote=url) as opened:

@@ -71,21 +71,22 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.retention.trash", "_rename_unless_gone"): "a checkpoint's name moved into the trash",
     ("ckptd.retention.trash", "_put_names_back"): "a trashed name renamed back to a free place",
     # Storage primitives beneath the executor.
-    ("ckptd.backends.local", "LocalBackend.put"): "its own temp file of a failed put",
-    ("ckptd.backends.local", "LocalBackend.delete"): "the file:// delete primitive",
-    ("ckptd.backends.local", "LocalBackend._write_temp"): "its own temp file of a failed write",
+    ("ckptd.backends.localfiles", "put_file"): "its own temp file of a failed put",
+    ("ckptd.backends.localfiles", "delete_file"): "the file:// delete primitive",
+    ("ckptd.backends.localfiles", "_write_temp"): "its own temp file of a failed write",
     ("ckptd.backends.local", "LocalBackend._prune_empty_dirs"): "prefix dirs a delete emptied",
-    ("ckptd.backends.local", "LocalBackend._commit"): "the put primitive: temp renamed in",
-    ("ckptd.backends.local", "LocalBackend._replace_if"): "conditional put: temp renamed in",
-    ("ckptd.backends.local", "_unlink_quietly"): "the backend's own temp and lock files",
-    ("ckptd.backends.local", "_unlink_if_older"): "a crashed put's stale temp file",
+    ("ckptd.backends.localfiles", "_commit"): "the put primitive: temp renamed in",
+    ("ckptd.backends.localfiles", "_replace_if"): "conditional put: temp renamed in",
+    ("ckptd.backends.localfiles", "_unlink_quietly"): "the backend's own temp and lock files",
+    ("ckptd.backends.localfiles", "_unlink_if_older"): "a crashed put's stale temp file",
     ("ckptd.backends.objstore", "ObstoreBackend.delete"): "the object-store delete primitive",
     ("ckptd.backends.wrappers", "RetryingBackend.delete"): "forwards to the wrapped backend",
     ("ckptd.backends.wrappers", "ThrottledBackend.delete"): "forwards to the wrapped backend",
     ("ckptd.backends.wrappers", "LimitedBackend.delete"): "forwards to the wrapped backend",
-    ("ckptd.fileio", "atomic_write_bytes"): "its own temp file, renamed over the file it writes",
-    ("ckptd.fileio", "remove_tree"): "the primitive the trash and the listed places call",
-    ("ckptd.fileio", "_open_dir_or_unlink"): "remove_tree's own step",
+    ("ckptd.fileio.durable", "atomic_write_bytes"):
+        "its own temp file, renamed over the file it writes",
+    ("ckptd.fileio.paths", "remove_tree"): "the primitive the trash and the listed places call",
+    ("ckptd.fileio.paths", "_open_dir_or_unlink"): "remove_tree's own step",
     # The remote-step delete protocol, handed only to the executor.
     ("ckptd.stages.upload", "delete_step"):
         "the remote-step delete protocol; only ever passed to the executor "
@@ -98,18 +99,19 @@ ALLOWED_FUNCTIONS = {
         "a bare Stager's copy renamed in where none is (it never replaces one)",
     ("ckptd.stages.sending.ledger", "Ledger._open"): "the upload ledger's old-format file",
     ("ckptd.stages.multinode.parts", "_probe"): "the create-only probe object it just wrote",
-    ("ckptd.arena_write", "_commit"): "the save's own rendezvous markers",
-    ("ckptd.arena_write", "_swap"):
+    ("ckptd.arena_write", "commit"): "the save's own rendezvous markers (every native writer's)",
+    ("ckptd.arena_write", "swap"):
         "renames the new save in, the earlier save of the step aside (the daemon's writer "
         "calls it inside executor.replace_save, behind its nets, which trashes that one)",
-    ("ckptd.arena_write", "_replace_here"):
+    ("ckptd.arena_write", "replace_here"):
         "the trainer's own earlier save of a step it saves again, in the trainer's process "
         "(ckptd.torch's fallback writer), as ckptd.torch does",
-    ("ckptd.arena_write", "_fresh_dir"): "a stale half-written save dir of the door",
+    ("ckptd.arena_write", "fresh_dir"):
+        "a stale half-written save dir of the door, or of the trainer's own interrupted save",
     ("ckptd.arena_write", "_write_one"): "a file of the save it is writing, written again",
     ("ckptd.remote.layout", "retreat_latest"): "the LATEST pointer object, not a step's bytes",
-    ("ckptd.remote.holds", "sweep_stale"): "readers' hold objects no longer fresh, not a step's",
-    ("ckptd.remote.holds", "_Held.end"): "the reader's own hold object, at the end of its read",
+    ("ckptd.fetch.holds", "sweep_stale"): "readers' hold objects no longer fresh, not a step's",
+    ("ckptd.fetch.holds", "_Held.end"): "the reader's own hold object, at the end of its read",
     ("ckptd.remote.layout", "_swap"): "an unreadable LATEST pointer object, rewritten",
     ("ckptd.service.recovery", "remove_stale_temps"): "ckptd's own temp files",
     ("ckptd.service.lease_files", "retire_claims"): "the root lease's own claim files",
@@ -121,11 +123,8 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.demo", "_reset"): "the demo's own scratch directories, inside ./.demo only",
     ("ckptd.restore.files", "_restore_file"): "restore's own temp file, renamed into the target",
     ("ckptd.restore.files", "all_or_nothing"): "restore's own staging in the target",
-    ("ckptd.restore.pipe", "_attempt"): "restore's own temp file, renamed into the target",
+    ("ckptd.fetch.pipe", "_attempt"): "restore's own temp file, renamed into the target",
     ("ckptd.torch._native", "save"): "the trainer's own failed save dir, in its process",
-    ("ckptd.torch._native", "_commit"): "the trainer's own rendezvous markers",
-    ("ckptd.torch._native", "_swap_in"): "the trainer's own earlier save of the step it saves",
-    ("ckptd.torch._native", "_fresh_dir"): "the trainer's own interrupted save dir",
     ("ckptd.torch._nodelocal", "save"): "the trainer's own rendezvous probes",
     ("ckptd.torch._nodelocal", "_clear"): "what an interrupted save of the trainer left",
 }

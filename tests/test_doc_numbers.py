@@ -16,7 +16,7 @@ from ckptd import inputs
 from ckptd.api import checks, door, server
 from ckptd.codec import frame, seektable, zstdframes
 from ckptd.config import UploadConfig
-from ckptd.remote import holds
+from ckptd.fetch import holds
 from ckptd.service import discovery, persist, supervisor
 
 

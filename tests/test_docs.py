@@ -1,8 +1,10 @@
 """The docs keep up with the code: every log event the daemon emits is listed in
 docs/OPERATIONS.md and every listed one is emitted; links lead to files and headings; the
 modules, services, metrics, stages and names the docs quote exist; DESIGN.md's package map is
-the tree; TESTING.md names the tests that reach into the daemon. Each failure names the doc
-line. Numbers: test_doc_numbers.py; config keys and defaults: test_doc_config.py."""
+the tree, each package's docstring names its modules and no module of another package, and
+the modules docstrings quote exist; TESTING.md names the tests that reach into the daemon.
+Each failure names the doc line. Numbers: test_doc_numbers.py; config keys and defaults:
+test_doc_config.py."""
 
 from __future__ import annotations
 
@@ -318,3 +320,70 @@ def test_tests_wait_on_events_not_the_clock() -> None:
                      f" wait_scans, or say why in SLEEPS_ALLOWED): {bad}")
     stale = sorted(set(SLEEPS_ALLOWED) - {(path, fn) for path, fn, _ in found})
     assert not stale, f"SLEEPS_ALLOWED entries with no sleep left: {stale}"
+
+
+# -- package and module docstrings ---------------------------------------------------------------
+
+def _packages() -> list[Path]:
+    return sorted(p for p in (ROOT / "ckptd").iterdir() if (p / "__init__.py").exists())
+
+
+def _docstring(module: Path) -> str:
+    return ast.get_docstring(ast.parse(module.read_text())) or ""
+
+
+def _defined(module: Path) -> set[str]:
+    """The top-level names a module defines itself (not those it imports)."""
+    return _top_names(module) - {
+        (a.asname or a.name).split(".")[0] for node in ast.parse(module.read_text()).body
+        if isinstance(node, ast.Import | ast.ImportFrom) for a in node.names}
+
+
+def test_package_docstrings_name_their_modules() -> None:
+    """Each package's docstring names every module of the package (as DESIGN.md's package map
+    does), so a module added, split or moved in shows in the package's own description."""
+    unnamed = [f"ckptd/{pkg.name}/{m.name}" for pkg in _packages()
+               for m in sorted(pkg.glob("*.py")) if not m.stem.startswith("_")
+               and not re.search(rf"\b{m.stem}\b", _docstring(pkg / "__init__.py"))]
+    assert not unnamed, f"package docstrings do not name these modules: {unnamed}"
+
+
+def test_modules_a_package_docstring_names_are_there() -> None:
+    """A `name` a package's docstring quotes that is the name of a module elsewhere in ckptd
+    is a module of this package, or a name the package defines (a top-level module, a package
+    or a layout's name is a word of its own): a module that moved away, or never lived here,
+    is not described as this package's."""
+    from ckptd.layouts import names
+
+    ckptd = ROOT / "ckptd"
+    modules = {m.stem for pkg in _packages() for m in pkg.glob("*.py")}
+    own_words = {p.stem for p in ckptd.glob("*.py")} | {p.name for p in _packages()} | set(names())
+    bad = []
+    for pkg in _packages():
+        here = {m.stem for m in pkg.glob("*.py")} | set().union(
+            *(_defined(m) for m in pkg.glob("*.py")))
+        doc = _docstring(pkg / "__init__.py")
+        bad += [f"ckptd/{pkg.name}/__init__.py: `{span}`" for span in SPAN.findall(doc)
+                if span in modules and span not in here | own_words]
+    assert not bad, f"package docstrings name modules that are not the package's: {bad}"
+
+
+def test_module_docstrings_name_modules_that_exist() -> None:
+    """Every `ckptd.x.y` a module's or a package's docstring quotes exists, and so does every
+    `pkg.module` (a package of ckptd, then one of its modules or names): docstrings follow
+    the modules they name when those move."""
+    packages = {p.name for p in _packages()} - {"torch"}  # `torch.save` is PyTorch's as often
+    bad = []
+    for module in sorted((ROOT / "ckptd").rglob("*.py")):
+        for span in SPAN.findall(_docstring(module)):
+            m = re.match(r"^((?:ckptd\.)?[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)", span)
+            if m is None or (ROOT / span).is_file():  # `config.example.toml` is a file
+                continue
+            dotted = m.group(1)
+            if not dotted.startswith("ckptd."):
+                if dotted.split(".")[0] not in packages:
+                    continue
+                dotted = f"ckptd.{dotted}"
+            if not _resolves(dotted):
+                bad.append(f"{module.relative_to(ROOT)}: `{span}`")
+    assert not bad, f"docstrings name modules or names that do not exist: {bad}"

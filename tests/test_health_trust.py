@@ -125,7 +125,7 @@ def test_a_stuck_upload_is_degraded_named_and_set_aside(stalled: Any) -> None:
     save_torch(ckpt / "model_step_2.pt")
     wait_until(lambda: (c.latest("r") or {}).get("step") == 2, timeout=60,
                what="step 2 valid meanwhile")
-    assert d.healthy()
+    assert d.health.healthy()
     assert "stuck" in (c.status()["roots"][0]["last_error"] or "")
     assert not stall.release.is_set()
     # Released: step 1 and step 2 are uploaded and health is ok again.
@@ -143,9 +143,9 @@ def test_the_watchdog_is_starved_only_when_no_worker_is_free(stalled: Any) -> No
     save_torch(ckpt / "model_step_1.pt")
     assert stall.entered.wait(60)
     wait_until(lambda: c.health()["status"] == "degraded", timeout=30, what="degraded")
-    assert not d.healthy()  # its only worker is stuck: the daemon cannot make progress
+    assert not d.health.healthy()  # its only worker is stuck: the daemon cannot make progress
     stall.release.set()
-    wait_until(d.healthy, timeout=60, what="healthy once the call moves")
+    wait_until(d.health.healthy, timeout=60, what="healthy once the call moves")
 
 
 def test_a_quiet_upload_holds_back_its_roots_other_uploads_before_it_is_stuck(

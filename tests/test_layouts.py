@@ -419,6 +419,8 @@ def _check(got: list[Candidate], want: list[E]) -> None:
             assert cand.complete is exp.complete, cand
         assert exp.waiting in cand.waiting_for, cand
         assert cand.complete == (cand.waiting_for == ""), cand
+        # The typed cause a stalled save is given up by: a member short of its promised size.
+        assert cand.truncated == ("to reach" in cand.waiting_for), cand
         assert cand.invalid_reason == exp.invalid, cand
         if exp.path is not None:
             assert cand.path == exp.path, cand
@@ -513,9 +515,9 @@ def test_wants_content(rel: str, layout: str, wanted: bool) -> None:
 
 
 def test_names_and_get() -> None:
-    assert set(layouts.NAMES) == {"native", "registered", "dcp", "split", "ranked", "hf",
+    assert set(layouts.names()) == {"native", "registered", "dcp", "split", "ranked", "hf",
                                   "deepspeed", "megatron", "orbax", "single"}
-    assert all(layouts.get(n).name == n for n in layouts.NAMES)
+    assert all(layouts.get(n).name == n for n in layouts.names())
     with pytest.raises(ValueError, match="unknown layout"):
         layouts.get("nope")
 

@@ -10,9 +10,11 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from support.clock import FakeClock
 
 from ckptd.errors import ConfigError
 from ckptd.service.metrics import Metrics, MetricsServer, RootSample
+from ckptd.service.supervisor import Calls
 
 
 def set_roots(metrics: Metrics, *roots: RootSample) -> None:
@@ -235,3 +237,19 @@ def test_tcp_close_frees_the_port_and_a_taken_port_is_a_config_error() -> None:
         get(port, "/metrics")
     again = m.serve_tcp(("127.0.0.1", port))  # the port is free to bind again
     again.close()
+
+
+def test_a_stuck_calls_seconds_and_the_first_load_are_on_the_daemons_clock() -> None:
+    """The metrics read the clock the daemon gives them: the config load time at start, and a
+    stuck call's quiet seconds as its board measures them (the same clock)."""
+    clock = FakeClock()
+    clock.advance(5000.0)
+    calls = Calls(clock)
+    m = Metrics(process=False, clock=clock)
+    assert value(m, "ckptd_config_last_reload_timestamp_seconds") == clock.time()
+    m.set_health(lambda: (True, calls.stuck()))
+    calls.begin("worker-0", "upload", "r", 7, bound_s=900.0)
+    clock.advance(1000.0)
+    assert value(m, "ckptd_stuck_call_seconds", who="worker-0", stage="upload", root="r",
+                 step="7") == pytest.approx(1000.0)
+    assert value(m, "ckptd_degraded") == 1.0

@@ -67,8 +67,8 @@ def test_a_resave_under_a_compressed_row_is_compressed_again(store_bench: Any) -
 
     from support.ckpts import save_single
 
+    from ckptd.lifecycle.policy import policy_of
     from ckptd.retention.inplace import InPlace
-    from ckptd.service.jobs import policy_of
 
     b = store_bench(roots=[{"name": "r1", "settle": "0s", "retention": {"local": {
         "compress_older": True, "keep_last": 1, "keep_best": 0, "min_free": "0"}}}])

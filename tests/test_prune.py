@@ -26,12 +26,12 @@ from ckptd.model import Local, Remote, State
 from ckptd.remote.manifest import MANIFEST_NAME, step_prefix
 from ckptd.retention.executor import (
     Guards,
-    Outcome,
     Target,
     execute_local,
     execute_remote,
     trash,
 )
+from ckptd.retention.outcomes import Outcome
 from ckptd.retention.planner import (
     Action,
     CheckpointView,

@@ -45,11 +45,11 @@ import ckptd
 from ckptd.backends import Backend, LocalBackend
 from ckptd.backends.base import COPY_CHUNK, SMALL_OBJECT_MAX
 from ckptd.errors import CorruptData, NotFound, ObjectReplaced, PermanentError
+from ckptd.fetch.openfile import RemoteFile
+from ckptd.fetch.source import read_remote_manifest
+from ckptd.fetch.step import RemoteStep
 from ckptd.remote.manifest import step_prefix
-from ckptd.remote.openfile import RemoteFile
-from ckptd.remote.step import RemoteStep
 from ckptd.restore.files import restore_remote
-from ckptd.restore.source import read_remote_manifest
 
 pytest_plugins = ["s3server"]  # fixtures: s3_server, s3_url
 pytestmark = [pytest.mark.timeout(120),
@@ -153,7 +153,7 @@ def read_restore(backend: Backend, kind: Kind, path: str, to: Path) -> None:
 
 
 def manifest_at(backend: Backend, kind: Kind) -> Any:
-    from ckptd.restore.source import read_remote_manifest
+    from ckptd.fetch.source import read_remote_manifest
 
     return read_remote_manifest(backend, kind.root, kind.step)
 

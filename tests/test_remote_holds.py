@@ -28,12 +28,12 @@ from ckptd.backends import Backend, LocalBackend
 from ckptd.backends.base import ObjectMeta, Source
 from ckptd.config import load_config, parse_config
 from ckptd.errors import NotFound, PermanentError
-from ckptd.remote import holds
+from ckptd.fetch import holds
+from ckptd.fetch.openfile import RemoteFile
+from ckptd.fetch.source import read_remote_manifest
+from ckptd.fetch.step import RemoteStep
 from ckptd.remote.layout import is_committed
-from ckptd.remote.openfile import RemoteFile
-from ckptd.remote.step import RemoteStep
 from ckptd.restore.files import restore
-from ckptd.restore.source import read_remote_manifest
 from ckptd.stages.upload import delete_step
 
 pytest_plugins = ["s3server"]  # fixtures: s3_server, s3_url

@@ -446,7 +446,7 @@ def test_a_store_that_stalls_once_the_step_is_open_fails_the_load_in_time(
 
 def test_a_stalled_store_is_tried_attempts_times_in_all(
         behind_proxy: Path, fault_proxy: Any) -> None:
-    from ckptd.remote.step import RemoteStep
+    from ckptd.fetch.step import RemoteStep
 
     fault_proxy.set("stall", count=1000, stall_s=STALL_S)
     with pytest.raises(CkptdError, match="timed out"):

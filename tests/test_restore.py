@@ -25,9 +25,9 @@ from ckptd.backends.base import SMALL_OBJECT_MAX, Source
 from ckptd.config import Config, parse_config
 from ckptd.copies.store import objects_dir
 from ckptd.errors import CorruptData, NotFound, TransientError
+from ckptd.fetch.source import list_remote_steps, read_remote_manifest, resolve_step
 from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
 from ckptd.restore.files import all_or_nothing, restore, restore_remote, tty_progress
-from ckptd.restore.source import list_remote_steps, read_remote_manifest, resolve_step
 
 if TYPE_CHECKING:
     from s3server import S3Server
@@ -69,7 +69,7 @@ class Counting:
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
-        self.url, self.part_size = inner.url, inner.part_size
+        self.url, self.part_size, self.md5_etags = inner.url, inner.part_size, inner.md5_etags
         self.active = self.peak = 0
         self._lock = threading.Lock()
 

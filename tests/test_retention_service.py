@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
+from support.clock import FakeClock
 
 from ckptd.api.documents import ApiContext
 from ckptd.api.door import bind_socket
@@ -22,11 +23,12 @@ from ckptd.backends import Backend, LocalBackend
 from ckptd.backends.base import SMALL_OBJECT_MAX, ObjectMeta, Source
 from ckptd.cli.main import main as cli_main
 from ckptd.client import Client
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig, parse_config
 from ckptd.errors import NotFound, ServiceUnavailable, TransientError
 from ckptd.lifecycle.changes import Changes
 from ckptd.remote.manifest import Manifest
-from ckptd.retention.executor import Outcome
+from ckptd.retention.outcomes import Outcome
 from ckptd.service.discovery import Discovery
 from ckptd.service.metrics import Metrics
 from ckptd.service.retention import RetentionService
@@ -56,6 +58,10 @@ class OverlapRecorder:
     @property
     def part_size(self) -> int:
         return self.inner.part_size
+
+    @property
+    def md5_etags(self) -> bool:
+        return self.inner.md5_etags
 
     def put(self, key: str, src: Source, size: int | None = None, *,
             create_only: bool = False, if_match: str | None = None) -> ObjectMeta:
@@ -111,10 +117,11 @@ class Setup:
         self.backend = OverlapRecorder(LocalBackend(remote))
 
     def service(self, backend_for: Callable[[RootConfig], Backend | None] | None = None,
-                timer_s: float = 60.0, api_timeout: float = 540.0) -> RetentionService:
+                timer_s: float = 60.0, api_timeout: float = 540.0,
+                clock: Clock = SYSTEM) -> RetentionService:
         return RetentionService(self.store, lambda: self.roots,
                                 backend_for or (lambda root: self.backend), timer_s=timer_s,
-                                api_timeout=api_timeout)
+                                api_timeout=api_timeout, clock=clock)
 
 
 @pytest.fixture
@@ -244,6 +251,43 @@ def test_the_supervisor_runs_the_loop_on_its_own_thread(setup: Setup) -> None:
     threads = {t.ident: t.name for t in threading.enumerate()}
     assert "ckptd-retention" not in threads.values()
     assert setup.backend.threads and threading.get_ident() not in setup.backend.threads
+
+def test_a_readers_hold_expires_by_the_daemons_clock(setup: Setup, short_dir: Path) -> None:
+    """A reader's hold, taken through the socket API, keeps its step from the remote deletes
+    until it expires on the clock the API and the retention service are given: an hour's hold
+    lapses when that clock moves an hour, not after an hour of waiting."""
+    clock = FakeClock()
+    svc = setup.service(lambda root: setup.backend.inner, clock=clock)
+    roots = lambda: setup.roots  # noqa: E731
+    metrics = Metrics(process=False, clock=clock)
+    ctx = ApiContext(setup.store, roots, Changes(),
+                     Scanner(setup.store, roots, lambda: 30.0, False, metrics, clock=clock),
+                     Workers(setup.store, roots, 0, lambda: None, lambda root: None, metrics,
+                             nets=svc.nets, clock=clock),
+                     svc, Discovery(setup.store, roots, lambda root: None, clock=clock),
+                     Supervisor(clock=clock), metrics, clock=clock)
+    server = UnixHttpServer(bind_socket(short_dir / "api.sock"), ctx)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    clock.advance(86400)  # a day on: the hold is timed by this clock, not the real one
+    status, _ = Client(short_dir / "api.sock", timeout=10).request(
+        "PUT", "/v1/roots/r1/checkpoints/3/hold?owner=reader-1&ttl=3600")
+    assert status == 200
+    loop, stop = looping(svc)
+
+    def remote_left() -> list[int]:
+        return [r.step for r in setup.store.checkpoints("r1") if r.remote.value == "uploaded"]
+
+    try:
+        svc.run_now("r1", timeout=30)  # the loop's own first run may have gone before it
+        assert remote_left() == [3, 6]
+        clock.advance(3601)
+        svc.run_now("r1", timeout=30)
+        assert remote_left() == [6]
+    finally:
+        halt(svc, loop, stop)
+        server.shutdown()
+        server.server_close()
+
 
 def test_the_dry_run_plan_is_a_read_on_the_callers_thread(setup: Setup) -> None:
     svc = setup.service()  # no loop: planning does not need it

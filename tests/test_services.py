@@ -1,22 +1,29 @@
 """The daemon's services in-process, on real files, a real SQLite store and a real Unix socket:
 latest.json follows every field of the latest, a job whose outcome could not be recorded is
-retried (not lost), a dead file watcher is replaced, a reload retries failed stages at once."""
+retried (not lost), a dead file watcher is replaced, a reload retries failed stages at once;
+the effects hook dates latest.json by the clock it is given."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support import Harness, wait_until
+from support.clock import FakeClock
 from writers import save_torch
 
-from ckptd.config import load_config
+from ckptd.config import load_config, parse_config
 from ckptd.daemon import Daemon
-from ckptd.model import ValidationResult
-from ckptd.store import Job, Store
+from ckptd.lifecycle.changes import Changes
+from ckptd.lifecycle.table import Policy
+from ckptd.model import Candidate, ValidationResult
+from ckptd.service.effects import Effects
+from ckptd.store import Found, Job, Store
 
 
 @pytest.fixture
@@ -148,3 +155,40 @@ def test_the_tcp_listener_and_the_socket_give_the_same_numbers_from_the_first_sc
         assert sock == tcp
     finally:
         h.daemon.stop(grace=5)
+
+
+class _Wakes:
+    def __init__(self) -> None:
+        self.wakes = 0
+
+    def wake(self) -> None:
+        self.wakes += 1
+
+    def request(self, root: str) -> None:
+        self.wakes += 1
+
+    def discard_early(self, root: str, step: int, sent: object) -> None:
+        raise AssertionError("nothing was sent early")
+
+
+def test_the_effects_date_latest_json_by_their_clock(tmp_path: Path) -> None:
+    """latest.json's `updated` is the time on the effects hook's clock when the transition's
+    publish effect ran: a clock moved ten days on dates it ten days on."""
+    (tmp_path / "r").mkdir()
+    cfg = parse_config({"daemon": {"state_dir": str(tmp_path / "state"),
+                                   "socket": str(tmp_path / "s")},
+                        "roots": [{"name": "r", "path": str(tmp_path / "r")}]}, tmp_path)
+    store = Store(tmp_path / "state.db")
+    store.set_policies({"r": Policy()})
+    clock, wakes = FakeClock(), _Wakes()
+    clock.advance(10 * 86400)
+    store.set_on_commit(Effects(store, lambda: {r.name: r for r in cfg.roots}, Changes(), wakes,
+                                wakes, wakes, threading.RLock(), lambda _root: None,
+                                clock=clock))
+    store.sync_root("r", [Found(Candidate("single", 1, "a.pt", ("a.pt",), True), "fp")],
+                    clock.time())
+    doc = json.loads((tmp_path / "r" / ".ckptd" / "latest.json").read_text())
+    assert doc["updated"] == datetime.fromtimestamp(clock.time(), UTC).isoformat(
+        timespec="seconds")
+    assert wakes.wakes > 0  # the same transition woke the workers
+    store.close()

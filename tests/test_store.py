@@ -10,7 +10,16 @@ import pytest
 
 from ckptd.errors import StateUnusable
 from ckptd.lifecycle.table import Event, Policy
-from ckptd.model import Candidate, FileRecord, Local, Remote, State, Tier, ValidationResult
+from ckptd.model import (
+    Candidate,
+    FileRecord,
+    Local,
+    Remote,
+    RootError,
+    State,
+    Tier,
+    ValidationResult,
+)
 from ckptd.remote.manifest import StoredFile
 from ckptd.store import MIGRATIONS, Found, Store
 
@@ -89,6 +98,56 @@ def test_schema_4_upgrades_work_leases_to_claims(tmp_path: Path) -> None:
     assert job is not None and job.checkpoint.step == 3 and job.stage == "validate"
     assert s.in_use("r", 2.0) == frozenset({3})
 
+
+
+def test_root_error_is_cleared_by_its_kind_only(store: Store) -> None:
+    """A root's last error is set with its kind and cleared only by that kind: a scan that
+    went through never clears an upload's failure, whatever the messages say."""
+    store.set_root_error("r", RootError.UPLOAD, "scan: looks like a scan's", 1.0)
+    store.clear_root_error("r", RootError.SCAN, RootError.UNREADABLE, RootError.ROOT_MISSING)
+    assert store.root_info("r")["last_error"] == "scan: looks like a scan's"
+    store.clear_root_error("r", *RootError.cleared_by_stage("upload"))
+    assert store.root_info("r")["last_error"] == ""
+    assert store.root_info("r")["last_error_at"] is None
+    store.set_root_error("r", RootError.of_stage("upload", stuck=True), "stuck", 2.0)
+    store.clear_root_error("r", RootError.UPLOAD)
+    assert store.root_info("r")["last_error"] == "stuck"
+    store.clear_root_error("r", *RootError.cleared_by_stage("upload"))
+    assert store.root_info("r")["last_error"] == ""
+
+
+def test_failed_stage_sets_its_kind(store: Store) -> None:
+    store.sync_root("r", [found(1)], 1.0)
+    job = store.claim("me", 10.0, 60)
+    assert job is not None
+    store.fail_attempt(job, "me", "validate: OSError: boom", 10.0)
+    store.clear_root_error("r", RootError.of_stage("validate", stuck=True))
+    assert store.root_info("r")["last_error"] == "validate: OSError: boom"
+    store.clear_root_error("r", RootError.of_stage("validate"))
+    assert store.root_info("r")["last_error"] == ""
+
+
+@pytest.mark.parametrize(("message", "kind"), [
+    ("validate: stuck: 5 min; set aside", RootError.VALIDATE_STUCK),
+    ("upload: OSError: boom", RootError.UPLOAD), ("retention: x", RootError.RETENTION),
+    ("scan: x", RootError.SCAN), ("could not read ['a']", RootError.UNREADABLE),
+    ("root path /x does not exist", RootError.ROOT_MISSING),
+    ("lease: root path /x became a symlink", RootError.LEASE),
+])
+def test_schema_5_errors_get_their_kind(tmp_path: Path, message: str, kind: RootError) -> None:
+    """An error recorded before kinds were kept is cleared by its kind after the upgrade."""
+    db = sqlite3.connect(tmp_path / "s.db", isolation_level=None)
+    for i, script in enumerate(MIGRATIONS[:5]):
+        db.executescript(f"BEGIN; {script}; PRAGMA user_version = {i + 1}; COMMIT;")
+    db.execute("INSERT INTO roots (name, last_error, last_error_at) VALUES ('r', ?, 1.0)",
+               (message,))
+    db.close()
+    s = Store(tmp_path / "s.db")
+    others = [k for k in RootError if k is not kind]
+    s.clear_root_error("r", *others)
+    assert s.root_info("r")["last_error"] == message
+    s.clear_root_error("r", kind)
+    assert s.root_info("r")["last_error"] == ""
 
 def test_pending_then_complete_then_valid(store: Store) -> None:
     ch = store.sync_root("r", [found(5, complete=False)], 1.0)

@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 import structlog
 from support import wait_until
+from support.clock import FakeClock
 from support.config import render_config
 from writers import save_torch
 
 from ckptd.client import Client
 from ckptd.config import load_config
 from ckptd.daemon import Daemon
-from ckptd.service.supervisor import Supervisor
+from ckptd.service.supervisor import HEALTHY_AFTER_S, Supervisor
 from ckptd.store import Store
 
 
@@ -180,3 +181,56 @@ def test_a_call_quiet_past_its_bound_is_stuck_named_and_reported_once() -> None:
     finally:
         release.set()
         sup.stop(timeout=5)
+
+
+def test_the_backoff_starts_over_once_a_service_ran_long_enough_on_the_supervisors_clock(
+        ) -> None:
+    """The restart backoff doubles while a service keeps crashing, and starts over once it ran
+    HEALTHY_AFTER_S since its last start: a minute on the supervisor's clock, not a minute of
+    waiting. The crash time shown in health is that clock's too."""
+    clock = FakeClock()
+    runs: list[int] = []
+
+    def crashes(stop: threading.Event) -> None:
+        runs.append(1)
+        if len(runs) == 3:
+            clock.advance(HEALTHY_AFTER_S + 1)  # the third start runs "a minute" first
+        if len(runs) <= 3:
+            raise ValueError(f"boom {len(runs)}")
+        stop.wait()
+
+    sup = Supervisor(backoff_base=0.004, clock=clock)
+    sup.add("crashes", crashes)
+    with structlog.testing.capture_logs() as logs:
+        sup.start()
+        wait_until(lambda: len(runs) >= 4, what="the fourth start")
+    try:
+        delays = [e["restart_in_s"] for e in logs if e["event"] == "service_crashed"]
+        assert delays == [0.004, 0.008, 0.004]
+        assert sup.health()[0]["last_crash"] == clock.time()
+    finally:
+        assert sup.stop(timeout=5)
+
+
+def test_a_call_is_stuck_by_the_boards_clock_without_waiting() -> None:
+    """A call's bound is measured on the supervisor's clock: quiet just under its bound it is
+    not stuck; a moment past, it is, and the report says for how long it was quiet."""
+    clock = FakeClock()
+    told: list[tuple[str, bool]] = []
+    sup = Supervisor(on_stuck=lambda c, stuck: told.append((c.who, stuck)), clock=clock)
+    sup.calls.begin("worker-0", "validate", "r", 3, bound_s=300.0)
+    assert sup.calls.busy("worker-0").since == clock.time()  # type: ignore[union-attr]
+    clock.advance(299.0)
+    sup.check_calls()
+    assert not sup.stuck() and told == []
+    sup.calls.beat("worker-0")  # progress: the quiet starts over
+    clock.advance(299.0)
+    assert not sup.stuck()
+    clock.advance(2.0)
+    sup.check_calls()
+    assert told == [("worker-0", True)]
+    (entry,) = sup.health()
+    assert entry["name"] == "worker-0" and entry["stuck"]["quiet_s"] == 301.0
+    sup.calls.end("worker-0")
+    sup.check_calls()
+    assert told == [("worker-0", True), ("worker-0", False)]

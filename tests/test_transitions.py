@@ -22,14 +22,16 @@ from ckptd.lifecycle.table import (
     Row,
     Sighting,
     Stage,
+    Stall,
     Status,
     Transition,
     as_markdown,
     classify,
+    gives_up,
     next_stage,
     transition,
 )
-from ckptd.model import Candidate, FileRecord, Local, Remote, State, ValidationResult
+from ckptd.model import Candidate, FileRecord, Local, Reason, Remote, State, ValidationResult
 from ckptd.remote.manifest import StoredFile
 from ckptd.store import Found, Store
 
@@ -251,3 +253,32 @@ def test_policies_decide_the_stage_and_a_reload_recomputes_it(tmp_path: Path) ->
     job = store.claim("w", 3.0, 60)
     assert job is not None and job.stage == "upload"
     assert store.status("r", 3) == S("valid", remote="uploading", copy=True)
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=str)
+def test_giving_up_is_the_tables_gave_up(source: Status | None) -> None:
+    """A stalled save is given up exactly where the table allows GAVE_UP, once the timeout has
+    passed, with the reason its typed cause names."""
+    late, early = Stall(idle=10.0, truncated=False), Stall(idle=9.9, truncated=True)
+    assert gives_up(source, early, 10.0) is None
+    allowed = source is not None and isinstance(TABLE[(source, Event.GAVE_UP)], Transition)
+    assert gives_up(source, late, 10.0) == (Reason.MISSING_FILE if allowed else None)
+    short = Stall(idle=10.0, truncated=True)
+    assert gives_up(source, short, 10.0) == (Reason.TRUNCATED if allowed else None)
+
+
+@pytest.mark.parametrize(("uploads", "multi_node", "early"),
+                         [(False, False, False), (True, False, True), (True, True, False),
+                          (False, True, False)])
+def test_sending_early_is_the_policys(uploads: bool, multi_node: bool, early: bool) -> None:
+    """Whether validation sends objects ahead of the upload: one rule, read from the config in
+    one place (the validate runner and the validate job both ask it)."""
+    from ckptd.config import RootConfig
+    from ckptd.lifecycle.policy import policy_of
+
+    root = RootConfig.model_validate({
+        "name": "r", "path": "/nonexistent", "nodes": 2 if multi_node else 1,
+        **({"upload": {"url": "file:///nonexistent"}} if uploads else {})})
+    policy = policy_of(root)
+    assert (policy.uploads, policy.committed_only) == (uploads, multi_node)
+    assert policy.sends_early is early

@@ -204,11 +204,11 @@ def test_a_state_db_deleted_while_running_stops_all_acting(h: Harness) -> None:
     save_torch(h.root / "model_step_1.pt")
     assert h.client.wait("r", 1, until="valid", timeout=30)
     h.daemon.store.path.unlink()
-    h.daemon._check_state()  # noqa: SLF001 - the main loop's beat, run now
+    h.daemon.health.check_state()  # the main loop's beat, run now
     health = h.client.health()
     assert health is not None and health["status"] == "degraded"
     assert "was deleted" in health["problem"]
-    assert not h.daemon.healthy()  # the watchdog is not fed: systemd restarts the daemon
+    assert not h.daemon.health.healthy()  # the watchdog is not fed: systemd restarts the daemon
     stopped = {s["name"] for s in health["services"] if s["state"] == "stopped"}
     assert {"scan", "retention", "worker-0"} <= stopped  # their threads have ended
     scans = h.client.status()["scans"]  # type: ignore[index]

@@ -175,6 +175,10 @@ class Recording:
     def part_size(self) -> int:
         return self.inner.part_size
 
+    @property
+    def md5_etags(self) -> bool:
+        return self.inner.md5_etags
+
     def _call(self, op: str, key: str) -> None:
         with self._lock:
             self.calls.append((op, key))

@@ -182,8 +182,8 @@ def test_resave_of_an_uploaded_step_replaces_the_remote_copy(inproc_daemon: Any,
     assert c.wait("r1", 4, until="uploaded", timeout=60)
     out = tmp_path / "out"
     from ckptd.backends import make_backend
+    from ckptd.fetch.source import read_remote_manifest
     from ckptd.restore.files import restore_remote
-    from ckptd.restore.source import read_remote_manifest
 
     backend = make_backend(f"file://{remote}")
     restore_remote(backend, read_remote_manifest(backend, "r1", 4), out)
@@ -196,7 +196,7 @@ def test_a_start_removes_the_temp_file_of_a_crashed_file_put(inproc_daemon: Any,
     """A process killed mid-put leaves its temp file in the file:// remote: the next daemon
     start removes it once stale, and the finished object beside it stays."""
     from ckptd.backends import LocalBackend
-    from ckptd.backends.local import TMP_MARK
+    from ckptd.backends.localfiles import TMP_MARK
     from ckptd.service.recovery import STALE_PUT_S
 
     remote = tmp_path / "remote"
@@ -219,3 +219,27 @@ def test_a_start_removes_the_temp_file_of_a_crashed_file_put(inproc_daemon: Any,
     assert d.events("daemon_recovered")[-1]["temp_files_removed"] >= 1
     assert sorted(p.name for p in (remote / "r1").iterdir()) == ["kept"]
     assert (remote / "r1" / "kept").read_bytes() == b"finished"
+
+
+def test_a_put_temp_files_age_is_judged_by_the_daemons_clock(inproc_daemon: Any,
+                                                             tmp_path: Path) -> None:
+    """Start-up recovery judges a put's temp file stale by the daemon's clock: one written just
+    now is left to a put that may still be writing it, and the same file at a start an hour
+    later on that clock (moved, not waited for) is removed."""
+    from support.clock import FakeClock
+
+    from ckptd.backends.local import TMP_MARK
+    from ckptd.service.recovery import STALE_PUT_S
+
+    (tmp_path / "remote" / "r1").mkdir(parents=True)
+    temp = tmp_path / "remote" / "r1" / f".cut{TMP_MARK}0123456789ab"
+    temp.write_bytes(b"x" * 4096)
+    roots = [{"name": "r1", "upload": upload_cfg(f"file://{tmp_path / 'remote'}")}]
+    clock = FakeClock(running=True)
+    d = inproc_daemon(roots=roots, clock=clock)
+    assert d.events("daemon_recovered")[-1]["temp_files_removed"] == 0 and temp.exists()
+    d.stop()
+    clock.advance(STALE_PUT_S + 60)
+    d.start()
+    assert d.events("daemon_recovered")[-1]["temp_files_removed"] >= 1
+    assert not temp.exists()

@@ -194,3 +194,28 @@ def test_an_overflowed_queue_wakes_the_scanner_and_watches_what_it_missed(
         assert kernel.alive()
     finally:
         kernel.stop()
+
+
+def test_polling_leaves_out_ckptd_s_own_paths_as_inotify_does(tmp_path: Path) -> None:
+    """NFS roots are polled: a restore's staging directory (`.ckptd-*`) and the copy store
+    (`.ckptd/`) wake the scanner no more than under inotify; the staging directory renamed
+    into place is the new step's event."""
+    wakes = _Wakes()
+    watcher = open_watcher(wakes, polling=True, poll_interval=0.1)
+    staging = tmp_path / ".ckptd-restore-1"
+    for own in (staging, tmp_path / ".ckptd" / "objects"):
+        own.mkdir(parents=True)
+    watcher.watch(tmp_path, OpenFiles())
+    watcher.start()
+    try:
+        for i in range(50):
+            (staging / f"{i}.distcp").write_bytes(b"r")
+            (tmp_path / ".ckptd" / "objects" / f"{i}.zst").write_bytes(b"z")
+        (tmp_path / "step-1.pt").write_bytes(b"d")
+        wakes.wait("the trainer's write waking the scanner")
+        threading.Event().wait(0.3)  # polls after it: nothing more is pending
+        assert wakes.drain() <= 3  # nothing for the 100 files of ckptd's own
+        staging.rename(tmp_path / "step-2")
+        wakes.wait("the staging directory renamed into place waking the scanner")
+    finally:
+        watcher.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,6 +28,7 @@ from ckptd.api.seams import (
     Workers,
 )
 from ckptd.client import read_latest_file
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.errors import HttpError
 from ckptd.lifecycle import answers
@@ -45,7 +45,10 @@ class ApiContext:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  changes: Changes, scan: Scan, workers: Workers, retention: Retention,
                  discovery: Discovery, services: Services, metrics: MetricsText,
-                 leases: RootLeases | None = None, persist: Persist | None = None) -> None:
+                 leases: RootLeases | None = None, persist: Persist | None = None,
+                 clock: Clock = SYSTEM) -> None:
+        """`clock`: the daemon's, which readers' holds and registrations are timed by."""
+        self.clock = clock
         self.store = store
         self.roots = roots
         self.changes = changes
@@ -57,12 +60,12 @@ class ApiContext:
         self.metrics = metrics
         self.leases: RootLeases = leases if leases is not None else NoRootLeases()
         self.persist: Persist = persist if persist is not None else NoPersist()
-        self.started = time.monotonic()
+        self.started = clock.monotonic()
         self.stopping = threading.Event()
         self.problem: str | None = None  # why the daemon stopped acting (set by the daemon)
 
     def uptime(self) -> float:
-        return round(time.monotonic() - self.started, 3)
+        return round(self.clock.monotonic() - self.started, 3)
 
     def root(self, name: str) -> RootConfig:
         root = self.roots().get(name)

@@ -27,7 +27,7 @@ from ckptd.config import RootConfig
 from ckptd.errors import HttpError, ServiceUnavailable
 from ckptd.lifecycle import answers
 from ckptd.log import get_logger
-from ckptd.model import CheckpointRecord, Remote, State, Tier
+from ckptd.model import CheckpointRecord, State, Tier
 from ckptd.store import Store
 
 MAX_BODY = 1024 * 1024
@@ -284,7 +284,7 @@ class Handler(BaseHTTPRequestHandler):
             raise HttpError(409, "path_taken", f"{p} belongs to step {other} of root {r.name!r}"
                             f" ({len(taken)} registered path(s) do): a file belongs to one"
                             " checkpoint only")
-        self.ctx.store.register(r.name, step, paths, metrics, time.time())
+        self.ctx.store.register(r.name, step, paths, metrics, self.ctx.clock.time())
         get_logger().info("checkpoint_registered", root=r.name, step=step, paths=len(paths))
         self.ctx.scan.wake()
         return 202, {"root": r.name, "step": step, "accepted": True}
@@ -306,7 +306,7 @@ class Handler(BaseHTTPRequestHandler):
             rec = _record(self.ctx.store, r, n)
             if not answers.in_tier(rec, Tier.ANY):
                 raise HttpError(409, "gone", f"step {rec.step} of {r.name!r} has no copy left")
-            self.ctx.store.hold(r.name, rec.step, owner, time.time() + ttl)
+            self.ctx.store.hold(r.name, rec.step, owner, self.ctx.clock.time() + ttl)
         return 200, {"root": r.name, "step": rec.step, "owner": owner, "ttl_s": ttl}
 
     def h_release_hold(self, root: str, step: str, query: dict[str, str], **_: Any
@@ -380,7 +380,7 @@ def _reached(rec: CheckpointRecord, until: str) -> bool:
     if until == "valid":
         return rec.state is State.VALID
     # A step retention has since removed remotely did reach "uploaded".
-    return rec.state is State.VALID and rec.remote in (Remote.UPLOADED, Remote.PRUNED)
+    return rec.state is State.VALID and answers.was_committed(rec)
 
 
 class UnixHttpServer:

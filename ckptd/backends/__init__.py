@@ -1,4 +1,8 @@
-"""Storage backends: the contract (`Backend`), its implementations and the wrappers.
+"""Storage backends: the contract (`Backend`, in `base`), its implementations (`local` for
+file://, with `localfiles` its files' own protocol of temp files, locks and version tags;
+`objstore` for object stores, with `objstore_client` building the library's client,
+`objstore_errors` translating the library's exceptions and `credentials` finding its keys), a
+put's bytes sent from a file's pages (`mapped`) and the wrappers (`wrappers`).
 
 `make_backend` opens a URL; `wrap_backend` adds retries, a bandwidth cap and a transfer limit.
 """
@@ -6,12 +10,14 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from ckptd.backends.base import DEFAULT_PART_SIZE, Backend, ObjectMeta, check_key
 from ckptd.backends.local import LocalBackend
 from ckptd.backends.objstore import ObstoreBackend
 from ckptd.backends.wrappers import LimitedBackend, RetryingBackend, ThrottledBackend, TokenBucket
 from ckptd.config import RootConfig, UploadConfig
+from ckptd.config.fields import STORAGE_SCHEMES
 from ckptd.errors import PermanentError
 
 __all__ = [
@@ -28,8 +34,23 @@ __all__ = [
     "backend_for_upload",
     "check_key",
     "make_backend",
+    "register",
     "wrap_backend",
 ]
+
+# Opens a URL of a registered scheme: `opener(url, **the keyword arguments of make_backend)`.
+Opener = Callable[..., Backend]
+# Stores registered besides the built-in ones (file:, and what ObstoreBackend opens).
+_OPENERS: dict[str, Opener] = {}
+
+
+def register(scheme: str, opener: Opener, example: str) -> None:
+    """A storage backend for `scheme://` URLs, the one registration an object store needs:
+    the config then accepts such an upload URL (`example`, e.g. "mem://bucket/prefix", is how
+    its error sentences show one) and `make_backend` opens it with `opener`. The backend says
+    itself whether its etags are MD5s (`Backend.md5_etags`)."""
+    _OPENERS[scheme] = opener
+    STORAGE_SCHEMES[scheme] = example
 
 
 def make_backend(
@@ -46,7 +67,8 @@ def make_backend(
     request_timeout_s: float = 600.0,
     request_retries: int = 2,
 ) -> Backend:
-    """The bare backend for an upload URL (`file://`, `s3://`, `gs://`, `az://`).
+    """The bare backend for an upload URL (`file://`, `s3://`, `gs://`, `az://`, or a scheme
+    `register` added).
 
     `concurrency` is how many parts of one multipart upload are in flight at once; peak memory
     of one put is about `concurrency * part_size`. Raises PermanentError for an unsupported URL
@@ -54,7 +76,8 @@ def make_backend(
     """
     if url.startswith("file:"):
         return LocalBackend(_file_path(url), part_size=part_size)
-    return ObstoreBackend(
+    opener = _OPENERS.get(url.partition("://")[0], ObstoreBackend)
+    return opener(
         url,
         endpoint=endpoint,
         region=region,

@@ -111,6 +111,14 @@ class Backend(Protocol):
         """Objects larger than this go up as multipart uploads of parts this big."""
         ...
 
+    @property
+    def md5_etags(self) -> bool:
+        """True when the etag a put gives is S3's: the MD5 of a single-part object's bytes, the
+        MD5 of its parts' MD5s and `-<parts>` for a multipart one (S3 and compatibles,
+        unencrypted or SSE-S3). The upload checks sent bytes against it; GCS and Azure etags
+        are opaque and file:// has none: False."""
+        ...
+
     def put(
         self,
         key: str,

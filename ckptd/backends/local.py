@@ -2,23 +2,21 @@
 
 Writes are temp-name, fsync, rename, fsync-dir; nothing is written or read outside `base_dir`.
 A conditional put holds an flock on a lock file beside the object while it compares and renames.
+This module maps keys to paths inside `base_dir` and reads; the files' own protocol (temp
+names, the lock, version tags) is `localfiles`'.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
-import re
-import secrets
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from os import stat_result
 from stat import S_ISREG
 from typing import BinaryIO
 
 from ckptd import fileio, inputs
+from ckptd.backends import localfiles
 from ckptd.backends.base import (
     COPY_CHUNK,
     DEFAULT_PART_SIZE,
@@ -34,20 +32,11 @@ from ckptd.backends.base import (
     past_end,
 )
 from ckptd.errors import (
-    ObjectExists,
     ObjectNotFound,
     PermanentError,
     PreconditionFailed,
     TransientError,
 )
-
-# Marks our in-flight temp files; list() never shows them and keys may not contain it.
-TMP_MARK = ".ckptd-tmp."
-_TEMP_TOKEN_BYTES = 6
-# The whole name `_write_temp` gives a temp file: ".<object name>.ckptd-tmp.<12 hex digits>".
-_TEMP_NAME = re.compile(rf"\..+{re.escape(TMP_MARK)}[0-9a-f]{{{2 * _TEMP_TOKEN_BYTES}}}", re.S)
-# Ends the name of the lock file of a conditionally written object (".LATEST.ckptd-lock").
-LOCK_MARK = ".ckptd-lock"
 
 
 class LocalBackend:
@@ -58,6 +47,7 @@ class LocalBackend:
         self.base = os.path.realpath(os.fspath(base_dir))
         self.url = "file://" + self.base
         self.part_size = part_size
+        self.md5_etags = False  # no etags at all
 
     def __repr__(self) -> str:
         return f"LocalBackend({self.base!r})"
@@ -78,20 +68,13 @@ class LocalBackend:
         folder = os.path.dirname(path)
         try:
             self._makedirs(folder)
-            tmp = self._write_temp(folder, os.path.basename(path), src, size, key)
-            try:
-                if if_match is None:
-                    self._commit(tmp, path, create_only, key)
-                else:
-                    self._replace_if(tmp, path, if_match, key)
-            finally:
-                _unlink_quietly(tmp)
+            localfiles.put_file(path, src, size, create_only, if_match, self._where(key))
             fileio.fsync_dir(folder)
             st = os.stat(path)
         except OSError as exc:
             raise os_error(exc, f"put {self._where(key)}") from None
         return ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None,
-                          version=_version(st))
+                          version=localfiles.version(st))
 
     def get(self, key: str, dst: BinaryIO, etag: str | None = None) -> int:
         """The bytes of the file opened (a rename over the name meanwhile does not change
@@ -119,7 +102,7 @@ class LocalBackend:
 
     def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
         data, st = self._read_small(key, limit)
-        return data, _version(st)
+        return data, localfiles.version(st)
 
     def get_range(
         self, key: str, start: int, end: int, etag: str | None = None
@@ -154,7 +137,7 @@ class LocalBackend:
         if not S_ISREG(st.st_mode):
             raise ObjectNotFound(f"no object {self._where(key)}")
         return ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None,
-                          version=_version(st))
+                          version=localfiles.version(st))
 
     def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
         start = check_prefix(prefix)
@@ -169,10 +152,7 @@ class LocalBackend:
         path = self._path(key)
         try:
             self._inside(os.path.dirname(path), key)
-            with _locked(_lock_path(path), create=False) as held:
-                os.unlink(path)
-                if held:  # a conditional put waiting on it re-checks the name and starts over
-                    _unlink_quietly(_lock_path(path))
+            localfiles.delete_file(path)
         except (FileNotFoundError, NotADirectoryError):
             return
         except IsADirectoryError:
@@ -192,15 +172,7 @@ class LocalBackend:
         without following a link, and removes only regular files named as `_write_temp`
         names them: nothing outside the directory, nothing that is not this backend's own.
         OSError (other than a missing `base_dir`) when it cannot be walked."""
-        cutoff = (time.time() if now is None else now) - older_than_s
-        removed = 0
-        try:
-            for _folder, _dirs, files, dir_fd in os.fwalk(self.base, follow_symlinks=False):
-                for name in filter(_TEMP_NAME.fullmatch, files):
-                    removed += _unlink_if_older(name, dir_fd, cutoff)
-        except FileNotFoundError:
-            pass  # no base directory (nothing was ever put): nothing to clean
-        return removed
+        return localfiles.remove_stale_temp(self.base, older_than_s, now)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -209,7 +181,7 @@ class LocalBackend:
 
     def _path(self, key: str) -> str:
         check_key(key)
-        for mark in (TMP_MARK, LOCK_MARK):
+        for mark in (localfiles.TMP_MARK, localfiles.LOCK_MARK):
             if mark in key:
                 raise PermanentError(f"invalid storage key {key!r}: contains {mark!r}")
         return os.path.join(self.base, *key.split("/"))
@@ -239,46 +211,6 @@ class LocalBackend:
             except FileExistsError:
                 continue  # a concurrent put made it
             fileio.fsync_dir(os.path.dirname(d))
-
-    def _write_temp(self, folder: str, name: str, src: Source, size: int | None, key: str) -> str:
-        tmp = os.path.join(folder, f".{name}{TMP_MARK}{secrets.token_hex(_TEMP_TOKEN_BYTES)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                written = _copy(src, out)
-                out.flush()
-                os.fsync(out.fileno())
-            if size is not None and written != size:
-                raise PermanentError(
-                    f"put {self._where(key)}: source gave {written} bytes, expected {size}"
-                )
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        return tmp
-
-    def _commit(self, tmp: str, path: str, create_only: bool, key: str) -> None:
-        if not create_only:
-            os.replace(tmp, path)
-            return
-        try:
-            # link() fails if the name exists, atomically, also on NFS: a create-only rename.
-            os.link(tmp, path)
-        except FileExistsError:
-            raise ObjectExists(f"{self._where(key)} already exists") from None
-
-    def _replace_if(self, tmp: str, path: str, if_match: str, key: str) -> None:
-        """Rename `tmp` over `path` if `path` is still version `if_match`, under its lock."""
-        with _locked(_lock_path(path), create=True):
-            try:
-                st = os.stat(path, follow_symlinks=False)
-            except (FileNotFoundError, NotADirectoryError):
-                st = None
-            if st is None or not S_ISREG(st.st_mode) or _version(st) != if_match:
-                raise PreconditionFailed(
-                    f"{self._where(key)} is gone or was changed since it was read"
-                )
-            os.replace(tmp, path)
 
     def _open(self, key: str) -> BinaryIO:
         """The object's file, opened for reading; symlinks, directories, FIFOs and devices are
@@ -315,7 +247,7 @@ class LocalBackend:
 
     @staticmethod
     def _check_span(where: str, st: stat_result, start: int, end: int, etag: str | None) -> None:
-        if etag is not None and _version(st) != etag:
+        if etag is not None and localfiles.version(st) != etag:
             raise PreconditionFailed(f"get_range {where}: not version {etag}")
         if end > st.st_size:
             raise past_end(where, start, end, st.st_size)
@@ -323,7 +255,7 @@ class LocalBackend:
     @staticmethod
     def _fstat_version(f: BinaryIO, where: str) -> str:
         try:
-            return _version(os.fstat(f.fileno()))
+            return localfiles.version(os.fstat(f.fileno()))
         except OSError as exc:
             raise os_error(exc, f"get {where}") from None
 
@@ -342,10 +274,10 @@ class LocalBackend:
             key = f"{rel}/{entry.name}" if rel else entry.name
             if entry.is_dir(follow_symlinks=False):
                 yield from self._walk(entry.path, key)
-            elif entry.is_file(follow_symlinks=False) and not _is_ours(entry.name):
+            elif entry.is_file(follow_symlinks=False) and not localfiles.is_ours(entry.name):
                 st = entry.stat(follow_symlinks=False)
                 yield ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=None,
-                                 version=_version(st))
+                                 version=localfiles.version(st))
 
     def _prune_empty_dirs(self, folder: str) -> None:
         """Remove directories a delete left empty, up to (not including) the base."""
@@ -358,17 +290,6 @@ class LocalBackend:
             folder = os.path.dirname(folder)
 
 
-def _is_ours(name: str) -> bool:
-    """A temp or lock file of this backend, never an object."""
-    return TMP_MARK in name or name.endswith(LOCK_MARK)
-
-
-def _version(st: stat_result) -> str:
-    """A file's version tag (what `get_versioned` and `stat` give and reads are pinned to): a
-    rename-replaced file is another inode, a rewrite a new mtime or size."""
-    return f"{st.st_dev:x}.{st.st_ino:x}.{st.st_mtime_ns:x}.{st.st_size:x}"
-
-
 def _pread_all(fd: int, start: int, end: int) -> bytes:
     """Bytes [start, end) of `fd`, fewer only at end of file (a read may return short)."""
     chunks: list[bytes] = []
@@ -377,73 +298,3 @@ def _pread_all(fd: int, start: int, end: int) -> bytes:
         chunks.append(chunk)
         pos += len(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _lock_path(path: str) -> str:
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}{LOCK_MARK}")
-
-
-@contextmanager
-def _locked(lock: str, *, create: bool) -> Iterator[bool]:
-    """Hold an exclusive flock on `lock`; yields False (no lock) if it is absent and not
-    `create`. A lock file unlinked while we waited for it is opened again."""
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
-    while True:
-        try:
-            fd = os.open(lock, flags, 0o666)
-        except FileNotFoundError:
-            if create:
-                raise
-            yield False
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if _same_file(fd, lock):
-                break
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-    try:
-        yield True
-    finally:
-        os.close(fd)  # closing releases the flock
-
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        named = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
-
-
-def _copy(src: Source, out: BinaryIO) -> int:
-    if isinstance(src, bytes | bytearray | memoryview):
-        out.write(src)
-        return len(src)
-    total = 0
-    while chunk := src.read(COPY_CHUNK):
-        out.write(chunk)
-        total += len(chunk)
-    return total
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _unlink_if_older(name: str, dir_fd: int, cutoff: float) -> int:
-    """Unlink the regular file `name` in `dir_fd` if last written before `cutoff`: 1 if so."""
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if not S_ISREG(st.st_mode) or st.st_mtime >= cutoff:
-            return 0
-        os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return 0  # renamed into place or removed meanwhile
-    return 1

@@ -37,6 +37,10 @@ class _Delegating:
     def part_size(self) -> int:
         return self.inner.part_size
 
+    @property
+    def md5_etags(self) -> bool:
+        return self.inner.md5_etags
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
 

@@ -24,6 +24,7 @@ from ckptd.cluster.lease import LEASE_FILE, Holder
 from ckptd.config import Config, RootConfig
 from ckptd.errors import CkptdError, ObjectExists
 from ckptd.fileio import open_beneath
+from ckptd.lifecycle import answers
 from ckptd.model import CKPTD_DIR
 from ckptd.units import format_size
 from ckptd.watch.scanner import RootScanner
@@ -194,7 +195,8 @@ def _room(root: RootConfig) -> Check:
     free = _free(root.path)
     if not found:
         return Check(what, OK, f"{format_size(free)} free; no checkpoint yet to size against")
-    newest = max(found, key=lambda cf: cf[0].step)[0]
+    top = answers.newest(c.step for c, _ in found)
+    newest = next(c for c, _ in found if c.step == top)
     size = sum(snap.files[f].size for f in newest.files if f in snap.files)
     total = shutil.disk_usage(root.path).total
     keep = root.retention.local.min_free.required(total)

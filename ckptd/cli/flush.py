@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.client import Client, ClientError
+from ckptd.lifecycle import answers
 
 POLL_S = 2.0  # each long-poll; between two, a look at whether the flush still covers the step
 
@@ -69,7 +70,7 @@ def _left_behind(client: Client, root: str, step: int) -> Flushed | None:
     if {"root": root, "step": step} in st.get("flushing", []):
         return None
     status, rec = client.request("GET", _step_path(root, step))
-    if status == 200 and isinstance(rec, dict) and rec.get("remote") == "uploaded":
+    if status == 200 and isinstance(rec, dict) and answers.is_committed(answers.where_of(rec)):
         # uploaded between the two looks
         return Flushed(root, step, True, "uploaded")
     error = next((r.get("last_error") for r in st.get("roots", [])

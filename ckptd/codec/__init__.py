@@ -1,7 +1,9 @@
 """Compression codecs for stored checkpoint files: `none`, `zstd`, `zstd-bytegroup`, `auto`.
 
-Owns the streaming encode/decode API, the block index and the container format (docs/FORMAT.md);
-does no file or network I/O of its own (callers hand it chunks, streams or a fetch function).
+Owns the streaming encode/decode API (`encoder`, `decoder`, and `zstdframes` for codec `zstd`
+with its `seektable`), the block index (`index`) and the container format (`frame`; per block
+`blocks`, `planes` and `nibbles`; `buffers` kept between files) (docs/FORMAT.md); does no file
+or network I/O of its own (callers hand it chunks, streams or a fetch function).
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@
 
 from ckptd.config.fields import (
     DEFAULT_SOCKET_PATH,
-    LAYOUT_NAMES,
     check_trusted_globals,
     node_of_host,
     render_toml,
@@ -34,7 +33,6 @@ __all__ = [
     "DEFAULT_CONFIG_PATH",
     "find_config",
     "DEFAULT_SOCKET_PATH",
-    "LAYOUT_NAMES",
     "CompressConfig",
     "Config",
     "DaemonConfig",

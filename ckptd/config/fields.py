@@ -23,6 +23,7 @@ from pydantic import (
     ValidationInfo,
 )
 
+from ckptd import layouts
 from ckptd.units import (
     FreeSpace,
     format_duration,
@@ -38,15 +39,15 @@ DEFAULT_SOCKET_PATH = Path("/run/ckptd/ckptd.sock")
 _SOCKET_PATH_MAX = 107
 _ROOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_REMOTE_SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
+# The object-store URL schemes an upload URL may use besides file:, each with how its URL is
+# written in error sentences ("" where another's words cover it). `ckptd.backends.register`
+# adds a store's scheme here with the backend that opens it.
+STORAGE_SCHEMES: dict[str, str] = {
+    "s3": "s3://bucket/prefix", "gs": "gs://bucket/prefix", "az": "az://container/prefix",
+    "abfs": "abfs://container@account.dfs.core.windows.net/prefix", "abfss": "",
+}
 
-Layout = Literal[
-    "auto", "native", "registered", "dcp", "split", "ranked",
-    "hf", "deepspeed", "megatron", "orbax", "single",
-]  # fmt: skip
-LAYOUT_NAMES: tuple[str, ...] = get_args(Layout)[1:]
 Codec = Literal["auto", "zstd", "zstd-bytegroup", "none"]
-MetricMode = Literal["min", "max"]
 LogFormat = Literal["auto", "json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -101,6 +102,14 @@ def _socket_path(value: Any, info: ValidationInfo) -> Path:
             f"{_SOCKET_PATH_MAX}: choose a shorter path"
         )
     return path
+
+
+def _layout(value: Any) -> str:
+    """"auto" or a registered layout's name (`ckptd.layouts.register`)."""
+    known = ("auto", *layouts.names())
+    if not isinstance(value, str) or value not in known:
+        raise ValueError(f"must be one of: {', '.join(known)}, got {_show(value)}")
+    return value
 
 
 def _duration(value: Any) -> float:
@@ -183,8 +192,6 @@ def _root_name(value: str) -> str:
 
 
 _GLOBAL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
-# Modules whose globals can run code or touch the system when a pickle calls them: never
-# trusted, whatever a config says.
 # Modules whose globals can run code, start processes, or touch files, the network or the
 # interpreter when a pickle calls them: never trusted, whatever the config says.
 _NEVER_TRUSTED = frozenset({
@@ -253,10 +260,10 @@ def _upload_url(value: str, info: ValidationInfo) -> str:
     if value.startswith("file:"):
         return _file_url(value, info)
     scheme, sep, rest = value.partition("://")
-    if not sep or scheme not in _REMOTE_SCHEMES:
+    if not sep or scheme not in STORAGE_SCHEMES:
+        forms = [form for form in STORAGE_SCHEMES.values() if form]
         raise ValueError(
-            f"{_show(value)} is not a supported URL: use s3://bucket/prefix, gs://bucket/prefix, "
-            "az://container/prefix, abfs://container@account.dfs.core.windows.net/prefix, "
+            f"{_show(value)} is not a supported URL: use {', '.join(forms)}, "
             "file:///absolute/dir or file:relative/dir"
         )
     if not rest.split("/", 1)[0]:
@@ -311,6 +318,7 @@ Rate = Annotated[
     Render(lambda v: "" if v is None else format_size(v, exact=True) + "/s"),
 ]
 Free = Annotated[FreeSpace, PlainValidator(_free), Render(str)]
+LayoutName = Annotated[str, PlainValidator(_layout)]
 
 
 def _show(value: object) -> str:

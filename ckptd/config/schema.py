@@ -31,10 +31,9 @@ from ckptd.config.fields import (
     Expect,
     Flag,
     Free,
-    Layout,
+    LayoutName,
     LogFormat,
     LogLevel,
-    MetricMode,
     OptionalDuration,
     PartSize,
     PositiveDuration,
@@ -59,7 +58,7 @@ from ckptd.config.fields import (
     node_of_host,
 )
 from ckptd.errors import NotFound
-from ckptd.model import RootOptions
+from ckptd.model import MetricMode, RootOptions
 from ckptd.units import (
     FreeSpace,
     format_duration,
@@ -170,7 +169,7 @@ class RootConfig(_Model):
 
     name: Annotated[str, AfterValidator(_root_name), Expect("a string")]
     path: ConfigPath
-    layout: Annotated[Layout, _one_of(Layout)] = "auto"
+    layout: LayoutName = "auto"
     settle: Duration = 5.0
     # A save still incomplete this long after its files last changed is given up: invalid,
     # with the reason its layout names (a file never written, a shard short of its bytes).

@@ -2,28 +2,23 @@
 straight into the destination tensor: the archive's records are parsed as they stream by, the
 tensor's bytes land in the destination's memory when the layouts agree, else in one buffer the
 size of the saved tensor. Anything unusual falls back to `torch.load(weights_only=True)` of the
-whole slice. Nothing of the file runs: every pickle goes through the daemon's bounded opcode
-scan (`formats.picklescan`) before an unpickler sees it, and data.pkl is read with inert
-stand-ins. A size the header claims is compared with the bytes the slice holds before any
-memory of that size is taken.
+whole slice. Nothing of the file runs: its pickles are scanned and read only by `tensorpkl`.
+A size the header claims is compared with the bytes the slice holds before any memory of that
+size is taken.
 """
 
 from __future__ import annotations
 
 import io
-import pickle
-import re
 import struct
-import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ckptd.codec.buffers import same_memory
-from ckptd.errors import CorruptData, ValidationFailed
-from ckptd.formats.picklescan import SAFE_GLOBALS, scan_pickle
+from ckptd.dcp.tensorpkl import Layout, Unusual, read_layout, scan_archive
+from ckptd.errors import CorruptData
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # zip local file header
 _LOCAL_SIG, _CENTRAL_SIG, _DESC_SIG = 0x04034B50, 0x02014B50, 0x08074B50
@@ -31,111 +26,7 @@ _DESCRIPTOR = b"PK\x07\x08"
 # A small record (data.pkl, byteorder, version) longer than this means this is not an
 # archive as torch writes it: the slice is read whole and handed to torch.load instead.
 _SMALL_MAX = 1 << 20
-_STORAGE_NAME = re.compile(r"[A-Za-z0-9]+Storage")
 _ZIP64 = 0xFFFFFFFF
-# The legacy storage class names torch's pickles name a tensor's dtype by ("FloatStorage"):
-# torch's own table, the one its loader uses. Newer dtypes are pickled otherwise and take the
-# slow way.
-_STORAGE_DTYPES: dict[str, torch.dtype] = {
-    name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """The one tensor a slice's data.pkl rebuilds: its storage and view of it."""
-
-    key: str
-    dtype: torch.dtype
-    numel: int
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-class _Unusual(Exception):
-    """The archive is not the plain one-tensor archive DCP writes: read it the slow way."""
-
-
-class _Ref:
-    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
-        self.key, self.dtype, self.numel = key, dtype, numel
-
-
-class _Rebuilt:
-    def __init__(self, ref: Any, offset: Any, size: Any, stride: Any) -> None:
-        if not isinstance(ref, _Ref):
-            raise _Unusual("a tensor without a storage reference")
-        self.layout = _Layout(ref.key, ref.dtype, ref.numel, int(offset),
-                              tuple(int(s) for s in size), tuple(int(s) for s in stride))
-
-
-def _rebuild(ref: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> _Rebuilt:
-    return _Rebuilt(ref, offset, size, stride)
-
-
-class _LayoutReader(pickle.Unpickler):
-    """data.pkl with only the names a plain tensor's pickle holds, each an inert stand-in."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        if module == "torch" and _STORAGE_NAME.fullmatch(name):
-            return ("storage-class", name)
-        raise _Unusual(f"data.pkl names {module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise _Unusual("an unknown persistent id")
-        kind, key, numel = pid[1], pid[2], pid[4]
-        if not (isinstance(kind, tuple) and kind[0] == "storage-class"):
-            raise _Unusual("a storage of no known type")
-        dtype = _STORAGE_DTYPES.get(kind[1])
-        if dtype is None or not isinstance(numel, int) or numel < 0:
-            raise _Unusual(f"storage type {kind[1]}")
-        return _Ref(str(key), dtype, numel)
-
-
-def scan(pkl: bytes, where: str) -> None:
-    """The daemon's opcode scan of one pickle of a slice (bounded memo and stack, the globals
-    torch.load(weights_only=True) allows): CorruptData naming `where` when it refuses."""
-    try:
-        scan_pickle(pkl, where, SAFE_GLOBALS)
-    except ValidationFailed as exc:
-        raise CorruptData(f"{where}: refused ({exc.reason}: {exc.message})") from None
-
-
-def scan_archive(data: bytes, where: str) -> None:
-    """Scan every pickle of a tensor archive held in memory before torch.load reads it:
-    CorruptData naming `where` when it is no zip torch writes or a pickle is refused."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            for info in archive.infolist():
-                if not info.filename.endswith(".pkl"):
-                    continue
-                if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(data):
-                    raise CorruptData(f"{where}: {info.filename} is not stored as torch "
-                                      "stores it")
-                scan(archive.read(info), f"{where} {info.filename}")
-    except CorruptData:
-        raise
-    except Exception as exc:  # untrusted bytes: no zip, no tensor archive
-        raise CorruptData(f"{where}: not a tensor archive ({type(exc).__name__}: {exc})"
-                          ) from None
-
-
-def read_layout(pkl: bytes, where: str) -> _Layout:
-    scan(pkl, f"{where} data.pkl")
-    try:
-        found = _LayoutReader(io.BytesIO(pkl)).load()
-    except _Unusual:
-        raise
-    except Exception as exc:  # a malformed pickle: torch.load will say what is wrong
-        raise _Unusual(f"data.pkl: {exc}") from None
-    if not isinstance(found, _Rebuilt):
-        raise _Unusual("data.pkl holds something other than one tensor")
-    return found.layout
 
 
 Target = Callable[[], torch.Tensor]  # the destination of one read item, resolved when needed
@@ -196,7 +87,7 @@ class TensorSlice:
         self._head = bytearray()  # bytes seen and not yet consumed by the parser
         self._seen = bytearray()  # every byte before routing starts (for the slow way)
         self._slow = False
-        self._layout: _Layout | None = None
+        self._layout: Layout | None = None
         self._dest: memoryview | None = None  # where the storage's bytes go
         self._temp: torch.Tensor | None = None
         self._direct: torch.Tensor | None = None
@@ -225,7 +116,7 @@ class TensorSlice:
         self._head += view
         try:
             self._parse()
-        except _Unusual:
+        except Unusual:
             self._slow = True
             self._head = bytearray()
 
@@ -272,9 +163,9 @@ class TensorSlice:
             return False
         sig = struct.unpack_from("<I", head)[0]
         if sig == _CENTRAL_SIG:
-            raise _Unusual("the central directory came before the tensor's data")
+            raise Unusual("the central directory came before the tensor's data")
         if sig != _LOCAL_SIG:
-            raise _Unusual("not a zip local record")
+            raise Unusual("not a zip local record")
         if len(head) < _LOCAL.size:
             return False
         _, _, flags, method, _, _, _, csize, _, nlen, xlen = _LOCAL.unpack_from(head)
@@ -282,7 +173,7 @@ class TensorSlice:
         if len(head) < start:
             return False
         if method != 0:
-            raise _Unusual("a compressed record")
+            raise Unusual("a compressed record")
         name = bytes(head[_LOCAL.size : _LOCAL.size + nlen]).decode("utf-8", "replace")
         if "/data/" in name and not name.endswith(".pkl"):
             return self._storage(name, start, flags)
@@ -292,7 +183,7 @@ class TensorSlice:
         if name.endswith("data.pkl"):
             self._layout = read_layout(bytes(head[start:end]), self.where)
         elif name.endswith("/byteorder") and bytes(head[start:end]) != b"little":
-            raise _Unusual("a big-endian archive")
+            raise Unusual("a big-endian archive")
         drop = end + self._descriptor_len(flags, end)
         del head[:drop]
         self._consumed += drop
@@ -307,7 +198,7 @@ class TensorSlice:
             at = head.find(_DESCRIPTOR, at)
             if at < 0:
                 if len(head) - start > _SMALL_MAX:
-                    raise _Unusual("a small record without its end")
+                    raise Unusual("a small record without its end")
                 return None
             if len(head) < at + 16:
                 return None
@@ -321,7 +212,7 @@ class TensorSlice:
     def _storage(self, name: str, start: int, flags: int) -> bool:
         layout = self._layout
         if layout is None or name.rsplit("/", 1)[-1] != layout.key:
-            raise _Unusual(f"record {name!r} before data.pkl, or a second storage")
+            raise Unusual(f"record {name!r} before data.pkl, or a second storage")
         nbytes = layout.numel * layout.dtype.itemsize
         held = self.length - (self._consumed + start)  # the slice's bytes after the header
         if nbytes > held:  # before any memory of the claimed size is taken
@@ -362,7 +253,7 @@ class TensorSlice:
             return None
         return dest[lo : lo + n]
 
-    def _destination(self, layout: _Layout, nbytes: int) -> memoryview:
+    def _destination(self, layout: Layout, nbytes: int) -> memoryview:
         if len(self.wants) == 1 and self._fits(layout, self.wants[0]):
             target = self.wants[0].target()
             self._direct = target
@@ -371,7 +262,7 @@ class TensorSlice:
         return self._temp.numpy().data
 
     @staticmethod
-    def _fits(layout: _Layout, want: Want) -> bool:
+    def _fits(layout: Layout, want: Want) -> bool:
         """The saved tensor is exactly the destination's bytes: same dtype and shape, both
         contiguous, the whole tensor wanted, the destination in CPU memory."""
         if layout.offset != 0 or tuple(want.lengths) != layout.size:

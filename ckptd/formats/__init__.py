@@ -1,2 +1,3 @@
-"""Parsers and checkers for the file formats checkpoints come in (torch zip, pickle, safetensors,
-DCP metadata). Pure byte-level code: no store, no stages, and no torch import."""
+"""Parsers and checkers for the file formats checkpoints come in: torch zip (`zipcheck`, `zipdir`,
+`zipcrc`), pickle (`picklescan`, `torchpickle`, `torchhead`), safetensors (`safetensors`), DCP
+metadata (`dcpmeta`). Pure byte-level code: no store, no stages, and no torch import."""

@@ -1,10 +1,13 @@
 """Layout recognizers: which checkpoints a root's snapshot holds and which are complete.
 `detect` runs them most specific first, each file claimed by one candidate at most.
-Pure: functions of a `Snapshot`, `RootOptions` and `now`; no I/O, no clock."""
+Pure: functions of a `Snapshot`, `RootOptions` and `now`; no I/O, no clock. The contract is
+`base`, shared helpers `common`; one module per layout: `native`, `registered`, `dcp`, `split`,
+`ranked`, `hf`, `deepspeed`, `megatron`, `orbax`, `single`."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 from ckptd import inputs
 from ckptd.layouts import (
@@ -24,51 +27,40 @@ from ckptd.layouts.base import Layout, ReadsTorchFields, TrustsGlobals, WritesPo
 from ckptd.model import MAX_STEP, Candidate, RootOptions, Snapshot
 
 __all__ = [
-    "NAMES", "Layout", "content_kind", "detect", "get", "pointer_files", "trusted_globals",
-    "wants_content", "wants_torch_fields",
+    "Layout", "auto_order", "content_kind", "detect", "get", "names", "pointer_files",
+    "register", "trusted_globals", "wants_content", "wants_torch_fields",
 ]
 
-# docs/LAYOUTS.md's table order; also the accepted values of a root's `layout` (besides "auto").
-NAMES: tuple[str, ...] = (
-    "native", "registered", "dcp", "split", "ranked", "hf", "deepspeed", "megatron", "orbax",
-    "single",
-)
+# The registry, filled by `register` only: every layout by name, in docs/LAYOUTS.md's table
+# order, and every recognizer "auto" runs, by its place.
+_BY_NAME: dict[str, Layout] = {}
+_AUTO: dict[int, Layout] = {}
 
-_BY_NAME: dict[str, Layout] = {
-    native.NAME: native.LAYOUT,
-    registered.NAME: registered.LAYOUT,
-    dcp.NAME: dcp.LAYOUT,
-    split.NAME: split.LAYOUT,
-    ranked.NAME: ranked.LAYOUT,
-    hf.NAME: hf.LAYOUT,
-    deepspeed.NAME: deepspeed.LAYOUT,
-    megatron.NAME: megatron.LAYOUT,
-    orbax.NAME: orbax.LAYOUT,
-    single.NAME: single.LAYOUT,
-}
 
-# Most specific first. Why this order:
-# - registered: the client's own word about which files make the step;
-# - native with meta.json: ckptd's own format, unambiguous;
-# - hf, megatron, deepspeed before dcp: Trainer's FSDP saves and Megatron's torch_dist put DCP
-#   files inside `checkpoint-N/` and `iter_N/`, whose own commit rule (trainer_state.json, the
-#   tracker) must decide; HF before deepspeed since Trainer+DeepSpeed nests `global_stepN/`;
-# - dcp, then orbax (bare-number dirs, recognised only by Orbax's own files);
-# - split before ranked before single: `step_5_model.pt` and `model_5.pt` also look single;
-# - native dirs WITHOUT meta.json last, so a torchtitan `step-N/` being written stays dcp.
-AUTO_ORDER: tuple[Layout, ...] = (
-    registered.LAYOUT,
-    native.NativeLayout(with_meta=True, without_meta=False),
-    hf.LAYOUT,
-    megatron.LAYOUT,
-    deepspeed.LAYOUT,
-    dcp.LAYOUT,
-    orbax.LAYOUT,
-    split.LAYOUT,
-    ranked.LAYOUT,
-    single.LAYOUT,
-    native.NativeLayout(with_meta=False, without_meta=True),
-)
+def register(layout: Layout, auto: int | Mapping[int, Layout]) -> None:
+    """Make `layout` known by its name, the one registration a layout needs: a value a root's
+    `layout` may take (the config checks names here), what `get` gives, and a recognizer
+    "auto" runs at place `auto` (lower runs first). A layout recognised in two passes maps
+    each place to its recognizer. ValueError for a name or a place already taken."""
+    places = {auto: layout} if isinstance(auto, int) else dict(auto)
+    if layout.name in _BY_NAME or layout.name == "auto":
+        raise ValueError(f"layout {layout.name!r} is already registered")
+    if taken := sorted(places.keys() & _AUTO.keys()):
+        raise ValueError(f"auto detection place {taken[0]} is already taken")
+    _BY_NAME[layout.name] = layout
+    _AUTO.update(places)
+    _field_readers.cache_clear()
+
+
+def names() -> tuple[str, ...]:
+    """Every registered layout's name, in docs/LAYOUTS.md's table order: the accepted values
+    of a root's `layout` besides "auto"."""
+    return tuple(_BY_NAME)
+
+
+def auto_order() -> tuple[Layout, ...]:
+    """The recognizers "auto" runs, most specific first."""
+    return tuple(_AUTO[place] for place in sorted(_AUTO))
 
 
 def get(name: str) -> Layout:
@@ -76,7 +68,8 @@ def get(name: str) -> Layout:
     try:
         return _BY_NAME[name]
     except KeyError:
-        raise ValueError(f"unknown layout {name!r}; expected 'auto' or one of {NAMES}") from None
+        raise ValueError(
+            f"unknown layout {name!r}; expected 'auto' or one of {names()}") from None
 
 
 def _plan(layout: str) -> tuple[Layout, ...]:
@@ -86,7 +79,7 @@ def _plan(layout: str) -> tuple[Layout, ...]:
     files make the step.
     """
     if layout == "auto":
-        return AUTO_ORDER
+        return auto_order()
     chosen = get(layout)
     return (chosen,) if layout == registered.NAME else (registered.LAYOUT, chosen)
 
@@ -183,3 +176,26 @@ def _look_alikes(snap: Snapshot, claimed: set[str], dirs: list[str]) -> list[str
     return [rel for rel, info in snap.files.items()
             if rel not in claimed and rel.endswith(WEIGHTS_SUFFIXES) and not info.symlink
             and not rel.startswith(inside) and not common.is_temp_path(rel)]
+
+
+# The built-in layouts, in docs/LAYOUTS.md's table order; their places in "auto", most specific
+# first. Why this order:
+# - registered: the client's own word about which files make the step;
+# - native with meta.json: ckptd's own format, unambiguous;
+# - hf, megatron, deepspeed before dcp: Trainer's FSDP saves and Megatron's torch_dist put DCP
+#   files inside `checkpoint-N/` and `iter_N/`, whose own commit rule (trainer_state.json, the
+#   tracker) must decide; HF before deepspeed since Trainer+DeepSpeed nests `global_stepN/`;
+# - dcp, then orbax (bare-number dirs, recognised only by Orbax's own files);
+# - split before ranked before single: `step_5_model.pt` and `model_5.pt` also look single;
+# - native dirs WITHOUT meta.json last, so a torchtitan `step-N/` being written stays dcp.
+register(native.LAYOUT, {20: native.NativeLayout(with_meta=True, without_meta=False),
+                         110: native.NativeLayout(with_meta=False, without_meta=True)})
+register(registered.LAYOUT, 10)
+register(dcp.LAYOUT, 60)
+register(split.LAYOUT, 80)
+register(ranked.LAYOUT, 90)
+register(hf.LAYOUT, 30)
+register(deepspeed.LAYOUT, 50)
+register(megatron.LAYOUT, 40)
+register(orbax.LAYOUT, 70)
+register(single.LAYOUT, 100)

@@ -96,6 +96,7 @@ def cut_short(snap: Snapshot, files: list[str], problems: list[str], verdicts: l
                       invalid_message=f"{short[0]}, unchanged for {opts.settle:g}s after"
                       f" {METADATA} was written: cut short")
         problems = rest
+    extras["truncated"] = any(s in problems for s in short)
     return problems, extras
 
 

@@ -103,8 +103,9 @@ def _committed(snap: Snapshot, directory: str, step: int, files: list[str],
     sizes = {rel: size for rel, size in meta.sizes.items()
              if not multi_node or rel in snap.files}
     problems.extend(_size_problems(snap, sizes))
+    short = any(rel in snap.files and snap.files[rel].size != size for rel, size in sizes.items())
     cand = common.make(NAME, step, directory, files, problems, expected_sizes=sizes,
-                       metrics=meta.metrics)
+                       metrics=meta.metrics, truncated=short)
     return dataclasses.replace(cand, node_share=multi_node)
 
 

@@ -10,7 +10,7 @@ import itertools
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from ckptd.model import Local, Remote, State
+from ckptd.model import Local, Reason, Remote, State
 
 
 @dataclass(frozen=True, order=True)
@@ -99,6 +99,12 @@ class Policy:
     @property
     def wants_copy(self) -> bool:
         return self.uploads or self.keeps_copies
+
+    @property
+    def sends_early(self) -> bool:
+        """Objects go to the bucket while validation reads the files (`stages.sending.early`): only
+        where a single node uploads; a multi-node step's parts are the upload stage's."""
+        return self.uploads and not self.committed_only
 
 
 @dataclass(frozen=True)
@@ -333,6 +339,25 @@ def classify(s: Status | None, seen: Sighting) -> Event | None:
     if s.local is Local.COMPRESSED and not seen.same_path:
         return None  # another layout's view of the step, not a new save of it
     return Event.RESAVED
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A pending save as one scan saw it: seconds since its files last changed, and whether a
+    member is short of the size its layout promises (`Candidate.truncated`; else one is
+    missing)."""
+
+    idle: float
+    truncated: bool
+
+
+def gives_up(s: Status | None, stall: Stall, timeout: float) -> Reason | None:
+    """The reason `Event.GAVE_UP` judges a save invalid with, once it has stayed incomplete
+    `timeout` seconds after its last change (the root's `pending_timeout`); None while the
+    table does not allow it or the save may still complete."""
+    if s is None or not allowed(s, Event.GAVE_UP) or stall.idle < timeout:
+        return None
+    return Reason.TRUNCATED if stall.truncated else Reason.MISSING_FILE
 
 
 def next_stage(s: Status, policy: Policy) -> Stage | None:

@@ -1,2 +1,4 @@
 """The remote layout of a root: the manifest format (`manifest`) and the keys, committed steps
-and LATEST pointer under `<url>/<root>/` (`layout`). Reads through the bounded reader only."""
+and LATEST pointer under `<url>/<root>/` (`layout`). The documents it reads (manifests, LATEST)
+go through the bounded reader (`ckptd.inputs`); reading a step's objects back is
+`ckptd.fetch`'s."""

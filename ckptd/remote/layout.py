@@ -1,8 +1,9 @@
 """Reading the remote layout of a root: committed steps, their manifests, the LATEST pointer.
 
 Owns the key names under `<url>/<root>/` and what counts as committed (a step with a
-MANIFEST.json); writes nothing except LATEST (compare-and-swap only), and never imports the
-store or a stage.
+MANIFEST.json); writes nothing except LATEST (compare-and-swap, or create-only where it is
+absent; removed only where it cannot be read or no committed step is left), and never imports
+the store or a stage.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ckptd.errors import (
     StorageError,
     TransientError,
 )
+from ckptd.lifecycle import answers
 from ckptd.log import get_logger
 from ckptd.remote.manifest import LATEST_NAME, MANIFEST_NAME, Manifest, parse_manifest, step_prefix
 
@@ -185,15 +187,15 @@ def retreat_latest(backend: Backend, root_name: str, deleted: int) -> None:
         current, version = _read_pointer(backend, root_name)
         if version is None or (current is not None and current != deleted):
             return
-        remaining = [s for s in list_steps(backend, root_name) if s != deleted]
-        if not remaining:
+        remaining = answers.newest(s for s in list_steps(backend, root_name) if s != deleted)
+        if remaining is None:
             backend.delete(latest_key(root_name))
-            later = [s for s in list_steps(backend, root_name) if s != deleted]
-            if later:
-                advance_latest(backend, root_name, max(later))
+            later = answers.newest(s for s in list_steps(backend, root_name) if s != deleted)
+            if later is not None:
+                advance_latest(backend, root_name, later)
             return
         try:
-            _swap(backend, root_name, max(remaining), version)
+            _swap(backend, root_name, remaining, version)
             return
         except (PreconditionFailed, ObjectExists):
             continue

@@ -1,2 +1,3 @@
-"""The way back: a step's files rebuilt from its local copy or its remote objects (`files`,
-`pipe`), and the checked decoder both use (`decode`). Never touches the daemon's store."""
+"""The way back to files: `ckptd restore` rebuilds a step's files from its local copy or its
+remote objects (`files`, reading through `ckptd.fetch`), and the restore child's one JSON line
+(`answer`). Never touches the daemon's store."""

@@ -25,20 +25,20 @@ from ckptd.config import Config, RootConfig
 from ckptd.copies.decode import decode_object
 from ckptd.copies.store import objects_dir, read_local_manifest
 from ckptd.errors import NotFound, UnsafePath
-from ckptd.fileio import DurableWriter, write_error
-from ckptd.log import get_logger
-from ckptd.remote.holds import ReaderHold, daemon_socket
-from ckptd.remote.layout import is_committed
-from ckptd.remote.manifest import Manifest, StoredFile, for_node, step_prefix
-from ckptd.restore import pipe as restore_pipe
-from ckptd.restore.source import (
+from ckptd.fetch import pipe
+from ckptd.fetch.holds import ReaderHold, daemon_socket
+from ckptd.fetch.source import (
     StepArg,
-    best_step,
     list_remote_steps,
+    newest_copy,
     read_remote_manifest,
     remote_backend,
     resolve_step,
 )
+from ckptd.fileio import DurableWriter, write_error
+from ckptd.log import get_logger
+from ckptd.remote.layout import is_committed
+from ckptd.remote.manifest import Manifest, StoredFile, for_node, step_prefix
 from ckptd.units import format_size, progress_bar
 
 Progress = Callable[[int], None]  # bytes just restored
@@ -164,7 +164,7 @@ def restore_remote(
     progress: Progress | None = None,
 ) -> list[Path]:
     """Rebuild a remote step's files under `to`: fetch the objects on `concurrency` threads,
-    each decoded and checked as it arrives (`restore_pipe`), written like `restore_from_dir`
+    each decoded and checked as it arrives (`fetch.pipe`), written like `restore_from_dir`
     does. The first failure stops the rest and is raised; files already restored stay,
     nothing half-written does."""
     to.mkdir(parents=True, exist_ok=True)
@@ -172,7 +172,7 @@ def restore_remote(
     safe = _Locked(progress) if progress is not None else None
     failed: Future[Path] | None = None
     with ThreadPoolExecutor(max(1, concurrency), "ckptd-restore") as pool:
-        futures = [pool.submit(restore_pipe.fetch_and_restore, backend, f"{prefix}/{f.key}",
+        futures = [pool.submit(pipe.fetch_and_restore, backend, f"{prefix}/{f.key}",
                                f, to, safe) for f in manifest.files]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((fut for fut in futures if fut in done and fut.exception()), None)
@@ -242,8 +242,8 @@ def _restore_nodes(root: RootConfig, backend: Backend | None, step: StepArg, to:
     if backend is None:
         raise NotFound(f"root {root.name!r} has no upload.url: a multi-node step is restored"
                        " from its commit")
-    n = step if step != "latest" else best_step(set(), set(list_remote_steps(backend, root.name)),
-                                            backend, root.name)
+    n = step if step != "latest" else newest_copy(
+        set(), set(list_remote_steps(backend, root.name)), backend, root.name)
     if n is None:
         raise NotFound(f"no committed step of {root.name!r} at {backend.url}")
     with ReaderHold(backend, root.name, n, socket=socket):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from ckptd import fileio
 from ckptd.backends import Backend, ObjectMeta
@@ -34,11 +34,18 @@ from ckptd.retention.nets import (
     check_nets,
 )
 from ckptd.retention.nets import Guards as Guards  # what `Nets.held` yields
+from ckptd.retention.outcomes import (
+    LocalRun,
+    Outcome,
+    already_gone,
+    failed,
+    pruned,
+    refused,
+    remote_bytes,
+)
 from ckptd.retention.planner import Action, Plan, PlanItem
 from ckptd.retention.trash import TrashRecord
 
-TierName = Literal["local", "remote", "copy"]  # "copy": a local compressed copy beside originals
-OutcomeAction = Literal["deleted", "trashed", "refused", "deferred", "failed"]
 DeleteStep = Callable[[Backend, str, int], object]  # its result is ignored
 OnTrashed = Callable[[int, Path], None]
 
@@ -65,35 +72,6 @@ class Target:
     local: Local
     remote: Remote
     is_dir: bool
-
-
-
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What happened to one tier's copy of one step; the scheduler records it in the store."""
-
-    step: int
-    tier: TierName
-    action: OutcomeAction
-    reason: str
-    bytes_freed: int = 0
-
-    def as_json(self) -> dict[str, Any]:
-        return {"step": self.step, "tier": self.tier, "action": self.action,
-                "reason": self.reason, "bytes_freed": self.bytes_freed}
-
-
-@dataclass(frozen=True)
-class LocalRun:
-    """What `execute_local` did (`outcomes`, in plan order; a compress item's is `deferred`:
-    the report `prune --apply` answers) and the steps it leaves the caller to compress in place
-    (`retention.inplace`)."""
-
-    outcomes: list[Outcome]
-    compress: tuple[int, ...]
-
 
 
 # --- the plan, carried out -------------------------------------------------------------------
@@ -168,7 +146,7 @@ def execute_copies(
         target = targets.get(item.step)
         if target is None or target.step != item.step:
             log = get_logger(root=root or Path(root_dir).name)
-            out.append(_refused(log, item.step, "copy", Refusal(NO_TARGET, "no copy recorded")))
+            out.append(refused(log, item.step, "copy", Refusal(NO_TARGET, "no copy recorded")))
             continue
         got = release_copy(root_dir, target, nets, root=root)
         out.append(Outcome(got.step, "copy", got.action, got.reason, got.bytes_freed))
@@ -185,11 +163,11 @@ def _delete_local(
     log: Any,
 ) -> Outcome:
     if target is None or target.step != item.step:
-        return _refused(log, item.step, "local", Refusal(NO_TARGET, "no record for this step"))
+        return refused(log, item.step, "local", Refusal(NO_TARGET, "no record for this step"))
     try:
         got = _trash(root_dir, target, guards, trash_dir, log)
     except OSError as exc:
-        return _failed(log, item.step, "local", f"moving into the trash: {exc}")
+        return failed(log, item.step, "local", f"moving into the trash: {exc}")
     if isinstance(got, Outcome):
         return got
     if on_trashed is not None:
@@ -204,7 +182,7 @@ def _delete_local(
         why = f"removing {got.entry} failed: {exc}; left for purge_trash"
         log.error("prune_failed", step=item.step, tier="local", reason=why)
         return Outcome(item.step, "local", "trashed", why)
-    return _pruned(log, item, "local", freed)
+    return pruned(log, item, "local", freed)
 
 
 def _put_back(log: Any, record: TrashRecord, cause: Exception) -> Outcome:
@@ -212,8 +190,8 @@ def _put_back(log: Any, record: TrashRecord, cause: Exception) -> Outcome:
         trashcan.restore(record)
     except OSError as exc:
         why = f"recording failed ({cause}); putting back failed too ({exc}), left in trash"
-        return _failed(log, record.step, "local", why)
-    return _failed(log, record.step, "local", f"recording failed ({cause}); put back")
+        return failed(log, record.step, "local", why)
+    return failed(log, record.step, "local", f"recording failed ({cause}); put back")
 
 
 def _delete_remote(
@@ -225,7 +203,7 @@ def _delete_remote(
     log: Any,
 ) -> Outcome:
     got = _remove_remote(backend, root_name, item.step, "prune_remote", guards, delete_step, log)
-    return got if isinstance(got, Outcome) else _pruned(log, item, "remote", got)
+    return got if isinstance(got, Outcome) else pruned(log, item, "remote", got)
 
 
 def _remove_remote(backend: Backend, root_name: str, step: int, act: Act, guards: Guards,
@@ -234,21 +212,13 @@ def _remove_remote(backend: Backend, root_name: str, step: int, act: Act, guards
     try:
         check_nets(step, act, guards)
     except Refusal as refusal:
-        return _refused(log, step, "remote", refusal)
-    size = _remote_bytes(backend, root_name, step)
+        return refused(log, step, "remote", refusal)
+    size = remote_bytes(backend, root_name, step)
     try:
         delete_step(backend, root_name, step)
     except (StorageError, OSError) as exc:
-        return _failed(log, step, "remote", str(exc))
+        return failed(log, step, "remote", str(exc))
     return size
-
-
-def _remote_bytes(backend: Backend, root_name: str, step: int) -> int:
-    """Stored size of a remote step, best effort: only a number for logs and metrics."""
-    try:
-        return sum(m.size for m in backend.list(step_prefix(root_name, step)))
-    except StorageError:
-        return 0
 
 
 def trash(
@@ -276,23 +246,15 @@ def _trash(root_dir: Path, target: Target, guards: Guards, trash_dir: Path, log:
             raise Refusal(NOT_ON_DISK)
         moves = trashcan.moves(real_root, target.path, target.files, target.is_dir, trash_real)
     except Refusal as refusal:
-        return _refused(log, target.step, "local", refusal)
+        return refused(log, target.step, "local", refusal)
     record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
     if record is None:
-        return _already_gone(log, target.step)
+        return already_gone(log, target.step)
     log.info("checkpoint_trashed", step=target.step, tier="local", trash=str(record.entry))
     return record
 
 
-def _already_gone(log: Any, step: int) -> Outcome:
-    """Nothing left to move: another owner's delete (through this executor) got there first,
-    or the files went by hand. The delete is done; nothing failed."""
-    log.info("checkpoint_pruned", step=step, tier="local", reason="already gone", bytes_freed=0)
-    return Outcome(step, "local", "deleted", "already gone")
-
-
 # --- the other destructive acts ---------------------------------------------------------------
-
 
 
 def replace_originals(
@@ -322,15 +284,15 @@ def replace_originals(
             members = list(dict.fromkeys(trashcan.relative(f) for f in target.files))
             moves = trashcan.file_moves(real_root, members)
         except Refusal as refusal:
-            return _refused(log, target.step, "local", refusal)
+            return refused(log, target.step, "local", refusal)
         try:
             check()
         except (CkptdError, OSError) as exc:
-            return _failed(log, target.step, "local", f"originals kept: {exc}")
+            return failed(log, target.step, "local", f"originals kept: {exc}")
         try:
             record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
         except OSError as exc:
-            return _failed(log, target.step, "local", f"moving into the trash: {exc}")
+            return failed(log, target.step, "local", f"moving into the trash: {exc}")
     if record is None:
         return Outcome(target.step, "local", "deleted", "already gone")
     gone = set(record.moved)
@@ -352,7 +314,7 @@ def release_copy(
     log = get_logger(root=root or Path(root_dir).name)
     if target.local is Local.COMPRESSED:
         why = Refusal(COMPRESSED, "the copy is the checkpoint's local form")
-        return _refused(log, target.step, "local", why)
+        return refused(log, target.step, "local", why)
     act: Act = "release_copy" if target.local is Local.PRESENT else "release_last"
     real_root = Path(root_dir).resolve()
     with nets.held() as guards:
@@ -364,11 +326,11 @@ def release_copy(
                 raise Refusal(UNSAFE_PATH, f"{anchor!r} is not a compressed copy")
             moves = trashcan.dir_move(real_root, anchor, [], trash_real)
         except Refusal as refusal:
-            return _refused(log, target.step, "local", refusal)
+            return refused(log, target.step, "local", refusal)
         try:
             record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
         except OSError as exc:
-            return _failed(log, target.step, "local", f"moving into the trash: {exc}")
+            return failed(log, target.step, "local", f"moving into the trash: {exc}")
     if record is None:
         return Outcome(target.step, "local", "deleted", "already gone")
     freed = trashcan.purge_or_leave(log, record)
@@ -489,26 +451,3 @@ def _discard_early(backend: Backend, root_name: str, step: int,
             continue  # gone already, or the store fails: a straggler at worst
     log.info("early_objects_discarded", step=step, objects=gone, of=len(sent))
     return gone
-
-
-# --- outcomes and their events ---------------------------------------------------------------
-
-
-def _tier_reasons(item: PlanItem, tier: TierName) -> str:
-    return ",".join(r for r in item.reasons if r.startswith(f"{tier}:"))
-
-
-def _pruned(log: Any, item: PlanItem, tier: TierName, freed: int) -> Outcome:
-    reason = _tier_reasons(item, tier)
-    log.info("checkpoint_pruned", step=item.step, tier=tier, reason=reason, bytes_freed=freed)
-    return Outcome(item.step, tier, "deleted", reason, freed)
-
-
-def _refused(log: Any, step: int, tier: TierName, refusal: Refusal) -> Outcome:
-    log.warning("prune_refused", step=step, tier=tier, reason=refusal.reason)
-    return Outcome(step, tier, "refused", refusal.reason)
-
-
-def _failed(log: Any, step: int, tier: TierName, reason: str) -> Outcome:
-    log.error("prune_failed", step=step, tier=tier, reason=reason)
-    return Outcome(step, tier, "failed", reason)

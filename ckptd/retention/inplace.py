@@ -1,13 +1,14 @@
 """compress_older in place: the flow around the executor's `replace_originals` (copy checked, row
 recorded before the moves and undone if they fail, a crash's half finished) and its back-off.
-Deletes nothing itself (the executor does); never compresses (the compress stage made the copy).
+Deletes nothing itself (the executor does); never compresses (the compress stage made the copy);
+reads time only from the clock it is given.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.copies import store as copies
 from ckptd.lifecycle.table import Event
@@ -28,8 +29,10 @@ class InPlace:
     """Replaces originals by their copies for every root, under the retention locks
     (`exclusive`, `nets`: the moves are a local delete like any other)."""
 
-    def __init__(self, store: Store, exclusive: threading.RLock, nets: threading.RLock) -> None:
+    def __init__(self, store: Store, exclusive: threading.RLock, nets: threading.RLock,
+                 clock: Clock = SYSTEM) -> None:
         self.store = store
+        self.clock = clock
         self.exclusive = exclusive
         self.nets = nets
         # Keyed by the row, not the step: a re-save of the step is a new row that a failure of
@@ -45,11 +48,11 @@ class InPlace:
             return False  # the compress stage makes the copy first; a later run replaces
         manifest = copies.read_local_manifest(root.path, step)
         if manifest is None:
-            self.store.record(root.name, step, Event.COPY_LOST, time.time())
+            self.store.record(root.name, step, Event.COPY_LOST, self.clock.time())
             return False
         if self._backing_off(rec.id):
             return False
-        if step in self.store.in_use(root.name, time.time()):
+        if step in self.store.in_use(root.name, self.clock.time()):
             return False  # a reader holds the originals
         checked = self._check_replaceable(root, step, rec.id)
         if checked is None:
@@ -57,10 +60,10 @@ class InPlace:
         # Recorded before the originals go: a crash meanwhile leaves a row that says
         # "compressed" with originals still beside the copy (finished later), never one that
         # lost its copy. After the long checks, so the row says so only for the moves' time.
-        if not self.store.record(root.name, step, Event.COMPRESSED_LOCAL, time.time()):
+        if not self.store.record(root.name, step, Event.COMPRESSED_LOCAL, self.clock.time()):
             return False
         if not self._replace(root, rec.id, step, rec.path, checked):
-            self.store.record(root.name, step, Event.COMPRESS_UNDONE, time.time())
+            self.store.record(root.name, step, Event.COMPRESS_UNDONE, self.clock.time())
             return False
         self.log.info("checkpoint_compressed_locally", root=root.name, step=step)
         return True
@@ -78,7 +81,7 @@ class InPlace:
                 self._replace(root, rec.id, rec.step, rec.path, checked)
 
     def _backing_off(self, cid: int) -> bool:
-        return time.monotonic() < self._backoff.get(cid, 0.0)
+        return self.clock.monotonic() < self._backoff.get(cid, 0.0)
 
     def _check_replaceable(self, root: RootConfig, step: int, cid: int) -> Checked | None:
         """The long checks before the originals may go (the copy decoded, every original
@@ -104,7 +107,7 @@ class InPlace:
                                  rec.remote if rec else Remote.NONE, False)
         with self.exclusive, self.nets:
             out = executor.replace_originals(
-                root.path, target, StoreNets(self.store, root, self.nets, time.time),
+                root.path, target, StoreNets(self.store, root, self.nets, self.clock.time),
                 lambda: copies.check_replaceable(root.path, manifest, members, verify=False,
                                                    rehash=False),
                 root=root.name)
@@ -113,7 +116,7 @@ class InPlace:
         return out.action == "deleted"
 
     def _failed(self, root: RootConfig, step: int, cid: int, error: str) -> bool:
-        self._backoff[cid] = time.monotonic() + COMPRESS_RETRY_S
+        self._backoff[cid] = self.clock.monotonic() + COMPRESS_RETRY_S
         self.log.error("compress_older_failed", root=root.name, step=step, error=error,
                        retry_in_s=COMPRESS_RETRY_S)
         return False

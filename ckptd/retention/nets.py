@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ckptd.lifecycle import answers
 from ckptd.retention.planner import Tag
 
 # Refusal tags beyond the planner's vocabulary.
@@ -84,7 +85,7 @@ def _net_holds(net: str, step: int, g: Guards) -> bool:
     if net == "adopted":
         return step in g.adopted
     if net == "remote_latest":
-        return step == max(g.remote_verified, default=None)
+        return step == answers.newest(g.remote_verified)
     if net == "not_verified":  # not committed and verified: an upload may be writing it now
         return step not in g.remote_verified
     if net == "invalid":

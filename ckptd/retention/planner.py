@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from ckptd import units
 from ckptd.lifecycle import answers
-from ckptd.lifecycle.answers import MetricMode as MetricMode
 from ckptd.model import Local, Remote, State, Tier
+from ckptd.model import MetricMode as MetricMode
 
 TierName = Literal["local", "remote"]
 
@@ -430,15 +430,15 @@ def _item(v: CheckpointView, local: dict[int, _Decision], remote: dict[int, _Dec
 def _copy_decision(v: CheckpointView, local: Action, compress_older: bool) -> _Decision:
     """The local compressed copy beside the originals. It is made for an upload and for
     compress_older: kept while either may still need it, released once neither does, and
-    deleted with its checkpoint's local copy. The same rule the lifecycle applies after an
-    upload (Effect.RELEASE_COPY), so a release that was refused then is planned again."""
+    deleted with its checkpoint's local copy. What needs it is `answers.copy_needed_by`, the
+    rule the effects apply after an upload (Effect.RELEASE_COPY), so a release that was
+    refused then is planned again."""
     if not v.copy or v.local is Local.COMPRESSED:
         return _ABSENT
     if local is Action.DELETE or v.local is Local.PRUNED:
         return _Decision(Action.DELETE, (Tag.WITH_LOCAL,))
-    keep = [tag for hit, tag in ((v.in_use, Tag.IN_USE),
-                                 (not answers.is_committed(v), Tag.NOT_UPLOADED),
-                                 (compress_older, Tag.COMPRESS_OLDER)) if hit]
+    keep = ([Tag.IN_USE] if v.in_use else []) + [
+        Tag(why) for why in answers.copy_needed_by(v, compress_older)]
     if keep:
         return _Decision(Action.KEEP, tuple(keep))
     return _Decision(Action.DELETE, (Tag.RELEASED,))

@@ -1,25 +1,28 @@
 """One retention run of one root: plan from the store's facts, execute with fresh guards, record
-the outcomes, compress in place what the plan defers. Never chooses when it runs (the scheduler),
-decides nothing (the planner) and deletes nothing itself (the executor does).
+the outcomes, compress in place what the plan defers. Never chooses when it runs (the scheduler)
+or what is kept (the planner), and deletes nothing itself (the executor does). What it decides
+is only whether the remote part runs: not while the bucket's hold objects cannot be read, and
+on a multi-node root only on the node that coordinates it (`cluster.coordinator`).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 from ckptd.backends import Backend
+from ckptd.clock import SYSTEM, Clock
 from ckptd.cluster.coordinator import coordinates
 from ckptd.config import RootConfig
 from ckptd.errors import CkptdError
+from ckptd.fetch import holds
 from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, State, Tier
-from ckptd.remote import holds
 from ckptd.remote import layout as remote
 from ckptd.retention import executor, planner, trash
 from ckptd.retention.inplace import InPlace
+from ckptd.retention.outcomes import LocalRun, Outcome
 from ckptd.retention.report import RootHealth
 from ckptd.retention.views import (
     StoreNets,
@@ -42,14 +45,17 @@ class Runner:
     and `nets` are the service's locks, held for the local deletes."""
 
     def __init__(self, store: Store, backend_for: Callable[[RootConfig], Backend | None],
-                 exclusive: threading.RLock, nets: threading.RLock, node: str = "") -> None:
+                 exclusive: threading.RLock, nets: threading.RLock, node: str = "",
+                 clock: Clock = SYSTEM) -> None:
+        """`clock`: what a run's `now` is read from (readers' holds, recorded events)."""
         self.store = store
+        self.clock = clock
         self.backend_for = backend_for
         self.node = node  # daemon.node: remote retention of a multi-node root is its coordinator's
         self.exclusive = exclusive
         self.nets = nets
         self.health: dict[str, RootHealth] = {}
-        self.inplace = InPlace(store, exclusive, nets)
+        self.inplace = InPlace(store, exclusive, nets, clock)
         self.log = get_logger()
 
     def plan(self, root: RootConfig, now: float, delete_adopted: bool = False,
@@ -68,12 +74,12 @@ class Runner:
         status = self.store.status(root.name, r.step)
         return status is not None and status.copy
 
-    def run(self, root: RootConfig, delete_adopted: bool = False) -> list[executor.Outcome]:
+    def run(self, root: RootConfig, delete_adopted: bool = False) -> list[Outcome]:
         # Only the local deletes hold the lock (with the guards they check, read inside it):
         # remote calls and compressing in place can take long and must not hold up scans,
         # pins or readers' holds.
         with self.exclusive, self.nets:
-            now = time.time()
+            now = self.clock.time()
             plan, local, outcomes = self._run_local(root, now, delete_adopted)
             self._record(root, outcomes)
         remote_out = self._remote(root, plan)
@@ -84,7 +90,7 @@ class Runner:
         return outcomes + remote_out
 
     def _run_local(self, root: RootConfig, now: float, delete_adopted: bool = False
-                   ) -> tuple[planner.Plan, executor.LocalRun, list[executor.Outcome]]:
+                   ) -> tuple[planner.Plan, LocalRun, list[Outcome]]:
         """The plan, what its local part did (and left to compress in place), and the
         outcomes of its local deletes and copy releases."""
         records = self.store.checkpoints(root.name)
@@ -102,9 +108,9 @@ class Runner:
         return plan, local, outcomes
 
     def _pruned(self, name: str, step: int) -> None:
-        self.store.record(name, step, Event.PRUNED_LOCAL, time.time())
+        self.store.record(name, step, Event.PRUNED_LOCAL, self.clock.time())
 
-    def _remote(self, root: RootConfig, plan: planner.Plan) -> list[executor.Outcome]:
+    def _remote(self, root: RootConfig, plan: planner.Plan) -> list[Outcome]:
         if not any(i.remote is planner.Action.DELETE for i in plan.items):
             return []
         backend = self.backend_for(root)
@@ -121,7 +127,7 @@ class Runner:
         """Steps readers hold in the bucket (`<root>/_holds/`, docs/RETENTION.md): read just
         before the remote deletes, by the clock now; the stale hold objects are removed."""
         try:
-            found = holds.read_holds(backend, root.name, time.time())
+            found = holds.read_holds(backend, root.name, self.clock.time())
         except CkptdError as exc:  # a hold cannot be ruled out: no remote delete this run
             self.log.warning("remote_holds_unread", root=root.name, error=str(exc))
             return frozenset(i.step for i in plan.items)
@@ -151,15 +157,15 @@ class Runner:
         """The nets every executor call of this run reads itself, under `self.nets`;
         `also_in_use`: steps held where the store does not see it (readers' hold objects in
         the bucket)."""
-        return StoreNets(self.store, root, self.nets, time.time, delete_adopted, also_in_use)
+        return StoreNets(self.store, root, self.nets, self.clock.time, delete_adopted, also_in_use)
 
-    def _record(self, root: RootConfig, outcomes: list[executor.Outcome]) -> None:
+    def _record(self, root: RootConfig, outcomes: list[Outcome]) -> None:
         """Record what was done as lifecycle events; their effects (a released compressed
         copy removed, latest.json) follow the transition."""
         for o in outcomes:
             event = _EVENTS.get((o.action, o.tier))
             if event is not None:
-                self.store.record(root.name, o.step, event, time.time())
+                self.store.record(root.name, o.step, event, self.clock.time())
 
     def _check_preflight(self, root: RootConfig, records: list[CheckpointRecord],
                          plan: planner.Plan) -> None:

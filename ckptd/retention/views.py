@@ -10,9 +10,9 @@ import shutil
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptd.config import RootConfig
 from ckptd.copies.store import objects_dir
@@ -103,18 +103,21 @@ def view_of(r: CheckpointRecord, metric: str, in_use: bool,
         adopted=r.adopted, copy=copy)
 
 
+_R = TypeVar("_R", bound=planner.Rules)
+
+
 def local_rules(root: RootConfig) -> planner.LocalRules:
-    lr = root.retention.local
-    return planner.LocalRules(keep_last=lr.keep_last, keep_best=lr.keep_best,
-                              keep_every=lr.keep_every, keep_within=lr.keep_within,
-                              compress_older=lr.compress_older,
-                              delete_invalid=lr.delete_invalid)
+    return _rules(planner.LocalRules, root.retention.local)
 
 
 def remote_rules(root: RootConfig) -> planner.RemoteRules:
-    rr = root.retention.remote
-    return planner.RemoteRules(keep_last=rr.keep_last, keep_best=rr.keep_best,
-                               keep_every=rr.keep_every, keep_within=rr.keep_within)
+    return _rules(planner.RemoteRules, root.retention.remote)
+
+
+def _rules(kind: type[_R], table: Any) -> _R:
+    """The planner's rules from a retention table: each rule's setting has the same name in
+    both (a new rule is a field of each, nothing here)."""
+    return kind(**{f.name: getattr(table, f.name) for f in fields(kind)})
 
 
 def disk_of(root: RootConfig) -> planner.Disk | None:

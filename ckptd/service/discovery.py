@@ -25,6 +25,7 @@ from ckptd.errors import CkptdError, ObjectNotFound
 from ckptd.lifecycle import answers
 from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
+from ckptd.model import RootError
 from ckptd.remote import layout as remote
 from ckptd.service.metrics import Metrics
 from ckptd.service.supervisor import Calls
@@ -53,7 +54,7 @@ class Discovery:
         self.store = store
         self.clock = clock
         self.bound_s = bound_s
-        self.calls = calls if calls is not None else Calls()
+        self.calls = calls if calls is not None else Calls(clock)
         # Roots a client asked to see listed afresh, each with the event its waiters wait on.
         self._asked: dict[str, threading.Event] = {}
         self.roots = roots
@@ -161,7 +162,8 @@ class Discovery:
             require_create_only(backend, name)
         except PermanentError as exc:
             self.log.error("create_only_refused", root=name, error=str(exc))
-            self.store.set_root_error(name, f"upload: {exc}", self.clock.time())
+            self.store.set_root_error(name, RootError.UPLOAD, f"upload: {exc}",
+                                      self.clock.time())
 
     def _add_unknown(self, name: str, backend: Backend,
                      manifests: Mapping[int, ObjectMeta]) -> tuple[int, list[dict[str, str]]]:

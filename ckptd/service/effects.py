@@ -6,14 +6,14 @@ scanner, and wake long-polls.
 Owns every consequence of a transition; nothing else writes latest.json. Deletes nothing
 itself: a copy is released by `executor.release_copy`, which reads its nets under the lock pins
 and holds take (a copy a net holds stays, and retention's plan releases it later). Decides
-nothing about checkpoints: the table said which effects follow.
+nothing about checkpoints: the table said which effects follow. Reads time only from the clock
+it is given.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
@@ -21,9 +21,12 @@ from typing import Any, Protocol
 
 from ckptd import fileio
 from ckptd.backends import Backend, ObjectMeta
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.copies import store as copies
+from ckptd.lifecycle import answers
 from ckptd.lifecycle.changes import Changes
+from ckptd.lifecycle.policy import policy_of
 from ckptd.lifecycle.table import Effect, Event
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote, Tier
@@ -48,8 +51,9 @@ class LatestPublisher:
     a missing file: a trainer with no daemon to ask then tells "none yet" (start at step 0)
     from "cannot tell" (no file: `Client.latest` raises)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, clock: Clock = SYSTEM) -> None:
         self.store = store
+        self.clock = clock
         self._lock = threading.Lock()
         self.log = get_logger()
 
@@ -66,7 +70,8 @@ class LatestPublisher:
                 return
             try:
                 target.parent.mkdir(exist_ok=True)
-                updated = datetime.now(UTC).isoformat(timespec="seconds")
+                updated = datetime.fromtimestamp(self.clock.time(), UTC).isoformat(
+                    timespec="seconds")
                 fileio.atomic_write_json(target, {**doc, "updated": updated})
             except OSError as exc:
                 self.log.warning("latest_write_failed", root=root.name, error=str(exc))
@@ -85,9 +90,12 @@ class Effects:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  changes: Changes, workers: Wakeable, retention: RetentionQueue,
                  scan: Wakeable, nets: AbstractContextManager[Any],
-                 backend_for: Callable[[RootConfig], Backend | None]) -> None:
-        """`nets`: the lock pins and readers' holds take (the retention service's)."""
+                 backend_for: Callable[[RootConfig], Backend | None],
+                 clock: Clock = SYSTEM) -> None:
+        """`nets`: the lock pins and readers' holds take (the retention service's); `clock`:
+        what latest.json's `updated` and the nets' readers' holds are judged by."""
         self.store = store
+        self.clock = clock
         self.nets = nets
         self.backend_for = backend_for
         self.roots = roots
@@ -95,7 +103,7 @@ class Effects:
         self.workers = workers
         self.retention = retention
         self.scan = scan
-        self.publisher = LatestPublisher(store)
+        self.publisher = LatestPublisher(store, clock)
         self._local = threading.local()
         self.log = get_logger()
 
@@ -155,10 +163,9 @@ class Effects:
         if Effect.REMOVE_COPY in a.effects:
             self._release(root, a.step, local, remote)
         if Effect.RELEASE_COPY in a.effects and a.target is not None and (
-                a.target.local is Local.PRUNED or a.target.local is Local.PRESENT
-                and not root.retention.local.compress_older):
-            # The copy was made for the upload: kept only where retention keeps compressed
-            # copies of checkpoints still on disk.
+                not answers.copy_needed_by(a.target, policy_of(root).keeps_copies)):
+            # The copy was made for the upload; the planner applies the same rule, so a
+            # release refused now is planned again.
             if self._release(root, a.step, local, remote):
                 self.store.record(a.root, a.step, Event.COPY_DROPPED)
 
@@ -180,7 +187,7 @@ class Effects:
             self.retention.discard_early(root.name, step, sent)
 
     def _release(self, root: RootConfig, step: int, local: Local, remote: Remote) -> bool:
-        nets = views.StoreNets(self.store, root, self.nets, time.time)
+        nets = views.StoreNets(self.store, root, self.nets, self.clock.time)
         out = executor.release_copy(root.path, views.copy_target(step, local, remote),
                                     nets, root=root.name)
         return out.action == "deleted"

@@ -1,6 +1,8 @@
 """How validate and compress are called for one claimed job (a Candidate, a Stager), and the two
-answers that are not failures: `Changed`, `Damaged`. Decides and records nothing: the stages
-work, the workers record (the upload's call is `service.uploads`).
+answers that are not failures: `Changed`, `Damaged`. Records nothing (the workers record; the
+upload's call is `service.uploads`). Decides only how a stage is called: whether the copy is
+built in validation's read pass and its objects sent early, and that a full disk defers the
+copy instead of failing the validation.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 from ckptd.backends import Backend
 from ckptd.config import RootConfig
 from ckptd.errors import DiskFull
-from ckptd.lifecycle.table import Policy
+from ckptd.lifecycle.policy import policy_of
 from ckptd.log import get_logger
 from ckptd.model import Candidate, ValidationResult
 from ckptd.remote.manifest import StoredFile
@@ -64,13 +66,6 @@ def _checks(root: RootConfig) -> dict[str, Any]:
     return {"deep": root.deep_validate, "trusted": frozenset(root.trusted_globals)}
 
 
-def policy_of(root: RootConfig) -> Policy:
-    """What the lifecycle needs of a root's config to know which stages its checkpoints need:
-    a compressed copy when it uploads or may keep copies instead of originals."""
-    return Policy(uploads=root.upload.enabled, keeps_copies=root.retention.local.compress_older,
-                  committed_only=root.multi_node)
-
-
 def stager_for(root: RootConfig, job: Job, nets: executor.Nets) -> compress.Stager:
     """A Stager whose finished copy is installed by the executor (`install_copy`, under the
     nets' lock): a re-save's copy replaces the superseded save's through the trash."""
@@ -89,10 +84,11 @@ def run_validate(root: RootConfig, job: Job, progress: Progress, nets: executor.
     cand = candidate_of(job, node_share=root.multi_node)
     if cand.invalid_reason:
         return Validated(ValidationResult(False, cand.invalid_reason, cand.invalid_message))
-    if not policy_of(root).wants_copy:
+    policy = policy_of(root)
+    if not policy.wants_copy:
         return Validated(validate(root.path, cand, **_checks(root), every_file=[progress]))
     stager = stager_for(root, job, nets)
-    if backend is not None and root.upload.enabled and not root.multi_node:
+    if backend is not None and policy.sends_early:
         step = job.checkpoint.step
         stager.send_early(
             EarlySender(backend, root.name, step, stager.staging, root.upload.concurrency),

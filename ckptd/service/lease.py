@@ -2,10 +2,13 @@
 files and the rule). Looks at every root's lease every few seconds, takes a free or stale one,
 renews its own, and stands by where another daemon holds the root.
 
-Owns each root's lease state (the files are `lease_files`); decides nothing (the pure `judge`
-does); reads time only from the clock it is given. The daemon gives the other services only the
-roots this one holds (`acting`), so a standby root is never scanned, validated, uploaded,
-pruned, or has its latest.json written by this daemon.
+Owns each root's lease state (the files are `lease_files`). Who holds a root is the pure
+`judge`'s decision; decided here is only what it is handed and what follows for this daemon:
+whether a holder on this machine is alive (`holder_alive`: its pid, and for this very process
+a token of its own), and that this daemon acts only while its last renewal is younger than half
+the timeout (`holds`). Reads time only from the clock it is given. The daemon gives the other
+services only the roots this one holds (`acting`), so a standby root is never scanned,
+validated, uploaded, pruned, or has its latest.json written by this daemon.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from ckptd.cluster.lease import (
 )
 from ckptd.config import RootConfig
 from ckptd.log import get_logger
-from ckptd.model import CKPTD_DIR
+from ckptd.model import CKPTD_DIR, RootError
 from ckptd.service.lease_files import (
     LeaseProblem,
     drop_claims_below,
@@ -181,7 +184,7 @@ class Leases:
             try:
                 self._tick_root(root)
             except LeaseProblem as exc:
-                self._problem(root, str(exc))
+                self._problem(root, str(exc), exc.kind)
             except OSError as exc:  # the lease files changed under us in a way not foreseen
                 self._problem(root, f"lease: {root.path / CKPTD_DIR}: {exc.strerror or exc}")
         after = set(self.acting())
@@ -251,7 +254,7 @@ class Leases:
             os.close(dfd)
         if ok and st.problem is not None:
             st.problem = None
-            self.store.clear_root_error(root.name, "lease:", "root path")
+            self.store.clear_root_error(root.name, RootError.LEASE, RootError.ROOT_MISSING)
 
     def _take(self, dfd: int, root: RootConfig, st: _RootLease, seen: Seen, why: Judgement,
               now: float) -> Judgement:
@@ -334,7 +337,8 @@ class Leases:
             self.log.info("lease_standby", root=root.name, holder=_who(seen.holder),
                           message="another daemon acts on this root; this one stands by")
 
-    def _problem(self, root: RootConfig, message: str) -> None:
+    def _problem(self, root: RootConfig, message: str,
+                 kind: RootError = RootError.LEASE) -> None:
         with self._lock:
             st = self._state.setdefault(root.name,
                                         _RootLease(root.path, changed_at=self.clock.monotonic()))
@@ -342,7 +346,7 @@ class Leases:
             st.problem = message
         if first:
             self.log.error("lease_failed", root=root.name, error=message)
-            self.store.set_root_error(root.name, message, self.clock.time())
+            self.store.set_root_error(root.name, kind, message, self.clock.time())
 
 
 def _who(h: Holder) -> str:

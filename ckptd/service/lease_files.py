@@ -23,13 +23,18 @@ from ckptd.cluster.lease import (
     valid_token,
 )
 from ckptd.errors import BadInput
-from ckptd.model import CKPTD_DIR
+from ckptd.model import CKPTD_DIR, RootError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class LeaseProblem(Exception):
-    """A root whose lease cannot be looked at or written; the message says why."""
+    """A root whose lease cannot be looked at or written; the message says why, `kind` which
+    of the root's errors it is."""
+
+    def __init__(self, message: str, kind: RootError = RootError.LEASE) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def open_dir(root: Path, create: bool) -> int:
@@ -39,7 +44,7 @@ def open_dir(root: Path, create: bool) -> int:
     try:
         rfd = os.open(root, _DIR_FLAGS)
     except FileNotFoundError:
-        raise LeaseProblem(f"root path {root} does not exist") from None
+        raise LeaseProblem(f"root path {root} does not exist", RootError.ROOT_MISSING) from None
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(root):
             raise LeaseProblem(f"lease: root path {root} became a symlink after the config was"

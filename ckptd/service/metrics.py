@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import platform
 import socket
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from ckptd import __version__
+from ckptd.clock import SYSTEM, Clock
 from ckptd.errors import ConfigError
 from ckptd.model import State
 
@@ -48,15 +48,17 @@ BYTE_KINDS = ("read", "written", "uploaded")
 class Metrics:
     """Every metric ckptd exports. Methods are thread-safe (prometheus_client locks)."""
 
-    def __init__(self, version: str = __version__, process: bool = True) -> None:
+    def __init__(self, version: str = __version__, process: bool = True,
+                 clock: Clock = SYSTEM) -> None:
+        """`clock`: the call board's, by which a stuck call's quiet seconds are told."""
         self.registry = CollectorRegistry(auto_describe=True)
         self._roots: set[str] = set()
         self._samples: Callable[[], Iterable[RootSample]] = lambda: ()
         self._health: Callable[[], tuple[bool, Sequence[Any]]] = lambda: (False, ())
         self.registry.register(_RootCollector(lambda: self._samples()))
-        self.registry.register(_HealthCollector(lambda: self._health()))
+        self.registry.register(_HealthCollector(lambda: self._health(), clock))
         self._define_activity()
-        self._define_daemon(version)
+        self._define_daemon(version, clock.time())
         if process:  # process_resident_memory_bytes etc.: the bounded-memory promise, visible
             ProcessCollector(registry=self.registry)
 
@@ -78,7 +80,7 @@ class Metrics:
                          ("root", "kind"), registry=self.registry)
         self._bad_kinds: set[str] = set()
 
-    def _define_daemon(self, version: str) -> None:
+    def _define_daemon(self, version: str, loaded: float) -> None:
         self.up = Gauge("ckptd_up", "1 while the daemon runs.", registry=self.registry)
         self.up.set(1)
         build = Info("ckptd_build", "Version of ckptd and Python.", registry=self.registry)
@@ -90,7 +92,7 @@ class Metrics:
         self.reload_time = Gauge("ckptd_config_last_reload_timestamp_seconds",
                                  "Unix time of the last config load or reload attempt.",
                                  registry=self.registry)
-        self.reload_time.set_to_current_time()  # the config was loaded at start
+        self.reload_time.set(loaded)  # the config was loaded at start
 
     # -- updates -----------------------------------------------------------------------------
 
@@ -254,8 +256,9 @@ class _HealthCollector(Collector):
     """`ckptd_degraded` and one `ckptd_stuck_call_seconds` series per call past its bound,
     read at scrape time: a stall shows at the next scrape, not after a loop turns."""
 
-    def __init__(self, health: Callable[[], tuple[bool, Sequence[Any]]]) -> None:
+    def __init__(self, health: Callable[[], tuple[bool, Sequence[Any]]], clock: Clock) -> None:
         self._health = health
+        self._clock = clock
 
     def describe(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("ckptd_degraded", _DEGRADED_DOC)
@@ -267,7 +270,7 @@ class _HealthCollector(Collector):
         yield GaugeMetricFamily("ckptd_degraded", _DEGRADED_DOC, value=1.0 if degraded else 0.0)
         family = GaugeMetricFamily("ckptd_stuck_call_seconds", _STUCK_DOC,
                                    labels=["who", "stage", "root", "step"])
-        now = time.monotonic()
+        now = self._clock.monotonic()
         for c in stuck:
             family.add_metric([c.who, c.stage, c.root, "" if c.step is None else str(c.step)],
                               c.quiet_s(now))

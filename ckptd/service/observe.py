@@ -16,7 +16,7 @@ from ckptd.config import RootConfig
 from ckptd.lifecycle import answers
 from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
-from ckptd.model import CheckpointRecord, Remote, State, Tier
+from ckptd.model import CheckpointRecord, State, Tier
 from ckptd.service.metrics import Metrics, RootSample
 from ckptd.store import Applied, Store
 
@@ -55,7 +55,7 @@ def _sample(store: Store, root: RootConfig, retention: Health, held: bool,
         steps_since_remote=since,
         preflight_warning=bool(health is not None and not getattr(health, "preflight_ok", True)),
         ratio=stored / raw if raw else None,
-        uploaded=max((r.step for r in records if answers.is_committed(r)), default=None),
+        uploaded=answers.newest(r.step for r in records if answers.is_committed(r)),
         remote_verified=remote.step if remote else None, unsafe_s=unsafe, held=held,
         min_free=root.retention.local.min_free.required(usage.total) if usage else None,
         saved=raw - stored if raw else None,
@@ -116,8 +116,8 @@ class SafeTimes:
 
     def _observe(self, applied: Sequence[Applied]) -> None:
         for a in applied:
-            if (a.target is None or a.target.remote is not Remote.UPLOADED
-                    or (a.source is not None and a.source.remote is Remote.UPLOADED)):
+            if (a.target is None or not answers.is_committed(a.target)
+                    or (a.source is not None and answers.is_committed(a.source))):
                 continue
             rec = self.store.checkpoint(a.root, a.step)
             if rec is not None and rec.completed is not None:

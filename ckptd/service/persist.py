@@ -24,6 +24,7 @@ from typing import Any
 
 from ckptd import arena
 from ckptd import arena_write as stage
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.errors import HttpError
 from ckptd.log import get_logger
@@ -59,13 +60,15 @@ class PersistService:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  wake_scan: Callable[[], None], socket_path: Callable[[], Path],
                  socket_group: Callable[[], str], calls: Calls | None = None, *,
-                 nets: AbstractContextManager[Any]) -> None:
+                 nets: AbstractContextManager[Any], clock: Clock = SYSTEM) -> None:
         """`calls`: the supervisor's call board, where each save's write says what it is
         busy with; its bytes written are its progress. `nets`: the lock pins and readers'
-        holds take, under which an earlier save of a step saved again is replaced."""
+        holds take, under which an earlier save of a step saved again is replaced. `clock`:
+        what a save is timed and registered by (the stop's grace is a real wait)."""
         self.store, self.roots, self.wake_scan = store, roots, wake_scan
         self.nets = nets
-        self.calls = calls if calls is not None else Calls()
+        self.clock = clock
+        self.calls = calls if calls is not None else Calls(clock)
         self._socket_path, self._socket_group = socket_path, socket_group
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
         self._lock = threading.Lock()
@@ -173,7 +176,7 @@ class PersistService:
 
     def _work(self, job: _Job) -> None:
         _idle_priority()
-        started = time.monotonic()
+        started = self.clock.monotonic()
         mm: mmap.mmap | None = None
         who = f"persist-{job.id[:8]}"
         self.calls.begin(who, "persist", job.req.root, job.req.step, STALL_BOUND_S,
@@ -183,7 +186,7 @@ class PersistService:
             written = self._write(job, mm)
             arena_state = arena.State.PERSISTED
             job.outcome = {"state": "done", "path": written.path, "files": written.files,
-                           "seconds": round(time.monotonic() - started, 3)}
+                           "seconds": round(self.clock.monotonic() - started, 3)}
         except Exception as exc:  # noqa: BLE001 - every failure is the save's outcome
             arena_state = arena.State.FAILED
             job.outcome = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
@@ -204,7 +207,7 @@ class PersistService:
         # Not `with memoryview(...)`: on a failure the traceback still holds slices of it, and
         # releasing it then would replace the save's error with a BufferError.
         view = memoryview(mm)
-        nets = StoreNets(self.store, root, self.nets, time.time)
+        nets = StoreNets(self.store, root, self.nets, self.clock.time)
         written = stage.persist(view, job.fd, req, str(root.path), job.cancel,
                                 partial(executor.replace_save, root.path, req.step, nets=nets))
         view.release()
@@ -213,7 +216,7 @@ class PersistService:
         if req.rank == 0 and req.register:
             metrics = req.head.get("metrics")
             self.store.register(req.root, req.step, [],
-                                metrics if isinstance(metrics, dict) else {}, time.time())
+                                metrics if isinstance(metrics, dict) else {}, self.clock.time())
             self.wake_scan()
         return written
 
@@ -235,7 +238,7 @@ class PersistService:
         """Nothing to loop over: jobs run on their own threads. On stop, give the jobs in
         flight a grace period to finish, then cancel them (never committed, never valid)."""
         stop.wait()
-        deadline = time.monotonic() + self.grace
+        deadline = time.monotonic() + self.grace  # a real wait on threads: the real clock
         for job in list(self._jobs.values()):
             job.done.wait(max(0.0, deadline - time.monotonic()))
         with self._lock:

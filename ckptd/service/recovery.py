@@ -1,6 +1,6 @@
 """Start-up: the state-dir lock, recovery, and the daemon's listening socket.
 
-Owns what a restart after a crash cleans up: every lease dropped (one daemon per state dir),
+Owns what a restart after a crash cleans up: every work claim dropped (one daemon per state dir),
 ckptd's own temp files (a `file://` remote's too) and staging dirs; and the pins kept beside
 each root. Checkpoint bytes go only through the retention executor: deletes half done in the
 trash (`purge_trash`) and compressed copies whose transition to "no copy" committed before
@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import threading
-import time
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import IO, Any
 from ckptd import fileio
 from ckptd.api.door import bind_socket
 from ckptd.backends import LocalBackend, make_backend
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import Config, DaemonConfig, RootConfig
 from ckptd.copies import store as copies
 from ckptd.errors import ConfigError, StateLocked
@@ -40,36 +40,38 @@ from ckptd.store.pins import read_pins
 STALE_PUT_S = 3600.0
 
 
-def recover(store: Store, cfg: Config, nets: AbstractContextManager[Any]) -> None:
+def recover(store: Store, cfg: Config, nets: AbstractContextManager[Any],
+            clock: Clock = SYSTEM) -> None:
     """Start-up: pins from beside the roots, claims, temps, the trash, released copies.
-    `nets`: the lock pins and readers' holds take (the retention service's)."""
+    `nets`: the lock pins and readers' holds take (the retention service's); `clock`: what
+    a temp file's age and the readers' holds are judged by."""
     for r in cfg.roots:  # pins kept beside the root outlive a lost state database
         store.set_root_pins(r.name, read_pins(r.path))
     released = store.release_claims()
     removed = 0
     for d in [cfg.daemon.state_dir] + [r.path / CKPTD_DIR for r in cfg.roots]:
         removed += remove_stale_temps(d)
-    removed += remove_stale_put_temps(cfg.roots, time.time())
+    removed += remove_stale_put_temps(cfg.roots, clock.time())
     purged = orphans = 0
     for r in cfg.roots:
         if r.path.is_dir():
             # Deletes interrupted between the rename into the trash and the removal.
             purged += trash.purge_trash(trash.trash_dir_for(r.path), r.path)
             removed += copies.remove_stale_staging(r.path)
-            orphans += _remove_released_copies(store, r, nets)
+            orphans += _remove_released_copies(store, r, nets, clock)
     get_logger().info("daemon_recovered", leases_released=released, temp_files_removed=removed,
                       trash_purged=purged, released_copies_removed=orphans)
 
 
 def _remove_released_copies(store: Store, root: RootConfig,
-                            nets: AbstractContextManager[Any]) -> int:
+                            nets: AbstractContextManager[Any], clock: Clock) -> int:
     n = 0
     for step in copies.local_steps(root.path):
         status = store.status(root.name, step)
         if status is not None and not status.copy and status.local is not Local.COMPRESSED:
             target = views.copy_target(step, status.local, status.remote)
             out = executor.release_copy(root.path, target, views.StoreNets(
-                store, root, nets, time.time), root=root.name)
+                store, root, nets, clock.time), root=root.name)
             n += out.action == "deleted"
     return n
 

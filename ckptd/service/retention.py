@@ -2,23 +2,25 @@
 Owns when retention runs (after stages, on a timer, under disk pressure, on `run_now`) and who
 waits for which run; a run of a root is `run.Runner`'s, and it deletes nothing itself. The
 objects a save that will not commit sent early are handed to it (`discard_early`) and deleted
-by the executor on this thread, before the root's next run.
+by the executor on this thread, before the root's next run. Reads time only from the clock it
+is given.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, wait
 from typing import Any
 
 from ckptd.backends import Backend, ObjectMeta
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.errors import NotFound, ServiceUnavailable
 from ckptd.log import get_logger
+from ckptd.model import RootError
 from ckptd.retention import executor, planner
-from ckptd.retention.executor import Outcome
+from ckptd.retention.outcomes import Outcome
 from ckptd.retention.report import RootHealth, adopted_json, adopted_records, health_json
 from ckptd.retention.run import Runner
 from ckptd.retention.views import StoreNets, disk_of
@@ -54,11 +56,14 @@ class RetentionService:
                  backend_for: Callable[[RootConfig], Backend | None], *,
                  timer_s: float = TIMER_S, api_timeout: float = RUN_NOW_TIMEOUT_S,
                  node: str = "", calls: Calls | None = None,
-                 bound_s: float = RUN_BOUND_S, nets: threading.RLock | None = None) -> None:
+                 bound_s: float = RUN_BOUND_S, nets: threading.RLock | None = None,
+                 clock: Clock = SYSTEM) -> None:
         """`nets`: the lock pins, readers' holds and every executor call take (the daemon's
-        one, shared with start-up recovery, the workers and the effects hook)."""
+        one, shared with start-up recovery, the workers and the effects hook); `clock`: what
+        the timer and every run's `now` are read from."""
+        self.clock = clock
         self.store = store
-        self.calls = calls if calls is not None else Calls()
+        self.calls = calls if calls is not None else Calls(clock)
         self.bound_s = bound_s
         self.roots = roots
         self.timer_s = timer_s
@@ -67,7 +72,7 @@ class RetentionService:
         self.nets = nets if nets is not None else threading.RLock()
         self.log = get_logger()
         self.backend_for = backend_for
-        self._runner = Runner(store, backend_for, self.exclusive, self.nets, node)
+        self._runner = Runner(store, backend_for, self.exclusive, self.nets, node, clock)
         self._mutex = threading.Lock()  # guards the four fields below
         self._discards: Discards = {}
         self._wanted: set[str] = set()
@@ -104,7 +109,7 @@ class RetentionService:
             return
         if backend is None:
             return
-        nets = StoreNets(self.store, root, self.nets, time.time)
+        nets = StoreNets(self.store, root, self.nets, self.clock.time)
         for step, sent in todo:
             executor.discard_early(backend, root.name, step, sent, nets=nets)
 
@@ -152,11 +157,11 @@ class RetentionService:
         to its run_now callers; any other exception escapes (the loop is then not running)."""
         self._enter()
         try:
-            next_timer = time.monotonic()
+            next_timer = self.clock.monotonic()
             while not stop.is_set():
                 self._wake.clear()
-                if time.monotonic() >= next_timer:
-                    next_timer = time.monotonic() + self.timer_s
+                if self.clock.monotonic() >= next_timer:
+                    next_timer = self.clock.monotonic() + self.timer_s
                     self._want(self.roots())
                 self._want(self._pressured())
                 self._serve_all(stop)
@@ -234,12 +239,13 @@ class RetentionService:
         except Exception as exc:  # one root's failure must not stop the others' retention
             try:
                 self.log.error("prune_run_failed", root=name, error=str(exc), exc_info=True)
-                self.store.set_root_error(name, f"retention: {exc}", time.time())
+                self.store.set_root_error(name, RootError.RETENTION, f"retention: {exc}",
+                                          self.clock.time())
             finally:  # even when recording fails, nobody is left waiting
                 for fut in futures:
                     fut.set_exception(exc)
             return
-        self.store.clear_root_error(name, "retention:")  # a run went through again
+        self.store.clear_root_error(name, RootError.RETENTION)  # a run went through again
         for fut in futures:
             fut.set_result(outcomes)
 
@@ -251,7 +257,7 @@ class RetentionService:
         config = self.roots().get(root)
         if config is None:
             raise NotFound(f"no root named {root!r}")
-        return self._runner.plan(config, time.time() if now is None else now)
+        return self._runner.plan(config, self.clock.time() if now is None else now)
 
     def health(self, root: str) -> RootHealth | None:
         return self._runner.health.get(root)

@@ -5,14 +5,15 @@ picks its code; the worker's loop (claims, renewals, failures) is `ckptd.service
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ckptd.backends import Backend
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.errors import PermanentError
+from ckptd.lifecycle.policy import policy_of
 from ckptd.lifecycle.table import Stage
 from ckptd.remote.manifest import StoredFile
 from ckptd.retention.executor import Nets
@@ -35,6 +36,7 @@ class Crew:
     backend_for: Callable[[RootConfig], Backend | None]
     waiting: Waiting  # multi-node roots: steps whose part is written, waiting for the commit
     node: str
+    clock: Clock = SYSTEM  # what outcomes are recorded at
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class ValidateRunner(Runner[Validated]):
     def _early_backend(self, root: RootConfig) -> Backend | None:
         """Where objects may be sent while validation goes on; None if it cannot be had
         (the upload stage reports why): validation never fails for the store's sake."""
-        if not root.upload.enabled or root.multi_node:
+        if not policy_of(root).sends_early:
             return None
         try:
             return self.crew.backend_for(root)
@@ -101,7 +103,7 @@ class ValidateRunner(Runner[Validated]):
     def record(self, done: Done, outcome: Validated) -> None:
         job, result, log = done.job, outcome.result, done.log
         if not self.crew.store.finish_validation(job, job.owner, done.fingerprint, result,
-                                                 time.time(), stored=outcome.stored,
+                                                 self.crew.clock.time(), stored=outcome.stored,
                                                  size_on_disk=done.size):
             return
         if result.valid:
@@ -124,7 +126,7 @@ class CompressRunner(Runner[Sequence[StoredFile]]):
 
     def record(self, done: Done, outcome: Sequence[StoredFile]) -> None:
         job = done.job
-        if self.crew.store.finish_compress(job, job.owner, outcome, time.time()):
+        if self.crew.store.finish_compress(job, job.owner, outcome, self.crew.clock.time()):
             done.log.info("stage_succeeded", seconds=done.seconds)
 
     def measure(self, metrics: Metrics, root: str, progress: Progress,
@@ -150,14 +152,14 @@ class UploadRunner(Runner[UploadResult]):
         if len(known) < root.nodes:  # looked up again while not every node is known
             known = crew.waiting.learn(root.name, uploads.known_nodes(backend, root.name))
         result = uploads.run_share_upload(root, job, progress, backend, expected, crew.node,
-                                          known)
+                                          known, crew.clock.time())
         if not isinstance(result, Changed):
             crew.waiting.done(rec.root, rec.step, result.nodes)
         return result
 
     def record(self, done: Done, outcome: UploadResult) -> None:
         job = done.job
-        if self.crew.store.finish_upload(job, job.owner, time.time()):
+        if self.crew.store.finish_upload(job, job.owner, self.crew.clock.time()):
             done.log.info("checkpoint_uploaded", seconds=done.seconds,
                           sent_bytes=outcome.sent_bytes,
                           skipped_objects=outcome.skipped_objects)

@@ -2,8 +2,10 @@
 watcher's events only wake it early. Also keeps the watcher alive.
 
 Owns the roots' scanners, the inotify/polling watcher, the scan loop's pacing and its count
-(`scans`, in status). Decides nothing about checkpoints (layouts find, the lifecycle table
-decides, the store records); reads time only from the clock it is given.
+(`scans`, in status). Decides nothing about checkpoints: it gathers each pending save's
+stall (how long unchanged, truncated or not) and asks the lifecycle table whether it gave up
+(`lifecycle.table.gives_up`, applied by `_give_up_stale`); layouts find, the table decides, the
+store records. Reads time only from the clock it is given.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
+from ckptd.lifecycle.table import Stall, gives_up
 from ckptd.log import get_logger
-from ckptd.model import Candidate, Reason, Snapshot, State
+from ckptd.model import Candidate, RootError, Snapshot
 from ckptd.service.metrics import Metrics
 from ckptd.store import Found, Store
 from ckptd.units import format_duration
@@ -126,7 +129,8 @@ class Scanner:
                 self.scan_root(root)
             except Exception as exc:  # one root's bad state must not stop the others' scans
                 self.metrics.error("scan")
-                self.store.set_root_error(root.name, f"scan: {exc}", self.clock.time())
+                self.store.set_root_error(root.name, RootError.SCAN, f"scan: {exc}",
+                                          self.clock.time())
                 self.log.error("scan_failed", root=root.name, error=str(exc), exc_info=True)
         with self._count_lock:
             self.scans += 1
@@ -136,8 +140,8 @@ class Scanner:
         if scanner is None:
             return  # removed by a reload meanwhile
         if not root.path.is_dir():
-            self.store.set_root_error(root.name, f"root path {root.path} does not exist",
-                                      self.clock.time())
+            self.store.set_root_error(root.name, RootError.ROOT_MISSING,
+                                      f"root path {root.path} does not exist", self.clock.time())
             return
         self.watcher.watch(root.path, scanner.open_files)
         with self.exclusive:
@@ -149,10 +153,12 @@ class Scanner:
         self._give_up_stale(root, snap, [c for c, _ in found if not c.complete], now)
         self._report_bad(root.name, snap.bad_contents)
         if scanner.unreadable:
-            self.store.set_root_error(root.name, f"could not read {sorted(scanner.unreadable)}"
+            self.store.set_root_error(root.name, RootError.UNREADABLE,
+                                      f"could not read {sorted(scanner.unreadable)}"
                                       " (checkpoints there are not marked gone)", now)
         else:
-            self.store.clear_root_error(root.name, "scan:", "could not read", "root path")
+            self.store.clear_root_error(root.name, RootError.SCAN, RootError.UNREADABLE,
+                                        RootError.ROOT_MISSING)
         if any(not c.complete for c, _ in found):
             self._pending.add(root.name)
         else:
@@ -174,15 +180,17 @@ class Scanner:
     def _give_up_stale(self, root: RootConfig, snap: Snapshot, pending: list[Candidate],
                        now: float) -> None:
         """A save still incomplete `pending_timeout` after its files last changed (a registered
-        file never written, a shard short of its bytes) is invalid, with the reason."""
+        file never written, a shard short of its bytes) is given up: the lifecycle decides
+        (`gives_up`) from its status, how long it stalled and its candidate's typed cause."""
         for c in pending:
             rec = self.store.checkpoint(root.name, c.step)
-            if rec is None or rec.state is not State.PENDING:
+            if rec is None:
                 continue
             changed = [snap.files[f].changed_at for f in c.files if f in snap.files]
-            if now - max(changed, default=rec.created) < root.pending_timeout:
+            stall = Stall(now - max(changed, default=rec.created), c.truncated)
+            reason = gives_up(self.store.status(root.name, c.step), stall, root.pending_timeout)
+            if reason is None:
                 continue
-            reason = Reason.TRUNCATED if "to reach" in c.waiting_for else Reason.MISSING_FILE
             message = (f"still incomplete {format_duration(root.pending_timeout)} after its"
                        f" last change: waiting for {c.waiting_for}")
             if self.store.give_up(root.name, c.step, reason.value, message, now):

@@ -5,7 +5,8 @@ Owns the service threads: a service that raises is logged with its traceback, re
 health, and restarted with backoff. Owns the call board (`Calls`): a service (or a job's own
 thread) says "busy with (stage, root, step) since T" and beats while it makes progress; one
 quiet past its bound is stuck, which health shows at once as degraded, naming the stage and
-the item (docs/OPERATIONS.md, "Health"). Knows nothing of what the services do.
+the item (docs/OPERATIONS.md, "Health"). Knows nothing of what the services do; judges time
+only by the clock it is given (a stop's wait for threads is real time).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from ckptd.clock import SYSTEM, Clock
 from ckptd.log import get_logger
 
 BACKOFF_BASE_S = 0.5
@@ -66,7 +68,8 @@ class Calls:
     """The call board: who is busy with what, since when, and who went quiet past its bound.
     Thread-safe; `beat` is cheap (called for every chunk a stage reads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM) -> None:
+        self.clock = clock
         self._lock = threading.Lock()
         self._calls: dict[str, Call] = {}
 
@@ -74,14 +77,15 @@ class Calls:
               progress: Callable[[], object] | None = None) -> None:
         """`who` is busy with `stage` on (root, step) from now; quiet for `bound_s` seconds
         (no `beat`, no move of `progress`) it is stuck."""
-        call = Call(who, stage, root, step, bound_s, time.time(), time.monotonic(), progress)
+        call = Call(who, stage, root, step, bound_s, self.clock.time(), self.clock.monotonic(),
+                    progress)
         with self._lock:
             self._calls[who] = call
 
     def beat(self, who: str) -> None:
         call = self._calls.get(who)
         if call is not None:
-            call.beat = time.monotonic()
+            call.beat = self.clock.monotonic()
 
     def end(self, who: str) -> None:
         with self._lock:
@@ -92,7 +96,7 @@ class Calls:
 
     def all(self) -> list[Call]:
         """Every call in flight, progress counters read (a moved counter is a beat)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         with self._lock:
             calls = list(self._calls.values())
         for call in calls:
@@ -107,7 +111,7 @@ class Calls:
 
     def stuck(self) -> list[Call]:
         """The calls quiet for longer than their bound."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         return [c for c in self.all() if c.quiet_s(now) > c.bound_s]
 
 
@@ -121,7 +125,7 @@ class _Service:
     restarts: int = 0
     last_error: str = ""
     last_crash: float | None = None
-    started: float = field(default_factory=time.monotonic)
+    started: float = 0.0  # monotonic, when it last started
 
 
 class Supervisor:
@@ -129,10 +133,13 @@ class Supervisor:
 
     def __init__(self, on_crash: Callable[[str], None] | None = None,
                  backoff_base: float = BACKOFF_BASE_S, backoff_max: float = BACKOFF_MAX_S,
-                 on_stuck: Callable[[Call, bool], None] | None = None) -> None:
+                 on_stuck: Callable[[Call, bool], None] | None = None,
+                 clock: Clock = SYSTEM) -> None:
         """`on_stuck(call, True)` once when a call goes past its bound, `(call, False)` when
-        it moves again or ends."""
-        self.calls = Calls()
+        it moves again or ends; `clock` times the calls, the restarts and the backoff's
+        start-over (the waits themselves are on the stop events)."""
+        self.clock = clock
+        self.calls = Calls(clock)
         self._on_stuck = on_stuck
         self._reported: dict[int, Call] = {}
         self._watcher: threading.Thread | None = None
@@ -175,6 +182,7 @@ class Supervisor:
                     svc.halt()
                 except Exception as exc:  # a halt that fails must not stop the others
                     self.log.warning("service_halt_failed", service=svc.name, error=str(exc))
+        # A real wait on threads, so on the real clock (a test's clock may stand still).
         deadline = time.monotonic() + timeout
         for svc in chosen:
             if svc.thread is not None:
@@ -189,7 +197,7 @@ class Supervisor:
         stop = self._stops[svc.name]
         failures = 0
         while not stop.is_set():
-            svc.state, svc.started = "running", time.monotonic()
+            svc.state, svc.started = "running", self.clock.monotonic()
             try:
                 svc.run(stop)
                 if stop.is_set():
@@ -198,7 +206,8 @@ class Supervisor:
             except BaseException as exc:  # noqa: BLE001 - anything that ends a service
                 if stop.is_set() and isinstance(exc, Exception):
                     break
-                failures = 1 if time.monotonic() - svc.started > HEALTHY_AFTER_S else failures + 1
+                ran = self.clock.monotonic() - svc.started
+                failures = 1 if ran > HEALTHY_AFTER_S else failures + 1
                 delay = min(self._max, self._base * 2 ** (failures - 1))
                 self._crashed(svc, exc, delay)
                 if not isinstance(exc, Exception):
@@ -211,7 +220,7 @@ class Supervisor:
             svc.state = "restarting"
             svc.restarts += 1
             svc.last_error = f"{type(exc).__name__}: {exc}"
-            svc.last_crash = time.time()
+            svc.last_crash = self.clock.time()
         self.log.error("service_crashed", service=svc.name, error=svc.last_error,
                        restart_in_s=round(delay, 3), restarts=svc.restarts,
                        traceback="".join(traceback.format_exception(exc)))
@@ -236,7 +245,7 @@ class Supervisor:
                 if c.who not in self._services or self._services[c.who].state == "running"]
 
     def check_calls(self) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         stuck = {id(c): c for c in self.stuck()}
         for key, call in stuck.items():
             if key not in self._reported:
@@ -273,7 +282,7 @@ class Supervisor:
     def health(self) -> list[dict[str, Any]]:
         """Each service's state ("stuck" while a call of it is past its bound, with `stuck`
         naming the stage and the item), then each stuck call of a job's own thread."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         stuck = {c.who: c for c in self.stuck()}
         with self._lock:
             out = []

@@ -5,9 +5,7 @@ share. Records nothing, decides nothing of the commit (`ckptd.stages.multinode.p
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from functools import partial
 
 from ckptd.backends import Backend
 from ckptd.config import RootConfig
@@ -62,19 +60,15 @@ def run_upload(root: RootConfig, job: Job, progress: Progress, backend: Backend,
 
 def run_share_upload(root: RootConfig, job: Job, progress: Progress, backend: Backend,
                      expected: Sequence[StoredFile], node: str,
-                     known_nodes: frozenset[str]) -> parts.ShareResult | Changed:
-    """A multi-node root: this node's share of the step (docs/MULTINODE.md). Raises
+                     known_nodes: frozenset[str], now: float) -> parts.ShareResult | Changed:
+    """A multi-node root: this node's share of the step (docs/MULTINODE.md), as of `now`. Raises
     NotCommitted while the step waits for other nodes' parts. Never replaces a remote step."""
     step = job.checkpoint.step
     manifest = _local_copy(root, step, expected)
     mtimes = validated_mtimes(root, job, manifest)
     if isinstance(mtimes, Changed):
         return mtimes
-    readers: dict[str, records.RecordReader] = {
-        "dcp": records.dcp_record, "megatron": records.megatron_record,
-        "deepspeed": records.deepspeed_record, "native": records.native_record,
-        "ranked": partial(records.ranked_record, world_size=root.world_size)}
-    reader = readers.get(manifest.layout)
+    reader = records.reader_for(manifest.layout, root.world_size)
     if reader is None:
         raise PermanentError(
             f"a {manifest.layout} checkpoint has no commit record a multi-node root understands"
@@ -87,7 +81,7 @@ def run_share_upload(root: RootConfig, job: Job, progress: Progress, backend: Ba
     progress.total = manifest.stored_size
     try:
         return parts.upload_share(backend, root.name, copies.objects_dir(root.path, step),
-                                  manifest, share, time.time(), progress=progress.advance,
+                                  manifest, share, now, progress=progress.advance,
                                   concurrency=root.upload.concurrency)
     except parts.ShareChanged as exc:
         return Changed(str(exc))

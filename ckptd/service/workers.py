@@ -4,14 +4,13 @@ claim (renewed while it runs), record the outcome as a lifecycle event.
 Owns worker threads' loops (each a supervised service), claims, priorities of background work
 and the preemption flush. Which code runs a stage is the runner table's (`service.runners`);
 stages get plain paths and options; only the store records, and the effects hook does what
-follows a transition.
+follows a transition. Reads time only from the clock it is given.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -19,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.backends import Backend
+from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.errors import CkptdError, PermanentError
+from ckptd.lifecycle import answers
 from ckptd.lifecycle.table import Stage
 from ckptd.log import get_logger
-from ckptd.model import CheckpointRecord, State, Tier, ValidationResult
+from ckptd.model import CheckpointRecord, RootError, State, Tier, ValidationResult
 from ckptd.retention.views import StoreNets
 from ckptd.service.commits import Waiting, newest_local
 from ckptd.service.jobs import Changed, Damaged
@@ -65,12 +66,14 @@ class Workers:
                  backend_for: Callable[[RootConfig], Backend | None], metrics: Metrics,
                  *, nets: AbstractContextManager[Any], node: str = "",
                  calls: Calls | None = None,
-                 bounds: Mapping[str, float] | None = None) -> None:
+                 bounds: Mapping[str, float] | None = None, clock: Clock = SYSTEM) -> None:
         """`nets`: the lock pins and readers' holds take (the retention service's), under
         which every delete a stage asks of the executor reads its nets; `calls`: the
         supervisor's call board, where each worker says what it is busy with and beats while
         it makes progress; `bounds`: how long a stage may go quiet (stage -> seconds;
-        `STAGE_BOUNDS_S` for the ones not given)."""
+        `STAGE_BOUNDS_S` for the ones not given); `clock`: what claims, deferrals and the
+        quiet of a call are timed by (the board's own clock when `calls` is given)."""
+        self.clock = clock
         self.store = store
         self.node = node  # daemon.node: this node's id on multi-node roots
         self.roots = roots
@@ -83,14 +86,14 @@ class Workers:
         self._cancel = threading.Event()  # set when a stop's grace ran out
         self._lock = threading.Lock()
         self._flushing: dict[str, int] = {}  # root -> step being flushed to the remote first
-        self.calls = calls if calls is not None else Calls()
+        self.calls = calls if calls is not None else Calls(clock)
         self.bounds = {**STAGE_BOUNDS_S, **(bounds or {})}
         self.inflight: dict[int, Progress] = {}
         self.log = get_logger()
         # Multi-node roots: steps whose part is written and wait for the commit.
         self.waiting = Waiting()
         self._nets_lock = nets
-        self.runners = runners(Crew(store, backend_for, self.waiting, node))
+        self.runners = runners(Crew(store, backend_for, self.waiting, node, clock))
 
     @property
     def names(self) -> list[str]:
@@ -116,7 +119,7 @@ class Workers:
                 continue
             rec = (self.store.latest(name, Tier.LOCAL) if not root.multi_node else
                    newest_local(self.store.checkpoints(name)))  # latest waits for commits
-            if rec is not None and rec.remote.value != "uploaded":
+            if rec is not None and not answers.is_committed(rec):
                 targets[name] = rec.step
                 self.store.expedite(name, rec.step)  # no waiting out an earlier backoff
         with self._lock:
@@ -141,8 +144,7 @@ class Workers:
             if name not in roots or not roots[name].upload.enabled:
                 continue  # the root stopped uploading (reload): nothing left to flush there
             rec = self.store.checkpoint(name, step)
-            if rec is not None and rec.state is State.VALID and rec.remote.value in (
-                    "none", "uploading"):
+            if rec is not None and rec.state is State.VALID and not answers.was_committed(rec):
                 left[name] = step
         with self._lock:
             if self._flushing == flushing:
@@ -171,7 +173,7 @@ class Workers:
         copies and other roots go on. A quiet local stage holds nothing back: the next
         checkpoint's files are others."""
         names = set(self.names)
-        now = time.monotonic()
+        now = self.calls.clock.monotonic()
         return frozenset((c.root, c.stage) for c in self.calls.all()
                          if c.who in names and c.stage == Stage.UPLOAD.value
                          and c.quiet_s(now) > min(HOLD_AFTER_S, c.bound_s))
@@ -183,7 +185,7 @@ class Workers:
         recording is given back (retried after backoff) before the worker crashes."""
         lower_priority()
         while not stop.is_set():
-            job = self.store.claim(f"{self.owner}/{name}/{uuid.uuid4().hex[:8]}", time.time(),
+            job = self.store.claim(f"{self.owner}/{name}/{uuid.uuid4().hex[:8]}", self.clock.time(),
                                    CLAIM_S, only=self._flush_targets(),
                                    roots=frozenset(self.roots()), stuck=self._held_back())
             if job is None:
@@ -197,7 +199,7 @@ class Workers:
                 self._run(job, name)
             except BaseException as exc:
                 self.store.fail_attempt(job, job.owner, f"{job.stage}: {type(exc).__name__}:"
-                                        f" {exc}", time.time())
+                                        f" {exc}", self.clock.time())
                 raise
             finally:
                 self.calls.end(name)
@@ -216,15 +218,15 @@ class Workers:
             self._changed(job, log, "files changed since completion; rescanning")
             return
         log.info("stage_started")
-        started = time.monotonic()
+        started = self.clock.monotonic()
         total = sum(_size(root.path / f) for f in job.files)
         progress = Progress(rec.root, rec.step, job.stage, total, lambda: self._tick(worker),
                             cancelled=self._cancel.is_set)
         self.inflight[rec.id] = progress
-        with _ClaimRenewer(self.store, rec.id, job.owner):
+        with _ClaimRenewer(self.store, rec.id, job.owner, self.clock):
             try:
                 outcome = runner.run(root, job, progress,
-                                     StoreNets(self.store, root, self._nets_lock, time.time))
+                                     StoreNets(self.store, root, self._nets_lock, self.clock.time))
             except StageCancelled:
                 log.warning("stage_cancelled")
                 return  # its claim is released at the next start; the stage is redone then
@@ -232,7 +234,7 @@ class Workers:
                 delay = self.waiting.wait(rec.root, rec.step, exc)
                 log.info("commit_waiting", error=str(exc), missing_nodes=exc.missing_nodes,
                          retry_in_s=delay)
-                self.store.defer(job, job.owner, delay, time.time())
+                self.store.defer(job, job.owner, delay, self.clock.time())
                 return
             except Exception as exc:  # an OS, storage or code failure: retry later, never crash
                 self._failed(job, log, exc)
@@ -244,7 +246,8 @@ class Workers:
         elif isinstance(outcome, Damaged):
             self._damaged(root, job, fp, outcome.result, log)
         else:
-            done = Done(root, job, fp, log, round(time.monotonic() - started, 3), progress.total)
+            seconds = round(self.clock.monotonic() - started, 3)
+            done = Done(root, job, fp, log, seconds, progress.total)
             self._record(runner, done, progress, outcome)
 
     def _files_changed(self, root: RootConfig, job: Job, fp: str) -> bool:
@@ -263,7 +266,8 @@ class Workers:
         job = done.job
         self.metrics.observe_stage(job.stage, done.seconds)
         runner.measure(self.metrics, job.checkpoint.root, progress, outcome)
-        self.store.clear_root_error(done.root.name, f"{job.stage}:")  # that stage works again
+        # That stage works again.
+        self.store.clear_root_error(done.root.name, *RootError.cleared_by_stage(job.stage))
         if runner.judges_files and self._files_changed(done.root, job, done.fingerprint):
             self._changed(job, done.log, "files changed during validation; rescanning")
             return
@@ -271,7 +275,7 @@ class Workers:
 
     def _changed(self, job: Job, log: Any, why: str) -> None:
         log.info("stage_deferred", why=why)
-        self.store.defer(job, job.owner, RESCAN_DEFER_S, time.time())
+        self.store.defer(job, job.owner, RESCAN_DEFER_S, self.clock.time())
         self.rescan()
 
     def _damaged(self, root: RootConfig, job: Job, fp: str, result: ValidationResult,
@@ -280,7 +284,7 @@ class Workers:
         proves damage and the files are still the ones read; else a failure, and a rescan."""
         if result.reason in CONTENT_REASONS and not self._files_changed(root, job, fp):
             if self.store.invalidate(job, job.owner, result.reason, result.message,
-                                     time.time()):
+                                     self.clock.time()):
                 log.warning("checkpoint_invalid", reason=result.reason,
                             message=result.message, found_by=job.stage)
             return
@@ -291,12 +295,12 @@ class Workers:
     def _failed(self, job: Job, log: Any, exc: Exception) -> None:
         self.metrics.error(job.stage)
         if isinstance(exc, CopyMissing):
-            self.store.copy_lost(job, job.owner, time.time())  # compress redoes it
+            self.store.copy_lost(job, job.owner, self.clock.time())  # compress redoes it
         rec = job.checkpoint
         self._abandon_flush(rec.root, rec.step, log, str(exc))
         permanent = isinstance(exc, PermanentError)
         delay = self.store.fail_attempt(job, job.owner, f"{job.stage}: {type(exc).__name__}:"
-                                        f" {exc}", time.time(), permanent=permanent)
+                                        f" {exc}", self.clock.time(), permanent=permanent)
         log.error("stage_failed", error=str(exc), kind=type(exc).__name__, retry_in_s=delay,
                   exc_info=not permanent and not isinstance(exc, OSError | CkptdError))
 
@@ -313,11 +317,12 @@ class Workers:
             return
         if stuck:
             self.metrics.error(f"stuck:{call.stage}")
-            words = call.words(time.monotonic())
-            self.store.set_root_error(call.root, f"{call.stage}: stuck: {words}; set aside",
-                                      time.time())
+            words = call.words(self.calls.clock.monotonic())
+            self.store.set_root_error(call.root, RootError.of_stage(call.stage, stuck=True),
+                                      f"{call.stage}: stuck: {words}; set aside",
+                                      self.clock.time())
         else:
-            self.store.clear_root_error(call.root, f"{call.stage}: stuck:")
+            self.store.clear_root_error(call.root, RootError.of_stage(call.stage, stuck=True))
         self.wake()
 
     def uncommitted(self, root: str, nodes: int) -> list[dict[str, Any]]:
@@ -330,9 +335,9 @@ class Workers:
         if seen is not None:
             return seen
         nodes = self.waiting.committed(root.name, rec.step)
-        if nodes is not None and rec.remote.value == "uploaded":
+        if nodes is not None and answers.is_committed(rec):
             return dict.fromkeys(sorted(nodes), "committed")
-        if rec.remote.value == "uploaded":
+        if answers.is_committed(rec):
             return {self.node: "committed"}
         return {self.node: "uploading" if rec.remote.value == "uploading" else "local"}
 
@@ -351,8 +356,8 @@ class _ClaimRenewer:
     """Renews a worker's claim on its job in the background while the stage runs, so a long
     stage keeps it and a dead daemon's claim expires."""
 
-    def __init__(self, store: Store, cid: int, owner: str) -> None:
-        self._store, self._cid, self._owner = store, cid, owner
+    def __init__(self, store: Store, cid: int, owner: str, clock: Clock) -> None:
+        self._store, self._cid, self._owner, self._clock = store, cid, owner, clock
         self._done = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True, name="ckptd-claim")
 
@@ -367,7 +372,7 @@ class _ClaimRenewer:
     def _loop(self) -> None:
         while not self._done.wait(CLAIM_S / 3):
             try:
-                self._store.renew_claim(self._cid, self._owner, time.time(), CLAIM_S)
+                self._store.renew_claim(self._cid, self._owner, self._clock.time(), CLAIM_S)
             except Exception as exc:  # noqa: BLE001 - the claim then expires; the stage goes on
                 get_logger().warning("claim_renew_failed", error=str(exc))
 

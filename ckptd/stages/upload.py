@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
-from urllib.parse import urlsplit
 
 from ckptd import fileio
 from ckptd.backends.base import Backend, ObjectMeta, bare, same_object
@@ -44,10 +43,6 @@ from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
 from ckptd.stages.sending.reader import Meter, ObjectReader, etag_matches_file, fingerprint
 
 Progress = Callable[[int], None]
-
-# Stores whose single-part etags are the MD5 of the content (S3 and compatibles, unencrypted
-# or SSE-S3). GCS and Azure etags are opaque; file:// has none.
-_MD5_ETAG_SCHEMES = ("s3", "s3a")
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -206,7 +201,7 @@ class _Run:
         self.objects_dir = objects_dir
         self.meter = meter
         self.ledger = Ledger.load(objects_dir / LEDGER_NAME, backend.url)
-        self.md5_etags = urlsplit(backend.url).scheme in _MD5_ETAG_SCHEMES
+        self.md5_etags = backend.md5_etags
         self.expected: dict[str, ObjectMeta] = {}  # key -> the object verification must find
         self.checksummed = 0
         self.stop = threading.Event()

@@ -26,7 +26,7 @@ from ckptd.model import (
     Reason,
     ValidationResult,
 )
-from ckptd.stages.checks import deepscan, nonfinite
+from ckptd.stages.deep import deepscan, nonfinite
 
 SinkFactory = Callable[[str], list[Sink]]
 

@@ -1,6 +1,8 @@
 """The core of the state store: one SQLite connection, transactions, and the one way a status
 changes: an event applied through the lifecycle table, logged, and handed after commit to the
-effects hook. Decides nothing itself: the table does.
+effects hook. The table decides every transition; the one thing decided here is that a
+transition's `discard_early` effect is dropped while a live upload claim on the row may be
+sending that save (`_uploading_now`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ckptd.lifecycle.table import (
     next_stage,
     transition,
 )
+from ckptd.model import RootError
 from ckptd.store import schema
 from ckptd.store.reads import Reads
 from ckptd.store.rows import (
@@ -209,10 +212,12 @@ class Core(Reads):
                    " claim_expires=NULL WHERE id=?", (cid,))
 
     @staticmethod
-    def _set_error(db: sqlite3.Connection, root: str, error: str, now: float) -> None:
-        db.execute("INSERT INTO roots (name, last_error, last_error_at) VALUES (?,?,?)"
-                   " ON CONFLICT(name) DO UPDATE SET last_error=excluded.last_error,"
-                   " last_error_at=excluded.last_error_at", (root, error, now))
+    def _set_error(db: sqlite3.Connection, root: str, kind: RootError, error: str,
+                   now: float) -> None:
+        db.execute("INSERT INTO roots (name, last_error, last_error_at, last_error_kind)"
+                   " VALUES (?,?,?,?) ON CONFLICT(name) DO UPDATE SET"
+                   " last_error=excluded.last_error, last_error_at=excluded.last_error_at,"
+                   " last_error_kind=excluded.last_error_kind", (root, error, now, kind.value))
 
 
 def _uploading_now(row: sqlite3.Row, now: float) -> bool:

@@ -11,14 +11,19 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ckptd.lifecycle import answers
-from ckptd.lifecycle.answers import MetricMode
 from ckptd.lifecycle.table import Event, Policy, Status
-from ckptd.model import CheckpointRecord, FileRecord, State, Tier
+from ckptd.model import CheckpointRecord, FileRecord, MetricMode, State, Tier
 from ckptd.remote.manifest import StoredFile
 from ckptd.store.rows import record_of, status_of
 
 # The highest step SQLite's INTEGER holds: "no bound" for `_answerable`.
 _TOP = 2**63 - 1
+
+# A valid row with a copy in any tier (`answers.in_tier(r, Tier.ANY)`) as SQL, made from the
+# same constants, so the pre-filter and the answers cannot disagree.
+ANSWERABLE = (f"state='{State.VALID.value}' AND (local IN"
+              f" ({', '.join(repr(x.value) for x in answers.ON_DISK)})"
+              f" OR remote='{answers.COMMITTED.value}')")
 
 
 class Reads:
@@ -125,9 +130,8 @@ class Reads:
         """The rows `answers` may choose from, newest first: valid ones with a copy somewhere,
         of steps up to `below`. A pre-filter only (the rows of pruned steps pile up); the
         choice is the shared function's."""
-        rows = self._rows("SELECT * FROM checkpoints WHERE root=? AND superseded=0"
-                          " AND state='valid' AND (local IN ('present','compressed')"
-                          " OR remote='uploaded') AND step<=? ORDER BY step DESC LIMIT ?",
+        rows = self._rows(f"SELECT * FROM checkpoints WHERE root=? AND superseded=0"  # noqa: S608
+                          f" AND {ANSWERABLE} AND step<=? ORDER BY step DESC LIMIT ?",
                           (root, below, limit))
         return [record_of(r) for r in rows]
 

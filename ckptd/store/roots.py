@@ -5,23 +5,25 @@ Never touches a checkpoint's row.
 
 from __future__ import annotations
 
+from ckptd.model import RootError
 from ckptd.store.core import Core
 
 
 class Roots(Core):
     """A root's last error and its published latest."""
 
-    def set_root_error(self, root: str, error: str, now: float) -> None:
+    def set_root_error(self, root: str, kind: RootError, error: str, now: float) -> None:
+        """The root's error of `kind`, shown in status until one of its kinds is cleared."""
         with self._tx() as db:
-            self._set_error(db, root, error, now)
+            self._set_error(db, root, kind, error, now)
 
-    def clear_root_error(self, root: str, *prefixes: str) -> None:
+    def clear_root_error(self, root: str, *kinds: RootError) -> None:
         """The cause of the root's last error is gone (the stage or scan that failed has
-        since succeeded): status stops showing it."""
+        since succeeded): status stops showing it, if it is of one of `kinds`."""
         with self._tx() as db:
-            db.executemany("UPDATE roots SET last_error='', last_error_at=NULL WHERE name=?"
-                           " AND substr(last_error, 1, length(?))=?",
-                           [(root, p, p) for p in prefixes])
+            db.executemany("UPDATE roots SET last_error='', last_error_at=NULL,"
+                           " last_error_kind='' WHERE name=? AND last_error_kind=?",
+                           [(root, k.value) for k in kinds])
 
     def set_published_latest(self, root: str, step: int | None, doc: str = "") -> None:
         with self._tx() as db:

@@ -122,6 +122,25 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE checkpoints RENAME COLUMN lease_stage TO claim_stage;
     ALTER TABLE checkpoints RENAME COLUMN lease_expires TO claim_expires;
     """,
+    # 6: a root's last error is set and cleared by its kind (`model.RootError`); the kinds of
+    # errors recorded before are read once from the words they began with.
+    """
+    ALTER TABLE roots ADD COLUMN last_error_kind TEXT NOT NULL DEFAULT '';
+    UPDATE roots SET last_error_kind = CASE
+        WHEN substr(last_error, 1, 16) = 'validate: stuck:' THEN 'validate_stuck'
+        WHEN substr(last_error, 1, 16) = 'compress: stuck:' THEN 'compress_stuck'
+        WHEN substr(last_error, 1, 14) = 'upload: stuck:' THEN 'upload_stuck'
+        WHEN substr(last_error, 1, 9) = 'validate:' THEN 'validate'
+        WHEN substr(last_error, 1, 9) = 'compress:' THEN 'compress'
+        WHEN substr(last_error, 1, 7) = 'upload:' THEN 'upload'
+        WHEN substr(last_error, 1, 10) = 'retention:' THEN 'retention'
+        WHEN substr(last_error, 1, 5) = 'scan:' THEN 'scan'
+        WHEN substr(last_error, 1, 14) = 'could not read' THEN 'unreadable'
+        WHEN substr(last_error, 1, 9) = 'root path' THEN 'root_missing'
+        WHEN substr(last_error, 1, 6) = 'lease:' THEN 'lease'
+        ELSE '' END
+    WHERE last_error != '';
+    """,
 )
 
 

@@ -16,7 +16,7 @@ from ckptd.lifecycle.table import (
     Refused,
     Stage,
 )
-from ckptd.model import Remote, ValidationResult
+from ckptd.model import Remote, RootError, ValidationResult
 from ckptd.remote.manifest import StoredFile
 from ckptd.store.core import Core
 from ckptd.store.rows import (
@@ -193,7 +193,7 @@ class Work(Core):
             db.execute("UPDATE checkpoints SET attempts=?, next_attempt=?, claim_owner=NULL,"
                        " claim_stage=NULL, claim_expires=NULL WHERE id=?",
                        (attempts, now + delay, job.checkpoint.id))
-            self._set_error(db, row["root"], error, now)
+            self._set_error(db, row["root"], RootError.of_stage(job.stage), error, now)
             return delay
 
     def defer(self, job: Job, owner: str, delay: float, now: float) -> None:

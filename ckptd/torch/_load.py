@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from ckptd.errors import BadInput, CkptdError, ConfigError, NotFound, ValidationFailed
-from ckptd.model import CKPTD_DIR
+from ckptd.lifecycle import answers
+from ckptd.model import CKPTD_DIR, Local
 from ckptd.restore import answer
 from ckptd.torch import _meta
 from ckptd.torch._native import (
@@ -338,18 +339,30 @@ def _resolve_latest(root: Path, name: str, client: Any, stream: bool) -> Path | 
     info = _ask_latest(root, name, client)
     if info is not None and info.get("step") is not None:
         where = _under(root, info.get("path"))
-        if info.get("local") == "present" and where is not None and where.exists():
+        copies = answers.where_of(info)
+        if copies.local is Local.PRESENT and where is not None and where.exists():
             return where
-        if stream and info.get("local") != "compressed" and info.get("remote") == "uploaded":
+        compressed = copies.local is Local.COMPRESSED
+        if stream and not compressed and answers.is_committed(copies):
             return int(info["step"])
-        if info.get("local") == "compressed" or info.get("remote") == "uploaded":
+        if compressed or answers.is_committed(copies):
             return _restore(name, int(info["step"]), root)
         log.warning("ckptd.torch: latest %s of %s is not on disk; scanning", info["step"], name)
-    steps = sorted(_step_dirs(root), reverse=True)
-    for _, found in steps:
-        if _complete(found):
-            return found
-    raise NotFound(f"{root}: no complete checkpoint to resume from")
+    found: dict[int, Path] = {}
+
+    def usable(n: int) -> bool:
+        done = next((d for d in sorted(dirs[n], reverse=True) if _complete(d)), None)
+        if done is not None:
+            found[n] = done
+        return done is not None
+
+    dirs: dict[int, list[Path]] = {}
+    for n, d in _step_dirs(root):
+        dirs.setdefault(n, []).append(d)
+    top = answers.newest(dirs, usable)
+    if top is None:
+        raise NotFound(f"{root}: no complete checkpoint to resume from")
+    return found[top]
 
 
 def _ask_latest(root: Path, name: str, client: Any) -> dict[str, Any] | None:

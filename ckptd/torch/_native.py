@@ -14,7 +14,6 @@ import os
 import random
 import re
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from functools import partial
@@ -24,8 +23,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ckptd import fileio, inputs
-from ckptd.errors import BadInput, CkptdError, ValidationFailed
+from ckptd import arena_write, fileio, inputs
+from ckptd.errors import BadInput, ValidationFailed
 
 __all__ = ["FORMAT", "Stateful", "save"]  # the blocking writer; ckptd.torch re-exports
 
@@ -156,128 +155,70 @@ def _save_dist(tmp: Path, final: Path, rank: int, world: int, parts: list[Part],
     if rank == 0:
         _fresh_dir(tmp)
     dist.barrier()
-    _write_marker(tmp, rank, "", _write_parts(tmp, rank, parts))
+    with _dirs(tmp) as (_root_fd, tmp_fd):
+        arena_write.report(tmp_fd, rank, "", _write_parts(tmp, rank, parts))
     dist.barrier()
     if rank == 0:
         # Markers are there after the barrier; the grace covers slow directory caches (NFS).
-        _commit(tmp, final, head, _collect(tmp, world, "", time.monotonic() + 60))
+        with _dirs(tmp) as (_root_fd, tmp_fd):
+            entries = arena_write.collect(tmp_fd, world, "", time.monotonic() + 60,
+                                          arena_write.Cancel())
+        _commit(tmp, final, {**head, "files": entries})
     dist.barrier()  # every rank returns a path that exists
 
 
 def _save_files(tmp: Path, final: Path, rank: int, world: int, parts: list[Part],
                 head: dict[str, Any], deadline: float) -> None:
-    """Without torch.distributed: rendezvous through marker files in the tmp dir.
+    """Without torch.distributed: rendezvous through marker files in the tmp dir, the native
+    commit protocol of `ckptd.arena_write` (rank 0's fresh `.ready` token; the others write
+    under it, and again when a leftover dir's token changes under them)."""
+    with _opened(tmp.parent) as root_fd:
+        def write(_tmp_fd: int) -> list[Entry]:
+            return _write_parts(tmp, rank, parts)
 
-    Rank 0 starts a save by creating a fresh tmp dir holding `.ready` with a new token; other
-    ranks write under that token. A rank that wrote into a leftover dir (a `.ready` from a crashed
-    save) sees the token change and writes again, so a stale file never gets committed.
-    """
-    if rank == 0:
-        token = uuid.uuid4().hex
-        _fresh_dir(tmp)
-        fileio.atomic_write_json(tmp / ".ready", {"token": token})
-        _write_marker(tmp, 0, token, _write_parts(tmp, 0, parts))
-        _commit(tmp, final, {**head, "save_id": token}, _collect(tmp, world, token, deadline))
-        return
-    while True:
-        token = _wait_ready(tmp, deadline)
-        try:
-            _write_marker(tmp, rank, token, _write_parts(tmp, rank, parts))
-        except (OSError, RuntimeError):
-            if _token(tmp) == token:
-                raise
-            continue  # rank 0 cleared a leftover dir under us: write again under its new token
-        if _wait_commit(tmp, final, token, deadline):
-            return
+        if rank == 0:
+            _warn_leftover(tmp)
+            arena_write.save_rank0(root_fd, tmp.name, final.name, world, head, write, deadline,
+                                   arena_write.Cancel(), arena_write.replace_here(root_fd))
+        else:
+            arena_write.save_rank(root_fd, tmp.name, final.name, rank, write, deadline,
+                                  arena_write.Cancel())
 
 
-def _token(tmp: Path) -> str | None:
-    ready = _try_read_json(tmp / ".ready")
-    return None if ready is None else str(ready.get("token"))
-
-
-def _wait_ready(tmp: Path, deadline: float) -> str:
-    for _ in _polls(deadline, f"rank 0 to start the save in {tmp}"):
-        token = _token(tmp)
-        if token is not None:
-            return token
-    raise AssertionError("unreachable")
-
-
-def _wait_commit(tmp: Path, final: Path, token: str, deadline: float) -> bool:
-    """True once rank 0 committed our token's save; False when it restarted with a new token."""
-    for _ in _polls(deadline, f"rank 0 to commit {final}"):
-        meta = _try_read_json(final / "meta.json")
-        if meta is not None and meta.get("save_id") == token:
-            return True
-        current = _token(tmp)
-        if current is not None and current != token:
-            return False
-    raise AssertionError("unreachable")
-
-
-def _polls(deadline: float, what: str) -> Iterator[None]:
-    delay = 0.01
-    while True:
-        yield
-        if time.monotonic() > deadline:
-            raise CkptdError(f"ckptd.torch.save: timed out waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.5)
-
-
-def _write_marker(tmp: Path, rank: int, token: str, entries: list[Entry]) -> None:
-    fileio.atomic_write_json(tmp / f".done.rank{rank}", {"token": token, "files": entries})
-
-
-def _collect(tmp: Path, world: int, token: str, deadline: float) -> list[Entry]:
-    """Every rank's file entries, from their markers (waiting for them up to `deadline`)."""
-    entries: list[Entry] = []
-    for r in range(world):
-        for _ in _polls(deadline, f"rank {r} to finish writing into {tmp}"):
-            done = _try_read_json(tmp / f".done.rank{r}")
-            if done is not None and done.get("token") == token:
-                entries.extend(done["files"])
-                break
-    for e in entries:  # a rank's file must still be what it reported, or meta.json would lie
-        size = (tmp / e["path"]).stat().st_size
-        if size != e["size"]:
-            raise CkptdError(f"{tmp / e['path']}: size {size}, its rank reported {e['size']}")
-    return entries
-
-
-def _commit(tmp: Path, final: Path, head: dict[str, Any], entries: list[Entry]) -> None:
-    """meta.json last, then the atomic rename."""
-    for p in tmp.iterdir():
-        if p.name.startswith("."):
-            p.unlink()  # rendezvous markers are not part of the checkpoint
-    fileio.atomic_write_json(tmp / "meta.json", {**head, "files": entries})
-    _swap_in(tmp, final)
-
-
-def _swap_in(tmp: Path, final: Path) -> None:
-    """`tmp` becomes `final` by one rename; an older `final` is moved aside, then removed."""
-    fileio.fsync_dir(tmp)
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    fileio.fsync_dir(final.parent)
-    if old is not None:
-        with contextlib.suppress(OSError):  # committed already: a leftover must not undo that
-            fileio.remove_tree(old)
+def _commit(tmp: Path, final: Path, meta: dict[str, Any] | None) -> None:
+    """The native commit (`arena_write.commit`) of `tmp` as `final` in the trainer's process:
+    meta.json last (None: a node's share, without it); the earlier save of the step goes."""
+    with _dirs(tmp) as (root_fd, tmp_fd):
+        arena_write.commit(root_fd, tmp_fd, tmp.name, final.name, meta,
+                           arena_write.replace_here(root_fd), time.monotonic() + 60,
+                           arena_write.Cancel())
 
 
 def _fresh_dir(tmp: Path) -> None:
-    if tmp.exists():
-        # Move it aside first: a rank still writing there must not make the removal fail.
-        aside = tmp.with_name(f".{tmp.name}.stale-{uuid.uuid4().hex[:8]}")
-        os.rename(tmp, aside)
-        with contextlib.suppress(OSError):
-            fileio.remove_tree(aside)
+    _warn_leftover(tmp)
+    with _opened(tmp.parent) as root_fd:
+        arena_write.fresh_dir(root_fd, tmp.name)
+
+
+def _warn_leftover(tmp: Path) -> None:
+    if os.path.lexists(tmp):
         log.warning("ckptd.torch: removed %s left by an interrupted save", tmp)
-    tmp.mkdir()
+
+
+@contextlib.contextmanager
+def _opened(root: Path) -> Iterator[int]:
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield root_fd
+    finally:
+        os.close(root_fd)
+
+
+@contextlib.contextmanager
+def _dirs(tmp: Path) -> Iterator[tuple[int, int]]:
+    """Descriptors of the root (`tmp`'s parent) and of `tmp`, opened beneath it."""
+    with _opened(tmp.parent) as root_fd, arena_write.opendir(root_fd, tmp.name) as tmp_fd:
+        yield root_fd, tmp_fd
 
 
 def _meta_head(step: int, world: int, metrics: Mapping[str, Any] | None,

@@ -50,10 +50,10 @@ def save(tmp: Path, final: Path, rank: int, world: int, parts: list[_native.Part
             assert gathered is not None
             everyone = [e for ranks in gathered for e in ranks]
             _check_sizes(tmp, [e for r in group for e in gathered[r]])
-            _native._commit(tmp, final, {**head, "nodes": len(set(map(tuple, views)))},
-                            everyone)
+            _native._commit(tmp, final, {**head, "nodes": len(set(map(tuple, views))),
+                                         "files": everyone})
         else:
-            _native._swap_in(tmp, final)
+            _native._commit(tmp, final, None)  # this node's share: no meta.json
     dist.barrier()  # every rank returns a path that exists on its node
 
 

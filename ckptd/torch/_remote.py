@@ -37,7 +37,7 @@ class RemoteNative:
 
     def __init__(self, root: str, step: int | str, rank: int, map_location: Any, *,
                  config: str | os.PathLike[str] | None, remote: str | None) -> None:
-        from ckptd.remote.step import RemoteStep
+        from ckptd.fetch.step import RemoteStep
 
         self.opened = RemoteStep.open(root, step, config=config, remote=remote)
         self.rank, self.map_location = rank, map_location
@@ -114,7 +114,7 @@ class RemoteNative:
                 return self._torch_load(f"/proc/self/fd/{fd}", name, location, mmap=True)
             finally:
                 os.close(fd)  # the tensors' mapping keeps the memory while they live
-        from ckptd.remote.openfile import RemoteFile
+        from ckptd.fetch.openfile import RemoteFile
 
         raw = RemoteFile(self.opened, self._path(name))
         with io.BufferedReader(raw, buffer_size=1 << 20) as f:

@@ -30,9 +30,7 @@ from typing import Protocol
 
 from ckptd.clock import Clock
 from ckptd.log import get_logger
-from ckptd.model import CKPTD_DIR
-
-OWN_PREFIX = f"{CKPTD_DIR}-"  # ckptd's transient names (a restore's staging dir, temp files)
+from ckptd.model import is_own
 
 IN_ACCESS = 0x00000001
 IN_MODIFY = 0x00000002
@@ -65,11 +63,6 @@ class Marks(Protocol):
     def opened(self, abspath: str, now: float) -> None: ...
 
     def closed(self, abspath: str) -> None: ...
-
-
-def own(name: str) -> bool:
-    """A directory ckptd writes itself: never watched, its changes never wake the scanner."""
-    return name == CKPTD_DIR or name.startswith(OWN_PREFIX)
 
 
 class _Libc:
@@ -195,7 +188,7 @@ class Inotify:
             try:
                 with os.scandir(directory) as entries:
                     subdirs = [e.path for e in entries
-                               if not own(e.name) and e.is_dir(follow_symlinks=False)]
+                               if not is_own(e.name) and e.is_dir(follow_symlinks=False)]
             except OSError:
                 continue  # gone or unreadable: the scan reports it
             for sub in subdirs:
@@ -270,10 +263,10 @@ class Inotify:
                             self._forget(stale, remove=True)
                     woke = True
                     continue
+                if is_own(name):  # its own paths: never watched, never a wake
+                    continue
                 path = os.path.join(directory, name)
                 if mask & IN_ISDIR:
-                    if own(name):
-                        continue
                     if mask & IN_MOVED_FROM:
                         moved_from[cookie] = path
                     elif mask & IN_MOVED_TO and cookie in moved_from:

@@ -7,6 +7,7 @@ Must not scan or decide anything: the scanner alone decides what changed.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.clock import Clock
-from ckptd.model import CKPTD_DIR
+from ckptd.model import is_own
 from ckptd.watch.scanner import OpenFiles
 
 
@@ -58,7 +59,7 @@ class PollingWatcher:
                 return True
             if not path.is_dir():
                 return False
-            handler = _Handler(open_files, self._wake, self._clock)
+            handler = _Handler(key, open_files, self._wake, self._clock)
             try:
                 self._watches[key] = self._observer.schedule(
                     handler, key, recursive=True, event_filter=_events_wanted())
@@ -99,13 +100,18 @@ def _events_wanted() -> list[Any]:
 class _Handler:
     """A watchdog event handler: duck-typed `dispatch` keeps watchdog types out of the API."""
 
-    def __init__(self, open_files: OpenFiles, wake: Callable[[], None], clock: Clock) -> None:
+    def __init__(self, root: str, open_files: OpenFiles, wake: Callable[[], None],
+                 clock: Clock) -> None:
+        self._root = root
         self._open = open_files
         self._wake = wake
         self._clock = clock
 
     def dispatch(self, event: Any) -> None:
-        if f"/{CKPTD_DIR}/" in f"{event.src_path}/":
+        # ckptd's own paths are left out as the kernel watches leave them out; a move out of
+        # one (a restore's staging directory renamed into place) is the new path's event.
+        paths = [event.src_path, getattr(event, "dest_path", "") or event.src_path]
+        if all(is_own(os.path.relpath(p, self._root)) for p in paths):
             return
         kind = event.event_type
         if not event.is_directory:

@@ -20,12 +20,8 @@ from typing import Any
 from ckptd import fileio, inputs, layouts
 from ckptd.errors import BadInput, UnsafePath
 from ckptd.formats import torchhead
-from ckptd.model import CKPTD_DIR, Candidate, FileInfo, PlainValue, RootOptions, Snapshot
+from ckptd.model import Candidate, FileInfo, PlainValue, RootOptions, Snapshot, is_own
 
-# ckptd's own transient names (temp files, a restore's staging directory): never checkpoint data.
-OWN_TEMP_PREFIX = ".ckptd-"
-# Small marker/metadata files a layout asked for are read into the snapshot through the bounded
-# reader, each up to the cap of its kind (`layouts.content_kind`, docs/SECURITY.md).
 # An "opened for writing" mark with no close event expires after this long without change:
 # inotify may never report the close of a file written into a just-created directory.
 OPEN_MARK_MIN_S = 30.0
@@ -140,12 +136,11 @@ class RootScanner:
                 continue
             for entry in entries:
                 rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-                if not rel_dir and (entry.name == CKPTD_DIR or (
-                        self._top is not None
-                        and not self._top(entry.name, entry.is_dir(follow_symlinks=False)))):
+                if is_own(entry.name):
+                    continue  # `.ckptd/`, ckptd's temp files and a restore's staging dir
+                if not rel_dir and self._top is not None and not self._top(
+                        entry.name, entry.is_dir(follow_symlinks=False)):
                     continue
-                if entry.name.startswith(OWN_TEMP_PREFIX):
-                    continue  # ckptd's own temp files and a restore's staging dir, anywhere
                 try:
                     st, escapes = stat_member(self._real_root, entry.path)
                 except OSError:
@@ -215,7 +210,8 @@ class RootScanner:
 
 def stat_member(real_root: str, path: str) -> tuple[os.stat_result, bool]:
     """stat() a member and say whether it is a symlink leading out of the root (then the link
-    itself is stat'ed, never its target). The scanner and the stages use this one rule."""
+    itself is stat'ed, never its target). The scanner and the checks that a stage's files did
+    not change (`member_stats`, `file_fingerprint`) use this one rule."""
     st = os.lstat(path)
     if not stat.S_ISLNK(st.st_mode):
         return st, False

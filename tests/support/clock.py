@@ -1,6 +1,7 @@
-"""A clock a test moves by hand (`ckptd.clock.Clock`): handed to a lease, scan or discovery
-service in the test process, it makes "once the lease is stale" or "once the save has settled"
-a call to `advance`, not a wait. Never sleeps."""
+"""A clock a test moves by hand (`ckptd.clock.Clock`): handed to a service in the test process
+(lease, scan, discovery, workers, retention, the effects, the supervisor), it makes "once the
+lease is stale", "once the save has settled" or "once the hold expired" a call to `advance`,
+not a wait. Never sleeps."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from ckptd.client import Client
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import Config, RootConfig, load_config
 from ckptd.daemon import Daemon
-from ckptd.service.jobs import policy_of
+from ckptd.lifecycle.policy import policy_of
 from ckptd.service.metrics import Metrics
 from ckptd.service.workers import Workers
 from ckptd.store import Found, Store
@@ -33,7 +33,7 @@ class InProcessDaemon:
     def __init__(self, layout: Layout, events_log: list[dict[str, Any]],
                  clock: Clock = SYSTEM) -> None:
         self.layout = layout
-        self.clock = clock  # what its lease, scan and discovery services read the time from
+        self.clock = clock  # what its services read the time from
         self._events = events_log
         self._daemon: Daemon | None = None
 

@@ -23,6 +23,10 @@ class PassThrough:
     def part_size(self) -> int:
         return self.inner.part_size
 
+    @property
+    def md5_etags(self) -> bool:
+        return self.inner.md5_etags
+
     def put(self, key: str, src: Source, size: int | None = None, *,
             create_only: bool = False, if_match: str | None = None) -> ObjectMeta:
         return self.inner.put(key, src, size, create_only=create_only, if_match=if_match)

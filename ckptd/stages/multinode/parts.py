@@ -33,8 +33,10 @@ from ckptd.remote.manifest import Manifest, StoredFile, step_prefix
 from ckptd.stages.upload import UploadResult
 
 Progress = Callable[[int], None]
-# A layout's commit record of this node's share (None: the share holds none).
+# Where the create-only check puts its probe objects, under the root's remote prefix.
 PROBE_DIR = "_probe"
+# The most parts of one step a listing is read for (nodes times attempts): what a bucket holds
+# cannot make this node keep more.
 MAX_PARTS = 100_000
 
 

@@ -8,6 +8,7 @@ import os
 import posixpath
 import re
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 
 import xxhash
@@ -17,10 +18,21 @@ from ckptd.cluster import commit as cc
 from ckptd.errors import BadInput, PermanentError, TransientError, ValidationFailed
 from ckptd.formats.dcpmeta import parse_once
 from ckptd.formats.torchhead import HEAD_BYTES, leading_fields
-from ckptd.layouts import ranked
+from ckptd.layouts import dcp, deepspeed, megatron, native, ranked
 from ckptd.remote.manifest import Manifest, StoredFile
 
 RecordReader = Callable[[Path, Manifest, Mapping[str, float]], "cc.CommitRecord | None"]
+
+
+def reader_for(layout: str, world_size: int = 0) -> RecordReader | None:
+    """How a multi-node share of a `layout` save finds its commit record: the one table of
+    the layouts a multi-node root can commit; None for the others. `world_size` is the
+    root's (0: none set)."""
+    readers: dict[str, RecordReader] = {
+        dcp.NAME: dcp_record, megatron.NAME: megatron_record,
+        deepspeed.NAME: deepspeed_record, native.NAME: native_record,
+        ranked.NAME: partial(ranked_record, world_size=world_size)}
+    return readers.get(layout)
 
 
 def dcp_record(root_dir: Path, manifest: Manifest, mtimes: Mapping[str, float]

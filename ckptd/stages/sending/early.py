@@ -47,7 +47,6 @@ WHOLE_MAX = 4 << 20
 # and how long an invalid step's end waits, so that what it sent can be discarded.
 FINISH_WAIT_S = 2.0
 ABANDON_WAIT_S = 10.0
-_MD5_SCHEMES = ("s3://", "s3a://")
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ class EarlySender:
         self._queue: deque[_Offer] = deque()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._md5 = backend.url.startswith(_MD5_SCHEMES)
+        self._md5 = backend.md5_etags
         self._threads = max(1, concurrency)
         self._pool: ThreadPoolExecutor | None = None
         self._running = 0

@@ -16,11 +16,11 @@ from ckptd.backends import Backend, backend_for_upload, make_backend, wrap_backe
 from ckptd.codec.decoder import release_idle
 from ckptd.config import find_config, load_config
 from ckptd.errors import ConfigError, CorruptData, NotFound
-from ckptd.remote.holds import ReaderHold, daemon_socket
+from ckptd.fetch.holds import ReaderHold, daemon_socket
+from ckptd.fetch.objects import ObjectReader, ReadStats
+from ckptd.fetch.source import list_remote_steps, newest_copy, read_remote_manifest
 from ckptd.remote.layout import is_committed
 from ckptd.remote.manifest import Manifest, StoredFile, step_prefix
-from ckptd.remote.objects import ObjectReader, ReadStats
-from ckptd.restore.source import best_step, list_remote_steps, read_remote_manifest
 
 StepArg = int | str
 
@@ -54,7 +54,7 @@ def choose_step(backend: Backend, root: str, step: StepArg) -> int:
     """`step` itself if committed, or for "latest" the newest committed step whose manifest
     reads (LATEST is a hint only: the manifests decide). NotFound says what was looked at."""
     if step == "latest":
-        found = best_step(set(), set(list_remote_steps(backend, root)), backend, root)
+        found = newest_copy(set(), set(list_remote_steps(backend, root)), backend, root)
         if found is None:
             raise NotFound(f"no committed step of {root!r} at {backend.url}")
         return found
@@ -77,7 +77,7 @@ class RemoteStep:
         # Blocks in flight (fetched, decoding or decoded and not yet delivered) across the
         # files read at once: what bounds the reader's memory (a few blocks each way).
         self.window = 2 * self.threads + 2
-        # Span requests in flight (8 MiB each, remote.objects.SPAN): as many as decoding
+        # Span requests in flight (8 MiB each, fetch.spans.SPAN): as many as decoding
         # threads, two at least. On 2 vCPUs shared with the server, 2 loaded a 1.6 GB step in
         # 4.6 s at 18 MiB over a local load's peak, 4 in 5.1 s at 62 MiB over it (measured).
         self.fetches = max(2, self.threads)

@@ -12,6 +12,7 @@ from ckptd.backends import Backend, backend_for_upload
 from ckptd.config import RootConfig
 from ckptd.copies.store import local_steps
 from ckptd.errors import CorruptData, NotFound, ObjectNotFound, PermanentError
+from ckptd.lifecycle import answers
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR
 from ckptd.remote import layout as remote
@@ -67,23 +68,22 @@ def resolve_step(
     remote = set(list_remote_steps(backend, root_name)) if backend is not None else set()
     if named is not None and named[0] in remote and _readable(backend, root_name, named[0]):
         return named[0], "remote"
-    best = best_step(local, remote, backend, root_name)
-    if named is not None and (best is None or named[0] > best) and _on_disk(named):
+    top = newest_copy(local, remote, backend, root_name)
+    if named is not None and (top is None or named[0] > top) and _on_disk(named):
         raise NotFound(_present(root_name, named))
-    if best is None:
+    if top is None:
         raise NotFound(_nothing_for(root_dir, root_name, "latest", backend))
-    return best, "local" if best in local else "remote"
+    return top, "local" if top in local else "remote"
 
 
-def best_step(local: set[int], remote: set[int], backend: Backend | None,
-          root_name: str) -> int | None:
-    """The highest step with a copy: local preferred on a tie; a remote step counts only when
-    its manifest can be read (a bad one is skipped, logged as `bad_remote_item`, and the
-    next lower step tried), so one bad step never hides the others."""
-    for n in sorted(local | remote, reverse=True):
-        if n in local or (backend is not None and _readable(backend, root_name, n)):
-            return n
-    return None
+def newest_copy(local: set[int], remote: set[int], backend: Backend | None,
+                root_name: str) -> int | None:
+    """`answers.newest` of the steps with a copy: local preferred on a tie; a remote step
+    counts only when its manifest can be read (a bad one is skipped, logged as
+    `bad_remote_item`, and the next lower step tried), so one bad step never hides the
+    others."""
+    return answers.newest(local | remote, lambda n: n in local or (
+        backend is not None and _readable(backend, root_name, n)))
 
 
 def _readable(backend: Backend | None, root_name: str, step: int) -> bool:

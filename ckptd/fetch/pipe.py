@@ -3,7 +3,8 @@ on one thread, decoding, hashing and writing on the caller's, overlapped through
 hand-off; the output written like a local restore (temp name, fsync, pages dropped, rename).
 
 Owns that hand-off and the retry of a whole object; decides nothing about which objects to
-restore or where (restore.py does), and never holds more than a bounded part of an object.
+restore or where (`ckptd.restore.files` does), and never holds more than a bounded part of an
+object.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from typing import Any
 
 from ckptd.codec.index import Block, BlockIndex
 from ckptd.errors import CorruptData
+from ckptd.fetch.objects import ObjectReader
+from ckptd.fetch.step import RemoteStep, StepArg
 from ckptd.fileio import HashSink
-from ckptd.remote.objects import ObjectReader
-from ckptd.remote.step import RemoteStep, StepArg
 
 READ_AHEAD = 4  # blocks fetched ahead of a sequential reader
 _CACHED = READ_AHEAD + 2

@@ -1,3 +1,0 @@
-"""What the validate stage runs beyond its read pass: the deep check (torch's own load, in a
-child process: `deepscan`) and the scan of safetensors for non-finite values (`nonfinite`).
-Never imports another stage or the store."""
