@@ -82,6 +82,11 @@ dist: install
 	rm -rf dist
 	$(PY) -m build --outdir dist .
 
+# docs/DESIGN.md's two Mermaid diagrams (the lifecycle, what imports what), redrawn from the
+# transition table, the import contract and the code's imports; tests/test_diagrams.py checks them.
+diagrams: install
+	$(PY) tools/diagrams.py
+
 # The layering in docs/DESIGN.md is checked by import-linter (contracts in pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check ckptd tests

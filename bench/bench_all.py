@@ -1,6 +1,7 @@
 """`make bench`: every row of the performance table, ckptd beside its real baseline, from one
 run of the benchmarks in bench/ (each run its own process), medians over --repeat rounds with
-their spread; printed, and written into docs/PERFORMANCE.md between the make-bench markers.
+their spread; printed, and written into docs/PERFORMANCE.md between the make-bench markers,
+its ratios drawn into docs/performance.svg (bench/plot.py).
 
 Usage: python bench/bench_all.py [--repeat 3] [--size 2GB] [--files 10000] [--skip codec]
        [--resume-size 1.6GB] [--no-write]
@@ -21,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import plot  # bench/plot.py: the table's ratios drawn as docs/performance.svg
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -373,6 +376,7 @@ def main() -> None:
     if not args.no_write:
         write_doc(block)
         print(f"written into {DOC}")
+        print(f"{plot.write()} ratios drawn into {plot.SVG}")
 
 
 if __name__ == "__main__":

@@ -338,7 +338,7 @@ class Client:
         context manager. `with client.hold("llm-7b", 1000): load(...)`"""
         return Hold(self, root, int(step), ttl, owner or f"{os.getpid()}-{time.monotonic_ns()}")
 
-    # The name `hold` had before (deprecated, kept for existing callers).
+    # The name `hold` had before: deprecated, kept for existing callers (docs/CLI.md).
     lease = hold
 
     def _soft_fail(self, what: str, exc: ClientError) -> bool:

@@ -9,7 +9,7 @@ caller, never by the command line):
 - `ckptd.stages.multinode.parts.NotCommitted` (a TransientError): a node's part is written, the
   step waits for the other nodes' parts; carries the commit `Plan` and the nodes' states.
 - `ckptd.service.uploads.CopyMissing`, `ckptd.service.lease_files.LeaseProblem`,
-  `ckptd.retention.nets.Refusal` and `ckptd.stages.multinode.parts.ShareChanged` are their
+  `ckptd.retention.nets.DeleteRefused` and `ckptd.stages.multinode.parts.ShareChanged` are their
   areas' own signals, each caught by its caller in that area.
 
 Not here either, on purpose: `ckptd.client.ClientError` and `DaemonUnavailable`. The client is

@@ -47,7 +47,7 @@ from ckptd.errors import (
     PreconditionFailed,
     TransientError,
 )
-from ckptd.remote.layout import advance_latest, latest_key, read_latest, retreat_latest
+from ckptd.remote.keys import advance_latest, latest_key, read_latest, retreat_latest
 
 if TYPE_CHECKING:
     from faultproxy import FaultProxy
@@ -291,7 +291,7 @@ def test_latest_swap_lost_to_another_node_is_read_again(backend: Backend) -> Non
 _ADVANCE = """
 import sys
 from ckptd.backends import LocalBackend
-from ckptd.remote.layout import advance_latest
+from ckptd.remote.keys import advance_latest
 backend, steps = LocalBackend(sys.argv[1]), [int(s) for s in sys.argv[2:]]
 print("ready", flush=True)
 sys.stdin.readline()

@@ -30,7 +30,7 @@ from ckptd.backends.local import LocalBackend
 from ckptd.copies import store as copies
 from ckptd.errors import CorruptData
 from ckptd.model import Candidate, Local, Remote
-from ckptd.remote import layout as remote
+from ckptd.remote import keys as remote
 from ckptd.remote.manifest import Manifest
 from ckptd.retention import executor, trash
 from ckptd.retention.nets import SHARED
@@ -109,10 +109,10 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.arena_write", "fresh_dir"):
         "a stale half-written save dir of the door, or of the trainer's own interrupted save",
     ("ckptd.arena_write", "_write_one"): "a file of the save it is writing, written again",
-    ("ckptd.remote.layout", "retreat_latest"): "the LATEST pointer object, not a step's bytes",
+    ("ckptd.remote.keys", "retreat_latest"): "the LATEST pointer object, not a step's bytes",
     ("ckptd.fetch.holds", "sweep_stale"): "readers' hold objects no longer fresh, not a step's",
     ("ckptd.fetch.holds", "_Held.end"): "the reader's own hold object, at the end of its read",
-    ("ckptd.remote.layout", "_swap"): "an unreadable LATEST pointer object, rewritten",
+    ("ckptd.remote.keys", "_swap"): "an unreadable LATEST pointer object, rewritten",
     ("ckptd.service.recovery", "remove_stale_temps"): "ckptd's own temp files",
     ("ckptd.service.lease_files", "retire_claims"): "the root lease's own claim files",
     ("ckptd.service.lease_files", "drop_claims_below"): "the root lease's own claim files",
@@ -224,7 +224,7 @@ def test_executor_delete_calls_are_its_only_callers_of_delete_step() -> None:
 
 def nets(**kw: Any) -> FixedNets:
     base: dict[str, Any] = {"latest_step": None, "best_step": None, "pinned": frozenset(),
-                            "in_use": frozenset(), "remote_verified": frozenset(),
+                            "in_use": frozenset(), "committed": frozenset(),
                             "upload_configured": False}
     base.update(kw)
     return FixedNets(executor.Guards(**base))

@@ -19,7 +19,7 @@ from support.ckpts import flip_byte
 from support.wait import wait_until
 
 from ckptd.backends import make_backend
-from ckptd.remote.layout import manifest_key
+from ckptd.remote.keys import manifest_key
 from ckptd.stages.sending import early
 from ckptd.stages.sending.early import EarlySender
 

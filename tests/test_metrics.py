@@ -44,7 +44,7 @@ def test_every_family_is_exported_with_its_type() -> None:
     m.error("scan")
     m.observe_safe("llm-7b", 30.0)
     set_roots(m, RootSample("llm-7b", counts={}, queue=0, disk_free=1, latest=1,
-                            steps_since_remote=1, ratio=0.5, uploaded=1, remote_verified=1,
+                            steps_since_remote=1, ratio=0.5, newest_committed=1, remote_latest=1,
                             unsafe_s=0.0, min_free=1, saved=1, invalid={"nan": 1}))
     types = {f.name: f.type for f in text_string_to_metric_families(m.render())}
     expected = {
@@ -86,8 +86,8 @@ def test_root_gauges_carry_labels_and_values() -> None:
 
 def test_safety_gauges_and_invalid_reasons() -> None:
     m = Metrics(process=False)
-    set_roots(m, RootSample("llm-7b", counts={}, queue=0, latest=1300, uploaded=1200,
-                            remote_verified=1100, unsafe_s=42.5, held=True, min_free=10**9,
+    set_roots(m, RootSample("llm-7b", counts={}, queue=0, latest=1300, newest_committed=1200,
+                            remote_latest=1100, unsafe_s=42.5, held=True, min_free=10**9,
                             saved=3 * 10**8, invalid={"crc_mismatch": 2, "": 1}),
               RootSample("vit", counts={}, queue=0))
     assert value(m, "ckptd_latest_uploaded_step", root="llm-7b") == 1200

@@ -13,7 +13,7 @@ import pytest
 from ckptd.backends.local import LocalBackend
 from ckptd.cluster import commit as cc
 from ckptd.errors import BadPart, PermanentError, TransientError
-from ckptd.remote.layout import read_manifest
+from ckptd.remote.keys import read_manifest
 from ckptd.remote.manifest import Manifest, StoredFile, for_node
 from ckptd.stages.multinode import parts, records
 

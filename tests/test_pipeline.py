@@ -80,7 +80,7 @@ def test_a_resave_under_a_compressed_row_is_compressed_again(store_bench: Any) -
     b.scan()
     b.drain()
     inplace = InPlace(b.store, threading.RLock(), threading.RLock())
-    assert inplace.compress(root, 1)
+    assert inplace.replace_originals(root, 1)
     assert b.store.checkpoint("r1", 1).local.value == "compressed"
 
     save_single(root.path, 1, n=300)  # the re-save, not scanned yet
@@ -90,6 +90,6 @@ def test_a_resave_under_a_compressed_row_is_compressed_again(store_bench: Any) -
     b.drain()
     rec = b.store.checkpoint("r1", 1)
     assert (rec.state.value, rec.local.value) == ("valid", "present")
-    assert inplace.compress(root, 1), "the old row's back-off held back the re-save"
+    assert inplace.replace_originals(root, 1), "the old row's back-off held back the re-save"
     assert b.store.checkpoint("r1", 1).local.value == "compressed"
     assert not (root.path / "model_step_1.pt").exists()

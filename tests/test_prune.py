@@ -49,7 +49,7 @@ OPEN = Guards(
     best_step=None,
     pinned=frozenset(),
     in_use=frozenset(),
-    remote_verified=frozenset(),
+    committed=frozenset(),
     upload_configured=False,
 )
 SRC = str(Path(__file__).resolve().parent.parent)
@@ -179,7 +179,7 @@ def test_already_gone_is_deleted_with_nothing_freed(root: Path) -> None:
 
 def test_valid_and_uploaded_or_invalid_copies_pass_the_upload_net(root: Path) -> None:
     a, b = dir_ckpt(root, 1), dir_ckpt(root, 2)
-    g = replace(OPEN, upload_configured=True, remote_verified=frozenset({1}),
+    g = replace(OPEN, upload_configured=True, committed=frozenset({1}),
                 invalid=frozenset({2}))
     out = run_local(root, deletes(1, 2), [a, b], g)
     assert [o.action for o in out] == ["deleted", "deleted"]
@@ -195,7 +195,7 @@ def test_valid_and_uploaded_or_invalid_copies_pass_the_upload_net(root: Path) ->
         (replace(OPEN, best_step=100), "best"),
         (replace(OPEN, pinned=frozenset({100})), "pinned"),
         (replace(OPEN, in_use=frozenset({100})), "in_use"),
-        (replace(OPEN, upload_configured=True, remote_verified=frozenset({99})), "not_uploaded"),
+        (replace(OPEN, upload_configured=True, committed=frozenset({99})), "not_uploaded"),
     ],
 )
 def test_each_net_refuses_and_logs_why(root: Path, guards: Guards, reason: str) -> None:
@@ -535,7 +535,7 @@ def remote(tmp_path: Path) -> Backend:
 
 
 def test_remote_deletes_manifest_first_and_reports_bytes(remote: Backend) -> None:
-    g = replace(OPEN, latest_step=500, remote_verified=frozenset({100, 200, 300, 400, 500}))
+    g = replace(OPEN, latest_step=500, committed=frozenset({100, 200, 300, 400, 500}))
     delete = ManifestFirst()
     with capture_logs() as logs:
         out = execute_remote(remote, "llm", remote_deletes(100, 200), fixed(g), delete)
@@ -560,7 +560,7 @@ def test_remote_deletes_manifest_first_and_reports_bytes(remote: Backend) -> Non
     ],
 )
 def test_remote_nets_hold(remote: Backend, guards: Guards, reason: str) -> None:
-    g = replace(guards, remote_verified=frozenset({100, 200, 300, 400, 500}))
+    g = replace(guards, committed=frozenset({100, 200, 300, 400, 500}))
     with capture_logs() as logs:
         [out] = execute_remote(remote, "llm", remote_deletes(300), fixed(g), ManifestFirst())
     assert (out.action, out.reason) == ("refused", reason)
@@ -570,7 +570,7 @@ def test_remote_nets_hold(remote: Backend, guards: Guards, reason: str) -> None:
 
 def test_remote_never_deletes_the_newest_verified_or_an_unverified_step(remote: Backend) -> None:
     # 500 is uploading (objects there, not verified): an upload may be writing it.
-    g = replace(OPEN, remote_verified=frozenset({100, 200, 300, 400}))
+    g = replace(OPEN, committed=frozenset({100, 200, 300, 400}))
     out = execute_remote(remote, "llm", remote_deletes(400, 500), fixed(g), ManifestFirst())
     assert [(o.step, o.action, o.reason) for o in out] == [
         (400, "refused", "latest"), (500, "refused", "not_uploaded")]
@@ -581,7 +581,7 @@ def test_a_failing_remote_delete_is_reported(remote: Backend) -> None:
     def broken(backend: Backend, root: str, step: int) -> None:
         raise TransientError("503 slow down")
 
-    g = replace(OPEN, remote_verified=frozenset({100, 500}))
+    g = replace(OPEN, committed=frozenset({100, 500}))
     with capture_logs() as logs:
         [out] = execute_remote(remote, "llm", remote_deletes(100), fixed(g), broken)
     assert (out.action, out.reason) == ("failed", "503 slow down")

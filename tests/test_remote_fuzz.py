@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from ckptd.backends import LocalBackend
 from ckptd.cluster import commit as cc
 from ckptd.errors import CorruptData, ObjectNotFound
-from ckptd.remote import layout as remote
+from ckptd.remote import keys as remote
 from ckptd.remote.manifest import Manifest, StoredFile, parse_manifest
 
 MANIFEST = Manifest("r1", 7, "single", (

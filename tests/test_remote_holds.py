@@ -32,7 +32,7 @@ from ckptd.fetch import holds
 from ckptd.fetch.openfile import RemoteFile
 from ckptd.fetch.source import read_remote_manifest
 from ckptd.fetch.step import RemoteStep
-from ckptd.remote.layout import is_committed
+from ckptd.remote.keys import manifest_exists
 from ckptd.restore.files import restore
 from ckptd.stages.upload import delete_step
 
@@ -110,8 +110,8 @@ def test_a_reader_without_a_daemon_holds_its_step_in_the_bucket(
         assert doc["step"] == 3 and doc["owner"] == step.hold.owner
         assert holds.read_holds(backend, "r", time.time()).steps == {3}
         # what lists the remote prefix sees the same steps as before
-        assert [s for s in (3,) if is_committed(backend, "r", s)] == [3]
-        from ckptd.remote.layout import list_steps
+        assert [s for s in (3,) if manifest_exists(backend, "r", s)] == [3]
+        from ckptd.remote.keys import list_steps
         assert list_steps(backend, "r") == [3]
     assert listed(backend, "r/_holds") == []  # released with the read
 
@@ -225,8 +225,8 @@ def test_the_daemon_keeps_a_step_a_reader_holds_through_it(inproc_daemon: Any,
     step = RemoteStep.open("r1", 1, config=d.config)
     try:
         _newer_steps_arrive(d, (2, 3))
-        assert not is_committed(backend, "r1", 2)  # retention ran and deleted what it could
-        assert is_committed(backend, "r1", 1)
+        assert not manifest_exists(backend, "r1", 2)  # retention ran and deleted what it could
+        assert manifest_exists(backend, "r1", 1)
         assert step.hold is not None and step.hold.how == "daemon"
         assert listed(backend, "r1/_holds") == []  # the daemon holds it: nothing in the bucket
         sink = io.BytesIO()
@@ -235,7 +235,7 @@ def test_the_daemon_keeps_a_step_a_reader_holds_through_it(inproc_daemon: Any,
     finally:
         step.close()
     _prune(d)
-    assert not is_committed(backend, "r1", 1)
+    assert not manifest_exists(backend, "r1", 1)
 
 
 def test_the_daemon_keeps_a_step_held_in_the_bucket(inproc_daemon: Any, remote: Any,
@@ -245,14 +245,14 @@ def test_the_daemon_keeps_a_step_held_in_the_bucket(inproc_daemon: Any, remote: 
     _saved(d, 1)
     with RemoteStep.open("r1", 1, remote=url) as step:
         _newer_steps_arrive(d, (2, 3))
-        assert not is_committed(backend, "r1", 2)
-        assert is_committed(backend, "r1", 1)
+        assert not manifest_exists(backend, "r1", 2)
+        assert manifest_exists(backend, "r1", 1)
         assert step.hold is not None and step.hold.how == "bucket"
         sink = io.BytesIO()
         step.reader(step.files()[0].path).read(None, lambda _at, v: _ignore(sink.write(v)))
         assert sink.getvalue()[:2] == b"PK"
     _prune(d)
-    wait_until(lambda: not is_committed(backend, "r1", 1), 30, "step 1 deleted once released")
+    wait_until(lambda: not manifest_exists(backend, "r1", 1), 30, "step 1 deleted once released")
 
 
 def test_an_expired_hold_object_does_not_keep_a_step(inproc_daemon: Any, tmp_path: Path) -> None:
@@ -266,7 +266,7 @@ def test_an_expired_hold_object_does_not_keep_a_step(inproc_daemon: Any, tmp_pat
     old = time.time() - 2 * holds.HOLD_TTL_S
     os.utime(left, (old, old))
     _newer_steps_arrive(d, (2,))
-    wait_until(lambda: not is_committed(backend, "r1", 1), 30, "step 1 deleted")
+    wait_until(lambda: not manifest_exists(backend, "r1", 1), 30, "step 1 deleted")
     assert not left.exists()  # swept: it held nothing
 
 

@@ -24,7 +24,7 @@ from ckptd import inputs
 from ckptd.backends import LocalBackend, make_backend
 from ckptd.cluster import commit as cc
 from ckptd.errors import BadInput, CorruptData, ObjectNotFound, UnsafePath
-from ckptd.remote import layout as remote
+from ckptd.remote import keys as remote
 from ckptd.remote.manifest import parse_manifest
 from ckptd.restore.files import all_or_nothing
 from ckptd.stages.multinode import parts

@@ -1,4 +1,4 @@
-"""The upload stage and the remote layout, against a directory and a real SeaweedFS server.
+"""The upload stage and the remote keys, against a directory and a real SeaweedFS server.
 
 Faults go through the real TCP proxy (tests/faultproxy.py) or a wrapper implementing the
 Backend protocol around a real backend; kill -9 hits a real uploading process.
@@ -37,10 +37,10 @@ from ckptd.errors import (
     PermanentError,
     TransientError,
 )
-from ckptd.remote.layout import (
-    is_committed,
+from ckptd.remote.keys import (
     list_steps,
     listed_committed,
+    manifest_exists,
     read_latest,
     read_manifest,
     step_objects,
@@ -557,7 +557,7 @@ def test_local_problems_are_permanent(tmp_path: Path) -> None:
     assert list_steps(backend, ROOT) == []
 
 
-# -- reading the remote layout --------------------------------------------------------------------
+# -- reading the remote keys ----------------------------------------------------------------------
 
 
 def test_list_steps_counts_only_committed_canonical_steps(backend: Backend, tmp_path: Path) -> None:
@@ -570,7 +570,7 @@ def test_list_steps_counts_only_committed_canonical_steps(backend: Backend, tmp_
     backend.put(f"{ROOT}2/step-44/{MANIFEST_NAME}", b"{}")
     assert list_steps(backend, ROOT) == [40]
     # One rule for "committed", by HEAD, by a step's listing, by the root's listing.
-    assert [is_committed(backend, ROOT, s) for s in (40, 41, 42, 43)] == [
+    assert [manifest_exists(backend, ROOT, s) for s in (40, 41, 42, 43)] == [
         True, False, False, False]
     assert [listed_committed(step_objects(backend, ROOT, s)) for s in (40, 41)] == [True, False]
     with pytest.raises(ObjectNotFound):

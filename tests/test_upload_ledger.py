@@ -28,7 +28,7 @@ from test_upload import (
 
 from ckptd.backends import Backend, LocalBackend
 from ckptd.errors import PermanentError, TransientError
-from ckptd.remote.layout import list_steps
+from ckptd.remote.keys import list_steps
 from ckptd.remote.manifest import Manifest
 from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
 from ckptd.stages.upload import upload_step

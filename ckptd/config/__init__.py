@@ -16,7 +16,7 @@ from ckptd.config.load import (
     parse_config,
 )
 from ckptd.config.schema import (
-    CompressConfig,
+    CodecConfig,
     Config,
     DaemonConfig,
     LocalRetention,
@@ -33,7 +33,7 @@ __all__ = [
     "DEFAULT_CONFIG_PATH",
     "find_config",
     "DEFAULT_SOCKET_PATH",
-    "CompressConfig",
+    "CodecConfig",
     "Config",
     "DaemonConfig",
     "FreeSpace",

@@ -102,7 +102,7 @@ class MetricsConfig(_Model):
         return _split_listen(self.listen) if self.listen else None
 
 
-class CompressConfig(_Model):
+class CodecConfig(_Model):
     codec: Annotated[Codec, _one_of(Codec)] = "auto"
     level: Annotated[int, Field(ge=1, le=22), Expect("a whole number from 1 to 22")] = 3
     threads: Threads = 1
@@ -187,7 +187,7 @@ class RootConfig(_Model):
                                Expect('a list of "module.Name" strings')] = []  # noqa: RUF012
     metric: Text = ""
     metric_mode: Annotated[MetricMode, _one_of(MetricMode)] = "min"
-    compress: CompressConfig = Field(default_factory=CompressConfig)
+    compress: CodecConfig = Field(default_factory=CodecConfig)
     upload: UploadConfig = Field(default_factory=UploadConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
 

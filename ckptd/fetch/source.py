@@ -15,8 +15,8 @@ from ckptd.errors import CorruptData, NotFound, ObjectNotFound, PermanentError
 from ckptd.lifecycle import answers
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR
-from ckptd.remote import layout as remote
-from ckptd.remote.layout import is_committed
+from ckptd.remote import keys as remote
+from ckptd.remote.keys import manifest_exists
 from ckptd.remote.manifest import Manifest
 
 StepArg = int | Literal["latest"]
@@ -59,7 +59,7 @@ def resolve_step(
     if step != "latest":
         if step in local:
             return step, "local"
-        if backend is not None and is_committed(backend, root_name, step):
+        if backend is not None and manifest_exists(backend, root_name, step):
             return step, "remote"
         raise NotFound(_nothing_for(root_dir, root_name, step, backend))
     named = _latest_named(root_dir)

@@ -19,7 +19,7 @@ from ckptd.errors import ConfigError, CorruptData, NotFound
 from ckptd.fetch.holds import ReaderHold, daemon_socket
 from ckptd.fetch.objects import ObjectReader, ReadStats
 from ckptd.fetch.source import list_remote_steps, newest_copy, read_remote_manifest
-from ckptd.remote.layout import is_committed
+from ckptd.remote.keys import manifest_exists
 from ckptd.remote.manifest import Manifest, StoredFile, step_prefix
 
 StepArg = int | str
@@ -60,7 +60,7 @@ def choose_step(backend: Backend, root: str, step: StepArg) -> int:
         return found
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int or 'latest', not {step!r}")
-    if not is_committed(backend, root, step):
+    if not manifest_exists(backend, root, step):
         raise NotFound(f"step {step} of {root!r} is not committed at {backend.url} "
                        f"(no {step_prefix(root, step)}/MANIFEST.json)")
     return step

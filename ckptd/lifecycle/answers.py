@@ -44,7 +44,7 @@ COMMITTED = Remote.UPLOADED
 
 def is_committed(r: Placed) -> bool:
     """Its remote copy is committed: the upload stage verified every object, then wrote the
-    step's MANIFEST.json (`ckptd.remote.layout` reads that), so committed is also verified."""
+    step's MANIFEST.json (`ckptd.remote.keys` reads that), so committed is also verified."""
     return r.remote is COMMITTED
 
 

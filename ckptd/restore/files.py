@@ -37,7 +37,7 @@ from ckptd.fetch.source import (
 )
 from ckptd.fileio import DurableWriter, write_error
 from ckptd.log import get_logger
-from ckptd.remote.layout import is_committed
+from ckptd.remote.keys import manifest_exists
 from ckptd.remote.manifest import Manifest, StoredFile, for_node, step_prefix
 from ckptd.units import format_size, progress_bar
 
@@ -223,7 +223,7 @@ def restore(
                              str(config.daemon.socket))
         if done is not None:
             return n, done
-        if backend is None or not is_committed(backend, root.name, n):
+        if backend is None or not manifest_exists(backend, root.name, n):
             raise NotFound(f"the local copy of step {n} of {root_name!r} disappeared")
     assert backend is not None
     with ReaderHold(backend, root.name, n, socket=str(config.daemon.socket)):

@@ -21,7 +21,7 @@ from ckptd.backends.base import same_object
 from ckptd.errors import CkptdError, ObjectNotFound, StorageError
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote
-from ckptd.remote.layout import manifest_key
+from ckptd.remote.keys import manifest_key
 from ckptd.remote.manifest import step_prefix
 from ckptd.retention import trash as trashcan  # (`trash` is the guarded move below)
 from ckptd.retention.nets import (
@@ -30,7 +30,7 @@ from ckptd.retention.nets import (
     NOT_ON_DISK,
     UNSAFE_PATH,
     Act,
-    Refusal,
+    DeleteRefused,
     check_nets,
 )
 from ckptd.retention.nets import Guards as Guards  # what `Nets.held` yields
@@ -64,7 +64,7 @@ class Target:
     """One checkpoint's local copy as the store knows it now. `path` is the root-relative anchor
     (its directory, or its main file); `files` are the root-relative member files. For a local
     compressed copy, pass its directory (e.g. `.ckptd/objects/step-<N>`) with `is_dir=True`.
-    `remote` is informational: the nets read `Guards.remote_verified`."""
+    `remote` is informational: the nets read `Guards.committed`."""
 
     step: int
     path: str
@@ -92,7 +92,8 @@ def execute_local(
     `on_trashed(step, entry)` runs between the two so the store records "trashed" before any
     byte is removed; if it raises, the checkpoint is put back and the outcome is `failed`. An
     outcome `trashed` means gone from its place but not yet removed (purge_trash finishes it).
-    Compress items are left to the caller (`LocalRun.compress`), which compresses in place.
+    Compress items are left to the caller (`LocalRun.compress`), which replaces their
+    originals (`replace_originals`).
     """
     log = get_logger(root=root or Path(root_dir).name)
     # A caller bug fails before any move.
@@ -146,7 +147,8 @@ def execute_copies(
         target = targets.get(item.step)
         if target is None or target.step != item.step:
             log = get_logger(root=root or Path(root_dir).name)
-            out.append(refused(log, item.step, "copy", Refusal(NO_TARGET, "no copy recorded")))
+            out.append(refused(log, item.step, "copy",
+                               DeleteRefused(NO_TARGET, "no copy recorded")))
             continue
         got = release_copy(root_dir, target, nets, root=root)
         out.append(Outcome(got.step, "copy", got.action, got.reason, got.bytes_freed))
@@ -163,7 +165,7 @@ def _delete_local(
     log: Any,
 ) -> Outcome:
     if target is None or target.step != item.step:
-        return refused(log, item.step, "local", Refusal(NO_TARGET, "no record for this step"))
+        return refused(log, item.step, "local", DeleteRefused(NO_TARGET, "no record for this step"))
     try:
         got = _trash(root_dir, target, guards, trash_dir, log)
     except OSError as exc:
@@ -211,7 +213,7 @@ def _remove_remote(backend: Backend, root_name: str, step: int, act: Act, guards
     """The nets of `act`, then `delete_step`: the bytes it freed, or a refused/failed Outcome."""
     try:
         check_nets(step, act, guards)
-    except Refusal as refusal:
+    except DeleteRefused as refusal:
         return refused(log, step, "remote", refusal)
     size = remote_bytes(backend, root_name, step)
     try:
@@ -243,9 +245,9 @@ def _trash(root_dir: Path, target: Target, guards: Guards, trash_dir: Path, log:
     try:
         check_nets(target.step, "prune_local", guards)
         if target.local is Local.PRUNED:
-            raise Refusal(NOT_ON_DISK)
+            raise DeleteRefused(NOT_ON_DISK)
         moves = trashcan.moves(real_root, target.path, target.files, target.is_dir, trash_real)
-    except Refusal as refusal:
+    except DeleteRefused as refusal:
         return refused(log, target.step, "local", refusal)
     record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
     if record is None:
@@ -268,7 +270,7 @@ def replace_originals(
     """Compress-in-place: delete a checkpoint's original files, its verified local compressed
     copy staying the checkpoint's only local form.
 
-    The nets of "compress" first; then `check()`, which must raise unless the copy is verified
+    Its nets first; then `check()`, which must raise unless the copy is verified
     and durable and every original is still the file it holds (CorruptData, UnsafePath); then
     each member file moves into the trash (a directory never moves whole: files that are not
     the checkpoint's stay), the directories this emptied at and below `target.path` (or below
@@ -280,10 +282,10 @@ def replace_originals(
     with nets.held() as guards:
         try:
             trash_real = trashcan.own_trash(real_root)
-            check_nets(target.step, "compress", guards)
+            check_nets(target.step, "replace_originals", guards)
             members = list(dict.fromkeys(trashcan.relative(f) for f in target.files))
             moves = trashcan.file_moves(real_root, members)
-        except Refusal as refusal:
+        except DeleteRefused as refusal:
             return refused(log, target.step, "local", refusal)
         try:
             check()
@@ -313,7 +315,7 @@ def release_copy(
     copy another owner released first is "already gone", not a failure."""
     log = get_logger(root=root or Path(root_dir).name)
     if target.local is Local.COMPRESSED:
-        why = Refusal(COMPRESSED, "the copy is the checkpoint's local form")
+        why = DeleteRefused(COMPRESSED, "the copy is the checkpoint's local form")
         return refused(log, target.step, "local", why)
     act: Act = "release_copy" if target.local is Local.PRESENT else "release_last"
     real_root = Path(root_dir).resolve()
@@ -323,9 +325,9 @@ def release_copy(
             check_nets(target.step, act, guards)
             anchor = trashcan.relative(target.path)
             if not anchor.startswith(f"{CKPTD_DIR}/") or not target.is_dir:
-                raise Refusal(UNSAFE_PATH, f"{anchor!r} is not a compressed copy")
+                raise DeleteRefused(UNSAFE_PATH, f"{anchor!r} is not a compressed copy")
             moves = trashcan.dir_move(real_root, anchor, [], trash_real)
-        except Refusal as refusal:
+        except DeleteRefused as refusal:
             return refused(log, target.step, "local", refusal)
         try:
             record = trashcan.move_into_trash(real_root, target.step, moves, trash_real)
@@ -353,9 +355,10 @@ def install_copy(root_dir: Path, step: int, staging: Path, final: Path, *, nets:
         try:
             trash_real = trashcan.own_trash(real_root)
             if not rel.startswith(f"{CKPTD_DIR}/"):
-                raise Refusal(UNSAFE_PATH, f"{final} is not a compressed copy inside the root")
+                raise DeleteRefused(UNSAFE_PATH,
+                                    f"{final} is not a compressed copy inside the root")
             moves = trashcan.dir_move(real_root, trashcan.relative(rel), [], trash_real)
-        except Refusal as refusal:
+        except DeleteRefused as refusal:
             raise CkptdError(f"cannot replace the compressed copy of step {step}: "
                              f"{refusal.reason}") from None
         record = trashcan.move_into_trash(real_root, step, moves, trash_real)
@@ -380,7 +383,7 @@ def replace_save(root_dir: Path, step: int, swap: Callable[[], str | None], *,
         try:
             trash_real = trashcan.own_trash(real_root)
             check_nets(step, "replace_save", guards)
-        except Refusal as refusal:
+        except DeleteRefused as refusal:
             log.info("save_replace_waiting", step=step, reason=refusal.reason)
             return False
         aside = swap()
@@ -389,7 +392,7 @@ def replace_save(root_dir: Path, step: int, swap: Callable[[], str | None], *,
         try:
             moves = trashcan.dir_move(real_root, trashcan.relative(aside), [], trash_real)
             record = trashcan.move_into_trash(real_root, step, moves, trash_real)
-        except (Refusal, OSError) as exc:  # committed already: the leftover is only named
+        except (DeleteRefused, OSError) as exc:  # committed already: the leftover is only named
             log.error("prune_failed", step=step, tier="local",
                       reason=f"the earlier save {aside} was left: {exc}")
             return True

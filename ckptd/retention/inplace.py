@@ -20,7 +20,7 @@ from ckptd.retention.views import StoreNets
 from ckptd.store import Store
 
 # After compress_older could not replace a checkpoint's originals, leave it this long.
-COMPRESS_RETRY_S = 3600.0
+REPLACE_RETRY_S = 3600.0
 
 Checked = tuple[Manifest, list[str]]  # the copy's manifest, the originals it replaces
 
@@ -40,7 +40,7 @@ class InPlace:
         self._backoff: dict[int, float] = {}
         self.log = get_logger()
 
-    def compress(self, root: RootConfig, step: int) -> bool:
+    def replace_originals(self, root: RootConfig, step: int) -> bool:
         """compress_older: replace the originals with the verified local compressed copy."""
         rec = self.store.checkpoint(root.name, step)
         if rec is None or rec.local is not Local.PRESENT or not self.store.has_copy(root.name,
@@ -116,7 +116,7 @@ class InPlace:
         return out.action == "deleted"
 
     def _failed(self, root: RootConfig, step: int, cid: int, error: str) -> bool:
-        self._backoff[cid] = self.clock.monotonic() + COMPRESS_RETRY_S
+        self._backoff[cid] = self.clock.monotonic() + REPLACE_RETRY_S
         self.log.error("compress_older_failed", root=root.name, step=step, error=error,
-                       retry_in_s=COMPRESS_RETRY_S)
+                       retry_in_s=REPLACE_RETRY_S)
         return False

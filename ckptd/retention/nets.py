@@ -11,7 +11,7 @@ from typing import Literal
 from ckptd.lifecycle import answers
 from ckptd.retention.planner import Tag
 
-# Refusal tags beyond the planner's vocabulary.
+# Reasons a delete is refused for, beyond the planner's vocabulary.
 UNSAFE_PATH = "unsafe_path"  # outside the root, absolute, climbing, or ckptd's own files
 SYMLINK = "symlink"  # a symlinked checkpoint directory, or a parent link leaving the root
 NOT_ON_DISK = "not_on_disk"  # the store says the local copy is already gone
@@ -19,7 +19,7 @@ NO_TARGET = "no_target"  # the caller passed no (or a mismatched) Target for a p
 SHARED = "shared_files"  # its files are also another checkpoint's
 COMPRESSED = "compressed"  # the copy is the checkpoint's only local form
 
-Act = Literal["prune_local", "prune_remote", "compress", "release_copy", "release_last",
+Act = Literal["prune_local", "prune_remote", "replace_originals", "release_copy", "release_last",
               "replace_remote", "replace_save"]
 
 
@@ -36,14 +36,14 @@ class Guards:
     best_step: int | None
     pinned: frozenset[int]
     in_use: frozenset[int]
-    remote_verified: frozenset[int]
+    committed: frozenset[int]
     upload_configured: bool
     invalid: frozenset[int] = frozenset()
     shared: frozenset[int] = frozenset()
     adopted: frozenset[int] = frozenset()  # adopted, no remote copy, and no --apply
 
 
-class Refusal(Exception):
+class DeleteRefused(Exception):
     """A destructive act refused: by a net, or by a name it may not touch. Never escapes the
     executor: it becomes an Outcome `refused` with this reason."""
 
@@ -60,8 +60,8 @@ class Refusal(Exception):
 # local save by the newer one, which the async-save writer commits in its place).
 NETS: dict[str, tuple[str, ...]] = {
     "prune_local": ("latest", "best", "pinned", "in_use", "not_uploaded", "shared", "adopted"),
-    "prune_remote": ("latest", "best", "pinned", "in_use", "remote_latest", "not_verified"),
-    "compress": ("latest", "in_use", "invalid", "shared"),
+    "prune_remote": ("latest", "best", "pinned", "in_use", "newest_committed", "not_committed"),
+    "replace_originals": ("latest", "in_use", "invalid", "shared"),
     "release_copy": ("in_use",),  # the originals are on disk: the copy is a spare
     "release_last": ("latest", "best", "pinned", "in_use", "not_uploaded", "adopted"),
     "replace_remote": ("in_use",),
@@ -79,26 +79,26 @@ def _net_holds(net: str, step: int, g: Guards) -> bool:
     if net == "in_use":
         return step in g.in_use
     if net == "not_uploaded":
-        return g.upload_configured and step not in g.remote_verified and step not in g.invalid
+        return g.upload_configured and step not in g.committed and step not in g.invalid
     if net == "shared":
         return step in g.shared
     if net == "adopted":
         return step in g.adopted
-    if net == "remote_latest":
-        return step == answers.newest(g.remote_verified)
-    if net == "not_verified":  # not committed and verified: an upload may be writing it now
-        return step not in g.remote_verified
+    if net == "newest_committed":
+        return step == answers.newest(g.committed)
+    if net == "not_committed":  # no MANIFEST.json yet: an upload may be writing it now
+        return step not in g.committed
     if net == "invalid":
         return step in g.invalid
     raise ValueError(f"unknown net {net!r}")
 
 
-_NET_TAGS = {"remote_latest": str(Tag.LATEST), "not_verified": str(Tag.NOT_UPLOADED),
+_NET_TAGS = {"newest_committed": str(Tag.LATEST), "not_committed": str(Tag.NOT_UPLOADED),
              "shared": SHARED}
 
 
 def check_nets(step: int, act: Act, g: Guards) -> None:
-    """Raise Refusal naming the first net that forbids `act` on `step`."""
+    """Raise DeleteRefused naming the first net that forbids `act` on `step`."""
     for net in NETS[act]:
         if _net_holds(net, step, g):
-            raise Refusal(_NET_TAGS.get(net, net))
+            raise DeleteRefused(_NET_TAGS.get(net, net))

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from ckptd.backends import Backend
 from ckptd.errors import StorageError
 from ckptd.remote.manifest import step_prefix
-from ckptd.retention.nets import Refusal
+from ckptd.retention.nets import DeleteRefused
 from ckptd.retention.planner import PlanItem
 
 TierName = Literal["local", "remote", "copy"]  # "copy": a local compressed copy beside originals
@@ -54,7 +54,7 @@ def pruned(log: Any, item: PlanItem, tier: TierName, freed: int) -> Outcome:
     return Outcome(item.step, tier, "deleted", reason, freed)
 
 
-def refused(log: Any, step: int, tier: TierName, refusal: Refusal) -> Outcome:
+def refused(log: Any, step: int, tier: TierName, refusal: DeleteRefused) -> Outcome:
     log.warning("prune_refused", step=step, tier=tier, reason=refusal.reason)
     return Outcome(step, tier, "refused", refusal.reason)
 

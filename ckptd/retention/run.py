@@ -19,7 +19,7 @@ from ckptd.fetch import holds
 from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
 from ckptd.model import CheckpointRecord, State, Tier
-from ckptd.remote import layout as remote
+from ckptd.remote import keys as remote
 from ckptd.retention import executor, planner, trash
 from ckptd.retention.inplace import InPlace
 from ckptd.retention.outcomes import LocalRun, Outcome
@@ -40,7 +40,7 @@ _EVENTS = {("deleted", "local"): Event.PRUNED_LOCAL,  # "trashed" was recorded a
            ("deleted", "copy"): Event.COPY_DROPPED}
 
 
-class Runner:
+class RetentionRun:
     """Runs a root's retention; only the retention service's thread calls `run`. `exclusive`
     and `nets` are the service's locks, held for the local deletes."""
 
@@ -85,7 +85,7 @@ class Runner:
         remote_out = self._remote(root, plan)
         self._record(root, remote_out)
         for step in local.compress:
-            self.inplace.compress(root, step)
+            self.inplace.replace_originals(root, step)
         self.inplace.finish(root)
         return outcomes + remote_out
 

@@ -18,7 +18,7 @@ from ckptd import fileio, inputs
 from ckptd.errors import CorruptData
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR
-from ckptd.retention.nets import SYMLINK, UNSAFE_PATH, Refusal
+from ckptd.retention.nets import SYMLINK, UNSAFE_PATH, DeleteRefused
 
 TRASH_DIR = "trash"  # <root>/.ckptd/trash: same filesystem as the checkpoints, so renames work
 JOURNAL_NAME = "journal.json"
@@ -50,14 +50,14 @@ class TrashRecord:
 def relative(rel: str) -> str:
     """`rel` normalized; refused if empty, absolute, climbing out, or the root itself."""
     if not rel or "\x00" in rel:
-        raise Refusal(UNSAFE_PATH, f"bad relative path {rel!r}")
+        raise DeleteRefused(UNSAFE_PATH, f"bad relative path {rel!r}")
     if posixpath.isabs(rel) or os.path.isabs(rel):
-        raise Refusal(UNSAFE_PATH, f"{rel!r} is absolute")
+        raise DeleteRefused(UNSAFE_PATH, f"{rel!r} is absolute")
     norm = posixpath.normpath(rel)
     if norm == ".." or norm.startswith("../"):
-        raise Refusal(UNSAFE_PATH, f"{rel!r} climbs out of the root")
+        raise DeleteRefused(UNSAFE_PATH, f"{rel!r} climbs out of the root")
     if norm == ".":
-        raise Refusal(UNSAFE_PATH, f"{rel!r} is the root itself")
+        raise DeleteRefused(UNSAFE_PATH, f"{rel!r} is the root itself")
     return norm
 
 
@@ -75,9 +75,10 @@ def locate(real_root: Path, norm: str) -> Path:
     try:
         parent = lexical.parent.resolve()
     except (OSError, RuntimeError) as exc:  # a symlink loop, or an unreadable component
-        raise Refusal(SYMLINK, f"{norm!r} cannot be resolved: {exc}") from exc
+        raise DeleteRefused(SYMLINK, f"{norm!r} cannot be resolved: {exc}") from exc
     if not _within(real_root, parent):
-        raise Refusal(SYMLINK, f"{norm!r} reaches out of the root through a link (to {parent})")
+        raise DeleteRefused(SYMLINK,
+                            f"{norm!r} reaches out of the root through a link (to {parent})")
     return parent / lexical.name
 
 
@@ -98,18 +99,18 @@ def dir_move(
 ) -> Moves:
     for m in members:
         if m != anchor and not m.startswith(anchor + "/"):
-            raise Refusal(UNSAFE_PATH, f"member {m!r} is outside the directory {anchor!r}")
+            raise DeleteRefused(UNSAFE_PATH, f"member {m!r} is outside the directory {anchor!r}")
     src = locate(real_root, anchor)
     if anchor == CKPTD_DIR or _within(src, trash_real) or _within(trash_real, src):
-        raise Refusal(UNSAFE_PATH, f"{anchor!r} holds or is inside ckptd's trash")
+        raise DeleteRefused(UNSAFE_PATH, f"{anchor!r} holds or is inside ckptd's trash")
     st = _lstat(src)
     if st is None:
         return []
     if S_ISLNK(st.st_mode):
         # Unlinking would free nothing and the data it names was never ours to judge.
-        raise Refusal(SYMLINK, f"checkpoint directory {anchor!r} is a symlink")
+        raise DeleteRefused(SYMLINK, f"checkpoint directory {anchor!r} is a symlink")
     if not S_ISDIR(st.st_mode):
-        raise Refusal(UNSAFE_PATH, f"{anchor!r} is not a directory")
+        raise DeleteRefused(UNSAFE_PATH, f"{anchor!r} is not a directory")
     return [(anchor, src)]
 
 
@@ -117,13 +118,13 @@ def file_moves(real_root: Path, names: list[str]) -> Moves:
     out: list[tuple[str, Path]] = []
     for norm in names:
         if norm.split("/", 1)[0] == CKPTD_DIR:
-            raise Refusal(UNSAFE_PATH, f"{norm!r} is one of ckptd's own files")
+            raise DeleteRefused(UNSAFE_PATH, f"{norm!r} is one of ckptd's own files")
         src = locate(real_root, norm)
         st = _lstat(src)
         if st is None:
             continue  # already gone: the rest still goes
         if S_ISDIR(st.st_mode):
-            raise Refusal(UNSAFE_PATH, f"member {norm!r} is a directory")
+            raise DeleteRefused(UNSAFE_PATH, f"member {norm!r} is a directory")
         out.append((norm, src))
     return out
 
@@ -146,7 +147,7 @@ def own_trash(real_root: Path) -> Path:
     try:
         return trash_location(real_root, trash_dir_for(real_root))
     except ValueError as exc:
-        raise Refusal(UNSAFE_PATH, str(exc)) from None
+        raise DeleteRefused(UNSAFE_PATH, str(exc)) from None
 
 
 # --- into the trash, and out of it ------------------------------------------------------------
@@ -216,7 +217,7 @@ def remove_emptied_dirs(real_root: Path, anchor: str, moved: Sequence[Path]) -> 
     top: Path | None = None
     try:
         top = locate(real_root, relative(anchor))
-    except Refusal:
+    except DeleteRefused:
         top = None
     st = _lstat(top) if top is not None else None
     if top is not None and st is not None and S_ISDIR(st.st_mode) and top != real_root:
@@ -302,7 +303,7 @@ def _put_names_back(real_root: Path, entry: Path, names: Iterable[str]) -> list[
         try:
             norm = relative(rel)
             dst = locate(real_root, norm)
-        except Refusal:
+        except DeleteRefused:
             left.append(rel)
             continue
         src = entry / DATA_NAME / norm

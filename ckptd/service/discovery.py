@@ -26,7 +26,7 @@ from ckptd.lifecycle import answers
 from ckptd.lifecycle.table import Event
 from ckptd.log import get_logger
 from ckptd.model import RootError
-from ckptd.remote import layout as remote
+from ckptd.remote import keys as remote
 from ckptd.service.metrics import Metrics
 from ckptd.service.supervisor import Calls
 from ckptd.store import Store

@@ -176,8 +176,8 @@ class RootSample:
     steps_since_remote: int | None = None
     preflight_warning: bool = False
     ratio: float | None = None
-    uploaded: int | None = None  # newest step with a remote copy recorded
-    remote_verified: int | None = None  # the remote tier's latest (valid, committed remotely)
+    newest_committed: int | None = None  # newest step the store records committed
+    remote_latest: int | None = None  # the remote tier's latest (valid, committed)
     unsafe_s: float | None = None  # None: the root has no remote
     held: bool = False  # this daemon holds the root's lease and acts on it
     min_free: int | None = None  # the configured min_free in bytes on the root's disk
@@ -197,10 +197,10 @@ _GAUGES = (
      "preflight_warning"),
     ("ckptd_latest_step", "Latest valid step of the root.", "latest"),
     ("ckptd_latest_uploaded_step", "Newest step whose remote copy the store records.",
-     "uploaded"),
+     "newest_committed"),
     ("ckptd_latest_remote_verified_step",
      "Newest valid step whose remote copy is committed and verified (the remote's latest).",
-     "remote_verified"),
+     "remote_latest"),
     ("ckptd_unsafe_seconds",
      "Seconds since the oldest valid step newer than the latest remote-verified one became"
      " valid (0 when none waits; absent for a root with no remote).", "unsafe_s"),

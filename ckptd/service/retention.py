@@ -1,6 +1,6 @@
 """The retention service: one thread runs every retention run, for every root, one at a time.
 Owns when retention runs (after stages, on a timer, under disk pressure, on `run_now`) and who
-waits for which run; a run of a root is `run.Runner`'s, and it deletes nothing itself. The
+waits for which run; a run of a root is `run.RetentionRun`'s, and it deletes nothing itself. The
 objects a save that will not commit sent early are handed to it (`discard_early`) and deleted
 by the executor on this thread, before the root's next run. Reads time only from the clock it
 is given.
@@ -22,7 +22,7 @@ from ckptd.model import RootError
 from ckptd.retention import executor, planner
 from ckptd.retention.outcomes import Outcome
 from ckptd.retention.report import RootHealth, adopted_json, adopted_records, health_json
-from ckptd.retention.run import Runner
+from ckptd.retention.run import RetentionRun
 from ckptd.retention.views import StoreNets, disk_of
 from ckptd.service.supervisor import Calls
 from ckptd.store import Store
@@ -72,7 +72,7 @@ class RetentionService:
         self.nets = nets if nets is not None else threading.RLock()
         self.log = get_logger()
         self.backend_for = backend_for
-        self._runner = Runner(store, backend_for, self.exclusive, self.nets, node, clock)
+        self._runner = RetentionRun(store, backend_for, self.exclusive, self.nets, node, clock)
         self._mutex = threading.Lock()  # guards the four fields below
         self._discards: Discards = {}
         self._wanted: set[str] = set()

@@ -51,7 +51,7 @@ class Done:
     size: int  # the checkpoint's bytes on disk
 
 
-class Runner(Generic[OutcomeT]):
+class StageRunner(Generic[OutcomeT]):
     """One stage's code. `checks_files`: its input is the checkpoint's files on disk, so the
     worker checks them against the row's fingerprint before it runs; `judges_files`: what it
     records is a verdict on the files it read, so the worker checks them again after."""
@@ -84,7 +84,7 @@ def _written(metrics: Metrics, root: str, progress: Progress,
         metrics.add_bytes("written", root, written)
 
 
-class ValidateRunner(Runner[Validated]):
+class ValidateRunner(StageRunner[Validated]):
     judges_files = True
 
     def run(self, root: RootConfig, job: Job, progress: Progress, nets: Nets) -> Validated:
@@ -119,7 +119,7 @@ class ValidateRunner(Runner[Validated]):
         _written(metrics, root, progress, outcome.stored)
 
 
-class CompressRunner(Runner[Sequence[StoredFile]]):
+class CompressRunner(StageRunner[Sequence[StoredFile]]):
     def run(self, root: RootConfig, job: Job, progress: Progress, nets: Nets
             ) -> Sequence[StoredFile] | Damaged:
         return jobs.run_compress(root, job, progress, nets)
@@ -134,7 +134,7 @@ class CompressRunner(Runner[Sequence[StoredFile]]):
         _written(metrics, root, progress, outcome)
 
 
-class UploadRunner(Runner[UploadResult]):
+class UploadRunner(StageRunner[UploadResult]):
     checks_files = False  # it reads the compressed copy, checked against the row's files
 
     def run(self, root: RootConfig, job: Job, progress: Progress, nets: Nets
@@ -169,9 +169,9 @@ class UploadRunner(Runner[UploadResult]):
         metrics.add_bytes("uploaded", root, int(outcome.sent_bytes))
 
 
-def runners(crew: Crew) -> Mapping[Stage, Runner[Any]]:
+def runners(crew: Crew) -> Mapping[Stage, StageRunner[Any]]:
     """The table: every Stage of the lifecycle has its runner."""
-    table: dict[Stage, Runner[Any]] = {Stage.VALIDATE: ValidateRunner(crew),
+    table: dict[Stage, StageRunner[Any]] = {Stage.VALIDATE: ValidateRunner(crew),
                                        Stage.COMPRESS: CompressRunner(crew),
                                        Stage.UPLOAD: UploadRunner(crew)}
     assert set(table) == set(Stage), "a stage without a runner"

@@ -11,7 +11,7 @@ from ckptd.backends import Backend
 from ckptd.config import RootConfig
 from ckptd.copies import store as copies
 from ckptd.errors import CkptdError, CorruptData, ObjectNotFound, PermanentError, TransientError
-from ckptd.remote import layout as remote
+from ckptd.remote import keys as remote
 from ckptd.remote.manifest import Manifest, StoredFile
 from ckptd.retention import executor
 from ckptd.service.jobs import Changed

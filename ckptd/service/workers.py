@@ -30,7 +30,7 @@ from ckptd.service.commits import Waiting, newest_local
 from ckptd.service.jobs import Changed, Damaged
 from ckptd.service.metrics import Metrics
 from ckptd.service.progress import Progress, StageCancelled
-from ckptd.service.runners import Crew, Done, Runner, runners
+from ckptd.service.runners import Crew, Done, StageRunner, runners
 from ckptd.service.supervisor import Call, Calls
 from ckptd.service.uploads import CopyMissing
 from ckptd.stages.multinode.parts import NotCommitted
@@ -259,7 +259,7 @@ class Workers:
         own.)"""
         return file_fingerprint(root.path, job.files) != fp
 
-    def _record(self, runner: Runner[Any], done: Done, progress: Progress, outcome: Any
+    def _record(self, runner: StageRunner[Any], done: Done, progress: Progress, outcome: Any
                 ) -> None:
         """A stage that went through: counted, then recorded by its runner, unless its verdict
         is on files that changed while it read them."""

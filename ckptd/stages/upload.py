@@ -30,7 +30,7 @@ from ckptd.errors import (
     UnsafePath,
 )
 from ckptd.log import get_logger
-from ckptd.remote.layout import (
+from ckptd.remote.keys import (
     advance_latest,
     listed_committed,
     manifest_key,

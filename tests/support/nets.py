@@ -38,5 +38,5 @@ def fixed(guards: Guards, **kw: Any) -> FixedNets:
 
 def no_nets() -> FixedNets:
     return FixedNets(Guards(latest_step=None, best_step=None, pinned=frozenset(),
-                            in_use=frozenset(), remote_verified=frozenset(),
+                            in_use=frozenset(), committed=frozenset(),
                             upload_configured=False))

@@ -28,7 +28,7 @@ from ckptd.errors import (
     TransientError,
 )
 from ckptd.log import get_logger
-from ckptd.remote.layout import advance_latest, manifest_key, read_manifest, step_objects
+from ckptd.remote.keys import advance_latest, manifest_key, read_manifest, step_objects
 from ckptd.remote.manifest import Manifest, StoredFile, step_prefix
 from ckptd.stages.upload import UploadResult
 

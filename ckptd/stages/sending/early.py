@@ -32,7 +32,7 @@ from ckptd import fileio
 from ckptd.backends.base import Backend, ObjectMeta, bare
 from ckptd.errors import CkptdError, ObjectExists, ObjectNotFound
 from ckptd.log import get_logger
-from ckptd.remote.layout import manifest_key, step_objects
+from ckptd.remote.keys import manifest_key, step_objects
 from ckptd.remote.manifest import step_prefix
 from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
 from ckptd.stages.sending.reader import Meter, ObjectReader

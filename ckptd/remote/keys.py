@@ -1,7 +1,7 @@
-"""Reading the remote layout of a root: committed steps, their manifests, the LATEST pointer.
+"""Reading a root's remote keys: committed steps, their manifests, the LATEST pointer.
 
-Owns the key names under `<url>/<root>/` and what counts as committed (a step with a
-MANIFEST.json); writes nothing except LATEST (compare-and-swap, or create-only where it is
+Owns the key names under `<url>/<root>/` and what counts as committed in the bucket (a step
+with a MANIFEST.json); writes nothing except LATEST (compare-and-swap, or create-only where it is
 absent; removed only where it cannot be read or no committed step is left), and never imports
 the store or a stage.
 """
@@ -42,8 +42,9 @@ def latest_key(root_name: str) -> str:
     return f"{root_name}/{LATEST_NAME}"
 
 
-def is_committed(backend: Backend, root_name: str, step: int) -> bool:
-    """Whether `step` is committed: its MANIFEST.json exists (one HEAD; not read)."""
+def manifest_exists(backend: Backend, root_name: str, step: int) -> bool:
+    """Whether the bucket holds `step` committed: its MANIFEST.json exists (one HEAD; not
+    read). What the store records of it is `lifecycle.answers.is_committed`."""
     try:
         backend.stat(manifest_key(root_name, step))
     except ObjectNotFound:
