@@ -83,7 +83,7 @@ dist: install
 	$(PY) -m build --outdir dist .
 
 # docs/DESIGN.md's two Mermaid diagrams (the lifecycle, what imports what), redrawn from the
-# transition table, the import contract and the code's imports; tests/test_diagrams.py checks them.
+# transition table, the import contract and the code's imports; tests/docs/test_diagrams.py checks them.
 diagrams: install
 	$(PY) tools/diagrams.py
 

@@ -120,6 +120,7 @@ class Daemon:
                                clock=self.clock)
         self.metrics.set_samples(lambda: root_samples(store, self.roots(), self.retention,
                                                       leases.holds, self.clock.time()))
+        self.metrics.set_roots(self.roots())
         self.metrics.set_health(lambda: (self.ctx.state() == "degraded",
                                          self.supervisor.stuck()))
         store.set_on_commit(SafeTimes(store, self.metrics, self.clock, self.effects))
@@ -232,8 +233,7 @@ class Daemon:
             self.log.warning("config_needs_restart", key=key)
         old_roots = {r.name for r in old.roots}
         self.config = new
-        for name in old_roots - set(self.roots()):
-            self.metrics.remove_root(name)
+        self.metrics.set_roots(self.roots())  # a root gone is dropped, a new one starts at 0
         self.store.set_policies({r.name: policy_of(r) for r in new.roots})
         self.scanner.set_roots(self.roots())
         self.health.watch_scan()

@@ -49,7 +49,8 @@ class ObjectMeta:
 class Backend(Protocol):
     """A place to keep objects under '/'-separated relative keys: the whole storage contract.
 
-    Rules every implementation keeps (the conformance suite in tests/test_backends.py checks them):
+    Rules every implementation keeps (the conformance suite in tests/backends/test_backends.py
+    checks them):
 
     - Keys are relative, '/'-separated, without empty, "." or ".." segments, at most 1024 bytes
       (`check_key`). They live under the backend's base prefix (a directory or bucket/prefix) and

@@ -33,7 +33,7 @@ from prometheus_client.registry import Collector
 from ckptd import __version__
 from ckptd.clock import SYSTEM, Clock
 from ckptd.errors import ConfigError
-from ckptd.model import State
+from ckptd.model import Reason, State
 
 # Stages run from well under a second (a small file) to hours (a 1 TB upload).
 STAGE_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
@@ -43,6 +43,7 @@ STAGE_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 SAFE_BUCKETS = (1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0,
                 7200.0, 14400.0)
 BYTE_KINDS = ("read", "written", "uploaded")
+BAD_INPUT_KINDS = ("metadata", "remote")
 
 
 class Metrics:
@@ -78,7 +79,7 @@ class Metrics:
                          " (kind: remote = a remote step's MANIFEST.json, metadata = a root's"
                          " metadata files).",
                          ("root", "kind"), registry=self.registry)
-        self._bad_kinds: set[str] = set()
+        self._bad_kinds: set[str] = set(BAD_INPUT_KINDS)
 
     def _define_daemon(self, version: str, loaded: float) -> None:
         self.up = Gauge("ckptd_up", "1 while the daemon runs.", registry=self.registry)
@@ -134,6 +135,21 @@ class Metrics:
         """Where health comes from at each scrape: (degraded, the calls past their bound,
         each with who, stage, root, step and `quiet_s(now)` as `supervisor.Call` has)."""
         self._health = health
+
+    def set_roots(self, names: Iterable[str]) -> None:
+        """The configured roots (at start and after each reload): a new root's counters and
+        histogram start at 0 and its bad inputs read 0 before anything happened, so rate()
+        and alerts see a series from the first scrape; a root gone is dropped."""
+        names = set(names)
+        for root in sorted(self._roots - names):
+            self.remove_root(root)
+        for root in sorted(names - self._roots):
+            self._roots.add(root)
+            for counter in self.bytes.values():
+                counter.labels(root)
+            self.time_to_safe.labels(root)
+            for kind in BAD_INPUT_KINDS:
+                self.bad.labels(root, kind).set(0)
 
     def remove_root(self, root: str) -> None:
         """Drop a root's counters (it left the config on reload): a root that comes back
@@ -240,8 +256,13 @@ class _RootCollector(Collector):
         invalid = GaugeMetricFamily("ckptd_invalid_checkpoints", _INVALID_DOC,
                                     labels=["root", "reason"])
         for s in samples:
-            for reason, n in sorted(s.invalid.items()):
-                invalid.add_metric([s.root, reason or "unknown"], n)
+            # Every known reason is always exported, so a first invalid checkpoint is a rise
+            # from 0 that an alert sees, not a new series.
+            by_reason = {r.value: 0 for r in Reason}
+            for reason, n in s.invalid.items():
+                by_reason[reason or "unknown"] = by_reason.get(reason or "unknown", 0) + n
+            for reason, n in sorted(by_reason.items()):
+                invalid.add_metric([s.root, reason], n)
         yield invalid
         for name, doc, attr in _GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["root"])

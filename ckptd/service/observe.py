@@ -37,10 +37,11 @@ def _sample(store: Store, root: RootConfig, retention: Health, held: bool,
     latest = store.latest(root.name)
     remote = store.latest(root.name, Tier.REMOTE)
     since = None
-    if root.upload.enabled and latest is not None:
-        # Valid steps since the newest remote-verified one: what a node loss would cost. A
-        # newer step still pending or invalid is not one (the gauge's help says "valid").
-        since = latest.step - remote.step if remote else latest.step
+    if root.upload.enabled:
+        # Valid steps since the newest remote-verified one: what a node loss would cost (none
+        # before the first valid step). A newer step still pending or invalid is not one (the
+        # gauge's help says "valid").
+        since = 0 if latest is None else latest.step - remote.step if remote else latest.step
     raw = sum(r.bytes for r in records if r.stored_bytes)
     stored = sum(r.stored_bytes for r in records if r.stored_bytes)
     health = retention.health(root.name)
@@ -58,7 +59,7 @@ def _sample(store: Store, root: RootConfig, retention: Health, held: bool,
         newest_committed=answers.newest(r.step for r in records if answers.is_committed(r)),
         remote_latest=remote.step if remote else None, unsafe_s=unsafe, held=held,
         min_free=root.retention.local.min_free.required(usage.total) if usage else None,
-        saved=raw - stored if raw else None,
+        saved=raw - stored,  # 0 while nothing is compressed: none saved
         invalid=Counter(r.reason for r in records if r.state is State.INVALID))
 
 

@@ -1,5 +1,6 @@
 """The pytest fixtures every test file shares: a short socket dir, daemons as processes or in
-the test process, and a Store bench. Each daemon is stopped at the end, pass or fail."""
+the test process (`h`: a started Harness), and a Store bench. Each daemon is stopped at the
+end, pass or fail."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from structlog.testing import capture_logs
 
 from ckptd.clock import SYSTEM, Clock
 from support.config import write_layout
+from support.harness import Harness
 from support.inproc import InProcessDaemon, StoreBench
 from support.proc import DaemonHandle
 
@@ -46,6 +48,17 @@ def running_daemon(base: Path, roots: list[dict[str, Any]] | None = None,
             yield d.start()
         finally:
             d.stop()
+
+
+@pytest.fixture
+def h(tmp_path: Path, short_dir: Path) -> Any:
+    """A started `Harness` (one root `r`, its daemon in the test process), stopped at the end."""
+    harness = Harness(tmp_path, short_dir)
+    harness.daemon.start()
+    try:
+        yield harness
+    finally:
+        harness.daemon.stop(grace=5)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """A daemon in the test process on real files, a real SQLite store and a real Unix socket, set
 up from keyword arguments (`Harness`), and a raw HTTP request for bytes a client would refuse
-to send (`raw`). `support.inproc.InProcessDaemon` is the same idea driven by a rendered layout.
+to send (`raw`), and the checkpoints such a daemon lists, by step (`checkpoints`).
+`support.inproc.InProcessDaemon` is the same idea driven by a rendered layout.
 """
 
 from __future__ import annotations
@@ -66,3 +67,9 @@ def raw(sock_path: Path, method: str, path: str, body: bytes = b"",
     if not decode:
         return status, payload
     return status, json.loads(payload) if payload.startswith(b"{") else payload
+
+
+def checkpoints(h: Harness) -> dict[int, dict[str, Any]]:
+    status, doc = h.client.request("GET", "/v1/roots/r/checkpoints")
+    assert status == 200, doc
+    return {c["step"]: c for c in doc["checkpoints"]}

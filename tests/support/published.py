@@ -3,6 +3,7 @@ scanner, validated and compressed in one read pass, then uploaded and committed.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from ckptd.stages import compress
 from ckptd.stages.upload import upload_step
 from ckptd.stages.validate import validate
 from ckptd.watch.scanner import RootScanner
+from support.wait import WaitTimeout, wait_until
 
 
 def publish(root_dir: Path, root_name: str, step: int, backend: Backend,
@@ -29,3 +31,17 @@ def publish(root_dir: Path, root_name: str, step: int, backend: Backend,
     manifest = stager.commit(result.files, result.metrics)
     upload_step(backend, root_name, stager.final, manifest)
     return manifest
+
+
+def published_step(root: Path, timeout: float = 10.0) -> int | None:
+    """The step in `<root>/.ckptd/latest.json`, once the daemon has written it (else None)."""
+    def read() -> tuple[int] | None:  # a tuple: step 0 is an answer too
+        try:
+            return (int(json.loads((root / ".ckptd" / "latest.json").read_text())["step"]),)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    try:
+        return wait_until(read, timeout, f"{root}/.ckptd/latest.json")[0]
+    except WaitTimeout:
+        return None

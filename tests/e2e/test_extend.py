@@ -1,0 +1,149 @@
+"""A new layout and a new object store are each one registration (docs/DESIGN.md, "How to
+extend"): registered here in-process, the config accepts them, detection finds the layout,
+`make_backend` opens the store, and no list elsewhere in ckptd/ had to learn their names."""
+
+from __future__ import annotations
+
+import ast
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd import backends, layouts
+from ckptd.backends import LocalBackend, backend_for_upload
+from ckptd.config import fields as config_fields
+from ckptd.config import load_config
+from ckptd.errors import ConfigError
+from ckptd.layouts import common
+from ckptd.model import Candidate, FileInfo, RootOptions, Snapshot
+from ckptd.stages.multinode import records
+
+CKPTD = Path(__file__).resolve().parents[2] / "ckptd"
+NOW = 10_000.0
+
+
+class DoneMarkerLayout:
+    """`run-<N>/` complete once it holds `DONE`: a framework ckptd does not know."""
+
+    name = "donemarker"
+
+    def wants_content(self, rel: str) -> bool:
+        return False
+
+    def candidates(self, snap: Snapshot, opts: RootOptions, now: float,
+                   claimed: frozenset[str]) -> list[Candidate]:
+        out = []
+        for d in sorted(snap.dirs):
+            if "/" in d or not d.startswith("run-") or not d[4:].isdigit():
+                continue
+            files = [f for f in snap.files if f.startswith(d + "/") and f not in claimed]
+            done = f"{d}/DONE" in snap.files
+            out.append(common.make(self.name, int(d[4:]), d, files,
+                                   ["" if done else "DONE"]))
+        return out
+
+
+class MemStore(LocalBackend):
+    """An object store of its own scheme (`mem://bucket/prefix`), kept in a directory."""
+
+    md5_etags = False
+
+
+@pytest.fixture
+def registries(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The registries as they were, after the test."""
+    monkeypatch.setattr(layouts, "_BY_NAME", dict(layouts._BY_NAME))
+    monkeypatch.setattr(layouts, "_AUTO", dict(layouts._AUTO))
+    monkeypatch.setattr(backends, "_OPENERS", dict(backends._OPENERS))
+    schemes = dict(config_fields.STORAGE_SCHEMES)
+    yield
+    config_fields.STORAGE_SCHEMES.clear()
+    config_fields.STORAGE_SCHEMES.update(schemes)
+    layouts._field_readers.cache_clear()
+
+
+def _config(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "ckptd.toml"
+    path.write_text(f'[[roots]]\nname = "r"\npath = "root"\n{body}')
+    return path
+
+
+def _snapshot(*rels: str) -> Snapshot:
+    files = {rel: FileInfo(rel, 10, NOW - 100, NOW - 100, False) for rel in rels}
+    dirs = {rel.rsplit("/", 1)[0] for rel in rels if "/" in rel}
+    return Snapshot(files=files, dirs=frozenset(dirs), contents={}, registrations={})
+
+
+def test_a_new_layout_is_one_registration(tmp_path: Path, registries: None) -> None:
+    with pytest.raises(ConfigError, match='must be one of: auto, native.*got "donemarker"'):
+        load_config(_config(tmp_path, 'layout = "donemarker"\n'))
+    layouts.register(DoneMarkerLayout(), 105)  # after `single`, before native dirs without meta
+
+    root = load_config(_config(tmp_path, 'layout = "donemarker"\n')).root("r")
+    assert root.layout == "donemarker"
+    assert layouts.names()[-1] == "donemarker"
+    assert isinstance(layouts.get("donemarker"), DoneMarkerLayout)
+    snap = _snapshot("run-7/weights.bin", "run-7/DONE", "run-8/weights.bin")
+    for layout in ("donemarker", "auto"):
+        found = layouts.detect(snap, root.options, NOW, layout)
+        assert [(c.layout, c.step, c.complete) for c in found] == [
+            ("donemarker", 7, True), ("donemarker", 8, False)]
+    assert records.reader_for("donemarker") is None  # no multi-node commit record: refused
+    with pytest.raises(ValueError, match="already"):
+        layouts.register(DoneMarkerLayout(), 106)
+
+
+def test_a_new_object_store_is_one_registration(tmp_path: Path, registries: None) -> None:
+    url = "mem://bucket/ckpts"
+    with pytest.raises(ConfigError, match='is not a supported URL: use s3://bucket/prefix'):
+        load_config(_config(tmp_path, f'[roots.upload]\nurl = "{url}"\n'))
+    opened: list[str] = []
+
+    def open_mem(url: str, **options: Any) -> MemStore:
+        opened.append(url)
+        return MemStore(tmp_path / "mem" / url.removeprefix("mem://"),
+                        part_size=options["part_size"])
+
+    backends.register("mem", open_mem, "mem://bucket/prefix")
+    with pytest.raises(ConfigError, match="use s3://bucket/prefix, .*, mem://bucket/prefix"):
+        load_config(_config(tmp_path, '[roots.upload]\nurl = "nope://x"\n'))
+    root = load_config(_config(tmp_path, f'[roots.upload]\nurl = "{url}/"\n')).root("r")
+    assert root.upload.url == url
+    backend = backend_for_upload(root.upload)  # with the standard wrappers
+    assert opened == [url] and backend.url.startswith("file://")
+    assert backend.md5_etags is False  # asked of the backend, through its wrappers
+    backend.put("a/b", b"payload")
+    out = io.BytesIO()
+    backend.get("a/b", out)
+    assert out.getvalue() == b"payload"
+
+
+def _string_lists(path: Path) -> Iterator[tuple[int, set[str]]]:
+    """The strings of each tuple, list, set, dict's keys and `Literal[...]` in a module."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        elts: list[ast.expr | None] = []
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            elts = list(node.elts)
+        elif isinstance(node, ast.Dict):
+            elts = list(node.keys)
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple):
+            elts = list(node.slice.elts)
+        yield getattr(node, "lineno", 0), {
+            e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+
+
+def test_no_list_of_layout_names_or_md5_schemes_outside_the_registries() -> None:
+    """Names derive from the registries: a list of several layouts' names, or a check of
+    which schemes' etags are MD5s, anywhere else would be a place a new one must be added."""
+    names = set(layouts.names())
+    found = []
+    for path in sorted(CKPTD.rglob("*.py")):
+        for line, strings in _string_lists(path):
+            if len(strings & names) >= 3:
+                found.append(f"{path.relative_to(CKPTD)}:{line}")
+        if "stages" in path.parts and '"s3' in path.read_text():
+            found.append(f"{path.relative_to(CKPTD)}: a scheme check")
+    assert found == []
