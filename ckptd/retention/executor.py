@@ -23,6 +23,7 @@ from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote
 from ckptd.remote.keys import manifest_key
 from ckptd.remote.manifest import step_prefix
+from ckptd.retention import outcomes
 from ckptd.retention import trash as trashcan  # (`trash` is the guarded move below)
 from ckptd.retention.nets import (
     COMPRESSED,
@@ -34,15 +35,7 @@ from ckptd.retention.nets import (
     check_nets,
 )
 from ckptd.retention.nets import Guards as Guards  # what `Nets.held` yields
-from ckptd.retention.outcomes import (
-    LocalRun,
-    Outcome,
-    already_gone,
-    failed,
-    pruned,
-    refused,
-    remote_bytes,
-)
+from ckptd.retention.outcomes import Outcome, already_gone, failed, pruned, refused, remote_bytes
 from ckptd.retention.planner import Action, Plan, PlanItem
 from ckptd.retention.trash import TrashRecord
 
@@ -86,7 +79,7 @@ def execute_local(
     *,
     on_trashed: OnTrashed | None = None,
     root: str | None = None,
-) -> LocalRun:
+) -> outcomes.LocalRun:
     """Every local delete of `plan`, oldest first, each through `trash` then `purge`.
 
     `on_trashed(step, entry)` runs between the two so the store records "trashed" before any
@@ -99,17 +92,15 @@ def execute_local(
     # A caller bug fails before any move.
     trashcan.trash_location(Path(root_dir).resolve(), trash_dir)
     out: list[Outcome] = []
-    compress: list[int] = []
     with nets.held() as guards:
         for item in plan.items:
             if item.local is Action.COMPRESS:
-                compress.append(item.step)
                 out.append(Outcome(item.step, "local", "deferred", "compress"))
             elif item.local is Action.DELETE:
                 target = targets.get(item.step)
                 out.append(_delete_local(root_dir, item, target, guards, trash_dir, on_trashed,
                                          log))
-    return LocalRun(out, tuple(compress))
+    return outcomes.LocalRun(out, tuple(i.step for i in plan.items if i.local is Action.COMPRESS))
 
 
 def execute_remote(
