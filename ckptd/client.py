@@ -54,6 +54,19 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+def refused_message(path: str) -> str:
+    """What a refused socket (EACCES/EPERM on connect) means and how to fix it: the socket is
+    mode 0660, for its owner and its group (`daemon.socket_group`; `ckptd` in the deploy docs)."""
+    try:
+        import grp
+
+        group = grp.getgrgid(os.stat(path).st_gid).gr_name
+    except (OSError, KeyError, ImportError):
+        group = "ckptd"  # the socket cannot be looked at either: the deploy docs' group
+    return (f"permission denied on {path}: add yourself to group {group} (`sudo usermod -aG"
+            f" {group} $USER`, then log in again), or run as the daemon's user")
+
+
 # Where the daemon reads its config (ckptd.config.find_config, which this mirrors: the client
 # imports nothing of ckptd): $CKPTD_CONFIG, else the first of these that is a file.
 DEFAULT_CONFIG = "/etc/ckptd/ckptd.toml"
@@ -213,6 +226,8 @@ class Client:
             conn.request(method, path, body=payload, headers=headers)
             resp = conn.getresponse()
             raw = resp.read()
+        except PermissionError as exc:  # EACCES/EPERM: the daemon may well be running
+            raise DaemonUnavailable(0, "permission_denied", refused_message(self.socket)) from exc
         except (OSError, http.client.HTTPException) as exc:
             raise DaemonUnavailable(0, "unreachable", f"ckptd at {self.socket}: {exc}") from exc
         finally:

@@ -19,6 +19,7 @@ __all__ = [
     "parse_rate",
     "parse_size",
     "progress_bar",
+    "progress_line",
 ]
 
 _DURATION_UNITS: dict[str, Decimal] = {
@@ -242,3 +243,17 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
     frac = 0.0 if total <= 0 else min(1.0, done / total)
     filled = int(frac * width)
     return f"[{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}%"
+
+
+def progress_line(done: int, total: int, elapsed_s: float, width: int = 20) -> str:
+    """One line of progress for a terminal: the bar, the bytes, the rate since the start and
+    the time left at that rate ("[#####...]  25.0% 1GiB / 4GiB  100MiB/s  ETA 31s"); the rate
+    and ETA read "-" until a byte has moved."""
+    rate = done / elapsed_s if elapsed_s > 0 and done > 0 else 0.0
+    if rate > 0:
+        speed = f"{format_size(int(rate))}/s"
+        eta = "ETA " + format_duration(round(max(0, total - done) / rate))
+    else:
+        speed, eta = "-/s", "ETA -"
+    return (f"{progress_bar(done, total, width)} {format_size(done)} / {format_size(total)}"
+            f"  {speed}  {eta}")

@@ -9,10 +9,12 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from ckptd.cli.output import StepProgress, step_progress
 from ckptd.client import Client, ClientError
 from ckptd.lifecycle import answers
 
 POLL_S = 2.0  # each long-poll; between two, a look at whether the flush still covers the step
+DRAW_S = 1.0  # the same on a terminal, whose progress line is redrawn after each
 
 
 @dataclass(frozen=True)
@@ -27,22 +29,32 @@ class Flushed:
                 "message": self.message}
 
 
-def flush(client: Client, timeout: float, wait: bool = True) -> list[Flushed]:
-    """Ask for the flush; with `wait`, wait (one deadline for all) for each step it chose.
+def flush(client: Client, timeout: float, wait: bool = True, tty: bool = False) -> list[Flushed]:
+    """Ask for the flush; with `wait`, wait (one deadline for all) for each step it chose,
+    with `tty` drawing each one's upload progress on stderr when it is a terminal.
     A ClientError from the flush request itself (unreachable, 503 stopping) is raised."""
     doc = client.request_json("POST", "/v1/flush")
     targets = [(str(t["root"]), int(t["step"])) for t in doc["flushing"]]
     if not wait:
         return [Flushed(r, s, None, "put first") for r, s in targets]
     deadline = time.monotonic() + timeout
-    return [_await(client, r, s, deadline, timeout) for r, s in targets]
+    out = []
+    for r, s in targets:
+        draw = step_progress(r, s) if tty else None
+        try:
+            out.append(_await(client, r, s, deadline, timeout, draw))
+        finally:
+            if draw is not None:
+                draw.finish()
+    return out
 
 
-def _await(client: Client, root: str, step: int, deadline: float, timeout: float) -> Flushed:
+def _await(client: Client, root: str, step: int, deadline: float, timeout: float,
+           draw: StepProgress | None = None) -> Flushed:
     base = _step_path(root, step)
     while True:
         left = deadline - time.monotonic()
-        chunk = min(max(left, 0.0), POLL_S)
+        chunk = min(max(left, 0.0), POLL_S if draw is None else DRAW_S)
         status, data = client.request("GET", f"{base}/wait?until=uploaded&timeout={chunk:.3f}",
                                       timeout=chunk + client.timeout)
         if status == 200:
@@ -53,17 +65,20 @@ def _await(client: Client, root: str, step: int, deadline: float, timeout: float
         if status not in (404, 408):
             code = data.get("error", "") if isinstance(data, dict) else ""
             raise ClientError(status, code, message)
-        gone = _left_behind(client, root, step)
+        gone = _left_behind(client, root, step, draw)
         if gone is not None:
             return gone
         if deadline - time.monotonic() <= 0:
             return Flushed(root, step, False, f"not uploaded after {timeout:g}s")
 
 
-def _left_behind(client: Client, root: str, step: int) -> Flushed | None:
+def _left_behind(client: Client, root: str, step: int,
+                 draw: StepProgress | None = None) -> Flushed | None:
     """Why the flush no longer waits on the step (the daemon is stopping, or dropped the step
     from its flush), or None while it still does."""
     st = client.request_json("GET", "/v1/status")
+    if draw is not None:
+        draw(st)
     if st.get("status") == "stopping":
         return Flushed(root, step, False, "the daemon is stopping; the upload resumes after"
                                           " its next start")

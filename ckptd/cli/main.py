@@ -4,7 +4,6 @@ and calls sys.exit. Client commands talk to the daemon through `ckptd.client`.""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -12,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import needs_torch, torch_version
+from ckptd.cli.output import call as _call
+from ckptd.cli.output import error_kind, print_error, print_json, wants_json
+from ckptd.cli.output import translate as _translate
 from ckptd.cli.parser import build_parser
-from ckptd.client import Client, ClientError, DaemonUnavailable
+from ckptd.cli.wait import wait as _wait
+from ckptd.client import Client, ClientError
 from ckptd.errors import (
     CkptdError,
     ConfigError,
-    DaemonUnreachable,
-    NotFound,
-    ServiceUnavailable,
     UsageError,
     exit_code,
 )
@@ -32,25 +32,35 @@ DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
 # -- entry point -------------------------------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> int:
+    as_json = wants_json(argv)
     try:
         args = build_parser().parse_args(argv)
+        args.json = as_json = bool(getattr(args, "json", False))
         if args.command in ("run", "verify", "restore"):
             from ckptd.fileio import raise_open_file_limit
 
             raise_open_file_limit()  # a step's files are all held open while it is checked
         return int(COMMANDS[args.command](args))
     except UsageError as err:
-        print(str(err), file=sys.stderr)
-        return 2
+        return _failed(str(err), err, 2, as_json)
     except CkptdError as err:
-        print(f"ckptd: {err}", file=sys.stderr)
-        return exit_code(err)
+        return _failed(f"ckptd: {err}", err, exit_code(err), as_json)
     except KeyboardInterrupt:
+        if as_json:
+            print_error("interrupted", "interrupted", 130)
         return 130
     except BrokenPipeError:
         # `ckptd ls r | head`: the reader left; say nothing more (and not at exit either).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _failed(line: str, err: CkptdError, code: int, as_json: bool) -> int:
+    """An error: its line on stderr and, with --json, its document on stdout; the exit code."""
+    print(line, file=sys.stderr)
+    if as_json:
+        print_error(str(err).removeprefix("ckptd: "), error_kind(err), code)
+    return code
 
 
 def _config_path(args: argparse.Namespace) -> Path | None:
@@ -86,30 +96,6 @@ def _client(args: argparse.Namespace) -> Client:
     return Client(_socket(args), timeout=10.0, strict=True)
 
 
-def _call(fn: Callable[[], Any]) -> Any:
-    """Run a strict client call, translating its errors into ckptd's."""
-    try:
-        return fn()
-    except ClientError as exc:
-        raise _translate(exc) from exc
-
-
-def _translate(exc: ClientError) -> CkptdError:
-    if isinstance(exc, DaemonUnavailable):
-        return DaemonUnreachable(f"{exc.message}\n  is the daemon running? (ckptd run)")
-    if exc.status == 404:
-        return NotFound(exc.message)
-    if exc.status == 503:  # shutting down, or a service of it could not run the request in time
-        return ServiceUnavailable(f"{exc.message}\n  the daemon cannot do it now; try again later")
-    if exc.status in (400, 413, 422):
-        return UsageError(f"ckptd: {exc.message}")
-    return CkptdError(f"daemon answered {exc.status}: {exc.message}")
-
-
-def _print_json(doc: Any) -> None:
-    print(json.dumps(doc, indent=2))
-
-
 # -- commands ----------------------------------------------------------------------------------
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -123,7 +109,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if getattr(args, "socket", None):  # --socket overrides daemon.socket for this run
         cfg = cfg.model_copy(update={"daemon": cfg.daemon.model_copy(
             update={"socket": Path(args.socket).absolute()})})
-    configure(cfg.daemon.log_format, cfg.daemon.log_level)
+    configure("json" if args.json else cfg.daemon.log_format, cfg.daemon.log_level)
     return_large_buffers()
     return Daemon(cfg, path).run()
 
@@ -131,11 +117,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from ckptd.cli.render import render_status
 
+    if args.watch is not None and not sys.stdout.isatty():
+        raise UsageError("ckptd status: --watch redraws a terminal, and stdout is not one; for"
+                         " a pipe or a file use `ckptd status --json`, once or in a loop")
     c = _client(args)
     while True:
         doc = _call(lambda: c.request_json("GET", "/v1/status"))
         if args.json:
-            _print_json(doc)
+            print_json(doc)
         elif args.watch:
             sys.stdout.write("\x1b[H\x1b[2J" + render_status(doc) + "\n")  # clear, redraw
             sys.stdout.flush()
@@ -152,7 +141,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     c = _client(args)
     doc = _call(lambda: c.request_json("GET", f"/v1/roots/{_q(args.root)}/checkpoints"))
     if args.json:
-        _print_json(doc)
+        print_json(doc)
         return 0
     from ckptd.cli.render import render_ls
 
@@ -172,44 +161,13 @@ def cmd_latest(args: argparse.Namespace) -> int:
         else:
             raise _translate(exc) from exc
     if args.json:
-        _print_json(doc)
+        print_json(doc)
     elif doc["step"] is None:
         print(f"{args.root}: no valid checkpoint (tier {args.tier})")
     else:
         print(f"{doc['root']} step {doc['step']}  {doc['path']}  local={doc['local']}"
               f" remote={doc['remote']}")
     return 0 if doc["step"] is not None else EXIT_NO
-
-
-def cmd_wait(args: argparse.Namespace) -> int:
-    import math
-    import time
-
-    if not (math.isfinite(args.timeout) and 0 <= args.timeout <= 7 * 86400):
-        raise UsageError("ckptd wait: --timeout must be from 0 to 604800 seconds")
-    c = _client(args)
-    deadline = time.monotonic() + args.timeout
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            reached = c.wait(args.root, args.step, until=args.until, timeout=max(0.0, left))
-            break
-        except DaemonUnavailable:  # not up yet (just started): keep trying until the deadline
-            if left <= 0:
-                raise _translate(DaemonUnavailable(0, "unreachable", f"ckptd at {c.socket}"
-                                                   " did not answer")) from None
-            time.sleep(min(0.2, left))
-        except ClientError as exc:
-            if exc.status == 409:  # it became invalid: the answer is no
-                print(f"{args.root} step {args.step}: {exc.message}", file=sys.stderr)
-                return EXIT_NO
-            raise _translate(exc) from exc
-    if not reached:
-        print(f"{args.root} step {args.step}: not {args.until} after {args.timeout:g}s",
-              file=sys.stderr)
-        return EXIT_NO
-    print(f"{args.root} step {args.step} {args.until}")
-    return 0
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -220,11 +178,13 @@ def cmd_probe(args: argparse.Namespace) -> int:
     c = Client(_socket(args), timeout=args.timeout, strict=True)
     health = _call(lambda: c.request_json("GET", "/v1/health"))
     why = verdict(args.kind, health)
-    if why is not None:
+    if args.json:
+        print_json({"kind": args.kind, "ok": why is None, "reason": why, "health": health})
+    elif why is not None:
         print(f"ckptd is not {args.kind}: {why}", file=sys.stderr)
-        return EXIT_NO
-    print(f"ckptd is {args.kind} ({health.get('status')}, up {health.get('uptime_s')}s)")
-    return 0
+    else:
+        print(f"ckptd is {args.kind} ({health.get('status')}, up {health.get('uptime_s')}s)")
+    return 0 if why is None else EXIT_NO
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
@@ -234,9 +194,9 @@ def cmd_flush(args: argparse.Namespace) -> int:
 
     if not (math.isfinite(args.timeout) and 0 <= args.timeout <= 7 * 86400):
         raise UsageError("ckptd flush: --timeout must be from 0 to 604800 seconds")
-    done = _call(lambda: flush(_client(args), args.timeout, wait=not args.no_wait))
+    done = _call(lambda: flush(_client(args), args.timeout, wait=not args.no_wait, tty=True))
     if args.json:
-        _print_json({"flushed": [f.as_json() for f in done]})
+        print_json({"flushed": [f.as_json() for f in done]})
     elif not done:
         print("nothing to flush: the newest valid step of every uploading root is uploaded")
     else:
@@ -254,14 +214,16 @@ def cmd_register(args: argparse.Namespace) -> int:
     _call(lambda: c.request_json("POST", f"/v1/roots/{_q(args.root)}/checkpoints",
                                  {"step": args.step, "paths": paths,
                                   "metrics": dict(args.metrics)}, ok=(202,)))
-    print(f"registered {args.root} step {args.step}")
+    _said(args, {"root": args.root, "step": args.step, "registered": True},
+          f"registered {args.root} step {args.step}")
     return 0
 
 
 def _pin(args: argparse.Namespace, method: str) -> int:
     c = _client(args)
     _call(lambda: c.request_json(method, f"/v1/roots/{_q(args.root)}/checkpoints/{args.step}/pin"))
-    print(f"{'pinned' if method == 'PUT' else 'unpinned'} {args.root} step {args.step}")
+    _said(args, {"root": args.root, "step": args.step, "pinned": method == "PUT"},
+          f"{'pinned' if method == 'PUT' else 'unpinned'} {args.root} step {args.step}")
     return 0
 
 
@@ -272,10 +234,10 @@ def cmd_hold(args: argparse.Namespace) -> int:
     query = urllib.parse.urlencode({"owner": args.owner, "ttl": args.ttl})
     path = f"/v1/roots/{_q(args.root)}/checkpoints/{args.step}/hold?{query}"
     _call(lambda: c.request_json("DELETE" if args.release else "PUT", path))
-    if args.release:
-        print(f"released {args.root} step {args.step} (owner {args.owner})")
-    else:
-        print(f"held {args.root} step {args.step} for {args.ttl:g}s (owner {args.owner})")
+    _said(args, {"root": args.root, "step": args.step, "owner": args.owner,
+                 "held": not args.release, "ttl": None if args.release else args.ttl},
+          f"released {args.root} step {args.step} (owner {args.owner})" if args.release else
+          f"held {args.root} step {args.step} for {args.ttl:g}s (owner {args.owner})")
     return 0
 
 
@@ -287,7 +249,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if args.dry_run:
         doc = _call(lambda: c.request_json("GET", path))
         if args.json:
-            _print_json(doc)
+            print_json(doc)
         else:
             from ckptd.cli.render import render_plan
 
@@ -295,7 +257,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         return 0
     doc = _call(lambda: c.request_json("POST", path, timeout=600))
     if args.json:
-        _print_json(doc)
+        print_json(doc)
     else:
         for o in doc["outcomes"]:
             print(f"{o['tier']:<6} step {o['step']:>8}  {o['action']:<8} {o['reason']}")
@@ -318,7 +280,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     n, paths = restore(cfg, args.root, step, Path(args.to), tty_progress(),  # type: ignore[arg-type]
                        node=node)
     if args.json:
-        _print_json({"root": args.root, "step": n, "to": str(Path(args.to).resolve()),
+        print_json({"root": args.root, "step": n, "to": str(Path(args.to).resolve()),
                      "files": [str(p) for p in paths]})
     else:
         print(f"restored {args.root} step {n}: {len(paths)} file(s) into {args.to}")
@@ -337,7 +299,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UsageError(f"ckptd {needs_torch('verify --deep')}")
     doc = verify_path(Path(args.path), deep=args.deep, trusted=trusted)
     if args.json:
-        _print_json(doc)
+        print_json(doc)
     else:
         status = "valid" if doc["valid"] else f"INVALID ({doc['reason']}): {doc['message']}"
         print(f"{doc['path']}: {doc['layout']} step {doc['step']}: {status}")
@@ -354,6 +316,9 @@ def cmd_config(args: argparse.Namespace) -> int:
         raise UsageError("ckptd config check: give the config file's path")
     cfg = load_config(Path(path))
     check_installed(cfg, str(path))
+    if args.json:
+        print_json({"path": str(path), "ok": True, "config": cfg.redacted()})
+        return 0
     print(f"# {path}: OK ({len(cfg.roots)} root(s))")
     print(render_toml(cfg.redacted()))
     return 0
@@ -365,7 +330,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if getattr(args, "config", None) or getattr(args, "socket", None):
         raise UsageError("ckptd demo runs on its own embedded config in ./.demo; --config and"
                          " --socket are not used (start a real daemon with `ckptd run`)")
-    return run_demo()
+    if not args.json:
+        return run_demo()
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # the walk-through is for a person: stderr
+        code = run_demo()
+    print_json({"demo": "ok" if code == 0 else "failed", "exit_code": code})
+    return code
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -376,12 +348,31 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     checks = doctor.run(cfg, path, Path(args.unit) if args.unit else None,
                         remote=not args.no_remote)
     if args.json:
-        _print_json({"config": str(path), **doctor.as_json(checks)})
+        print_json({"config": str(path), **doctor.as_json(checks)})
     else:
         print(f"ckptd doctor: config {path}")
         for line in doctor.render(checks):
             print(line)
     return 0 if doctor.as_json(checks)["ok"] else EXIT_NO
+
+
+def _said(args: argparse.Namespace, doc: dict[str, Any], line: str) -> None:
+    """A command's answer: `doc` with --json, else `line`."""
+    if args.json:
+        print_json(doc)
+    else:
+        print(line)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    from ckptd.cli.completion import script
+
+    text = script(build_parser(), args.shell)
+    if args.json:
+        print_json({"shell": args.shell, "script": text})
+    else:
+        sys.stdout.write(text)
+    return 0
 
 
 def _q(s: str) -> str:
@@ -392,9 +383,10 @@ def _q(s: str) -> str:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run, "status": cmd_status, "ls": cmd_ls, "latest": cmd_latest,
-    "register": cmd_register, "wait": cmd_wait, "pin": lambda a: _pin(a, "PUT"),
-    "unpin": lambda a: _pin(a, "DELETE"), "hold": cmd_hold, "prune": cmd_prune,
+    "register": cmd_register, "wait": lambda a: _wait(a, _socket(a)),
+    "pin": lambda a: _pin(a, "PUT"), "unpin": lambda a: _pin(a, "DELETE"),
+    "hold": cmd_hold, "prune": cmd_prune,
     "restore": cmd_restore, "flush": cmd_flush, "probe": cmd_probe,
     "verify": cmd_verify, "config": cmd_config,
-    "demo": cmd_demo, "doctor": cmd_doctor,
+    "demo": cmd_demo, "doctor": cmd_doctor, "completion": cmd_completion,
 }

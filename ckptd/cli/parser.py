@@ -33,8 +33,10 @@ class _Version(argparse.Action):
 
 
 def _common() -> _Parser:
-    """--socket/--config accepted before or after a command's own arguments."""
+    """--socket/--config/--json accepted by every command, before or after its own arguments."""
     p = _Parser(add_help=False)
+    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                   help="print one JSON document on stdout (an error too: {\"error\": {...}})")
     p.add_argument("--socket", default=argparse.SUPPRESS, help="daemon socket path")
     p.add_argument("--config", default=argparse.SUPPRESS, help="config file (TOML)")
     return p
@@ -90,6 +92,9 @@ _COMMAND_EXAMPLES = {
     "probe": "  ckptd probe live    (liveness: restart the daemon when this fails)\n"
              "  ckptd probe ready   (readiness and start-up)\nexit 0 yes, 1 the daemon"
              " answered no (the reason on stderr), 69 no answer within --timeout.",
+    "completion": "  source <(ckptd completion bash)        (in ~/.bashrc)\n"
+                  "  ckptd completion zsh > \"${fpath[1]}/_ckptd\"\n"
+                  "  ckptd completion fish > ~/.config/fish/completions/ckptd.fish",
     "doctor": "  ckptd doctor\n  ckptd doctor --config ./ckptd.toml --no-remote\n"
               "exit 0 when no problem was found, 1 otherwise.",
 }
@@ -113,16 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmd("run", "run the daemon in the foreground")
     s = cmd("status", "daemon health and per-root summary")
-    s.add_argument("--json", action="store_true")
     s.add_argument("--watch", nargs="?", const=2.0, type=float, metavar="SECONDS",
                    help="refresh every SECONDS (default 2) until interrupted")
     s = cmd("ls", "every checkpoint of a root")
     s.add_argument("root")
-    s.add_argument("--json", action="store_true")
     s = cmd("latest", "the latest valid checkpoint of a root")
     s.add_argument("root")
     s.add_argument("--tier", choices=["any", "local", "remote"], default="any")
-    s.add_argument("--json", action="store_true")
     s = cmd("wait", "wait until a step is valid (or uploaded); waits for the daemon to come up"
                     " too")
     s.add_argument("root")
@@ -135,7 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="stop waiting after this long (default 600); exit 1")
     s.add_argument("--no-wait", action="store_true", help="ask for the flush and return")
-    s.add_argument("--json", action="store_true")
     s = cmd("probe", "one health check for a liveness or readiness probe (exit 0 yes, 1 no,"
                      " 69 no answer)")
     s.add_argument("kind", choices=["live", "ready"],
@@ -166,7 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--apply", action="store_true",
                    help="run the plan once now, adopted checkpoints included (the default"
                         " without --dry-run)")
-    s.add_argument("--json", action="store_true")
     s = cmd("restore", "rebuild a checkpoint's original files from its local compressed copy"
                        " or the remote (no daemon needed)")
     s.add_argument("root")
@@ -178,13 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--node", metavar="ID",
                        help="multi-node root: node ID's files and the commit record"
                             " (default: this node's)")
-    s.add_argument("--json", action="store_true")
     s = cmd("verify", "validate one checkpoint offline (no daemon needed)")
     s.add_argument("path")
     s.add_argument("--deep", action="store_true", help="also load tensors and scan for NaN/Inf")
     s.add_argument("--trust", action="append", default=[], metavar="MODULE.NAME",
                    help="accept this global in pickles (like a root's trusted_globals)")
-    s.add_argument("--json", action="store_true")
     s = cmd("config", "configuration commands")
     csub = s.add_subparsers(dest="config_command", required=True, parser_class=_Parser)
     c = csub.add_parser("check", help="validate a config and print the effective config",
@@ -193,10 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmd("demo", "run a self-contained demo in ./.demo")
     s = cmd("doctor", "check the setup (dirs, roots, space, remote, the unit's sandbox) and say"
                       " how to fix each problem")
-    s.add_argument("--json", action="store_true")
     s.add_argument("--unit", metavar="PATH", help="the systemd unit to check (default: the"
                    " installed ckptd.service, with its drop-ins)")
     s.add_argument("--no-remote", action="store_true", help="skip the remote probe")
+    s = cmd("completion", "print a shell completion script for ckptd")
+    s.add_argument("shell", choices=["bash", "zsh", "fish"])
     return p
 
 

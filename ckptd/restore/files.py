@@ -39,7 +39,7 @@ from ckptd.fileio import DurableWriter, write_error
 from ckptd.log import get_logger
 from ckptd.remote.keys import manifest_exists
 from ckptd.remote.manifest import Manifest, StoredFile, for_node, step_prefix
-from ckptd.units import format_size, progress_bar
+from ckptd.units import progress_line
 
 Progress = Callable[[int], None]  # bytes just restored
 TotalProgress = Callable[[int, int], None]  # (bytes restored so far, bytes in the step)
@@ -337,6 +337,7 @@ def tty_progress(stream: TextIO | None = None, interval: float = 0.1) -> TotalPr
     if not out.isatty():
         return None
     last = 0.0
+    start = time.monotonic()
 
     def draw(done: int, total: int) -> None:
         nonlocal last
@@ -344,7 +345,7 @@ def tty_progress(stream: TextIO | None = None, interval: float = 0.1) -> TotalPr
         if done < total and now - last < interval:
             return
         last = now
-        out.write(f"\r{progress_bar(done, total)} {format_size(done)} / {format_size(total)}")
+        out.write(f"\r{progress_line(done, total, now - start)}\x1b[K")
         if done >= total:
             out.write("\n")
         out.flush()

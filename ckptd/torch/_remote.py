@@ -10,6 +10,9 @@ import io
 import mmap
 import os
 import pickle
+import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +21,7 @@ import torch
 from ckptd.codec.buffers import same_memory
 from ckptd.errors import BadInput, NotFound, ValidationFailed
 from ckptd.torch import _meta
+from ckptd.units import progress_line
 
 
 class _Into:
@@ -30,6 +34,42 @@ class _Into:
         target = self.view[at : at + len(data)]
         if not same_memory(target, data):
             target[:] = data
+
+
+class _Counted(_Into):
+    """An _Into that also draws the bytes landed so far on a terminal (`draw`); its blocks
+    arrive from several threads."""
+
+    def __init__(self, view: memoryview, total: int, draw: Callable[[int, int], None]) -> None:
+        super().__init__(view)
+        self.total, self.draw, self.done = total, draw, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, at: int, data: memoryview) -> None:
+        super().__call__(at, data)
+        with self.lock:
+            self.done += len(data)
+            self.draw(self.done, self.total)
+
+
+def _tty_progress(name: str, interval: float = 0.1) -> Callable[[int, int], None] | None:
+    """A progress line for one file's bytes drawn on stderr when it is a terminal, else None
+    (a job's log gets nothing)."""
+    if not sys.stderr.isatty():
+        return None
+    start, last = time.monotonic(), 0.0
+
+    def draw(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done < total and now - last < interval:
+            return
+        last = now
+        line = progress_line(done, total, now - start)
+        sys.stderr.write(f"\r{name} {line}\x1b[K" + ("\n" if done >= total else ""))
+        sys.stderr.flush()
+
+    return draw
 
 
 class RemoteNative:
@@ -136,9 +176,10 @@ class RemoteNative:
             if f.size:
                 mem = mmap.mmap(fd, f.size)
                 view = memoryview(mem)
+                draw = _tty_progress(name)  # on a terminal: the bytes, their rate, the ETA
+                sink = _Into(view) if draw is None else _Counted(view, f.size, draw)
                 try:
-                    self.opened.reader(f.path).read(None, _Into(view),
-                                                    lambda at, n: view[at : at + n])
+                    self.opened.reader(f.path).read(None, sink, lambda at, n: view[at : at + n])
                 finally:
                     # After a failure, blocks still decoding may hold pieces of the mapping:
                     # then it is unmapped when the last of them goes, not here.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import stat
 import subprocess
@@ -341,16 +342,25 @@ def test_metrics_on_the_socket_parse(inproc_daemon: Any) -> None:
     assert any(s.value > 0 for s in fams["ckptd_bytes_read"].samples)
     latest = [s for s in fams["ckptd_latest_step"].samples if s.labels == {"root": "r1"}]
     assert latest[0].value == 3
-    screen = d.layout.base / "watch.out"
-    with open(screen, "w") as out_f:
-        watch = subprocess.Popen([sys.executable, "-m", "ckptd", "status", "--watch", "0.2",
-                                  "--socket", str(d.socket)], stdout=out_f, text=True)
+    master, slave = os.openpty()  # --watch redraws a terminal (and refuses anything else)
+    watch = subprocess.Popen([sys.executable, "-m", "ckptd", "status", "--watch", "0.2",
+                              "--socket", str(d.socket)], stdout=slave, text=True)
+    os.close(slave)
+    screen = ""
+
+    def redraws() -> bool:
+        nonlocal screen
+        if select.select([master], [], [], 0.2)[0]:
+            screen += os.read(master, 65536).decode(errors="replace")
+        return screen.count("ROOT") >= 2
+
     try:
-        wait_until(lambda: screen.read_text().count("ROOT") >= 2, 30, "two redraws of status")
+        wait_until(redraws, 30, "two redraws of status")
     finally:
         watch.send_signal(signal.SIGINT)
         watch.wait(10)
-    assert screen.read_text().count("ROOT") >= 2 and watch.returncode == 130  # until interrupted
+        os.close(master)
+    assert screen.count("ROOT") >= 2 and watch.returncode == 130  # until interrupted
 
 
 def test_hostile_metadata_never_stops_the_scanner(inproc_daemon: Any) -> None:
