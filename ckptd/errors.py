@@ -6,7 +6,7 @@ types; those few live in their area's module, derive from a class here, and are 
 
 - `ckptd.lifecycle.table.Refused` (a Signal): the lifecycle table refuses a (status, event)
   pair; carries the `Status` and `Event`. The store records nothing.
-- `ckptd.stages.parts.NotCommitted` and `ShareChanged` (TransientErrors): a node's part is
+- `ckptd.stages.multinode.parts.NotCommitted` and `ShareChanged` (TransientErrors): a node's part is
   written, the step waits for the other nodes' parts; carries the commit `Plan` and the nodes'
   states.
 - `ckptd.retention.nets.DeleteRefused` (a Signal): a safety net refuses one deletion, with its

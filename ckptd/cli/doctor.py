@@ -27,7 +27,7 @@ from ckptd.fileio import open_beneath
 from ckptd.lifecycle import answers
 from ckptd.model import CKPTD_DIR
 from ckptd.units import format_size
-from ckptd.watch import RootScanner
+from ckptd.watch.scanner import RootScanner
 
 OK, WARN, PROBLEM, SKIP = "ok", "warning", "problem", "skipped"
 REMOTE_TIMEOUT_S = 10.0  # each probe request: a remote that accepts but never answers is said

@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptd.model import Candidate, RootOptions, ValidationResult
 from ckptd.stages.validate import validate
-from ckptd.watch import RootScanner
+from ckptd.watch.scanner import RootScanner
 
 _STEP = re.compile(r"(?:step[_=-]?|iter_|global_step|checkpoint-|_)(\d+)(?:\D*$|\.)")
 

@@ -229,7 +229,7 @@ def choose(parts: Sequence[Part], known_nodes: Iterable[str] = (),
     """Decide the step from every part written at it (any node, any attempt) and the
     confirmations (`parse_confirms`): a node's part is chosen only when that node confirmed
     it for the coordinator part's save, i.e. found its files unchanged after it saw the
-    record (`stages.parts`); the window of mtimes is checked as well."""
+    record (`stages.multinode.parts`); the window of mtimes is checked as well."""
     newest = max((p.written for p in parts), default=-math.inf)
     coord = _coordinator(parts)
     known = sorted(set(known_nodes) | {p.node for p in parts})

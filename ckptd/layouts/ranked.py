@@ -18,7 +18,7 @@ _MODEL = re.compile(r"^model_(\d+)\.pt$", re.ASCII)
 _META = re.compile(r"^meta_(\d+)\.json$", re.ASCII)
 _OPTIM = re.compile(r"^optim_(\d+)_rank(\d+)\.pt$", re.ASCII)
 # The most a `meta_<N>.json` may hold on a multi-node root: its commit record is read again
-# whole at upload (ckptd.stages.records.ranked_record).
+# whole at upload (ckptd.stages.multinode.records.ranked_record).
 META_MAX_BYTES = 1 << 20
 
 

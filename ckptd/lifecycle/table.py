@@ -103,7 +103,7 @@ class Policy:
 
     @property
     def sends_early(self) -> bool:
-        """Objects go to the bucket while validation reads the files (`stages.early`): only
+        """Objects go to the bucket while validation reads the files (`stages.sending.early`): only
         where a single node uploads; a multi-node step's parts are the upload stage's."""
         return self.uploads and not self.committed_only
 

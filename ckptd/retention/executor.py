@@ -23,6 +23,7 @@ from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote
 from ckptd.remote.keys import manifest_key
 from ckptd.remote.manifest import step_prefix
+from ckptd.retention import outcomes
 from ckptd.retention import trash as trashcan  # (`trash` is the guarded move below)
 from ckptd.retention.nets import (
     COMPRESSED,
@@ -78,13 +79,13 @@ def execute_local(
     *,
     on_trashed: OnTrashed | None = None,
     root: str | None = None,
-) -> list[Outcome]:
+) -> outcomes.LocalRun:
     """Every local delete of `plan`, oldest first, each through `trash` then `purge`.
 
     `on_trashed(step, entry)` runs between the two so the store records "trashed" before any
     byte is removed; if it raises, the checkpoint is put back and the outcome is `failed`. An
     outcome `trashed` means gone from its place but not yet removed (purge_trash finishes it).
-    Compress items come back as `deferred` (reason "compress"): the caller replaces their
+    Compress items are left to the caller (`LocalRun.compress`), which replaces their
     originals (`replace_originals`).
     """
     log = get_logger(root=root or Path(root_dir).name)
@@ -99,7 +100,7 @@ def execute_local(
                 target = targets.get(item.step)
                 out.append(_delete_local(root_dir, item, target, guards, trash_dir, on_trashed,
                                          log))
-    return out
+    return outcomes.LocalRun(out, tuple(i.step for i in plan.items if i.local is Action.COMPRESS))
 
 
 def execute_remote(
@@ -411,7 +412,7 @@ def replace_remote(
 
 def discard_early(backend: Backend, root_name: str, step: int,
                   sent: Mapping[str, ObjectMeta], *, nets: Nets) -> int:
-    """Delete the objects an early sender put for `step` (`stages.early`) when that save of
+    """Delete the objects an early sender put for `step` (`stages.sending.early`) when that save of
     the step will not commit (invalid, superseded, judged damaged): only while the step is
     uncommitted remotely, and only each object that is still the very one put (same size and
     etag, else mtime). Under the nets' lock like every delete (an uncommitted step has no

@@ -1,7 +1,7 @@
-"""What the retention executor reports: the Outcome of one tier's copy of one step, and the log
-event each outcome is (`checkpoint_pruned`, `prune_refused`, `prune_failed`), with the bytes a
-remote delete freed. Never deletes, never reads the nets: the executor's entry points decide,
-and call these to say so.
+"""What the retention executor reports: the Outcome of one tier's copy of one step (and what a
+plan's local part did, `LocalRun`), and the log event each outcome is (`checkpoint_pruned`,
+`prune_refused`, `prune_failed`), with the bytes a remote delete freed. Never deletes, never
+reads the nets: the executor's entry points decide, and call these to say so.
 """
 
 from __future__ import annotations
@@ -32,6 +32,16 @@ class Outcome:
     def as_json(self) -> dict[str, Any]:
         return {"step": self.step, "tier": self.tier, "action": self.action,
                 "reason": self.reason, "bytes_freed": self.bytes_freed}
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """What `execute_local` did (`outcomes`, in plan order; a compress item's is `deferred`:
+    the report `prune --apply` answers) and the steps it leaves the caller to compress in place
+    (`retention.inplace`)."""
+
+    outcomes: list[Outcome]
+    compress: tuple[int, ...]
 
 
 def _tier_reasons(item: PlanItem, tier: TierName) -> str:

@@ -22,7 +22,7 @@ from ckptd.model import CheckpointRecord, State, Tier
 from ckptd.remote import keys as remote
 from ckptd.retention import executor, planner, trash
 from ckptd.retention.inplace import InPlace
-from ckptd.retention.outcomes import Outcome
+from ckptd.retention.outcomes import LocalRun, Outcome
 from ckptd.retention.report import RootHealth
 from ckptd.retention.views import (
     StoreNets,
@@ -80,27 +80,32 @@ class RetentionRun:
         # pins or readers' holds.
         with self.exclusive, self.nets:
             now = self.clock.time()
-            plan, outcomes = self._run_local(root, now, delete_adopted)
-            self._record(root, [o for o in outcomes if o.action != "deferred"])
+            plan, local, outcomes = self._run_local(root, now, delete_adopted)
+            self._record(root, outcomes)
         remote_out = self._remote(root, plan)
-        self._record(root, remote_out + [o for o in outcomes if o.action == "deferred"])
+        self._record(root, remote_out)
+        for step in local.compress:
+            self.inplace.replace_originals(root, step)
         self.inplace.finish(root)
         return outcomes + remote_out
 
     def _run_local(self, root: RootConfig, now: float, delete_adopted: bool = False
-                   ) -> tuple[planner.Plan, list[Outcome]]:
+                   ) -> tuple[planner.Plan, LocalRun, list[Outcome]]:
+        """The plan, what its local part did (and left to compress in place), and the
+        outcomes of its local deletes and copy releases."""
         records = self.store.checkpoints(root.name)
         plan = self.plan(root, now, delete_adopted, records)
         self._check_preflight(root, records, plan)
         nets = self._nets(root, delete_adopted)
         targets = {r.step: target_of(root, r, self.store.members(r.id)) for r in records}
-        outcomes = executor.execute_local(
+        local = executor.execute_local(
             root.path, plan, targets, nets, trash.trash_dir_for(root.path),
             on_trashed=lambda step, _entry: self._pruned(root.name, step),
             root=root.name)
         copies = {r.step: copy_target(r.step, r.local, r.remote) for r in records}
-        outcomes += executor.execute_copies(root.path, plan, copies, nets, root=root.name)
-        return plan, outcomes
+        outcomes = local.outcomes + executor.execute_copies(root.path, plan, copies, nets,
+                                                            root=root.name)
+        return plan, local, outcomes
 
     def _pruned(self, name: str, step: int) -> None:
         self.store.record(name, step, Event.PRUNED_LOCAL, self.clock.time())
@@ -161,8 +166,6 @@ class RetentionRun:
             event = _EVENTS.get((o.action, o.tier))
             if event is not None:
                 self.store.record(root.name, o.step, event, self.clock.time())
-            elif o.action == "deferred" and o.reason == "compress":
-                self.inplace.replace_originals(root, o.step)
 
     def _check_preflight(self, root: RootConfig, records: list[CheckpointRecord],
                          plan: planner.Plan) -> None:

@@ -6,12 +6,11 @@ again. Memory only: a restart looks at the store's parts afresh. Decides nothing
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from ckptd.lifecycle import answers
 from ckptd.model import CheckpointRecord, Tier
-from ckptd.stages.parts import NotCommitted
+from ckptd.stages.multinode.parts import NotCommitted
 
 
 def newest_local(records: list[CheckpointRecord]) -> CheckpointRecord | None:
@@ -56,16 +55,17 @@ class Waiting:
         with self._lock:
             return self._committed.get((root, step))
 
-    def known(self, root: str, want: int, load: Callable[[], set[str]]) -> frozenset[str]:
-        """The root's nodes this daemon knows of; looked up (the latest commit's) again while
-        fewer than the root's `nodes` are known."""
+    def known(self, root: str) -> frozenset[str]:
+        """The root's nodes this daemon knows of (the caller looks up the latest commit's
+        while fewer than the root's `nodes` are known, and tells `learn`)."""
         with self._lock:
-            have = self._known.get(root)
-        if have is None or len(have) < want:
-            have = load()
-            with self._lock:
-                have = self._known.setdefault(root, set()) | have
-                self._known[root] = have
+            return frozenset(self._known.get(root, ()))
+
+    def learn(self, root: str, nodes: set[str]) -> frozenset[str]:
+        """Add `nodes` to the root's known nodes; all of them now."""
+        with self._lock:
+            have = self._known.setdefault(root, set()) | nodes
+            self._known[root] = have
         return frozenset(have)
 
     def uncommitted(self, root: str, nodes: int) -> list[dict[str, Any]]:

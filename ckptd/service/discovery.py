@@ -156,7 +156,7 @@ class Discovery:
         """A multi-node root at start: does the store enforce create-only writes? Where it
         does not, the root refuses to commit, and status says why (docs/MULTINODE.md)."""
         from ckptd.errors import PermanentError
-        from ckptd.stages.parts import require_create_only
+        from ckptd.stages.multinode.parts import require_create_only
 
         try:
             require_create_only(backend, name)

@@ -32,7 +32,7 @@ from ckptd.lifecycle.table import Effect, Event
 from ckptd.log import get_logger
 from ckptd.model import CKPTD_DIR, Local, Remote, Tier
 from ckptd.retention import executor, views
-from ckptd.stages.upload_local import LEDGER_NAME, Ledger
+from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
 from ckptd.store import Applied, Store
 
 

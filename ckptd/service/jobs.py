@@ -22,7 +22,7 @@ from ckptd.remote.manifest import StoredFile
 from ckptd.retention import executor
 from ckptd.service.progress import Progress
 from ckptd.stages import compress
-from ckptd.stages.early import EarlySender
+from ckptd.stages.sending.early import EarlySender
 from ckptd.stages.validate import validate
 from ckptd.store import Job
 
@@ -80,14 +80,13 @@ def run_validate(root: RootConfig, job: Job, progress: Progress, nets: executor.
                  backend: Backend | None = None) -> Validated:
     """Validate, and when the root wants a compressed copy, build it in the same read pass.
     With `backend` (a single-node root that uploads), each object is also sent as soon as it
-    is finished (`stages.early`); the upload stage still verifies and commits."""
+    is finished (`stages.sending.early`); the upload stage still verifies and commits."""
     cand = candidate_of(job, node_share=root.multi_node)
     if cand.invalid_reason:
         return Validated(ValidationResult(False, cand.invalid_reason, cand.invalid_message))
     policy = policy_of(root)
     if not policy.wants_copy:
-        return Validated(validate(root.path, cand, **_checks(root),
-                                  extra_sinks=lambda _rel: [progress]))
+        return Validated(validate(root.path, cand, **_checks(root), every_file=[progress]))
     stager = stager_for(root, job, nets)
     if backend is not None and policy.sends_early:
         step = job.checkpoint.step
@@ -95,8 +94,8 @@ def run_validate(root: RootConfig, job: Job, progress: Progress, nets: executor.
             EarlySender(backend, root.name, step, stager.staging, root.upload.concurrency),
             partial(executor.discard_early, backend, root.name, step, nets=nets))
     try:
-        result = validate(root.path, cand, **_checks(root),
-                          extra_sinks=lambda rel: [progress, *stager.sinks_for(rel)])
+        result = validate(root.path, cand, **_checks(root), every_file=[progress],
+                          extra_sinks=stager.sinks_for)
         if not result.valid:
             stager.abort()
             return Validated(result)
@@ -108,8 +107,7 @@ def run_validate(root: RootConfig, job: Job, progress: Progress, nets: executor.
         get_logger().warning("compressed_copy_deferred", root=root.name,
                              step=job.checkpoint.step, error=str(exc))
         progress.done = 0
-        return Validated(validate(root.path, cand, **_checks(root),
-                                  extra_sinks=lambda _rel: [progress]))
+        return Validated(validate(root.path, cand, **_checks(root), every_file=[progress]))
     except BaseException:
         stager.abort()
         raise
@@ -122,8 +120,8 @@ def run_compress(root: RootConfig, job: Job, progress: Progress, nets: executor.
     stager = stager_for(root, job, nets)
     try:
         result = validate(root.path, candidate_of(job, node_share=root.multi_node), deep=False,
-                          trusted=frozenset(root.trusted_globals),
-                          extra_sinks=lambda rel: [progress, *stager.sinks_for(rel)])
+                          trusted=frozenset(root.trusted_globals), every_file=[progress],
+                          extra_sinks=stager.sinks_for)
         if not result.valid:
             stager.abort()
             return Damaged(result)

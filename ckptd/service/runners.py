@@ -24,7 +24,6 @@ from ckptd.service.metrics import Metrics
 from ckptd.service.progress import Progress
 from ckptd.stages.upload import UploadResult
 from ckptd.store import Job, Store
-from ckptd.watch import file_fingerprint
 
 OutcomeT = TypeVar("OutcomeT")  # what a stage's run gives back when it went through
 
@@ -37,9 +36,6 @@ class Crew:
     backend_for: Callable[[RootConfig], Backend | None]
     waiting: Waiting  # multi-node roots: steps whose part is written, waiting for the commit
     node: str
-    # A root's nets, read under the lock pins and readers' holds take (`views.StoreNets`):
-    # what every executor call a stage makes is given.
-    nets_of: Callable[[RootConfig], Nets]
     clock: Clock = SYSTEM  # what outcomes are recorded at
 
 
@@ -56,18 +52,23 @@ class Done:
 
 
 class StageRunner(Generic[OutcomeT]):
-    """One stage's code. `checks_files`: its input is the checkpoint's files on disk, so they
-    are checked against the row's fingerprint before it runs."""
+    """One stage's code. `checks_files`: its input is the checkpoint's files on disk, so the
+    worker checks them against the row's fingerprint before it runs; `judges_files`: what it
+    records is a verdict on the files it read, so the worker checks them again after."""
 
     checks_files = True
+    judges_files = False
 
     def __init__(self, crew: Crew) -> None:
         self.crew = crew
 
-    def run(self, root: RootConfig, job: Job, progress: Progress) -> OutcomeT | Changed | Damaged:
+    def run(self, root: RootConfig, job: Job, progress: Progress, nets: Nets
+            ) -> OutcomeT | Changed | Damaged:
+        """`nets`: the root's nets, read under the lock pins and readers' holds take: what
+        every executor call the stage makes is given."""
         raise NotImplementedError
 
-    def record(self, done: Done, outcome: OutcomeT) -> Changed | None:
+    def record(self, done: Done, outcome: OutcomeT) -> None:
         """Record `outcome` (the claim may be lost meanwhile: the store refuses it then)."""
         raise NotImplementedError
 
@@ -84,9 +85,10 @@ def _written(metrics: Metrics, root: str, progress: Progress,
 
 
 class ValidateRunner(StageRunner[Validated]):
-    def run(self, root: RootConfig, job: Job, progress: Progress) -> Validated:
-        return jobs.run_validate(root, job, progress, self.crew.nets_of(root),
-                                 self._early_backend(root))
+    judges_files = True
+
+    def run(self, root: RootConfig, job: Job, progress: Progress, nets: Nets) -> Validated:
+        return jobs.run_validate(root, job, progress, nets, self._early_backend(root))
 
     def _early_backend(self, root: RootConfig) -> Backend | None:
         """Where objects may be sent while validation goes on; None if it cannot be had
@@ -98,14 +100,12 @@ class ValidateRunner(StageRunner[Validated]):
         except (CkptdError, OSError):  # a bad remote is the upload stage's error to report
             return None
 
-    def record(self, done: Done, outcome: Validated) -> Changed | None:
+    def record(self, done: Done, outcome: Validated) -> None:
         job, result, log = done.job, outcome.result, done.log
-        if file_fingerprint(done.root.path, job.files) != done.fingerprint:
-            return Changed("files changed during validation; rescanning")
         if not self.crew.store.finish_validation(job, job.owner, done.fingerprint, result,
                                                  self.crew.clock.time(), stored=outcome.stored,
                                                  size_on_disk=done.size):
-            return None
+            return
         if result.valid:
             log.info("checkpoint_valid", seconds=done.seconds,
                      bytes=sum(f.size for f in result.files),
@@ -113,7 +113,6 @@ class ValidateRunner(StageRunner[Validated]):
         else:
             log.warning("checkpoint_invalid", reason=result.reason, message=result.message,
                         seconds=done.seconds)
-        return None
 
     def measure(self, metrics: Metrics, root: str, progress: Progress,
                 outcome: Validated) -> None:
@@ -121,15 +120,14 @@ class ValidateRunner(StageRunner[Validated]):
 
 
 class CompressRunner(StageRunner[Sequence[StoredFile]]):
-    def run(self, root: RootConfig, job: Job, progress: Progress
+    def run(self, root: RootConfig, job: Job, progress: Progress, nets: Nets
             ) -> Sequence[StoredFile] | Damaged:
-        return jobs.run_compress(root, job, progress, self.crew.nets_of(root))
+        return jobs.run_compress(root, job, progress, nets)
 
-    def record(self, done: Done, outcome: Sequence[StoredFile]) -> Changed | None:
+    def record(self, done: Done, outcome: Sequence[StoredFile]) -> None:
         job = done.job
         if self.crew.store.finish_compress(job, job.owner, outcome, self.crew.clock.time()):
             done.log.info("stage_succeeded", seconds=done.seconds)
-        return None
 
     def measure(self, metrics: Metrics, root: str, progress: Progress,
                 outcome: Sequence[StoredFile]) -> None:
@@ -139,7 +137,8 @@ class CompressRunner(StageRunner[Sequence[StoredFile]]):
 class UploadRunner(StageRunner[UploadResult]):
     checks_files = False  # it reads the compressed copy, checked against the row's files
 
-    def run(self, root: RootConfig, job: Job, progress: Progress) -> UploadResult | Changed:
+    def run(self, root: RootConfig, job: Job, progress: Progress, nets: Nets
+            ) -> UploadResult | Changed:
         crew, rec = self.crew, job.checkpoint
         backend = crew.backend_for(root)
         if backend is None:
@@ -147,23 +146,23 @@ class UploadRunner(StageRunner[UploadResult]):
         expected = crew.store.stored_files(rec.id)
         if not root.multi_node:
             return uploads.run_upload(
-                root, job, progress, backend, expected, crew.nets_of(root),
+                root, job, progress, backend, expected, nets,
                 replace_remote=crew.store.replaced_upload(rec.root, rec.step))
-        known = crew.waiting.known(root.name, root.nodes,
-                                   lambda: uploads.known_nodes(backend, root.name))
+        known = crew.waiting.known(root.name)
+        if len(known) < root.nodes:  # looked up again while not every node is known
+            known = crew.waiting.learn(root.name, uploads.known_nodes(backend, root.name))
         result = uploads.run_share_upload(root, job, progress, backend, expected, crew.node,
                                           known, crew.clock.time())
         if not isinstance(result, Changed):
             crew.waiting.done(rec.root, rec.step, result.nodes)
         return result
 
-    def record(self, done: Done, outcome: UploadResult) -> Changed | None:
+    def record(self, done: Done, outcome: UploadResult) -> None:
         job = done.job
         if self.crew.store.finish_upload(job, job.owner, self.crew.clock.time()):
             done.log.info("checkpoint_uploaded", seconds=done.seconds,
                           sent_bytes=outcome.sent_bytes,
                           skipped_objects=outcome.skipped_objects)
-        return None
 
     def measure(self, metrics: Metrics, root: str, progress: Progress,
                 outcome: UploadResult) -> None:

@@ -25,7 +25,8 @@ from ckptd.model import Candidate, RootError, Snapshot
 from ckptd.service.metrics import Metrics
 from ckptd.store import Found, Store
 from ckptd.units import format_duration
-from ckptd.watch import EventWatcher, OpenFiles, RootScanner
+from ckptd.watch.scanner import OpenFiles, RootScanner
+from ckptd.watch.watcher import Watcher, open_watcher
 
 DEBOUNCE_S = 0.1
 WATCH_CHECK_S = 1.0
@@ -63,9 +64,9 @@ class Scanner:
         self.watcher = self._new_watcher()
         self.log = get_logger()
 
-    def _new_watcher(self) -> EventWatcher:
+    def _new_watcher(self) -> Watcher:
         poll = max(1.0, min(self.scan_interval(), 5.0))
-        return EventWatcher(self.wake, self._polling, poll_interval=poll, clock=self.clock)
+        return open_watcher(self.wake, self._polling, poll_interval=poll, clock=self.clock)
 
     def wake(self) -> None:
         self._wake.set()

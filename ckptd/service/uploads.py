@@ -1,6 +1,6 @@
 """How the upload stage is called for one claimed job: the local copy checked against the row's
 files, then one node's upload (an earlier save's replaced through the executor) or a multi-node
-share. Records nothing, decides nothing of the commit (`ckptd.stages.parts`).
+share. Records nothing, decides nothing of the commit (`ckptd.stages.multinode.parts`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from ckptd.remote.manifest import Manifest, StoredFile
 from ckptd.retention import executor
 from ckptd.service.jobs import Changed
 from ckptd.service.progress import Progress
-from ckptd.stages import parts, records
+from ckptd.stages.multinode import parts, records
 from ckptd.stages.upload import UploadResult, delete_step, upload_step
 from ckptd.store import Job
-from ckptd.watch import member_stats, stats_fingerprint
+from ckptd.watch.scanner import member_stats, stats_fingerprint
 
 
 class CopyMissing(NotFound):
@@ -99,7 +99,10 @@ def validated_mtimes(root: RootConfig, job: Job, manifest: Manifest
     """Each file's mtime (this node's clock), from the same stat pass that checks the files
     are still the ones validated (the row's fingerprint). The mtimes tie the part to its save
     attempt: read from files a re-save has rewritten since, they would name the re-save's
-    attempt for the earlier save's bytes."""
+    attempt for the earlier save's bytes. A check of its own, not the worker's
+    (`Workers._files_changed`): the upload reads the copy, but a part names the originals'
+    mtimes, and the multi-node commit asks again (`Share.current`) before a node confirms its
+    part and before it writes a commit."""
     stats = member_stats(root.path, dict.fromkeys([*job.files, *(f.path for f in manifest.files)]))
     if (stats_fingerprint(job.files, stats) != job.checkpoint.fingerprint
             or any(f.path not in stats for f in manifest.files)):

@@ -33,9 +33,9 @@ from ckptd.service.progress import Progress, StageCancelled
 from ckptd.service.runners import Crew, Done, StageRunner, runners
 from ckptd.service.supervisor import Call, Calls
 from ckptd.service.uploads import CopyMissing
-from ckptd.stages.parts import NotCommitted
+from ckptd.stages.multinode.parts import NotCommitted
 from ckptd.store import Job, Store
-from ckptd.watch import file_fingerprint
+from ckptd.watch.scanner import file_fingerprint
 
 CLAIM_S = 60.0  # a worker's claim on its job lasts this long unless renewed
 # After files changed under a stage, wait for the scanner to see the change before retrying.
@@ -92,9 +92,8 @@ class Workers:
         self.log = get_logger()
         # Multi-node roots: steps whose part is written and wait for the commit.
         self.waiting = Waiting()
-        self.runners = runners(Crew(store, backend_for, self.waiting, node,
-                                    lambda root: StoreNets(store, root, nets, clock.time),
-                                    clock))
+        self._nets_lock = nets
+        self.runners = runners(Crew(store, backend_for, self.waiting, node, clock))
 
     @property
     def names(self) -> list[str]:
@@ -214,11 +213,10 @@ class Workers:
         runner = self.runners[job.stage]
         log = self.log.bind(root=rec.root, step=rec.step, stage=job.stage, layout=rec.layout)
         fp = rec.fingerprint
-        if runner.checks_files and rec.local.value == "present":
-            fp = file_fingerprint(root.path, job.files)
-            if fp != rec.fingerprint:
-                self._changed(job, log, "files changed since completion; rescanning")
-                return
+        if (runner.checks_files and rec.local.value == "present"
+                and self._files_changed(root, job, fp)):
+            self._changed(job, log, "files changed since completion; rescanning")
+            return
         log.info("stage_started")
         started = self.clock.monotonic()
         total = sum(_size(root.path / f) for f in job.files)
@@ -227,7 +225,8 @@ class Workers:
         self.inflight[rec.id] = progress
         with _ClaimRenewer(self.store, rec.id, job.owner, self.clock):
             try:
-                outcome = runner.run(root, job, progress)
+                outcome = runner.run(root, job, progress,
+                                     StoreNets(self.store, root, self._nets_lock, self.clock.time))
             except StageCancelled:
                 log.warning("stage_cancelled")
                 return  # its claim is released at the next start; the stage is redone then
@@ -251,17 +250,28 @@ class Workers:
             done = Done(root, job, fp, log, seconds, progress.total)
             self._record(runner, done, progress, outcome)
 
+    def _files_changed(self, root: RootConfig, job: Job, fp: str) -> bool:
+        """Whether the checkpoint's files on disk are no longer the ones the row's fingerprint
+        `fp` names: the one check of "did the files change under a stage", made before a
+        stage that reads the originals starts, and again after one whose verdict (valid,
+        invalid, damaged) holds only for the files it read. (A multi-node upload also reads
+        its files' mtimes for its part, `uploads.validated_mtimes`, from a stat pass of its
+        own.)"""
+        return file_fingerprint(root.path, job.files) != fp
+
     def _record(self, runner: StageRunner[Any], done: Done, progress: Progress, outcome: Any
                 ) -> None:
-        """A stage that went through: counted, then recorded by its runner."""
+        """A stage that went through: counted, then recorded by its runner, unless its verdict
+        is on files that changed while it read them."""
         job = done.job
         self.metrics.observe_stage(job.stage, done.seconds)
         runner.measure(self.metrics, job.checkpoint.root, progress, outcome)
         # That stage works again.
         self.store.clear_root_error(done.root.name, *RootError.cleared_by_stage(job.stage))
-        changed = runner.record(done, outcome)
-        if changed is not None:
-            self._changed(job, done.log, changed.why)
+        if runner.judges_files and self._files_changed(done.root, job, done.fingerprint):
+            self._changed(job, done.log, "files changed during validation; rescanning")
+            return
+        runner.record(done, outcome)
 
     def _changed(self, job: Job, log: Any, why: str) -> None:
         log.info("stage_deferred", why=why)
@@ -272,7 +282,7 @@ class Workers:
                  log: Any) -> None:
         """A later read pass found the checkpoint no longer valid: invalid when the reason
         proves damage and the files are still the ones read; else a failure, and a rescan."""
-        if result.reason in CONTENT_REASONS and file_fingerprint(root.path, job.files) == fp:
+        if result.reason in CONTENT_REASONS and not self._files_changed(root, job, fp):
             if self.store.invalidate(job, job.owner, result.reason, result.message,
                                      self.clock.time()):
                 log.warning("checkpoint_invalid", reason=result.reason,

@@ -24,7 +24,7 @@ from ckptd.errors import CkptdError
 from ckptd.fileio import DurableWriter, Sink, write_error
 from ckptd.model import FileRecord
 from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile
-from ckptd.stages.early import EarlySender
+from ckptd.stages.sending.early import EarlySender
 
 
 @dataclass(frozen=True)

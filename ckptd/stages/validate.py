@@ -10,7 +10,7 @@ import errno
 import json
 import os
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from ckptd.model import (
     Reason,
     ValidationResult,
 )
-from ckptd.stages import deepscan, nonfinite
+from ckptd.stages.deep import deepscan, nonfinite
 
 SinkFactory = Callable[[str], list[Sink]]
 
@@ -61,17 +61,19 @@ def validate(
     deep: bool = False,
     extra_sinks: SinkFactory | None = None,
     trusted: frozenset[str] = frozenset(),
+    every_file: Sequence[Sink] = (),
 ) -> ValidationResult:
     """Validate `cand`'s files under `root_dir`. Never raises for a bad checkpoint: the result
-    carries a machine-readable reason. `extra_sinks(rel)` adds sinks (a compressor, progress) to
-    each file's single read pass. `deep` also loads torch files and safetensors and rejects
-    NaN/Inf in floating tensors. Valid means every file was also fsynced. `trusted` adds the
-    root's trusted globals to the weights-only allow-list of pickle checks (to which the
-    candidate's layout adds its framework's own, `layouts.trusted_globals`). Raises
-    TooManyFiles (retry later) when the step has more files than the process may open."""
+    carries a machine-readable reason. Each file's single read pass also feeds `every_file`
+    (progress) and `extra_sinks(rel)` (a compressor). `deep` also loads torch files and
+    safetensors and rejects NaN/Inf in floating tensors. Valid means every file was also
+    fsynced. `trusted` adds the root's trusted globals to the weights-only allow-list of pickle
+    checks (to which the candidate's layout adds its framework's own, `layouts.trusted_globals`).
+    Raises TooManyFiles (retry later) when the step has more files than the process may open."""
     if cand.invalid_reason:
         return ValidationResult(False, cand.invalid_reason, cand.invalid_message)
-    run = _Run(Path(root_dir), cand, deep, extra_sinks, trusted)
+    extra = extra_sinks or (lambda rel: [])
+    run = _Run(Path(root_dir), cand, deep, lambda rel: [*every_file, *extra(rel)], trusted)
     try:
         run.check()
     except ValidationFailed as exc:

@@ -1,5 +1,6 @@
-"""What the scan, the API, retention and discovery record in the state store: a scan's
-reconcile, registrations, pins, readers' holds, retention's and discovery's events.
+"""What a scan records in the state store: its reconcile of a root's rows with the candidates it
+found, and a save given up on. What the API, retention and discovery record lives beside it
+(`intents`, `events`, `roots`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from ckptd.lifecycle.table import (
     Sighting,
     classify,
 )
-from ckptd.model import RootError, State
-from ckptd.remote.manifest import Manifest
+from ckptd.model import State
 from ckptd.store.core import Core
 from ckptd.store.rows import (
     Found,
@@ -33,8 +33,7 @@ _SCAN_EVENTS = {Event.FOUND_PENDING: "", Event.FOUND_COMPLETE: "checkpoint_compl
 
 
 class Sync(Core):
-    """Everything recorded besides stage work."""
-
+    """What a scan records."""
 
     def sync_root(self, root: str, found: Sequence[Found], now: float,
                   unreadable: frozenset[str] = frozenset(), adopt: bool = True
@@ -136,118 +135,12 @@ class Sync(Core):
                                           r["path"]))
         return changes
 
-
-    def register(self, root: str, step: int, paths: Sequence[str], metrics: dict[str, float],
-                 now: float) -> None:
-        with self._tx() as db:
-            old = db.execute("SELECT paths, metrics FROM registrations WHERE root=? AND step=?",
-                             (root, step)).fetchone()
-            merged_metrics = json.loads(metrics_json(json.loads(old["metrics"]) if old else {},
-                                                     metrics))
-            merged_paths = list(paths) or (json.loads(old["paths"]) if old else [])
-            db.execute(
-                "INSERT OR REPLACE INTO registrations (root, step, paths, metrics, created)"
-                " VALUES (?,?,?,?,?)",
-                (root, step, json.dumps(merged_paths), json.dumps(merged_metrics), now),
-            )
-            row = self._current(db, root, step)
-            if row is not None:
-                self._apply(db, row, Event.REGISTERED, now,
-                            metrics=metrics_json(json.loads(row["metrics"]), metrics))
-
-    def set_pinned(self, root: str, step: int, pinned: bool) -> bool:
-        with self._tx() as db:
-            cur = db.execute("UPDATE checkpoints SET pinned=? WHERE root=? AND step=?"
-                             " AND superseded=0", (int(pinned), root, step))
-            waiting = self._pins.setdefault(root, set())
-            registered = db.execute("SELECT 1 FROM registrations WHERE root=? AND step=?",
-                                    (root, step)).fetchone() is not None
-            # A step registered but not seen by a scan yet is pinned as soon as it is.
-            known = cur.rowcount > 0 or registered or step in waiting
-            if known:
-                (waiting.add if pinned else waiting.discard)(step)
-            return known
-
-    def pinned_steps(self, root: str) -> set[int]:
-        """Every pinned step of the root: rows pinned, and pins waiting for their row."""
-        rows = self._rows("SELECT step FROM checkpoints WHERE root=? AND superseded=0"
-                          " AND pinned=1", (root,))
-        return {int(r["step"]) for r in rows} | self._pins.get(root, set())
-
-    def record(self, root: str, step: int, event: Event, now: float = 0.0) -> bool:
-        """Apply `event` to the current row of a step (retention, discovery, the effects of a
-        transition). False when there is no such row or the table refuses."""
-        with self._tx() as db:
-            row = self._current(db, root, step)
-            if row is None or not self._atomically(db, lambda: self._apply(db, row, event, now)):
-                return False
-            if event is Event.PRUNED_LOCAL:
-                self._forget_registration(db, root, step)
-            return True
-
-    def expedite(self, root: str, step: int) -> None:
-        """Forget the backoff of a step's failed attempts (a flush wants it now)."""
-        with self._tx() as db:
-            db.execute("UPDATE checkpoints SET next_attempt=0, attempts=0 WHERE root=? AND step=?"
-                       " AND superseded=0", (root, step))
-
-    def add_remote_only(self, root: str, manifest: Manifest, now: float) -> bool:
-        """A step committed remotely that this store does not know (a fresh node, a lost
-        state dir): recorded as valid, uploaded, not present locally. False if known."""
-        with self._tx() as db:
-            if self._current(db, root, manifest.step) is not None:
-                return False
-            cid = self._insert(
-                db, root, Event.REMOTE_FOUND, now, step=manifest.step, layout=manifest.layout,
-                path=f"step-{manifest.step}",
-                files=json.dumps([f.path for f in manifest.files]), bytes=manifest.size,
-                stored_bytes=manifest.stored_size, metrics=metrics_json(manifest.metrics),
-                completed=now)
-            db.executemany(
-                "INSERT INTO files (checkpoint_id, path, size, hash, hash_alg, codec, stored_size,"
-                " key) VALUES (?,?,?,?,?,?,?,?)",
-                [(cid, f.path, f.size, f.hash, f.hash_alg, f.codec, f.stored_size, f.key)
-                 for f in manifest.files])
-            return True
-
-
-    def hold(self, root: str, step: int, owner: str, expires: float) -> None:
-        """A reader's *hold* on a step until `expires`: retention never deletes it meanwhile
-        (taken again by the same owner, it is renewed)."""
-        with self._tx() as db:
-            db.execute("INSERT OR REPLACE INTO readers (root, step, owner, expires)"
-                       " VALUES (?,?,?,?)", (root, step, owner, expires))
-
-    def release_hold(self, root: str, step: int, owner: str) -> None:
-        with self._tx() as db:
-            db.execute("DELETE FROM readers WHERE root=? AND step=? AND owner=?",
-                       (root, step, owner))
-
-    def set_root_error(self, root: str, kind: RootError, error: str, now: float) -> None:
-        """The root's error of `kind`, shown in status until one of its kinds is cleared."""
-        with self._tx() as db:
-            self._set_error(db, root, kind, error, now)
-
     def give_up(self, root: str, step: int, reason: str, message: str, now: float) -> bool:
         """A save that stayed incomplete past its deadline: invalid with the reason given."""
         with self._tx() as db:
             row = self._current(db, root, step)
             return row is not None and self._atomically(db, lambda: self._apply(
                 db, row, Event.GAVE_UP, now, reason=reason, message=message))
-
-    def clear_root_error(self, root: str, *kinds: RootError) -> None:
-        """The cause of the root's last error is gone (the stage or scan that failed has
-        since succeeded): status stops showing it, if it is of one of `kinds`."""
-        with self._tx() as db:
-            db.executemany("UPDATE roots SET last_error='', last_error_at=NULL,"
-                           " last_error_kind='' WHERE name=? AND last_error_kind=?",
-                           [(root, k.value) for k in kinds])
-
-    def set_published_latest(self, root: str, step: int | None, doc: str = "") -> None:
-        with self._tx() as db:
-            db.execute("INSERT INTO roots (name, latest_step, latest_doc) VALUES (?,?,?)"
-                       " ON CONFLICT(name) DO UPDATE SET latest_step=excluded.latest_step,"
-                       " latest_doc=excluded.latest_doc", (root, step, doc))
 
 
 def _found_fields(f: Found, metrics: dict[str, float], now: float) -> dict[str, Any]:

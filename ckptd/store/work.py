@@ -1,6 +1,6 @@
 """Work in the state store: a worker's *claim* on the stage a row has due (it expires unless
 renewed), and recording a stage's outcome as lifecycle events (or a failure, with its backoff).
-Claims only: a root's *lease* is `ckptd.cluster.lease`'s, a reader's *hold* is `Sync.hold`.
+Claims only: a root's *lease* is `ckptd.cluster.lease`'s, a reader's *hold* is `Intents.hold`.
 """
 
 from __future__ import annotations

@@ -1012,7 +1012,7 @@ def test_an_object_file_is_sent_from_its_pages_and_hashed_as_read(
 ) -> None:
     from ckptd.backends.base import bare
     from ckptd.backends.mapped import TRIMMER
-    from ckptd.stages.upload_local import Meter, ObjectReader
+    from ckptd.stages.sending.reader import Meter, ObjectReader
 
     path, data = _object_file(tmp_path, size, seed=size)
     backend = retrying(s3_backend(s3_server, s3_url))
@@ -1028,7 +1028,7 @@ def test_an_object_file_is_sent_from_its_pages_and_hashed_as_read(
 def test_an_object_file_shorter_than_announced_stores_nothing(
     s3_server: S3Server, s3_url: str, tmp_path: Path
 ) -> None:
-    from ckptd.stages.upload_local import Meter, ObjectReader
+    from ckptd.stages.sending.reader import Meter, ObjectReader
 
     backend = s3_backend(s3_server, s3_url)
     for n in (2 * MiB, PART + 10):

@@ -2,10 +2,10 @@
 x 1,000 steps with skewed clocks, daemons that die and come back, slow daemons, crashed first
 attempts re-saved at once or later, and a coordinator killed after writing its part. A node
 confirms its part for the coordinator's save once it has seen the record and finds its files
-unchanged (`stages.parts`). After every event the step it touched is checked: committed at most
-once, never mixing attempts, covering the whole save, and no node treats a step as latest or
-prunable before its commit. At the end every step whose save completed is committed exactly
-once. Seeded; a few seconds."""
+unchanged (`stages.multinode.parts`). After every event the step it touched is checked:
+committed at most once, never mixing attempts, covering the whole save, and no node treats a
+step as latest or prunable before its commit. At the end every step whose save completed is
+committed exactly once. Seeded; a few seconds."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def test_the_slim_install_has_no_torch_and_says_what_needs_it(slim: Slim,
         assert done.stderr.splitlines()[-1] == TORCH_LINE.format(module), done.stderr
     # The deep check's child, were torch gone from under a running daemon: the job fails
     # with this line (retried later); the checkpoint is not called invalid for it.
-    done = _run([py, "-m", "ckptd.stages.deepscan", "0", "model.pt"], tmp_path)
+    done = _run([py, "-m", "ckptd.stages.deep.deepscan", "0", "model.pt"], tmp_path)
     assert (done.returncode, done.stdout) == (1, "")
     assert done.stderr == "deep_validate needs PyTorch: pip install 'ckptd[torch]'\n"
 

@@ -19,7 +19,7 @@ from ckptd.config import load_config
 from ckptd.errors import ConfigError
 from ckptd.layouts import common
 from ckptd.model import Candidate, FileInfo, RootOptions, Snapshot
-from ckptd.stages import records
+from ckptd.stages.multinode import records
 
 CKPTD = Path(__file__).resolve().parents[2] / "ckptd"
 NOW = 10_000.0

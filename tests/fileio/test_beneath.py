@@ -12,7 +12,7 @@ import torch
 from ckptd import fileio
 from ckptd.errors import UnsafePath
 from ckptd.model import RootOptions
-from ckptd.watch import RootScanner
+from ckptd.watch.scanner import RootScanner
 
 
 def test_a_plain_file_is_opened_and_read_from_its_descriptor(tmp_path: Path) -> None:

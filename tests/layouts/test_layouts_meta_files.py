@@ -24,7 +24,7 @@ from support.fuzzing import (
 
 from ckptd import inputs, layouts
 from ckptd.model import Candidate, FileInfo, RootOptions, Snapshot
-from ckptd.watch import RootScanner
+from ckptd.watch.scanner import RootScanner
 
 NOW = 10_000.0
 

@@ -11,7 +11,7 @@ import pytest
 from support.layouts_real import CASES, SETTLE, detect, snapshot
 
 from ckptd.model import Candidate, RootOptions
-from ckptd.watch import RootScanner
+from ckptd.watch.scanner import RootScanner
 
 # Cutting these short leaves a file that only settling (or validation's framing check) can
 # tell apart: the single layout has no commit marker.

@@ -27,7 +27,7 @@ from ckptd.errors import BadInput, CorruptData, ObjectNotFound, UnsafePath
 from ckptd.remote import keys as remote
 from ckptd.remote.manifest import parse_manifest
 from ckptd.restore.files import all_or_nothing
-from ckptd.stages import parts
+from ckptd.stages.multinode import parts
 
 MiB = 1024 * 1024
 

@@ -97,8 +97,8 @@ ALLOWED_FUNCTIONS = {
     ("ckptd.stages.compress", "_ObjectSink.discard"): "a staged object's temp file",
     ("ckptd.stages.compress", "_install_new"):
         "a bare Stager's copy renamed in where none is (it never replaces one)",
-    ("ckptd.stages.upload_local", "Ledger._open"): "the upload ledger's old-format file",
-    ("ckptd.stages.parts", "_probe"): "the create-only probe object it just wrote",
+    ("ckptd.stages.sending.ledger", "Ledger._open"): "the upload ledger's old-format file",
+    ("ckptd.stages.multinode.parts", "_probe"): "the create-only probe object it just wrote",
     ("ckptd.arena_write", "commit"): "the save's own rendezvous markers (every native writer's)",
     ("ckptd.arena_write", "swap"):
         "renames the new save in, the earlier save of the step aside (the daemon's writer "

@@ -105,7 +105,7 @@ def run_local(
     where: Path, p: Plan, targets: list[Target], guards: Guards = OPEN, **kw: Any
 ) -> list[Outcome]:
     by_step = {t.step: t for t in targets}
-    return execute_local(where, p, by_step, fixed(guards), trash_dir_for(where), **kw)
+    return execute_local(where, p, by_step, fixed(guards), trash_dir_for(where), **kw).outcomes
 
 
 def events(logs: Sequence[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
@@ -166,8 +166,9 @@ def test_compress_is_deferred_and_keep_is_left_alone(root: Path) -> None:
     a, b = dir_ckpt(root, 1), dir_ckpt(root, 2)
     p = Plan((PlanItem(1, Action.COMPRESS, Action.NONE, ("local:pinned",)),
               PlanItem(2, Action.KEEP, Action.NONE, ("local:latest",))))
-    out = run_local(root, p, [a, b])
-    assert out == [Outcome(1, "local", "deferred", "compress")]
+    done = execute_local(root, p, {1: a, 2: b}, fixed(OPEN), trash_dir_for(root))
+    assert done.compress == (1,)  # the caller's to compress in place
+    assert done.outcomes == [Outcome(1, "local", "deferred", "compress")]  # the report of it
     assert presence(root, a) == presence(root, b) == "all"
 
 

@@ -85,7 +85,7 @@ def test_a_job_whose_outcome_raised_is_retried_not_lost(harness: Harness) -> Non
 def test_a_dead_watcher_is_replaced(harness: Harness) -> None:
     h = harness
     old = h.daemon.scanner.watcher
-    old._kernel.stop()  # noqa: SLF001 - its thread ends, as if it had died
+    old.stop()  # its thread ends, as if it had died
     wait_until(lambda: h.daemon.scanner.watcher is not old and h.daemon.supervisor.alive(),
                what="a new watcher")
     (watch,) = [s for s in h.client.health()["services"]  # type: ignore[index]

@@ -8,7 +8,6 @@ import threading
 from pathlib import Path
 
 from support.clock import FakeClock
-from support.nets import no_nets
 
 from ckptd.lifecycle.table import Policy, Stage
 from ckptd.model import Candidate
@@ -21,11 +20,13 @@ from ckptd.store import Found, Store
 
 def test_every_stage_has_one_runner(tmp_path: Path) -> None:
     store = Store(tmp_path / "state.db")
-    table = runners(Crew(store, lambda _root: None, Waiting(), "n0", lambda _root: no_nets()))
+    table = runners(Crew(store, lambda _root: None, Waiting(), "n0"))
     assert set(table) == set(Stage)
     assert len({id(r) for r in table.values()}) == len(Stage)
-    # Only the stages that read the checkpoint's files check them against the row first.
+    # Only the stages that read the checkpoint's files check them against the row first, and
+    # only validation's verdict is on the files it read: they are checked again after it.
     assert {s for s, r in table.items() if not r.checks_files} == {Stage.UPLOAD}
+    assert {s for s, r in table.items() if r.judges_files} == {Stage.VALIDATE}
     assert isinstance(table[Stage.UPLOAD], UploadRunner)
 
 
@@ -36,7 +37,7 @@ def test_a_claimed_job_names_its_stage_with_the_enum(tmp_path: Path) -> None:
     job = store.claim("w0", 2.0, 60)
     assert job is not None
     assert job.stage is Stage.VALIDATE
-    table = runners(Crew(store, lambda _root: None, Waiting(), "n0", lambda _root: no_nets()))
+    table = runners(Crew(store, lambda _root: None, Waiting(), "n0"))
     assert table[job.stage] is table[Stage.VALIDATE]
 
 

@@ -1,5 +1,5 @@
 """Sending early: a step's objects go up while the rest of it is still being validated
-(`ckptd.stages.early`), the upload stage skips what the ledger vouches for, and a step that
+(`ckptd.stages.sending.early`), the upload stage skips what the ledger vouches for, and a step that
 turns out invalid leaves no commit and none of the objects sent for it."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from support.wait import wait_until
 
 from ckptd.backends import make_backend
 from ckptd.remote.keys import manifest_key
-from ckptd.stages import early
-from ckptd.stages.early import EarlySender
+from ckptd.stages.sending import early
+from ckptd.stages.sending.early import EarlySender
 
 FILES = 24
 
@@ -237,7 +237,7 @@ def test_a_forged_ledger_names_no_object_outside_its_step(tmp_path: Path) -> Non
 
     from ckptd.backends.base import ObjectMeta
     from ckptd.retention import executor
-    from ckptd.stages.upload_local import LEDGER_NAME, Ledger
+    from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
 
     backend = make_backend(f"file://{tmp_path / 'remote'}")
     kept = backend.put("r1/step-4/a.zst", b"committed elsewhere", 19)

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as tdcp
 from ckptd.cli.verify import verify_path
 from ckptd.formats import dcpmeta
 from ckptd.model import RootOptions
-from ckptd.watch import RootScanner
+from ckptd.watch.scanner import RootScanner
 
 
 def test_a_junk_metadata_is_parsed_once_across_rescans(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""The multi-node upload stage (ckptd.stages.parts) against a real file:// store: the probe
-refuses a store that ignores create-only writes; two nodes' shares commit once, by the
+"""The multi-node upload stage (ckptd.stages.multinode.parts) against a real file:// store: the
+probe refuses a store that ignores create-only writes; two nodes' shares commit once, by the
 coordinator, with both parts; a re-run sends nothing; a node whose part is not in the commit
 is told so; `restore --node` picks a node's files and the record. docs/MULTINODE.md."""
 
@@ -15,7 +15,7 @@ from ckptd.cluster import commit as cc
 from ckptd.errors import BadPart, PermanentError, TransientError
 from ckptd.remote.keys import read_manifest
 from ckptd.remote.manifest import Manifest, StoredFile, for_node
-from ckptd.stages import parts, records
+from ckptd.stages.multinode import parts, records
 
 
 class IgnoresCreateOnly:
@@ -264,7 +264,7 @@ def test_a_share_rewritten_since_validation_is_rescanned_not_sent(tmp_path: Path
     from ckptd.service.jobs import Changed
     from ckptd.service.uploads import validated_mtimes
     from ckptd.store import Job
-    from ckptd.watch import file_fingerprint
+    from ckptd.watch.scanner import file_fingerprint
 
     root = tmp_path / "root"
     (root / "step-7").mkdir(parents=True)

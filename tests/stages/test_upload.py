@@ -52,8 +52,8 @@ from ckptd.remote.keys import (
     step_objects,
 )
 from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile
+from ckptd.stages.sending.ledger import LEDGER_NAME
 from ckptd.stages.upload import delete_step, upload_step, verify_step
-from ckptd.stages.upload_local import LEDGER_NAME
 
 if TYPE_CHECKING:
     from faultproxy import FaultProxy

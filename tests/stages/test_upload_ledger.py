@@ -31,8 +31,8 @@ from ckptd.backends import Backend, LocalBackend
 from ckptd.errors import PermanentError, TransientError
 from ckptd.remote.keys import list_steps
 from ckptd.remote.manifest import Manifest
+from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
 from ckptd.stages.upload import upload_step
-from ckptd.stages.upload_local import LEDGER_NAME, Ledger
 
 if TYPE_CHECKING:
     from s3server import S3Server

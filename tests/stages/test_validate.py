@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from ckptd.cli.verify import verify_path
 from ckptd.errors import CkptdError, ValidationFailed
 from ckptd.model import Candidate, RankFiles, ValidationResult
-from ckptd.stages import deepscan
+from ckptd.stages.deep import deepscan
 from ckptd.stages.validate import validate
 
 

@@ -20,7 +20,7 @@ from ckptd.lifecycle.policy import policy_of
 from ckptd.service.metrics import Metrics
 from ckptd.service.workers import Workers
 from ckptd.store import Found, Store
-from ckptd.watch import OpenFiles, RootScanner
+from ckptd.watch.scanner import OpenFiles, RootScanner
 from support.config import Layout
 from support.proc import wait_for_state
 from support.wait import wait_until

@@ -13,7 +13,7 @@ from ckptd.remote.manifest import Manifest
 from ckptd.stages import compress
 from ckptd.stages.upload import upload_step
 from ckptd.stages.validate import validate
-from ckptd.watch import RootScanner
+from ckptd.watch.scanner import RootScanner
 from support.wait import WaitTimeout, wait_until
 
 

@@ -18,7 +18,7 @@ from ckptd import layouts
 from ckptd.errors import CkptdError, PermanentError, TransientError
 from ckptd.model import RootOptions
 from ckptd.remote.manifest import Manifest, StoredFile
-from ckptd.stages import records
+from ckptd.stages.multinode import records
 from ckptd.torch._nodelocal import groups_of
 
 SETTLE = 5.0

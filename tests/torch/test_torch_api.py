@@ -334,7 +334,7 @@ def test_compressed_latest_is_restored_then_loaded(tmp_path: Path) -> None:
     from ckptd.model import RootOptions
     from ckptd.stages import compress
     from ckptd.stages.validate import validate
-    from ckptd.watch import RootScanner
+    from ckptd.watch.scanner import RootScanner
 
     model, opt = trained()
     path = ckpt.save(tmp_path, 4, model=model, optimizer=opt, register=False)

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 from support.wait import wait_until
 
-from ckptd import inotify
 from ckptd.clock import SYSTEM
-from ckptd.inotify import Inotify
-from ckptd.watch import EventWatcher, OpenFiles
+from ckptd.watch import inotify
+from ckptd.watch.inotify import Inotify
+from ckptd.watch.polling import PollingWatcher
+from ckptd.watch.scanner import OpenFiles
+from ckptd.watch.watcher import open_watcher
 
 
 class _Wakes:
@@ -40,7 +42,7 @@ def test_reads_queue_no_events_and_writes_wake_the_scanner(tmp_path: Path) -> No
     unwanted = inotify.IN_OPEN_ALL
     assert not inotify.MASK & unwanted  # not even queued by the kernel
     wakes = _Wakes()
-    watcher = EventWatcher(wakes, polling=False, poll_interval=1.0)
+    watcher = open_watcher(wakes, polling=False, poll_interval=1.0)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "old.pt").write_bytes(b"x")
     watcher.watch(tmp_path, OpenFiles())
@@ -53,6 +55,26 @@ def test_reads_queue_no_events_and_writes_wake_the_scanner(tmp_path: Path) -> No
         assert wakes.drain() <= 3  # the write's own few events, none for the 50 reads
     finally:
         watcher.stop()
+
+
+def test_the_polling_watcher_marks_writes_and_wakes_the_scanner(tmp_path: Path) -> None:
+    wakes = _Wakes()
+    watcher = open_watcher(wakes, polling=True, poll_interval=0.1)
+    assert isinstance(watcher, PollingWatcher)  # asked for: never the kernel's
+    marks = OpenFiles()
+    assert not watcher.watch(tmp_path / "not-yet", marks)
+    assert watcher.watch(tmp_path, marks) and watcher.watch(tmp_path, marks)  # idempotent
+    assert not watcher.started()
+    watcher.start()
+    try:
+        assert watcher.started() and watcher.alive()
+        (tmp_path / "model.pt").write_bytes(b"y")
+        wakes.wait("a write waking the scanner")
+        watcher.unwatch(tmp_path)
+    finally:
+        watcher.stop()
+    assert not watcher.alive()
+    watcher.stop()  # a second stop (a replaced watcher's) is harmless
 
 
 def test_ckptd_s_own_directories_are_not_watched(tmp_path: Path) -> None:
@@ -179,7 +201,7 @@ def test_polling_leaves_out_ckptd_s_own_paths_as_inotify_does(tmp_path: Path) ->
     (`.ckptd/`) wake the scanner no more than under inotify; the staging directory renamed
     into place is the new step's event."""
     wakes = _Wakes()
-    watcher = EventWatcher(wakes, polling=True, poll_interval=0.1)
+    watcher = open_watcher(wakes, polling=True, poll_interval=0.1)
     staging = tmp_path / ".ckptd-restore-1"
     for own in (staging, tmp_path / ".ckptd" / "objects"):
         own.mkdir(parents=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.model import RootOptions
-from ckptd.watch import RootScanner
+from ckptd.watch.scanner import RootScanner
 
 
 @pytest.mark.parametrize(("rel", "cap"), [

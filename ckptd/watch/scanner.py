@@ -1,8 +1,9 @@
-"""Scan roots into Snapshots and Candidates; inotify (or polling) events only wake a scan early.
+"""Scan roots into Snapshots and Candidates, and the fingerprint that says a checkpoint's files
+changed.
 
 Owns the walk of each root (never following a symlink out of it), per-file change tracking,
-and the open-for-write facts the watcher saw (timed by the clock it is given). Must not decide
-completeness (layouts do) or touch the store.
+and the open-for-write marks a watcher (`ckptd.watch.watcher`) keeps for it. Must not decide
+completeness (layouts do), watch for events, or touch the store.
 """
 
 from __future__ import annotations
@@ -11,18 +12,14 @@ import hashlib
 import os
 import stat
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckptd import fileio, inputs, layouts
-from ckptd.clock import SYSTEM, Clock
 from ckptd.errors import BadInput, UnsafePath
 from ckptd.formats import torchhead
-from ckptd.inotify import Inotify
-from ckptd.log import get_logger
 from ckptd.model import Candidate, FileInfo, PlainValue, RootOptions, Snapshot, is_own
 
 # An "opened for writing" mark with no close event expires after this long without change:
@@ -290,136 +287,3 @@ def stats_fingerprint(files: tuple[str, ...], stats: Mapping[str, os.stat_result
     seen = {rel: _Seen(st.st_size, st.st_mtime_ns, 0.0, 0.0, st.st_mtime_ns)
             for rel, st in stats.items()}
     return fingerprint(Candidate("", 0, "", files, False), seen)
-
-
-class EventWatcher:
-    """Watches over the roots; each relevant event marks open/closed files and calls `wake`.
-    inotify read directly (`ckptd.inotify`: ckptd's own directories left out), or watchdog's
-    polling observer in polling mode (NFS, CIFS) or where inotify cannot be had."""
-
-    def __init__(self, wake: Callable[[], None], polling: bool, poll_interval: float,
-                 clock: Clock = SYSTEM) -> None:
-        self._kernel: Inotify | None = None
-        if not polling:
-            try:
-                self._kernel = Inotify(wake, clock)
-                return
-            except OSError as exc:  # no inotify here, or the instance limit is reached
-                get_logger().warning("watch_polling", error=str(exc))
-        from watchdog.observers.polling import PollingObserver
-
-        # watchdog warns, with its whole watch table, each time a directory moved within a
-        # watched tree gets its watch again (ckptd's trash and copy renames do this); the new
-        # watch replaces the old one, which is what is wanted.
-        warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning,
-                                module="watchdog")
-        self._wake = wake
-        self._clock = clock
-        self._observer: Any = PollingObserver(timeout=poll_interval)
-        self._watches: dict[str, Any] = {}
-        self._open: dict[str, OpenFiles] = {}
-        self._lock = threading.Lock()
-
-    def start(self) -> None:
-        if self._kernel is not None:
-            self._kernel.start()
-            return
-        self._observer.start()
-
-    def alive(self) -> bool:
-        if self._kernel is not None:
-            return self._kernel.alive()
-        return bool(self._observer.is_alive())
-
-    def started(self) -> bool:
-        if self._kernel is not None:
-            return self._kernel.started()
-        return self._observer.ident is not None
-
-    def stop(self) -> None:
-        if self._kernel is not None:
-            self._kernel.stop()
-            return
-        if not self._observer.is_alive():
-            return
-        self._observer.stop()
-        self._observer.join(timeout=5)
-
-    def watch(self, path: Path, open_files: OpenFiles) -> bool:
-        """Start watching `path` (idempotent). False when it does not exist yet."""
-        key = str(path)
-        if self._kernel is not None:
-            return self._kernel.watch(key, open_files)
-        with self._lock:
-            if key in self._watches:
-                return True
-            if not path.is_dir():
-                return False
-            handler = _Handler(key, open_files, self._wake, self._clock)
-            try:
-                self._watches[key] = self._observer.schedule(
-                    handler, key, recursive=True, event_filter=_events_wanted())
-            except OSError:
-                return False
-            return True
-
-    def unwatch(self, path: Path) -> None:
-        if self._kernel is not None:
-            self._kernel.unwatch(str(path))
-            return
-        with self._lock:
-            w = self._watches.pop(str(path), None)
-            if w is not None:
-                try:
-                    self._observer.unschedule(w)
-                except (KeyError, ValueError):
-                    pass
-
-
-def _events_wanted() -> list[Any]:
-    """Every event the handler acts on, and not "opened" or "closed without a write" (every
-    read of a watched file would be one; `ckptd.inotify.MASK` leaves them out the same way)."""
-    from watchdog.events import (
-        DirCreatedEvent,
-        DirDeletedEvent,
-        DirModifiedEvent,
-        DirMovedEvent,
-        FileClosedEvent,
-        FileCreatedEvent,
-        FileDeletedEvent,
-        FileModifiedEvent,
-        FileMovedEvent,
-    )
-
-    return [FileCreatedEvent, DirCreatedEvent, FileModifiedEvent, DirModifiedEvent,
-            FileMovedEvent, DirMovedEvent, FileDeletedEvent, DirDeletedEvent, FileClosedEvent]
-
-
-class _Handler:
-    """A watchdog event handler: duck-typed `dispatch` keeps watchdog types out of the API."""
-
-    def __init__(self, root: str, open_files: OpenFiles, wake: Callable[[], None],
-                 clock: Clock) -> None:
-        self._root = root
-        self._open = open_files
-        self._wake = wake
-        self._clock = clock
-
-    def dispatch(self, event: Any) -> None:
-        # ckptd's own paths are left out as the kernel watches leave them out; a move out of
-        # one (a restore's staging directory renamed into place) is the new path's event.
-        paths = [event.src_path, getattr(event, "dest_path", "") or event.src_path]
-        if all(is_own(os.path.relpath(p, self._root)) for p in paths):
-            return
-        kind = event.event_type
-        if not event.is_directory:
-            # Only a write marks a file open: watchdog synthesizes "created" events for files found
-            # in a directory made before its watch existed, and those never get a "closed".
-            if kind == "modified":
-                self._open.opened(event.src_path, self._clock.time())
-            elif kind == "closed":
-                self._open.closed(event.src_path)
-            elif kind == "moved":
-                self._open.closed(event.src_path)
-        if kind != "opened" and kind != "closed_no_write":
-            self._wake()

@@ -58,7 +58,7 @@ _READ = 1 << 16  # bytes per read: whole events only, each at most 16 + NAME_MAX
 
 
 class Marks(Protocol):
-    """Where a root's open-for-writing marks go (`watch.OpenFiles`)."""
+    """Where a root's open-for-writing marks go (`ckptd.watch.scanner.OpenFiles`)."""
 
     def opened(self, abspath: str, now: float) -> None: ...
 
@@ -88,7 +88,8 @@ def _libc() -> _Libc:
 
 
 class Inotify:
-    """Recursive watches of several roots on one inotify descriptor, read by one thread."""
+    """Recursive watches of several roots on one inotify descriptor, read by one thread
+    (`ckptd.watch.watcher.Watcher`)."""
 
     def __init__(self, wake: Callable[[], None], clock: Clock) -> None:
         self._wake = wake
@@ -130,9 +131,10 @@ class Inotify:
             for fd in (self._fd, self._stop_r, self._stop_w):
                 os.close(fd)
 
-    def watch(self, root: str, marks: Marks) -> bool:
-        """Watch `root` and every directory below it (idempotent). False when it is no
+    def watch(self, path: str | os.PathLike[str], marks: Marks) -> bool:
+        """Watch `path` and every directory below it (idempotent). False when it is no
         directory, or its own watch cannot be added."""
+        root = os.fspath(path)
         with self._lock:
             if root in self._roots:
                 return True
@@ -144,7 +146,8 @@ class Inotify:
             self._add_below(root, root)
             return True
 
-    def unwatch(self, root: str) -> None:
+    def unwatch(self, path: str | os.PathLike[str]) -> None:
+        root = os.fspath(path)
         with self._lock:
             self._roots.pop(root, None)
             self._short.discard(root)

@@ -34,7 +34,8 @@ from ckptd.errors import CkptdError, ObjectExists, ObjectNotFound
 from ckptd.log import get_logger
 from ckptd.remote.keys import manifest_key, step_objects
 from ckptd.remote.manifest import step_prefix
-from ckptd.stages.upload_local import LEDGER_NAME, Ledger, Meter, ObjectReader
+from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
+from ckptd.stages.sending.reader import Meter, ObjectReader
 
 # Offers waiting for a thread, at most: a path and a few numbers each, so a step of a million
 # files holds a bounded queue; what does not fit is left to the upload stage.

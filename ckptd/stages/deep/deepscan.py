@@ -42,7 +42,7 @@ def scan_torch_file(fd: int, rel: str, timeout: float | None = None) -> None:
     ValidationFailed for what it finds, CkptdError when the child itself failed (killed,
     out of memory, past `timeout` (default `child_timeout`): a retry may succeed, so the
     checkpoint is not called invalid for it)."""
-    argv = [sys.executable, "-m", "ckptd.stages.deepscan", str(fd), rel]
+    argv = [sys.executable, "-m", "ckptd.stages.deep.deepscan", str(fd), rel]
     limit = child_timeout(os.fstat(fd).st_size) if timeout is None else timeout
     with _DEEP_LOCK:
         try:
@@ -65,7 +65,7 @@ def scan_torch_file(fd: int, rel: str, timeout: float | None = None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """The child: `python -m ckptd.stages.deepscan FD REL`; prints one JSON verdict."""
+    """The child: `python -m ckptd.stages.deep.deepscan FD REL`; prints one JSON verdict."""
     fd, rel = int(argv[0]), argv[1]
     try:
         _scan(Path(f"/proc/self/fd/{fd}"), rel)
