@@ -30,6 +30,7 @@ from ckptd.service import recovery, sdnotify
 from ckptd.service.discovery import BOUND_S as DISCOVER_S
 from ckptd.service.discovery import Discovery
 from ckptd.service.effects import Effects
+from ckptd.service.globs import GlobRoots
 from ckptd.service.health import Health
 from ckptd.service.lease import Leases
 from ckptd.service.metrics import Metrics, MetricsServer
@@ -57,7 +58,11 @@ class Daemon:
         from (lease, scan, discovery, workers, retention, persist, effects, recovery, the
         supervisor's restarts and call board, the metrics, the API)."""
         self.clock = clock
-        self.config = config
+        self.config = config  # what the services act on: `given` with its globs expanded
+        self.given = config  # the config as read from the file
+        self.globs = GlobRoots(lambda: self.given, lambda: self.config,
+                               functools.partial(self._apply, event="glob_roots_changed"),
+                               lambda: self.config.daemon.scan_interval)
         self.config_path = config_path
         self.log = get_logger()
         self.lock = StateDirLock(config.daemon.state_dir)
@@ -85,7 +90,7 @@ class Daemon:
         """Lock, recover, build and start every service, bind the socket. Raises StateLocked
         when another daemon holds the state dir."""
         self.lock.acquire()
-        cfg = self.config
+        self.config = cfg = self.globs.expand(self.given)
         self.store = store = self._store_factory(cfg.daemon.state_dir / "state.db")
         store.set_policies({r.name: policy_of(r) for r in cfg.roots})
         nets = threading.RLock()  # pins, readers' holds and every delete read the nets under it
@@ -163,6 +168,7 @@ class Daemon:
             tcp = self.metrics_tcp = self.metrics.serve_tcp(address)
             sup.add("metrics", lambda stop: tcp.serve_forever(), halt=tcp.shutdown)
         sup.add("lease", self.leases.run, halt=self.leases.wake)
+        sup.add("globs", self.globs.run, halt=self.globs.wake)
         sup.add("watch", self.scanner.watch)
         sup.add("scan", self.scanner.run, halt=self.scanner.wake)
         sup.add("discovery", self.discovery.run, halt=self.discovery.wake)
@@ -216,7 +222,9 @@ class Daemon:
                 raise ConfigError("the daemon was not started from a config file")
             new = load_config(self.config_path)
             check_installed(new, str(self.config_path))
-            self._apply(new)
+            with self.globs.locked():
+                self.given = new
+                self._apply(self.globs.expand(new))
             ok = True
         except ConfigError as exc:
             self.log.error("config_reload_rejected", error=str(exc))
@@ -227,7 +235,9 @@ class Daemon:
             self.notifier.ready(status=self.summary())
         return ok
 
-    def _apply(self, new: Config) -> None:
+    def _apply(self, new: Config, event: str = "config_reloaded") -> None:
+        """Act on `new` (a reload, or a glob entry's roots that came or went): a root gone is
+        let go (its rows, copies and remote kept), a new one scanned, leased and listed."""
         old = self.config
         for key in needs_restart(old, new):
             self.log.warning("config_needs_restart", key=key)
@@ -237,8 +247,9 @@ class Daemon:
         self.store.set_policies({r.name: policy_of(r) for r in new.roots})
         self.scanner.set_roots(self.roots())
         self.health.watch_scan()
-        self.store.retry_now()
-        self.log.info("config_reloaded", roots=sorted(self.roots()),
+        if event == "config_reloaded":
+            self.store.retry_now()
+        self.log.info(event, roots=sorted(self.roots()),
                       added=sorted(set(self.roots()) - old_roots),
                       removed=sorted(old_roots - set(self.roots())))
         for service in (self.leases, self.scanner, self.workers, self.discovery):
@@ -249,7 +260,7 @@ class Daemon:
         self.ctx.stopping.set()
         self._stop.set()
         sup = self.supervisor
-        sup.stop("scan", "watch", "discovery", "retention")
+        sup.stop("globs", "scan", "watch", "discovery", "retention")
         # Async saves already handed over finish within the grace (the trainer may be gone).
         self.persist.grace = grace
         finished = sup.stop("persist", *self.workers.names, timeout=grace)

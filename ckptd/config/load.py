@@ -98,7 +98,9 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, *, source: str = "conf
     problems += _overlaps(daemon.state_dir if daemon else None, roots)
     if daemon is None or metrics is None or problems:
         raise ConfigError(_summary(source, problems))
-    return Config(daemon=daemon, metrics=metrics, roots=tuple(roots.values()))
+    return Config(daemon=daemon, metrics=metrics,
+                  roots=tuple(r for r in roots.values() if r.path.name != "*"),
+                  globs=tuple(r for r in roots.values() if r.path.name == "*"))
 
 
 def check_installed(cfg: Config, source: str = "config") -> None:
@@ -170,7 +172,10 @@ def _roots(
             for loc, sentence in errors
             if _has(raw, loc) or not _has(defaults, loc)
         ]
-        if root is not None:
+        if root is not None and "*" in root.path.parent.parts:
+            problems.append(f"roots[{i}].path: {root.path}: \"*\" may only end a root's path"
+                            " (\"/*\": one root per directory under it)")
+        elif root is not None:
             roots[i] = _followed(root)
     return roots
 
@@ -179,7 +184,10 @@ def _followed(root: RootConfig) -> RootConfig:
     """The root with its path resolved: a root given as a link (or below one) is followed here,
     once per load (start, each reload), and every component then opens the directory it names
     and never follows a link below it. A path that does not exist yet resolves as far as it
-    can; a link made there later is refused by the lease until a reload follows it."""
+    can; a link made there later is refused by the lease until a reload follows it. A glob's
+    directory is followed the same way; the `*` below it never matches a link."""
+    if root.path.name == "*":
+        return root.model_copy(update={"path": Path(os.path.realpath(root.path.parent)) / "*"})
     return root.model_copy(update={"path": Path(os.path.realpath(root.path))})
 
 
@@ -204,7 +212,9 @@ def _has(table: Any, loc: tuple[str | int, ...]) -> bool:
 def _overlaps(state_dir: Path | None, roots: dict[int, RootConfig]) -> list[str]:
     """Cross-entry checks: unique names; no root, state dir or file remote inside another root."""
     problems = []
-    real = {i: Path(os.path.realpath(root.path)) for i, root in roots.items()}
+    # A glob entry watches its whole directory: nothing else may be inside it.
+    real = {i: Path(os.path.realpath(root.path.parent if root.path.name == "*" else root.path))
+            for i, root in roots.items()}
     for j, root in roots.items():
         for i, other in roots.items():
             if i >= j:

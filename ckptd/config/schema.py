@@ -206,6 +206,8 @@ class Config(_Model):
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     roots: tuple[RootConfig, ...] = ()
+    # Entries whose path ends in "/*": one root per directory under it (docs/OPERATIONS.md).
+    globs: tuple[RootConfig, ...] = ()
 
     def root(self, name: str) -> RootConfig:
         for root in self.roots:
@@ -219,7 +221,7 @@ class Config(_Model):
         return {
             "daemon": _plain(self.daemon),
             "metrics": _plain(self.metrics),
-            "roots": [_plain(root) for root in self.roots],
+            "roots": [_plain(root) for root in self.roots + self.globs],
         }
 
 
