@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from ckptd import needs_torch, torch_version
+from ckptd.config.env import overlay, variable
 from ckptd.config.errors import _key_path, _unknown_key, _validate
 from ckptd.config.fields import (
     _show,
@@ -48,11 +49,13 @@ _ROOT_ONLY = ("name", "path")
 MAX_CONFIG_BYTES = 1024 * 1024
 
 
-def load_config(path: Path) -> Config:
-    """Read and validate a TOML config file; any problem raises ConfigError naming the file."""
+def load_config(path: Path, env: Mapping[str, str] | None = None) -> Config:
+    """Read and validate a TOML config file; any problem raises ConfigError naming the file.
+    `env` (os.environ unless given) overrides [daemon] keys: CKPTD_<KEY> (`config.env`)."""
     path = Path(path)
     data = _read_toml(path)
-    return parse_config(data, path.absolute().parent, source=str(path))
+    return parse_config(data, path.absolute().parent, source=str(path),
+                        env=os.environ if env is None else env)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -84,12 +87,14 @@ def _toml_syntax_message(path: Path, message: str) -> str:
     return f"{path}, line {line}, column {column}: not valid TOML: {message[: match.start()]}"
 
 
-def parse_config(data: Mapping[str, Any], base_dir: Path, *, source: str = "config") -> Config:
-    """Validate TOML data; relative paths count from `base_dir`. Collects every problem."""
+def parse_config(data: Mapping[str, Any], base_dir: Path, *, source: str = "config",
+                 env: Mapping[str, str] | None = None) -> Config:
+    """Validate TOML data; relative paths count from `base_dir`. Collects every problem.
+    `env`'s CKPTD_<KEY> variables override the [daemon] table's keys."""
     problems: list[str] = []
     context = {"base_dir": Path(base_dir).absolute()}
     problems += [_unknown_key(key, key, _TOP_KEYS) for key in data if key not in _TOP_KEYS]
-    daemon = _section("daemon", DaemonConfig, data, context, problems)
+    daemon = _daemon(data, env or {}, context, problems)
     metrics = _section("metrics", MetricsConfig, data, context, problems)
     defaults = _table(data, "defaults", problems)
     _check_defaults(defaults, context, problems)
@@ -138,6 +143,17 @@ def _section(
     raw = _table(data, key, problems)
     instance, errors = _validate(model, raw, context)
     problems += [f"{_key_path(key, loc)}: {sentence}" for loc, sentence in errors]
+    return instance
+
+
+def _daemon(data: Mapping[str, Any], env: Mapping[str, str], context: dict[str, Any],
+            problems: list[str]) -> DaemonConfig | None:
+    table, from_env = overlay(_table(data, "daemon", problems), env)
+    instance, errors = _validate(DaemonConfig, table, context)
+    for loc, sentence in errors:
+        key = _key_path("daemon", loc)
+        named = f"{variable(str(loc[0]))} ({key})" if loc and loc[0] in from_env else key
+        problems.append(f"{named}: {sentence}")
     return instance
 
 
