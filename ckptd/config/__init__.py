@@ -1,5 +1,6 @@
 """The configuration: the schema (`schema`: frozen pydantic models of the TOML), the loader
-(`load`), the field types (`fields`) and the error sentences (`errors`). Import from here.
+(`load`), the field types (`fields`), the error sentences (`errors`) and the [daemon] keys
+from the environment (`env`). Import from here.
 """
 
 from ckptd.config.fields import (
