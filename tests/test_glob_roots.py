@@ -6,15 +6,17 @@ the cap) as plain functions over real directories."""
 from __future__ import annotations
 
 import shutil
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.ckpts import save_single
+from support.config import render_config
 from support.wait import wait_until
 
 from ckptd.config import load_config, parse_config
-from ckptd.errors import ConfigError
+from ckptd.errors import ConfigError, NotFound
 from ckptd.service.globs import derive, expand, list_dirs
 
 
@@ -123,3 +125,34 @@ def test_a_glob_through_a_link_is_followed_once_like_a_root(tmp_path: Path) -> N
     cfg_file.write_text(f'[[roots]]\nname = "j"\npath = "{tmp_path}/link/*"\n')
     (entry,) = load_config(cfg_file).globs
     assert entry.path == tmp_path.resolve() / "real" / "*"
+
+
+def test_a_derived_root_is_found_by_name_after_its_directory_is_gone(tmp_path: Path) -> None:
+    """What reads a root's remote by its name (loading from the remote) still finds a retired
+    job's root: its settings are the glob entry's, its path the directory it had."""
+    cfg = parse_config({"roots": [{"name": "job", "path": str(tmp_path / "*"),
+                                   "upload": {"url": f"file://{tmp_path.parent}/remote"}}]},
+                       tmp_path)
+    root = cfg.root("job-llm-7b")
+    assert (root.name, root.path) == ("job-llm-7b", tmp_path / "llm-7b")
+    assert root.upload.url == f"file://{tmp_path.parent}/remote"
+    for name in ("job", "job-", "job-.hidden", "other-x"):
+        with pytest.raises(NotFound):
+            cfg.root(name)
+
+
+def test_a_reload_that_drops_the_glob_entry_retires_its_roots(inproc_daemon: Any,
+                                                               tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs"
+    (jobs / "a").mkdir(parents=True)
+    d = inproc_daemon(roots=[{"name": "r1"}, {"name": "jobs", "path": str(jobs / "*")}],
+                      start=False)
+    (jobs / "*").rmdir()
+    d.start()
+    assert _root_names(d) == ["jobs-a", "r1"]
+    data = tomllib.loads(d.config.read_text())
+    d.config.write_text(render_config(data["daemon"],
+                                      [r for r in data["roots"] if r["name"] != "jobs"]))
+    assert d.reload()
+    assert _root_names(d) == ["r1"]
+    assert (jobs / "a").is_dir()

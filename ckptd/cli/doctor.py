@@ -50,7 +50,7 @@ def run(config: Config, config_path: Path | None, unit: Path | None = None,
     out = [Check("config", OK, f"{config_path or 'the embedded default'} parses")]
     out += state_dir(config)
     out += socket_checks(config)
-    if not config.roots:
+    if not config.roots and not config.globs:
         out.append(Check("roots", WARN, "the config has no [[roots]]: the daemon watches nothing",
                          "add a [[roots]] table with the name and path of a checkpoint"
                          " directory (see config.example.toml)"))

@@ -210,9 +210,17 @@ class Config(_Model):
     globs: tuple[RootConfig, ...] = ()
 
     def root(self, name: str) -> RootConfig:
+        """The root named `name`: a configured one, else one a glob entry makes (whether or not
+        its directory exists now: a retired job's remote is still read by its root's name)."""
         for root in self.roots:
             if root.name == name:
                 return root
+        for glob in self.globs:
+            directory = name.removeprefix(f"{glob.name}-")
+            if directory != name and directory and "/" not in directory \
+                    and not directory.startswith("."):
+                return glob.model_copy(update={"name": name,
+                                               "path": glob.path.parent / directory})
         known = ", ".join(r.name for r in self.roots) or "none"
         raise NotFound(f"no root named {name!r} in the config (configured: {known})")
 
