@@ -156,3 +156,20 @@ def test_a_reload_that_drops_the_glob_entry_retires_its_roots(inproc_daemon: Any
     assert d.reload()
     assert _root_names(d) == ["r1"]
     assert (jobs / "a").is_dir()
+
+
+def test_an_unreadable_glob_directory_keeps_its_roots_a_missing_one_retires_them(
+        tmp_path: Path) -> None:
+    """A listing that fails (here: not a directory; permissions or I/O alike) says nothing
+    about the jobs, so the roots stay; a directory that is gone retires them."""
+    jobs = tmp_path / "jobs"
+    (jobs / "a").mkdir(parents=True)
+    cfg = parse_config({"roots": [{"name": "j", "path": str(jobs / "*")}]}, tmp_path)
+    assert [r.name for r in expand(cfg).config.roots] == ["j-a"]
+    shutil.rmtree(jobs)
+    found = expand(cfg, active=["j-a"])
+    assert found.config.roots == () and "no such directory" in found.problems[0]
+    jobs.write_text("not a directory")
+    found = expand(cfg, active=["j-a", "other-x"])
+    assert [r.name for r in found.config.roots] == ["j-a"]
+    assert found.problems and "no such directory" not in found.problems[0]

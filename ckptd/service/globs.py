@@ -26,6 +26,9 @@ MAX_ROOTS_PER_GLOB = 256
 MAX_ENTRIES_READ = 16_384
 
 
+MISSING = "no such directory"
+
+
 def is_glob(root: RootConfig) -> bool:
     return root.path.name == GLOB
 
@@ -57,15 +60,20 @@ def list_dirs(parent: Path, max_entries: int = MAX_ENTRIES_READ) -> Listing:
             for n, entry in enumerate(it):
                 if n >= max_entries:
                     return Listing(tuple(sorted(dirs)), truncated=True)
-                if entry.name.startswith(".") or entry.is_symlink():
-                    continue
-                if stat.S_ISDIR(entry.stat(follow_symlinks=False).st_mode):
+                if not entry.name.startswith(".") and _real_dir(entry):
                     dirs.append(entry.name)
     except FileNotFoundError:
-        return Listing((), error="no such directory")
+        return Listing((), error=MISSING)
     except OSError as exc:
         return Listing((), error=exc.strerror or str(exc))
     return Listing(tuple(sorted(dirs)))
+
+
+def _real_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return stat.S_ISDIR(entry.stat(follow_symlinks=False).st_mode)
+    except OSError:  # gone since the listing read it (a job cleaned up): no root
+        return False
 
 
 def derive(entry: RootConfig, dirs: Sequence[str], taken: set[str], keep: Iterable[str] = (),
@@ -108,6 +116,7 @@ class Expansion:
 def expand(cfg: Config, active: Iterable[str] = ()) -> Expansion:
     """`cfg` with each glob entry's roots added after the configured ones (whose names win)."""
     taken = {r.name for r in cfg.roots}
+    active = set(active)
     roots = list(cfg.roots)
     skipped: list[Skipped] = []
     problems: list[str] = []
@@ -115,6 +124,11 @@ def expand(cfg: Config, active: Iterable[str] = ()) -> Expansion:
         listing = list_dirs(entry.path.parent)
         if listing.error:
             problems.append(f"{entry.name}: {entry.path.parent}: {listing.error}")
+        if listing.error and listing.error != MISSING:
+            # Unreadable for now (permissions, I/O): the roots it made stay as they were.
+            prefix = f"{entry.name}-"
+            listing = Listing(tuple(sorted(n.removeprefix(prefix) for n in active
+                                           if n.startswith(prefix))))
         if listing.truncated:
             problems.append(f"{entry.name}: {entry.path.parent}: more than"
                             f" {MAX_ENTRIES_READ} entries; only the first were read")
