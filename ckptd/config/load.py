@@ -117,6 +117,8 @@ def check_installed(cfg: Config, source: str = "config") -> None:
         return
     problems = [needs_torch(f"roots[{i}].deep_validate = true")
                 for i, root in enumerate(cfg.roots) if root.deep_validate]
+    problems += [needs_torch(f'the roots of "{glob.name}" ({glob.path}): deep_validate = true')
+                 for glob in cfg.globs if glob.deep_validate]
     if problems:
         raise ConfigError(_summary(source, problems))
 
