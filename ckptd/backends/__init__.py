@@ -1,7 +1,8 @@
 """Storage backends: the contract (`Backend`, in `base`), its implementations (`local` for
 file://, with `localfiles` its files' own protocol of temp files, locks and version tags;
 `objstore` for object stores, with `objstore_client` building the library's client,
-`objstore_errors` translating the library's exceptions and `credentials` finding its keys),
+`objstore_errors` translating the library's exceptions and `credentials` finding its keys,
+with `aws_profile` reading AWS profiles and `aws_container` a container credentials endpoint),
 a put's bytes sent from a file's pages (`mapped`) and the wrappers (`wrappers`).
 
 `make_backend` opens a URL; `wrap_backend` adds retries, a bandwidth cap and a transfer limit.

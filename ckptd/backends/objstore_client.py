@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from obstore.store import AzureStore, GCSStore, S3Store
 
-from ckptd.backends.credentials import Creds, s3_credential_provider
+from ckptd.backends.credentials import Creds, s3_credential_provider, s3_sdk_endpoints
 from ckptd.errors import PermanentError
 
 if TYPE_CHECKING:
@@ -113,6 +113,7 @@ def _s3_store(
         config["endpoint"] = endpoint
     if region:
         config["region"] = region
+    config.update(s3_sdk_endpoints())
     return S3Store(
         bucket,
         prefix=prefix or None,

@@ -948,6 +948,7 @@ b.delete("x/one")
 for name in [n for n in os.environ if n.startswith("AWS_")]:
     del os.environ[name]
 os.environ["HOME"] = sys.argv[5]
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"  # else the chain ends at instance metadata
 try:
     make_backend(url, endpoint=endpoint).stat("x/big")
 except PermanentError:
