@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -24,9 +26,10 @@ from ckptd.backends.credentials import Creds, s3_credential_provider
 from ckptd.errors import PermanentError
 
 if TYPE_CHECKING:
+    from gcsserver import GCSServer
     from s3server import S3Server
 
-pytest_plugins = ["s3server"]  # fixtures: s3_server, s3_url
+pytest_plugins = ["s3server", "gcsserver"]  # fixtures: s3_server, s3_url; gcs_server, gs_url
 
 ROLE = "ckptd-node-role"
 IMDS_TOKEN = "imds-session-token-1"
@@ -344,3 +347,52 @@ def test_credential_process_output_per_the_spec() -> None:
         with pytest.raises(PermanentError) as info:
             parse_process_output(bad, "p")
         assert "SK" not in str(info.value).replace("SecretAccessKey", "")
+
+
+# -- GCS: application default credentials ---------------------------------------------------
+
+
+def _service_account_file(path: Path) -> Path:
+    """A service-account JSON with a fresh RSA key: obstore signs its own JWT with it, so no
+    token server is asked (fake-gcs-server takes any token)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl not installed")
+    key = subprocess.run(
+        [openssl, "genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"],
+        capture_output=True, text=True, check=True, timeout=30,
+    ).stdout
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "type": "service_account", "project_id": "ckptd-test", "private_key_id": "k1",
+        "private_key": key, "client_email": "ckptd@ckptd-test.iam.gserviceaccount.com",
+    }))
+    return path
+
+
+@pytest.mark.parametrize("where", ["GOOGLE_APPLICATION_CREDENTIALS", "gcloud ADC file"])
+def test_gcs_application_default_credentials(
+    gcs_server: GCSServer, gs_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    where: str,
+) -> None:
+    monkeypatch.delenv("GOOGLE_SERVICE_ACCOUNT")  # the fixture's emulator file: not this path
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    home = tmp_path / "home"
+    if where == "GOOGLE_APPLICATION_CREDENTIALS":
+        adc = _service_account_file(tmp_path / "sa.json")
+        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(adc))
+    else:  # where `gcloud auth application-default login` writes
+        _service_account_file(home / ".config" / "gcloud" / "application_default_credentials.json")
+    monkeypatch.setenv("HOME", str(home))
+    bucket, _, prefix = gs_url.removeprefix("gs://").partition("/")
+    gcs_server.upload(bucket, f"{prefix}/adc", b"adc")
+    assert gcs_server.backend(gs_url).get_bytes("adc") == b"adc"
+
+
+def test_gcs_a_missing_application_credentials_file_is_permanent(
+    gcs_server: GCSServer, gs_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GOOGLE_SERVICE_ACCOUNT")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "absent.json"))
+    with pytest.raises(PermanentError, match="absent.json"):
+        gcs_server.backend(gs_url)
