@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -306,19 +307,29 @@ def test_credential_process_gives_the_keys_and_is_run_once_while_they_last(
     assert runs.read_text() == "1"
 
 
-def test_credential_process_is_run_again_before_its_keys_expire(
+def test_credential_process_is_run_again_when_its_keys_near_expiry(
     s3_server: S3Server, s3_url: str, bare_env: Path, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    soon = (datetime.now(UTC) + timedelta(minutes=10)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """obstore asks again once fewer than 5 minutes are left; the command is run again then,
+    and a run that fails refuses the request with the command's own words."""
+    soon = (datetime.now(UTC) + timedelta(minutes=4)).strftime("%Y-%m-%dT%H:%M:%SZ")
     runs = _process_profile(bare_env, tmp_path, (s3_server.access_key, s3_server.secret_key),
                             soon)
     monkeypatch.setenv("AWS_PROFILE", "proc")
     from ckptd.backends import aws_profile
 
     monkeypatch.setattr(aws_profile, "RERUN_GAP", timedelta(0))
-    _round_trip(s3_server, s3_url, "refresh")
-    assert int(runs.read_text()) >= 2, "keys 10 minutes from expiry are fetched again"
+    backend = make_backend(s3_url, endpoint=s3_server.endpoint, request_retries=0)
+    backend.put("a", b"1")
+    time.sleep(0.2)  # obstore waits 100 ms before asking again for keys this close to expiry
+    backend.put("b", b"2")
+    assert int(runs.read_text()) >= 3, "built, then once per request near expiry"
+    runs.unlink()
+    runs.mkdir()  # the command now fails: it cannot write its count
+    time.sleep(0.2)
+    with pytest.raises(PermanentError, match="credential_process of AWS profile 'proc'"):
+        backend.put("c", b"3")
 
 
 def test_a_failing_credential_process_is_permanent_and_keeps_its_output_private(

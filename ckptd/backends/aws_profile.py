@@ -21,10 +21,10 @@ from typing import Any
 
 from ckptd.errors import PermanentError
 
-# The SDKs refresh temporary credentials this long before they expire; obstore asks again
-# only once fewer than 5 minutes are left, so this must stay above that.
+# A cached answer goes to a new client only while more than this is left (the SDKs refresh
+# this early); obstore asks again once fewer than 5 minutes are left: this must stay above.
 REFRESH_BEFORE = timedelta(minutes=15)
-# Close to expiry a command whose keys are short-lived is run at most this often.
+# Close to expiry a command is run at most this often, while its keys outlast the gap.
 RERUN_GAP = timedelta(seconds=60)
 PROCESS_TIMEOUT_S = 60.0
 _KEYS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token", "credential_process")
