@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from support.wait import wait_until
 
 from ckptd.backends import make_backend
 from ckptd.backends.aws_profile import parse_process_output
@@ -322,14 +322,23 @@ def test_credential_process_is_run_again_when_its_keys_near_expiry(
     monkeypatch.setattr(aws_profile, "RERUN_GAP", timedelta(0))
     backend = make_backend(s3_url, endpoint=s3_server.endpoint, request_retries=0)
     backend.put("a", b"1")
-    time.sleep(0.2)  # obstore waits 100 ms before asking again for keys this close to expiry
-    backend.put("b", b"2")
-    assert int(runs.read_text()) >= 3, "built, then once per request near expiry"
+
+    def run_again() -> bool:  # obstore waits 100 ms before asking again this close to expiry
+        backend.put("b", b"2")
+        return int(runs.read_text()) >= 3
+
+    wait_until(run_again, 10, "a request near expiry to run the command again")
     runs.unlink()
     runs.mkdir()  # the command now fails: it cannot write its count
-    time.sleep(0.2)
-    with pytest.raises(PermanentError, match="credential_process of AWS profile 'proc'"):
-        backend.put("c", b"3")
+
+    def refused() -> PermanentError | None:
+        try:
+            backend.put("c", b"3")
+        except PermanentError as exc:
+            return exc
+        return None
+
+    assert "credential_process of AWS profile 'proc'" in str(wait_until(refused, 10, "refusal"))
 
 
 def test_a_failing_credential_process_is_permanent_and_keeps_its_output_private(
