@@ -248,6 +248,8 @@ def test_quoted_names_exist() -> None:
 SLEEPS_ALLOWED = {
     ("frameworks/scripts/deepspeed_train.py", "slow_writes.save"):
         "a rank writing slowly, one straggling after `latest`: a kill lands mid-save",
+    ("frameworks/scripts/integration_snippet.py", "counted.hook"):
+        "training steps paced so a preemption signal lands mid-run, between a few saves",
     ("frameworks/scripts/hf_train.py", "slow_disk.save"):
         "a slow disk under the trainer's save: a kill lands mid-write",
     ("frameworks/scripts/lightning_train.py", "main.slow"):
