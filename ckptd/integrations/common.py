@@ -69,18 +69,20 @@ def flush_and_wait(client: Client, root: str, timeout: float,
     return done
 
 
-def wait_uploaded(client: Client, root: str, step: int | None, timeout: float) -> bool:
-    """Wait at most `timeout` seconds for `step` of `root` to be uploaded (True when it is);
-    True at once when there is no step to wait for."""
+def wait_uploaded(client: Client, root: str, step: int | None, timeout: float,
+                  until: str = "uploaded") -> bool:
+    """Wait at most `timeout` seconds for `step` of `root` to reach `until` ("uploaded" or
+    "valid"); True when it does, and at once when there is no step to wait for. Never
+    raises: a failure is a logged warning and False."""
     if step is None:
         return True
     try:
-        done = client.wait(root, step, until="uploaded", timeout=timeout)
-    except ClientError as exc:
+        done = client.wait(root, step, until=until, timeout=timeout)
+    except ClientError as exc:  # a strict client
         log.warning("ckptd wait for %s step %s failed: %s", root, step, exc)
         return False
     if not done:
-        log.warning("ckptd: %s step %s not uploaded (waited up to %gs)", root, step, timeout)
+        log.warning("ckptd: %s step %s not %s (waited up to %gs)", root, step, until, timeout)
     return done
 
 

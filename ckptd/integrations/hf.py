@@ -95,11 +95,7 @@ class CkptdTrainerCallback(TrainerCallback):  # type: ignore[misc]
         self.latch.uninstall()
         if not state.is_world_process_zero or not self.registered or self.flushed is not None:
             return
-        step = max(self.registered)
-        if self.until == "uploaded":
-            wait_uploaded(self.client, self.root, step, self.timeout)
-        else:
-            self.client.wait(self.root, step, until=self.until, timeout=self.timeout)
+        wait_uploaded(self.client, self.root, max(self.registered), self.timeout, self.until)
 
 
 def resume_path(root: str, *, to: str | os.PathLike[str] | None = None,

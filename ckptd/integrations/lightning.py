@@ -72,11 +72,8 @@ class CkptdCallback(Callback):  # type: ignore[misc]
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.is_global_zero and self.registered:
-            step = max(self.registered)
-            if self.until == "uploaded":
-                wait_uploaded(self.client, self.root, step, self.timeout)
-            else:
-                self.client.wait(self.root, step, until=self.until, timeout=self.timeout)
+            wait_uploaded(self.client, self.root, max(self.registered), self.timeout,
+                          self.until)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
