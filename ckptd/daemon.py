@@ -51,13 +51,16 @@ STATUS_EVERY_S = 10.0
 class Daemon:
     def __init__(self, config: Config, config_path: Path | None = None,
                  store_factory: type[Store] = Store, backends: BackendCache | None = None,
-                 stage_bounds: Mapping[str, float] | None = None, clock: Clock = SYSTEM) -> None:
+                 stage_bounds: Mapping[str, float] | None = None, clock: Clock = SYSTEM,
+                 env: Mapping[str, str] | None = None) -> None:
         """`backends` gives each root its backend (a BackendCache by default); `stage_bounds`
         how long a stage call may go without progress before it is stuck (stage -> seconds;
         `workers.STAGE_BOUNDS_S` for the others); `clock` is the one every service reads time
         from (lease, scan, discovery, workers, retention, persist, effects, recovery, the
-        supervisor's restarts and call board, the metrics, the API)."""
+        supervisor's restarts and call board, the metrics, the API); `env` the environment a
+        reload reads `CKPTD_<KEY>` overrides from (the process's unless given)."""
         self.clock = clock
+        self.env = env
         self.config = config  # what the services act on: `given` with its globs expanded
         self.given = config  # the config as read from the file
         self.globs = GlobRoots(lambda: self.given, lambda: self.config,
@@ -220,7 +223,7 @@ class Daemon:
         try:
             if self.config_path is None:
                 raise ConfigError("the daemon was not started from a config file")
-            new = load_config(self.config_path)
+            new = load_config(self.config_path, env=self.env)
             check_installed(new, str(self.config_path))
             with self.globs.locked():
                 self.given = new

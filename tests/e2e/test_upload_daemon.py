@@ -213,7 +213,7 @@ def test_a_put_temp_files_age_is_judged_by_the_daemons_clock(inproc_daemon: Any,
     later on that clock (moved, not waited for) is removed."""
     from support.clock import FakeClock
 
-    from ckptd.backends.local import TMP_MARK
+    from ckptd.backends.localfiles import TMP_MARK
     from ckptd.service.recovery import STALE_PUT_S
 
     (tmp_path / "remote" / "r1").mkdir(parents=True)

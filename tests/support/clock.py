@@ -15,8 +15,11 @@ class FakeClock:
 
     def __init__(self, running: bool = False) -> None:
         self._lock = threading.Lock()
-        self._wall0, self._mono0 = time.time(), time.monotonic()
+        # Whole seconds: a boundary a test advances to exactly ("quiet for exactly its bound")
+        # stays exact, where a fractional start would round `start + 900 - start` past 900.
+        self._wall0, self._mono0 = float(int(time.time())), float(int(time.monotonic()))
         self._running = running
+        self._real0 = time.monotonic()
         self._offset = 0.0
 
     def advance(self, seconds: float) -> None:
@@ -26,7 +29,7 @@ class FakeClock:
 
     def _elapsed(self) -> float:
         with self._lock:
-            real = time.monotonic() - self._mono0 if self._running else 0.0
+            real = time.monotonic() - self._real0 if self._running else 0.0
             return real + self._offset
 
     def time(self) -> float:

@@ -6,6 +6,7 @@ queries (the workers' flush, the scanner's wake) goes through a method here."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -63,7 +64,13 @@ class InProcessDaemon:
 
     def start(self) -> InProcessDaemon:
         assert self._daemon is None, "already running"
-        daemon = Daemon(load_config(self.config), self.config, clock=self.clock)
+        # A daemon in the test process stands for a daemon process of its own: the CKPTD_*
+        # variables a test sets are the client's side (a socket that answers nobody, a node),
+        # so it reads its config file alone, at start and on reload (tests/config/
+        # test_config_env.py runs `ckptd run` to see the variables override it).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+        daemon = Daemon(load_config(self.config, env=env), self.config, clock=self.clock,
+                        env=env)
         try:
             daemon.start()
         except BaseException:
