@@ -34,6 +34,10 @@ class Remote(StrEnum):
 # Whether a root's metric is better low or high (`metric_mode` in the config).
 MetricMode = Literal["min", "max"]
 
+# The codec names a root's `compress.codec` may take, in docs/FORMAT.md's order: the built-in
+# ones, then any `ckptd.codec.register` adds (the config checks names here when it validates).
+CODECS: list[str] = ["auto", "zstd", "zstd-bytegroup", "none"]
+
 
 class Tier(StrEnum):
     ANY = "any"

@@ -1,4 +1,5 @@
-"""Compression codecs for stored checkpoint files: `none`, `zstd`, `zstd-bytegroup`, `auto`.
+"""Compression codecs for stored checkpoint files: `none`, `zstd`, `zstd-bytegroup`, `auto`, and
+any `register` adds.
 
 Owns the streaming encode/decode API (`encoder`, `decoder`, and `zstdframes` for codec `zstd`
 with its `seektable`), the block index (`index`) and the container format (`frame`; per block
@@ -9,8 +10,9 @@ streams or a fetch function).
 
 from __future__ import annotations
 
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
+from ckptd import model
 from ckptd.codec import buffers
 from ckptd.codec.blocks import BlockPolicy
 from ckptd.codec.decoder import decode_stream
@@ -27,7 +29,9 @@ from ckptd.codec.index import TAIL_PROBE, Block, BlockIndex, decode_block, read_
 from ckptd.codec.planes import WIDTHS
 from ckptd.errors import BadValue
 
-CODECS = ("auto", "zstd", "zstd-bytegroup", "none")
+# Every codec name `make_encoder` takes: the built-in ones, then those `register` adds (the
+# config's `compress.codec` accepts the same list).
+CODECS = model.CODECS
 DEFAULT_LEVEL = 3
 MAX_THREADS = 64
 
@@ -44,7 +48,31 @@ __all__ = [
     "decode_stream",
     "make_encoder",
     "read_index",
+    "register",
 ]
+
+
+class MakeEncoder(Protocol):
+    """Builds a registered codec's encoder writing to `out` (arguments as `make_encoder`'s)."""
+
+    def __call__(self, out: BinaryIO, *, level: int, threads: int, min_saving: float,
+                 width_hint: int | None, block_size: int) -> Encoder: ...
+
+
+# The encoders of the codecs `register` added, by name (the built-in ones are `make_encoder`'s).
+_REGISTERED: dict[str, MakeEncoder] = {}
+
+
+def register(name: str, make: MakeEncoder, suffix: str) -> None:
+    """Make codec `name` known, the one registration a codec name needs: a value a root's
+    `compress.codec` may take (the config checks names in `CODECS`), what `make_encoder` builds
+    with `make`, and the suffix its objects carry (`codec_suffix`). BadValue for a name
+    already taken."""
+    if name in CODECS:
+        raise BadValue(f"codec {name!r} is already registered")
+    _REGISTERED[name] = make
+    SUFFIXES[name] = suffix
+    CODECS.append(name)
 
 
 def codec_suffix(codec: str) -> str:
@@ -70,6 +98,9 @@ def make_encoder(
     bytes per element, e.g. from a tensor's dtype) skips width detection.
     """
     _check_args(codec, level, threads, min_saving, width_hint, block_size)
+    if codec in _REGISTERED:
+        return _REGISTERED[codec](out, level=level, threads=threads, min_saving=min_saving,
+                                  width_hint=width_hint, block_size=block_size)
     coders = buffers.coders(level)
     if codec == "none":
         return Encoder("none", out)

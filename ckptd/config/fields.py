@@ -23,7 +23,7 @@ from pydantic import (
     ValidationInfo,
 )
 
-from ckptd import layouts
+from ckptd import layouts, model
 from ckptd.errors import BadValue
 from ckptd.units import (
     FreeSpace,
@@ -48,7 +48,6 @@ STORAGE_SCHEMES: dict[str, str] = {
     "abfs": "abfs://container@account.dfs.core.windows.net/prefix", "abfss": "",
 }
 
-Codec = Literal["auto", "zstd", "zstd-bytegroup", "none"]
 LogFormat = Literal["auto", "json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -110,6 +109,13 @@ def _layout(value: Any) -> str:
     known = ("auto", *layouts.names())
     if not isinstance(value, str) or value not in known:
         raise BadValue(f"must be one of: {', '.join(known)}, got {_show(value)}")
+    return value
+
+
+def _codec(value: Any) -> str:
+    """A known codec's name (`ckptd.model.CODECS`, which `ckptd.codec.register` extends)."""
+    if not isinstance(value, str) or value not in model.CODECS:
+        raise BadValue(f"must be one of: {', '.join(model.CODECS)}, got {_show(value)}")
     return value
 
 
@@ -320,6 +326,7 @@ Rate = Annotated[
 ]
 Free = Annotated[FreeSpace, PlainValidator(_free), Render(str)]
 LayoutName = Annotated[str, PlainValidator(_layout)]
+CodecName = Annotated[str, PlainValidator(_codec)]
 
 
 def _show(value: object) -> str:

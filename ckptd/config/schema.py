@@ -24,7 +24,7 @@ from pydantic.fields import FieldInfo
 from ckptd.config.fields import (
     DEFAULT_SOCKET_PATH,
     Attempts,
-    Codec,
+    CodecName,
     ConfigPath,
     Count,
     Duration,
@@ -103,7 +103,7 @@ class MetricsConfig(_Model):
 
 
 class CodecConfig(_Model):
-    codec: Annotated[Codec, _one_of(Codec)] = "auto"
+    codec: CodecName = "auto"
     level: Annotated[int, Field(ge=1, le=22), Expect("a whole number from 1 to 22")] = 3
     threads: Threads = 1
     min_saving: Annotated[float, Field(ge=0, lt=1), Expect("a number from 0 to below 1")] = 0.03

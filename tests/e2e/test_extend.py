@@ -1,6 +1,7 @@
-"""A new layout and a new object store are each one registration (docs/DESIGN.md, "How to
-extend"): registered here in-process, the config accepts them, detection finds the layout,
-`make_backend` opens the store, and no list elsewhere in ckptd/ had to learn their names."""
+"""A new layout, a new object store and a new codec name are each one registration
+(docs/DESIGN.md, "How to extend"): registered here in-process, the config accepts them,
+detection finds the layout, `make_backend` opens the store, `make_encoder` builds the codec's
+encoder, and no list elsewhere in ckptd/ had to learn their names."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from ckptd import backends, layouts
+from ckptd import backends, codec, layouts, model
 from ckptd.backends import LocalBackend, backend_for_upload
+from ckptd.codec import Encoder, encoder
 from ckptd.config import fields as config_fields
 from ckptd.config import load_config
 from ckptd.errors import ConfigError
@@ -59,7 +61,12 @@ def registries(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(layouts, "_AUTO", dict(layouts._AUTO))
     monkeypatch.setattr(backends, "_OPENERS", dict(backends._OPENERS))
     schemes = dict(config_fields.STORAGE_SCHEMES)
+    monkeypatch.setattr(codec, "_REGISTERED", dict(codec._REGISTERED))
+    monkeypatch.setattr(encoder, "SUFFIXES", dict(encoder.SUFFIXES))
+    monkeypatch.setattr(codec, "SUFFIXES", encoder.SUFFIXES)
+    codecs = list(model.CODECS)
     yield
+    model.CODECS[:] = codecs
     config_fields.STORAGE_SCHEMES.clear()
     config_fields.STORAGE_SCHEMES.update(schemes)
     layouts._field_readers.cache_clear()
@@ -121,6 +128,33 @@ def test_a_new_object_store_is_one_registration(tmp_path: Path, registries: None
     assert out.getvalue() == b"payload"
 
 
+def test_a_new_codec_name_is_one_registration(tmp_path: Path, registries: None) -> None:
+    with pytest.raises(ConfigError, match='must be one of: auto, zstd, zstd-bytegroup, none, '
+                                          'got "raw"'):
+        load_config(_config(tmp_path, '[roots.compress]\ncodec = "raw"\n'))
+    with pytest.raises(ValueError, match="unknown codec 'raw'"):
+        codec.make_encoder("raw", io.BytesIO())
+    made: list[dict[str, Any]] = []
+
+    def make_raw(out: Any, **settings: Any) -> Encoder:
+        made.append(settings)
+        return Encoder("raw", out)  # the bytes as they are
+
+    codec.register("raw", make_raw, ".raw")
+    root = load_config(_config(tmp_path, '[roots.compress]\ncodec = "raw"\nlevel = 5\n')).root("r")
+    assert root.compress.codec == "raw"
+    with pytest.raises(ConfigError, match="must be one of: auto, zstd, zstd-bytegroup, none, raw"):
+        load_config(_config(tmp_path, '[roots.compress]\ncodec = "gzip"\n'))
+    out = io.BytesIO()
+    enc = codec.make_encoder(root.compress.codec, out, level=root.compress.level)
+    enc.update(0, memoryview(b"payload"))
+    enc.finish(7)
+    assert out.getvalue() == b"payload" and (enc.codec, enc.suffix) == ("raw", ".raw")
+    assert codec.codec_suffix("raw") == ".raw" and made[0]["level"] == 5
+    with pytest.raises(ValueError, match="already"):
+        codec.register("raw", make_raw, ".raw")
+
+
 def _string_lists(path: Path) -> Iterator[tuple[int, set[str]]]:
     """The strings of each tuple, list, set, dict's keys and `Literal[...]` in a module."""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -135,14 +169,19 @@ def _string_lists(path: Path) -> Iterator[tuple[int, set[str]]]:
             e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
 
 
-def test_no_list_of_layout_names_or_md5_schemes_outside_the_registries() -> None:
-    """Names derive from the registries: a list of several layouts' names, or a check of
-    which schemes' etags are MD5s, anywhere else would be a place a new one must be added."""
+def test_no_list_of_layout_or_codec_names_or_md5_schemes_outside_the_registries() -> None:
+    """Names derive from the registries: a list of several layouts' or codecs' names, or a
+    check of which schemes' etags are MD5s, anywhere else would be a place a new one must be
+    added. The codec names' one list is `ckptd.model.CODECS`; `codec/encoder.py` maps each
+    built-in codec to its suffix."""
     names = set(layouts.names())
+    codec_lists = {Path("model.py"), Path("codec/encoder.py")}
     found = []
     for path in sorted(CKPTD.rglob("*.py")):
         for line, strings in _string_lists(path):
-            if len(strings & names) >= 3:
+            if len(strings & names) >= 3 or (
+                    len(strings & set(model.CODECS)) >= 3
+                    and path.relative_to(CKPTD) not in codec_lists):
                 found.append(f"{path.relative_to(CKPTD)}:{line}")
         if "stages" in path.parts and '"s3' in path.read_text():
             found.append(f"{path.relative_to(CKPTD)}: a scheme check")
