@@ -70,7 +70,7 @@ def steps(data: bytes, coded: bytes, path: str) -> dict[str, Callable[[], object
     def split() -> object:
         for piece, base in zip(pieces, bases, strict=True):
             nibbles.split_packed(piece, width, base, ws)
-        return None  # the same bytes: tests/test_codec_kernels.py
+        return None  # the same bytes: tests/codec/test_codec_kernels.py
 
     return {
         "decode (whole)": lambda: decode_stream("zstd-bytegroup", io.BytesIO(coded), Sink()),
