@@ -57,10 +57,10 @@ class Intents(Core):
         """A reader's *hold* on a step until `expires`: retention never deletes it meanwhile
         (taken again by the same owner, it is renewed)."""
         with self._tx() as db:
-            db.execute("INSERT OR REPLACE INTO readers (root, step, owner, expires)"
+            db.execute("INSERT OR REPLACE INTO holds (root, step, owner, expires)"
                        " VALUES (?,?,?,?)", (root, step, owner, expires))
 
     def release_hold(self, root: str, step: int, owner: str) -> None:
         with self._tx() as db:
-            db.execute("DELETE FROM readers WHERE root=? AND step=? AND owner=?",
+            db.execute("DELETE FROM holds WHERE root=? AND step=? AND owner=?",
                        (root, step, owner))

@@ -81,8 +81,8 @@ class Reads:
         return bool(rows) and rows[0]["copy"] == "ready"
 
     def in_use(self, root: str, now: float) -> frozenset[int]:
-        """Steps of `root` with at least one fresh hold (the `readers` table keeps the holds)."""
-        rows = self._rows("SELECT DISTINCT step FROM readers WHERE root=? AND expires>=?",
+        """Steps of `root` with at least one fresh hold (the `holds` table keeps them)."""
+        rows = self._rows("SELECT DISTINCT step FROM holds WHERE root=? AND expires>=?",
                           (root, now))
         return frozenset(int(r["step"]) for r in rows)
 

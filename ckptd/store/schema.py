@@ -116,7 +116,7 @@ MIGRATIONS: tuple[str, ...] = (
     UPDATE roots SET first_scan = 0 WHERE name IN (SELECT DISTINCT root FROM checkpoints);
     """,
     # 5: one word per concept: a worker's right to run one stage of a row is a *claim* (a *lease*
-    # is the root's, <root>/.ckptd/lease.json). The `readers` table keeps the readers' holds.
+    # is the root's, <root>/.ckptd/lease.json). Readers' holds stay in `readers` until 7.
     """
     ALTER TABLE checkpoints RENAME COLUMN lease_owner TO claim_owner;
     ALTER TABLE checkpoints RENAME COLUMN lease_stage TO claim_stage;
@@ -140,6 +140,11 @@ MIGRATIONS: tuple[str, ...] = (
         WHEN substr(last_error, 1, 6) = 'lease:' THEN 'lease'
         ELSE '' END
     WHERE last_error != '';
+    """,
+    # 7: a reader's hold on a step is a *hold* in the store too: the table `readers` (created
+    # at 2) is `holds`. Its only index is its primary key's, which goes with it.
+    """
+    ALTER TABLE readers RENAME TO holds;
     """,
 )
 

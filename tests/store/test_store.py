@@ -99,6 +99,30 @@ def test_schema_4_upgrades_work_leases_to_claims(tmp_path: Path) -> None:
     assert s.in_use("r", 2.0) == frozenset({3})
 
 
+def test_schema_6_readers_table_becomes_holds(tmp_path: Path) -> None:
+    """A state database at schema 6 (holds kept in a table named `readers`) opens at the
+    current schema with its hold kept in `holds`: it still keeps its step, is renewed and
+    released like one taken after the upgrade."""
+    db = sqlite3.connect(tmp_path / "s.db", isolation_level=None)
+    for i, script in enumerate(MIGRATIONS[:6]):
+        db.executescript(f"BEGIN; {script}; PRAGMA user_version = {i + 1}; COMMIT;")
+    db.execute("INSERT INTO readers (root, step, owner, expires) VALUES ('r', 3, 'job', 100.0)")
+    db.close()
+    s = Store(tmp_path / "s.db")
+    assert s.schema_version == len(MIGRATIONS) >= 7
+    names = {r[0] for r in sqlite3.connect(tmp_path / "s.db").execute(
+        "SELECT name FROM sqlite_master WHERE type='table'")}
+    assert "holds" in names and "readers" not in names
+    assert s.in_use("r", 50.0) == frozenset({3})
+    assert s.in_use("r", 150.0) == frozenset()  # expired by its own time, as before
+    s.hold("r", 3, "job", 200.0)  # the same owner renews it: one row, not two
+    assert s.in_use("r", 150.0) == frozenset({3})
+    rows = sqlite3.connect(tmp_path / "s.db").execute("SELECT count(*) FROM holds").fetchone()
+    assert rows[0] == 1
+    s.release_hold("r", 3, "job")
+    assert s.in_use("r", 0.0) == frozenset()
+
+
 
 def test_root_error_is_cleared_by_its_kind_only(store: Store) -> None:
     """A root's last error is set with its kind and cleared only by that kind: a scan that
