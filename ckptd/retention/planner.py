@@ -13,10 +13,13 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from ckptd import units
+from ckptd.config.schema import LocalRetention, RemoteRetention
 from ckptd.errors import BadValue
 from ckptd.lifecycle import answers
 from ckptd.model import Local, Remote, State, Tier
 from ckptd.model import MetricMode as MetricMode
+from ckptd.retention.rules import RULES, newest
+from ckptd.retention.rules import Context as _Ctx
 
 TierName = Literal["local", "remote"]
 
@@ -31,7 +34,8 @@ class Action(StrEnum):
 
 
 class Tag(StrEnum):
-    """Reason vocabulary. A reason is `<tier>:<tag>` or `<tier>:<tag>=<value>`."""
+    """Reason vocabulary. A reason is `<tier>:<tag>` or `<tier>:<tag>=<value>`; the keep rules'
+    reasons (`keep_last=2`, ...) are their names in `ckptd.retention.rules`."""
 
     PENDING = "pending"  # not validated yet: never judged
     LATEST = "latest"  # newest valid checkpoint in this tier
@@ -41,10 +45,6 @@ class Tag(StrEnum):
     NOT_UPLOADED = "not_uploaded"  # local copy is the only verified one
     ADOPTED = "adopted"  # there before ckptd; only deleted with a remote copy or --apply
     INVALID = "invalid"  # kept because delete_invalid is off
-    KEEP_LAST = "keep_last"
-    KEEP_BEST = "keep_best"
-    KEEP_EVERY = "keep_every"
-    KEEP_WITHIN = "keep_within"
     COMPRESS_OLDER = "compress_older"
     NOT_KEPT = "not_kept"  # no rule keeps it
     DELETE_INVALID = "delete_invalid"
@@ -81,41 +81,6 @@ class CheckpointView:
     in_use: bool = False
     adopted: bool = False  # on disk before ckptd watched the root: kept until uploaded
     copy: bool = False  # a local compressed copy lies beside the originals (or the pruned row)
-
-
-@dataclass(frozen=True)
-class Rules:
-    """One tier's count/age rules; 0 (or None for keep_within) turns a rule off."""
-
-    keep_last: int = 0
-    keep_best: int = 0
-    keep_every: int = 0
-    keep_within: float | None = None  # seconds
-
-    def __post_init__(self) -> None:
-        counts = (self.keep_last, self.keep_best, self.keep_every, self.keep_within or 0)
-        if min(counts) < 0:
-            raise BadValue(f"retention rules must not be negative: {self}")
-
-
-@dataclass(frozen=True)
-class LocalRules(Rules):
-    """`[roots.retention.local]` (defaults as in config.example.toml; min_free lives in `Disk`)."""
-
-    keep_last: int = 2
-    keep_best: int = 1
-    compress_older: bool = False
-    delete_invalid: bool = False
-
-
-@dataclass(frozen=True)
-class RemoteRules(Rules):
-    """`[roots.retention.remote]` (defaults as in config.example.toml)."""
-
-    keep_last: int = 10
-    keep_best: int = 3
-    keep_every: int = 5000
-    keep_within: float | None = 30 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -189,22 +154,14 @@ class _Decision:
     tags: tuple[str, ...]  # without the tier prefix
 
 
-@dataclass(frozen=True)
-class _Ctx:
-    now: float
-    mode: MetricMode
-    best: int | None
-    committed_only: bool
-
-
 _ABSENT = _Decision(Action.NONE, ())
 _UPLOADING = _Decision(Action.NONE, (Tag.UPLOADING,))
 
 
 def plan(
     checkpoints: Iterable[CheckpointView],
-    local_rules: LocalRules,
-    remote_rules: RemoteRules,
+    local_rules: LocalRetention,
+    remote_rules: RemoteRetention,
     disk: Disk,
     now: float,
     metric_mode: MetricMode = "min",
@@ -276,24 +233,16 @@ def _size(n: int) -> str:
     return units.format_size(n)
 
 
-def _newest(valid: list[CheckpointView], n: int) -> list[CheckpointView]:
-    return sorted(valid, key=lambda v: v.step, reverse=True)[:n]
-
-
-def _rule_hits(valid: list[CheckpointView], tier: Tier, rules: Rules,
-               ctx: _Ctx) -> dict[int, list[str]]:
+def _rule_hits(valid: list[CheckpointView], tier: Tier,
+               rules: LocalRetention | RemoteRetention, ctx: _Ctx) -> dict[int, list[str]]:
+    """Each registered keep rule whose setting this tier's table has, in the registry's order."""
     hits: dict[int, list[str]] = {v.step: [] for v in valid}
-    for v in _newest(valid, rules.keep_last):
-        hits[v.step].append(f"{Tag.KEEP_LAST}={rules.keep_last}")
-    # keep_best is a rule over this tier's copies, committed or not: the same ranking.
-    for v in answers.ranked(valid, _metric, ctx.mode, False, tier)[: rules.keep_best]:
-        hits[v.step].append(f"{Tag.KEEP_BEST}={rules.keep_best}")
-    for v in valid:
-        if rules.keep_every and v.step % rules.keep_every == 0:
-            hits[v.step].append(f"{Tag.KEEP_EVERY}={rules.keep_every}")
-        # Inclusive edge, and a completion time ahead of `now` (clock skew) counts as recent.
-        if rules.keep_within is not None and ctx.now - v.completed <= rules.keep_within:
-            hits[v.step].append(f"{Tag.KEEP_WITHIN}={units.format_duration(rules.keep_within)}")
+    for name, rule in RULES.items():
+        value = getattr(rules, name) if name in type(rules).model_fields else None
+        if value is None:  # not a setting of this tier, or turned off
+            continue
+        for v in rule.keeps(valid, tier, value, ctx):
+            hits[v.step].append(rule.reason(value))
     return hits
 
 
@@ -308,7 +257,7 @@ def _safety_tags(v: CheckpointView, latest: int | None, best: int | None) -> lis
     return [str(tag) for hit, tag in checks if hit]
 
 
-def _tier_tags(present: list[CheckpointView], tier: Tier, rules: Rules,
+def _tier_tags(present: list[CheckpointView], tier: Tier, rules: LocalRetention | RemoteRetention,
                ctx: _Ctx) -> dict[int, list[str]]:
     """Every keep reason each copy in one tier has, before tier-specific guards."""
     valid = [v for v in present if v.state is State.VALID]
@@ -319,13 +268,13 @@ def _tier_tags(present: list[CheckpointView], tier: Tier, rules: Rules,
 
 
 def _decide_local(
-    views: list[CheckpointView], rules: LocalRules, ctx: _Ctx, upload_configured: bool,
+    views: list[CheckpointView], rules: LocalRetention, ctx: _Ctx, upload_configured: bool,
     delete_adopted: bool = False,
 ) -> dict[int, _Decision]:
     present = [v for v in views if answers.in_tier(v, Tier.LOCAL)]
     tags = _tier_tags(present, Tier.LOCAL, rules, ctx)
     valid = [v for v in present if v.state is State.VALID]
-    recent = {v.step for v in _newest(valid, rules.keep_last)}
+    recent = {v.step for v in newest(valid, rules.keep_last)}
     out: dict[int, _Decision] = {}
     for v in present:
         keep = tags[v.step] + _local_guards(v, rules, upload_configured, delete_adopted)
@@ -333,7 +282,7 @@ def _decide_local(
     return out
 
 
-def _local_guards(v: CheckpointView, rules: LocalRules, upload_configured: bool,
+def _local_guards(v: CheckpointView, rules: LocalRetention, upload_configured: bool,
                   delete_adopted: bool = False) -> list[str]:
     guards: list[str] = []
     if v.adopted and not answers.is_committed(v) and not delete_adopted:
@@ -347,7 +296,7 @@ def _local_guards(v: CheckpointView, rules: LocalRules, upload_configured: bool,
 
 
 def _local_decision(
-    v: CheckpointView, keep: list[str], rules: LocalRules, recent: bool
+    v: CheckpointView, keep: list[str], rules: LocalRetention, recent: bool
 ) -> _Decision:
     if not keep:
         why = Tag.DELETE_INVALID if v.state is State.INVALID else Tag.NOT_KEPT
@@ -365,7 +314,7 @@ def _local_decision(
 
 
 def _decide_remote(
-    views: list[CheckpointView], rules: RemoteRules, ctx: _Ctx
+    views: list[CheckpointView], rules: RemoteRetention, ctx: _Ctx
 ) -> dict[int, _Decision]:
     present = [v for v in views if answers.in_tier(v, Tier.REMOTE)]
     tags = _tier_tags(present, Tier.REMOTE, rules, ctx)

@@ -28,8 +28,6 @@ from ckptd.retention.views import (
     StoreNets,
     copy_target,
     disk_of,
-    local_rules,
-    remote_rules,
     target_of,
     view_of,
 )
@@ -66,7 +64,7 @@ class RetentionRun:
         views = [view_of(r, root.metric, r.step in in_use, self._has_copy(root, r))
                  for r in records]
         disk = disk_of(root) or planner.Disk(0, 0, 0)
-        return planner.plan(views, local_rules(root), remote_rules(root), disk, now,
+        return planner.plan(views, root.retention.local, root.retention.remote, disk, now,
                             metric_mode=root.metric_mode, upload_configured=root.upload.enabled,
                             delete_adopted=delete_adopted, committed_only=root.multi_node)
 

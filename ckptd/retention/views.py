@@ -1,5 +1,5 @@
 """Store rows as the planner's and the executor's plain types: a record as a `CheckpointView`,
-a root's config as rules and a `Disk`, the nets as `Guards` read now, a record as a `Target`.
+a root's config as a `Disk`, the nets as `Guards` read now, a record as a `Target`.
 Reads the store and the disk; decides nothing and deletes nothing.
 """
 
@@ -10,9 +10,9 @@ import shutil
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from ckptd.config import RootConfig
 from ckptd.copies.store import objects_dir
@@ -101,23 +101,6 @@ def view_of(r: CheckpointRecord, metric: str, in_use: bool,
         completed=r.completed if r.completed is not None else r.created, bytes=r.bytes,
         metric=r.metrics.get(metric) if metric else None, pinned=r.pinned, in_use=in_use,
         adopted=r.adopted, copy=copy)
-
-
-_R = TypeVar("_R", bound=planner.Rules)
-
-
-def local_rules(root: RootConfig) -> planner.LocalRules:
-    return _rules(planner.LocalRules, root.retention.local)
-
-
-def remote_rules(root: RootConfig) -> planner.RemoteRules:
-    return _rules(planner.RemoteRules, root.retention.remote)
-
-
-def _rules(kind: type[_R], table: Any) -> _R:
-    """The planner's rules from a retention table: each rule's setting has the same name in
-    both (a new rule is a field of each, nothing here)."""
-    return kind(**{f.name: getattr(table, f.name) for f in fields(kind)})
 
 
 def disk_of(root: RootConfig) -> planner.Disk | None:

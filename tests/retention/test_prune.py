@@ -21,6 +21,7 @@ from structlog.testing import capture_logs
 from support.nets import fixed
 
 from ckptd.backends import Backend, LocalBackend
+from ckptd.config import LocalRetention, RemoteRetention
 from ckptd.errors import TransientError
 from ckptd.model import Local, Remote, State
 from ckptd.remote.manifest import MANIFEST_NAME, step_prefix
@@ -36,10 +37,8 @@ from ckptd.retention.planner import (
     Action,
     CheckpointView,
     Disk,
-    LocalRules,
     Plan,
     PlanItem,
-    RemoteRules,
     plan,
 )
 from ckptd.retention.trash import TrashRecord, purge, purge_trash, restore, trash_dir_for
@@ -215,7 +214,7 @@ def test_fresh_guards_beat_a_stale_plan_from_the_real_planner(root: Path) -> Non
     views = [CheckpointView(s, State.VALID, Local.PRESENT, Remote.NONE, float(s), 350)
              for s in (1, 2, 3, 4)]
     disk = Disk(free_bytes=1 << 40, total_bytes=1 << 41, min_free_bytes=0)
-    p = plan(views, LocalRules(keep_last=2, keep_best=0), RemoteRules(), disk, now=10.0)
+    p = plan(views, LocalRetention(keep_last=2, keep_best=0), RemoteRetention(), disk, now=10.0)
     assert p.steps("local", Action.DELETE) == (1, 2)
     # Since planning, a user pinned 1 and a client started loading 2.
     g = replace(OPEN, latest_step=4, pinned=frozenset({1}), in_use=frozenset({2}))

@@ -16,20 +16,20 @@ from typing import Any
 import pytest
 
 from ckptd.cluster.coordinator import coordinates
+from ckptd.config import LocalRetention, RemoteRetention
 from ckptd.model import Local, Remote, State
 from ckptd.retention.planner import (
     Action,
     CheckpointView,
     Disk,
-    LocalRules,
     MetricMode,
     Plan,
     PlanItem,
-    RemoteRules,
     Tag,
     plan,
     preflight,
 )
+from ckptd.retention.rules import RULES
 from ckptd.units import parse_duration
 
 NOW = 1_700_000_000.0
@@ -39,8 +39,8 @@ GiB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "retention"
 PLENTY = Disk(free_bytes=900 * GiB, total_bytes=1000 * GiB, min_free_bytes=100 * GiB)
-OFF_LOCAL = LocalRules(keep_last=0, keep_best=0)
-OFF_REMOTE = RemoteRules(keep_last=0, keep_best=0, keep_every=0, keep_within=None)
+OFF_LOCAL = LocalRetention(keep_last=0, keep_best=0)
+OFF_REMOTE = RemoteRetention(keep_last=0, keep_best=0, keep_every=0, keep_within="")
 
 
 def cp(step: int, **kw: Any) -> CheckpointView:
@@ -58,8 +58,8 @@ def cp(step: int, **kw: Any) -> CheckpointView:
 
 def run(
     views: list[CheckpointView],
-    local: LocalRules = OFF_LOCAL,
-    remote: RemoteRules = OFF_REMOTE,
+    local: LocalRetention = OFF_LOCAL,
+    remote: RemoteRetention = OFF_REMOTE,
     disk: Disk = PLENTY,
     mode: MetricMode = "min",
     upload: bool = False,
@@ -93,14 +93,14 @@ def expand(letters: str) -> list[str]:
 
 # (id, checkpoints, local rules, mode, upload, expected local actions, expected reasons subset)
 LocalCase = tuple[
-    str, list[CheckpointView], LocalRules, MetricMode, bool, str, dict[int, list[str]]
+    str, list[CheckpointView], LocalRetention, MetricMode, bool, str, dict[int, list[str]]
 ]
 LOCAL_CASES: list[LocalCase]
 LOCAL_CASES = [
     (
         "best_among_newest",
         losses((100, 3.0), (200, 2.5), (300, 2.0), (400, 1.5), (500, 1.0)),
-        LocalRules(keep_last=2, keep_best=1),
+        LocalRetention(keep_last=2, keep_best=1),
         "min",
         False,
         "D D D K K",
@@ -113,7 +113,7 @@ LOCAL_CASES = [
     (
         "best_among_oldest",
         losses((100, 0.5), (200, 2.5), (300, 2.0), (400, 1.5), (500, 1.0)),
-        LocalRules(keep_last=2, keep_best=1),
+        LocalRetention(keep_last=2, keep_best=1),
         "min",
         False,
         "K D D K K",
@@ -122,7 +122,7 @@ LOCAL_CASES = [
     (
         "keep_best_k_beyond_the_best",
         losses((100, 0.5), (200, 0.6), (300, 0.7), (400, 1.5), (500, 1.0)),
-        LocalRules(keep_last=1, keep_best=3),
+        LocalRetention(keep_last=1, keep_best=3),
         "min",
         False,
         "K K K D K",
@@ -131,7 +131,7 @@ LOCAL_CASES = [
     (
         "max_mode_prefers_high_metric",
         losses((100, 0.9), (200, 0.5), (300, 0.4)),
-        LocalRules(keep_last=1, keep_best=1),
+        LocalRetention(keep_last=1, keep_best=1),
         "max",
         False,
         "K D K",
@@ -140,7 +140,7 @@ LOCAL_CASES = [
     (
         "min_mode_same_data",
         losses((100, 0.9), (200, 0.5), (300, 0.4)),
-        LocalRules(keep_last=1, keep_best=1),
+        LocalRetention(keep_last=1, keep_best=1),
         "min",
         False,
         "D D K",
@@ -149,7 +149,7 @@ LOCAL_CASES = [
     (
         "tie_in_metric_goes_to_newer_step",
         losses((100, 1.0), (200, 1.0), (300, 2.0)),
-        LocalRules(keep_last=1, keep_best=1),
+        LocalRetention(keep_last=1, keep_best=1),
         "min",
         False,
         "D K K",
@@ -158,7 +158,7 @@ LOCAL_CASES = [
     (
         "metric_missing_on_some",
         losses((100, None), (200, 1.0), (300, None), (400, 2.0)),
-        LocalRules(keep_last=1, keep_best=1),
+        LocalRetention(keep_last=1, keep_best=1),
         "min",
         False,
         "D K D K",
@@ -167,7 +167,7 @@ LOCAL_CASES = [
     (
         "metric_missing_on_all_means_no_best",
         losses((100, None), (200, None), (300, None)),
-        LocalRules(keep_last=1, keep_best=2),
+        LocalRetention(keep_last=1, keep_best=2),
         "min",
         False,
         "D D K",
@@ -176,7 +176,7 @@ LOCAL_CASES = [
     (
         "nan_and_inf_metrics_count_as_missing",
         losses((100, float("nan")), (200, float("-inf")), (300, 2.0), (400, 3.0)),
-        LocalRules(keep_last=1, keep_best=1),
+        LocalRetention(keep_last=1, keep_best=1),
         "min",
         False,
         "D D K K",
@@ -185,7 +185,7 @@ LOCAL_CASES = [
     (
         "all_invalid_kept_when_delete_invalid_off",
         [cp(s, state=State.INVALID) for s in (100, 200, 300)],
-        LocalRules(keep_last=1, keep_best=1),
+        LocalRetention(keep_last=1, keep_best=1),
         "min",
         False,
         "K K K",
@@ -194,7 +194,7 @@ LOCAL_CASES = [
     (
         "all_invalid_deleted_when_delete_invalid_on",
         [cp(s, state=State.INVALID) for s in (100, 200, 300)],
-        LocalRules(keep_last=1, keep_best=1, delete_invalid=True),
+        LocalRetention(keep_last=1, keep_best=1, delete_invalid=True),
         "min",
         False,
         "D D D",
@@ -203,7 +203,7 @@ LOCAL_CASES = [
     (
         "invalid_do_not_count_toward_keep_last",
         [cp(100), cp(200), cp(300, state=State.INVALID), cp(400, state=State.INVALID)],
-        LocalRules(keep_last=2, keep_best=0, delete_invalid=True),
+        LocalRetention(keep_last=2, keep_best=0, delete_invalid=True),
         "min",
         False,
         "K K D D",
@@ -212,7 +212,7 @@ LOCAL_CASES = [
     (
         "invalid_pinned_survives_delete_invalid",
         [cp(100, state=State.INVALID, pinned=True), cp(200)],
-        LocalRules(keep_last=1, delete_invalid=True),
+        LocalRetention(keep_last=1, delete_invalid=True),
         "min",
         False,
         "K K",
@@ -221,7 +221,7 @@ LOCAL_CASES = [
     (
         "pending_and_complete_always_kept_and_not_counted",
         [cp(100), cp(200), cp(300, state=State.COMPLETE), cp(400, state=State.PENDING)],
-        LocalRules(keep_last=1, keep_best=0),
+        LocalRetention(keep_last=1, keep_best=0),
         "min",
         False,
         "D K K K",
@@ -230,7 +230,7 @@ LOCAL_CASES = [
     (
         "pins",
         [cp(100, pinned=True), cp(200), cp(300, pinned=True), cp(400)],
-        LocalRules(keep_last=1, keep_best=0),
+        LocalRetention(keep_last=1, keep_best=0),
         "min",
         False,
         "K D K K",
@@ -239,7 +239,7 @@ LOCAL_CASES = [
     (
         "in_use_kept",
         [cp(100, in_use=True), cp(200), cp(300)],
-        LocalRules(keep_last=1, keep_best=0),
+        LocalRetention(keep_last=1, keep_best=0),
         "min",
         False,
         "K D K",
@@ -248,7 +248,7 @@ LOCAL_CASES = [
     (
         "keep_every_with_gaps_in_steps",
         [cp(s) for s in (900, 1000, 1100, 1900, 2100, 3000, 3100)],
-        LocalRules(keep_last=1, keep_best=0, keep_every=1000),
+        LocalRetention(keep_last=1, keep_best=0, keep_every=1000),
         "min",
         False,
         "D K D D D K K",
@@ -257,7 +257,7 @@ LOCAL_CASES = [
     (
         "keep_every_zero_is_off",
         [cp(0), cp(1000), cp(2000)],
-        LocalRules(keep_last=1, keep_best=0, keep_every=0),
+        LocalRetention(keep_last=1, keep_best=0, keep_every=0),
         "min",
         False,
         "D D K",
@@ -271,7 +271,7 @@ LOCAL_CASES = [
             cp(300, completed=NOW - DAY + 1),
             cp(400, completed=NOW + 5),  # a clock ahead of ours: still recent
         ],
-        LocalRules(keep_last=0, keep_best=0, keep_within=DAY),
+        LocalRetention(keep_last=0, keep_best=0, keep_within="1d"),
         "min",
         False,
         "D K K K",
@@ -286,7 +286,7 @@ LOCAL_CASES = [
             cp(400, remote=Remote.PRUNED),
             cp(500, remote=Remote.UPLOADED),
         ],
-        LocalRules(keep_last=1, keep_best=0),
+        LocalRetention(keep_last=1, keep_best=0),
         "min",
         True,
         "D K K K K",
@@ -295,7 +295,7 @@ LOCAL_CASES = [
     (
         "upload_not_configured_ignores_remote_state",
         [cp(100), cp(200, remote=Remote.NONE), cp(300)],
-        LocalRules(keep_last=1, keep_best=0),
+        LocalRetention(keep_last=1, keep_best=0),
         "min",
         False,
         "D D K",
@@ -304,7 +304,7 @@ LOCAL_CASES = [
     (
         "invalid_never_held_by_not_uploaded",
         [cp(100, state=State.INVALID), cp(200)],
-        LocalRules(keep_last=1, delete_invalid=True),
+        LocalRetention(keep_last=1, delete_invalid=True),
         "min",
         True,
         "D K",
@@ -322,7 +322,7 @@ LOCAL_CASES = [
             cp(3700, metric=1.5),
             cp(3800, metric=1.6),
         ],
-        LocalRules(keep_last=2, keep_best=1, keep_every=1000, compress_older=True),
+        LocalRetention(keep_last=2, keep_best=1, keep_every=1000, compress_older=True),
         "min",
         False,
         "C C D K K C K K",
@@ -342,7 +342,7 @@ LOCAL_CASES = [
             cp(200, state=State.PENDING),
             cp(300),
         ],
-        LocalRules(keep_last=0, keep_best=0, compress_older=True),
+        LocalRetention(keep_last=0, keep_best=0, compress_older=True),
         "min",
         False,
         "K K K",
@@ -351,7 +351,7 @@ LOCAL_CASES = [
     (
         "root_latest_remote_only_keeps_newest_local_as_tier_latest",
         [cp(100), cp(200), cp(300, local=Local.PRUNED, remote=Remote.UPLOADED)],
-        LocalRules(keep_last=0, keep_best=0),
+        LocalRetention(keep_last=0, keep_best=0),
         "min",
         False,
         "D K N",
@@ -367,7 +367,7 @@ LOCAL_CASES = [
 )
 def test_local_rules(
     views: list[CheckpointView],
-    rules: LocalRules,
+    rules: LocalRetention,
     mode: MetricMode,
     upload: bool,
     expected: str,
@@ -383,14 +383,15 @@ def test_local_rules(
 
 # (id, checkpoints, local rules, remote rules, expected local, expected remote, reasons subset)
 TIER_CASES: list[
-    tuple[str, list[CheckpointView], LocalRules, RemoteRules, str, str, dict[int, list[str]]]
+    tuple[str, list[CheckpointView], LocalRetention, RemoteRetention, str, str,
+          dict[int, list[str]]]
 ]
 TIER_CASES = [
     (
         "remote_rules_independent_from_local",
         [cp(s, remote=Remote.UPLOADED, metric=float(10 - s // 100)) for s in range(100, 600, 100)],
-        LocalRules(keep_last=1, keep_best=0),
-        RemoteRules(keep_last=3, keep_best=0, keep_every=0, keep_within=None),
+        LocalRetention(keep_last=1, keep_best=0),
+        RemoteRetention(keep_last=3, keep_best=0, keep_every=0, keep_within=""),
         "D D D D K",
         "D D K K K",
         {
@@ -406,8 +407,8 @@ TIER_CASES = [
             cp(300, remote=Remote.UPLOADING),
             cp(400, remote=Remote.NONE),
         ],
-        LocalRules(keep_last=4, keep_best=0),
-        RemoteRules(keep_last=1, keep_best=0, keep_every=0, keep_within=None),
+        LocalRetention(keep_last=4, keep_best=0),
+        RemoteRetention(keep_last=1, keep_best=0, keep_every=0, keep_within=""),
         "K K K K",
         "D K N N",
         {200: ["remote:latest", "remote:keep_last=1"], 300: ["remote:uploading"]},
@@ -420,7 +421,7 @@ TIER_CASES = [
             cp(300, remote=Remote.UPLOADED),
             cp(400),
         ],
-        LocalRules(keep_last=1, keep_best=0),
+        LocalRetention(keep_last=1, keep_best=0),
         OFF_REMOTE,
         "N N D K",
         "K D K N",
@@ -435,7 +436,7 @@ TIER_CASES = [
             cp(3000, remote=Remote.UPLOADED, local=Local.PRUNED, completed=NOW - 1 * DAY),
         ],
         OFF_LOCAL,
-        RemoteRules(keep_last=0, keep_best=0, keep_every=1000, keep_within=30 * DAY),
+        RemoteRetention(keep_last=0, keep_best=0, keep_every=1000, keep_within="30d"),
         "N N N N",
         "K D K K",
         {1000: ["remote:keep_every=1000"], 2500: ["remote:keep_within=30d"]},
@@ -448,8 +449,8 @@ TIER_CASES = [
             cp(300, remote=Remote.UPLOADED, metric=0.2, local=Local.PRUNED),
             cp(400, remote=Remote.UPLOADED, metric=0.8),
         ],
-        LocalRules(keep_last=1, keep_best=0),
-        RemoteRules(keep_last=0, keep_best=2, keep_every=0, keep_within=None),
+        LocalRetention(keep_last=1, keep_best=0),
+        RemoteRetention(keep_last=0, keep_best=2, keep_every=0, keep_within=""),
         "N N N K",
         "K K K K",
         {
@@ -461,7 +462,7 @@ TIER_CASES = [
     (
         "remote_invalid_copy_is_kept_for_a_human",
         [cp(100, remote=Remote.UPLOADED, state=State.INVALID), cp(200, remote=Remote.UPLOADED)],
-        LocalRules(keep_last=1, keep_best=0, delete_invalid=True),
+        LocalRetention(keep_last=1, keep_best=0, delete_invalid=True),
         OFF_REMOTE,
         "D K",
         "K K",
@@ -477,8 +478,8 @@ TIER_CASES = [
 )
 def test_tiers(
     views: list[CheckpointView],
-    local: LocalRules,
-    remote: RemoteRules,
+    local: LocalRetention,
+    remote: RemoteRetention,
     want_local: str,
     want_remote: str,
     why: dict[int, list[str]],
@@ -505,10 +506,10 @@ def disk(free: int, minimum: int) -> Disk:
     return Disk(free_bytes=free * GiB, total_bytes=1000 * GiB, min_free_bytes=minimum * GiB)
 
 
-KEEP_ALL = LocalRules(keep_last=10, keep_best=0)
+KEEP_ALL = LocalRetention(keep_last=10, keep_best=0)
 
 # (id, checkpoints (bytes in GiB), rules, disk, upload, expected local, min_free_unmet, shortfall)
-MIN_FREE_CASES: list[tuple[str, list[CheckpointView], LocalRules, Disk, bool, str, bool, int]]
+MIN_FREE_CASES: list[tuple[str, list[CheckpointView], LocalRetention, Disk, bool, str, bool, int]]
 MIN_FREE_CASES = [
     (
         "frees_oldest_first_and_stops_when_enough",
@@ -543,7 +544,7 @@ MIN_FREE_CASES = [
     (
         "planned_deletes_count_first",
         [cp(s, bytes=10 * GiB) for s in (100, 200, 300, 400)],
-        LocalRules(keep_last=2, keep_best=0),
+        LocalRetention(keep_last=2, keep_best=0),
         disk(5, 20),
         False,
         "D D K K",
@@ -568,7 +569,7 @@ MIN_FREE_CASES = [
             cp(2000, bytes=10 * GiB, metric=0.6),
             cp(2100, bytes=10 * GiB, metric=0.7),
         ],
-        LocalRules(keep_last=3, keep_best=2, keep_every=1000, keep_within=DAY),
+        LocalRetention(keep_last=3, keep_best=2, keep_every=1000, keep_within="1d"),
         disk(0, 15),
         False,
         "K D D K",
@@ -612,7 +613,7 @@ MIN_FREE_CASES = [
 )
 def test_min_free(
     views: list[CheckpointView],
-    rules: LocalRules,
+    rules: LocalRetention,
     dsk: Disk,
     upload: bool,
     expected: str,
@@ -628,7 +629,7 @@ def test_min_free(
 
 def test_min_free_reason_and_reclaimable() -> None:
     views = [cp(s, bytes=10 * GiB) for s in (100, 200, 300, 400)]
-    p = run(views, local=LocalRules(keep_last=3, keep_best=0), disk=disk(5, 25))
+    p = run(views, local=LocalRetention(keep_last=3, keep_best=0), disk=disk(5, 25))
     assert reasons(p)[100] == ("local:not_kept",)
     assert reasons(p)[200] == ("local:min_free",)
     assert p.freed_bytes == 20 * GiB
@@ -656,7 +657,8 @@ def test_preflight_threshold(sizes: list[int], free: int, reclaimable: int, ok: 
 
 
 def test_as_json_matches_spec_shape() -> None:
-    p = run([cp(100), cp(200, remote=Remote.UPLOADED)], local=LocalRules(keep_last=1, keep_best=0))
+    p = run([cp(100), cp(200, remote=Remote.UPLOADED)],
+            local=LocalRetention(keep_last=1, keep_best=0))
     doc = p.as_json("llm-7b")
     assert json.loads(json.dumps(doc)) == doc
     assert list(doc) == ["root", "plan"]
@@ -673,7 +675,7 @@ def test_as_json_matches_spec_shape() -> None:
 
 
 def test_steps_lists_executor_work() -> None:
-    p = run([cp(100), cp(200), cp(300)], local=LocalRules(keep_last=1, keep_best=0))
+    p = run([cp(100), cp(200), cp(300)], local=LocalRetention(keep_last=1, keep_best=0))
     assert p.steps("local", Action.DELETE) == (100, 200)
     assert p.steps("local", Action.KEEP) == (300,)
     assert p.steps("remote", Action.NONE) == (100, 200, 300)
@@ -684,7 +686,10 @@ def test_steps_lists_executor_work() -> None:
     [(DAY, "1d"), (24 * HOUR, "1d"), (36 * HOUR, "1d12h"), (90.0, "1m30s"), (1.5, "1s500ms")],
 )
 def test_keep_within_value_reads_like_config(seconds: float, text: str) -> None:
-    p = run([cp(1, completed=NOW)], local=LocalRules(keep_last=0, keep_best=0, keep_within=seconds))
+    config = f"{round(seconds * 1000)}ms"  # the same rule, written another way
+    local = LocalRetention(keep_last=0, keep_best=0, keep_within=config)
+    assert local.keep_within == seconds
+    p = run([cp(1, completed=NOW)], local=local)
     assert f"local:keep_within={text}" in reasons(p)[1]
     assert parse_duration(text) == seconds  # config reads it back as the same rule
 
@@ -704,7 +709,7 @@ def test_a_multi_node_roots_latest_and_best_are_committed_steps(
         committed_only: bool, expected: dict[int, tuple[str, ...]]) -> None:
     views = [cp(100, metric=0.3), cp(200, metric=0.2, remote=Remote.UPLOADED),
              cp(300, metric=0.1)]
-    p = plan(views, LocalRules(keep_last=1, keep_best=0), OFF_REMOTE, PLENTY, NOW,
+    p = plan(views, LocalRetention(keep_last=1, keep_best=0), OFF_REMOTE, PLENTY, NOW,
              committed_only=committed_only)
     assert reasons(p) == expected
 
@@ -714,15 +719,15 @@ def test_bad_input_is_rejected() -> None:
         run([cp(1), cp(1)])
     with pytest.raises(ValueError, match="metric_mode"):
         run([cp(1)], mode="median")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="negative"):
-        LocalRules(keep_last=-1)
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        LocalRetention(keep_last=-1)  # the config's own check: a count is never negative
     with pytest.raises(ValueError, match="negative"):
         Disk(free_bytes=-1, total_bytes=1, min_free_bytes=0)
 
 
 def test_input_order_does_not_matter() -> None:
     views = [cp(s, metric=float(s % 7)) for s in range(100, 2000, 100)]
-    rules = LocalRules(keep_last=3, keep_best=2, keep_every=500)
+    rules = LocalRetention(keep_last=3, keep_best=2, keep_every=500)
     shuffled = views[:]
     random.Random(3).shuffle(shuffled)
     assert run(views, local=rules) == run(shuffled, local=rules)
@@ -750,7 +755,7 @@ def long_run() -> tuple[list[CheckpointView], dict[str, Any]]:
                 pinned=step == 5000,
             )
         )
-    return views, {"local": LocalRules(), "remote": RemoteRules(), "upload": True}
+    return views, {"local": LocalRetention(), "remote": RemoteRetention(), "upload": True}
 
 
 def disk_pressure() -> tuple[list[CheckpointView], dict[str, Any]]:
@@ -767,10 +772,10 @@ def disk_pressure() -> tuple[list[CheckpointView], dict[str, Any]]:
         cp(8000, bytes=40 * GiB, state=State.PENDING, completed=NOW),
     ]
     return views, {
-        "local": LocalRules(
-            keep_last=3, keep_best=2, keep_every=2000, keep_within=DAY, compress_older=True
+        "local": LocalRetention(
+            keep_last=3, keep_best=2, keep_every=2000, keep_within="1d", compress_older=True
         ),
-        "remote": RemoteRules(keep_last=3, keep_best=1, keep_every=0, keep_within=None),
+        "remote": RemoteRetention(keep_last=3, keep_best=1, keep_every=0, keep_within=""),
         "disk": disk(10, 100),
         "upload": True,
     }
@@ -781,7 +786,7 @@ def stuck_disk() -> tuple[list[CheckpointView], dict[str, Any]]:
     views = [cp(s * 1000, bytes=30 * GiB, metric=2.0 - s / 10) for s in range(1, 7)]
     views[1] = replace(views[1], remote=Remote.UPLOADED)
     views[4] = replace(views[4], pinned=True)
-    return views, {"local": LocalRules(keep_last=1), "disk": disk(2, 50), "upload": True}
+    return views, {"local": LocalRetention(keep_last=1), "disk": disk(2, 50), "upload": True}
 
 
 def no_metric_no_upload() -> tuple[list[CheckpointView], dict[str, Any]]:
@@ -792,7 +797,7 @@ def no_metric_no_upload() -> tuple[list[CheckpointView], dict[str, Any]]:
     ]
     views[2] = replace(views[2], local=Local.COMPRESSED, bytes=GiB // 3)
     views[3] = replace(views[3], state=State.INVALID)
-    rules = LocalRules(keep_last=2, keep_every=200, keep_within=4 * HOUR, compress_older=True)
+    rules = LocalRetention(keep_last=2, keep_every=200, keep_within="4h", compress_older=True)
     return views, {"local": rules, "remote": OFF_REMOTE}
 
 
@@ -809,8 +814,8 @@ def copies(compress_older: bool) -> tuple[list[CheckpointView], dict[str, Any]]:
         cp(700, copy=True, remote=Remote.NONE),
         cp(800, remote=Remote.UPLOADED),  # no copy: no copy decision
     ]
-    local = LocalRules(keep_last=4, keep_best=0, compress_older=compress_older)
-    return views, {"local": local, "remote": RemoteRules(keep_last=10), "upload": True}
+    local = LocalRetention(keep_last=4, keep_best=0, compress_older=compress_older)
+    return views, {"local": local, "remote": RemoteRetention(keep_last=10), "upload": True}
 
 
 SCENARIOS = {
@@ -827,8 +832,8 @@ def scenario_plan(name: str) -> Plan:
     views, opts = SCENARIOS[name]()
     return run(
         views,
-        local=opts.get("local", LocalRules()),
-        remote=opts.get("remote", RemoteRules()),
+        local=opts.get("local", LocalRetention()),
+        remote=opts.get("remote", RemoteRetention()),
         disk=opts.get("disk", PLENTY),
         mode=opts.get("mode", "min"),
         upload=opts.get("upload", False),
@@ -888,19 +893,19 @@ def random_case(rng: random.Random) -> dict[str, Any]:
         )
         for s in steps
     ]
-    local = LocalRules(
+    local = LocalRetention(
         keep_last=rng.randint(0, 4),
         keep_best=rng.randint(0, 3),
         keep_every=rng.choice([0, 100, 500]),
-        keep_within=rng.choice([None, DAY, 3 * DAY]),
+        keep_within=rng.choice(["", "1d", "3d"]),
         compress_older=rng.random() < 0.5,
         delete_invalid=rng.random() < 0.5,
     )
-    remote = RemoteRules(
+    remote = RemoteRetention(
         keep_last=rng.randint(0, 4),
         keep_best=rng.randint(0, 3),
         keep_every=rng.choice([0, 1000]),
-        keep_within=rng.choice([None, 5 * DAY]),
+        keep_within=rng.choice(["", "5d"]),
     )
     d = disk(rng.randint(0, 60), rng.randint(0, 60))
     return {
@@ -947,7 +952,7 @@ def check_invariants(case: dict[str, Any], p: Plan) -> None:
         for r in i.reasons:
             tier, _, rest = r.partition(":")
             tag = rest.partition("=")[0]
-            assert tier in ("local", "remote", "copy") and tag in set(Tag), r
+            assert tier in ("local", "remote", "copy") and tag in {*Tag, *RULES}, r
         assert (i.local is Action.NONE) == (v.local is Local.PRUNED)
         assert (i.remote is Action.NONE) == (v.remote is not Remote.UPLOADED)
         assert i.remote is not Action.COMPRESS
@@ -1027,8 +1032,8 @@ def doc_example() -> tuple[list[CheckpointView], Plan]:
     ]
     p = run(
         views,
-        local=LocalRules(keep_last=2, keep_best=1, delete_invalid=True),
-        remote=RemoteRules(keep_last=2, keep_best=1, keep_every=1000, keep_within=None),
+        local=LocalRetention(keep_last=2, keep_best=1, delete_invalid=True),
+        remote=RemoteRetention(keep_last=2, keep_best=1, keep_every=1000, keep_within=""),
         upload=True,
     )
     return views, p
