@@ -1,13 +1,14 @@
-"""A new layout, a new object store and a new codec name are each one registration
-(docs/DESIGN.md, "How to extend"): registered here in-process, the config accepts them,
-detection finds the layout, `make_backend` opens the store, `make_encoder` builds the codec's
-encoder, and no list elsewhere in ckptd/ had to learn their names."""
+"""A new layout, a new object store, a new codec name and a new retention rule are each one
+registration (docs/DESIGN.md, "How to extend"): registered here in-process, the config accepts
+them, detection finds the layout, `make_backend` opens the store, `make_encoder` builds the
+codec's encoder, the planner keeps what the rule keeps with its reason, and no list elsewhere in
+ckptd/ had to learn their names."""
 
 from __future__ import annotations
 
 import ast
 import io
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,12 @@ import pytest
 from ckptd import backends, codec, layouts, model
 from ckptd.backends import LocalBackend, backend_for_upload
 from ckptd.codec import Encoder, encoder
+from ckptd.config import LocalRetention, RemoteRetention, load_config
 from ckptd.config import fields as config_fields
-from ckptd.config import load_config
 from ckptd.errors import ConfigError
 from ckptd.layouts import common
-from ckptd.model import Candidate, FileInfo, RootOptions, Snapshot
+from ckptd.model import Candidate, FileInfo, Local, Remote, RootOptions, Snapshot, State, Tier
+from ckptd.retention import planner, rules
 from ckptd.stages.multinode import records
 
 CKPTD = Path(__file__).resolve().parents[2] / "ckptd"
@@ -65,8 +67,11 @@ def registries(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(encoder, "SUFFIXES", dict(encoder.SUFFIXES))
     monkeypatch.setattr(codec, "SUFFIXES", encoder.SUFFIXES)
     codecs = list(model.CODECS)
+    keep_rules = dict(rules.RULES)
     yield
     model.CODECS[:] = codecs
+    rules.RULES.clear()
+    rules.RULES.update(keep_rules)
     config_fields.STORAGE_SCHEMES.clear()
     config_fields.STORAGE_SCHEMES.update(schemes)
     layouts._field_readers.cache_clear()
@@ -153,6 +158,46 @@ def test_a_new_codec_name_is_one_registration(tmp_path: Path, registries: None) 
     assert codec.codec_suffix("raw") == ".raw" and made[0]["level"] == 5
     with pytest.raises(ValueError, match="already"):
         codec.register("raw", make_raw, ".raw")
+
+
+class FirstsRetention(RemoteRetention):
+    """`[roots.retention.remote]` with one setting more: keep the N oldest copies."""
+
+    keep_first: config_fields.Count = 0
+
+
+def test_a_new_retention_rule_is_one_registration(registries: None) -> None:
+    def view(step: int) -> planner.CheckpointView:
+        return planner.CheckpointView(step, State.VALID, Local.PRUNED, Remote.UPLOADED,
+                                      completed=NOW - 100 + step, bytes=1)
+
+    @rules.keep_rule("keep_first")
+    def keep_first(valid: Sequence[rules.Kept], tier: Tier, n: int,
+                   ctx: rules.Context) -> list[rules.Kept]:
+        return sorted(valid, key=lambda v: v.step)[:n]
+
+    remote = FirstsRetention(keep_last=1, keep_best=0, keep_every=20, keep_within="",
+                             keep_first=2)
+    disk = planner.Disk(free_bytes=100, total_bytes=100, min_free_bytes=0)
+    p = planner.plan([view(s) for s in (10, 20, 30, 40)], LocalRetention(), remote, disk, NOW)
+    assert {i.step: (i.remote, i.reasons) for i in p.items} == {
+        10: (planner.Action.KEEP, ("remote:keep_first=2",)),
+        20: (planner.Action.KEEP, ("remote:keep_every=20", "remote:keep_first=2")),
+        30: (planner.Action.DELETE, ("remote:not_kept",)),
+        40: (planner.Action.KEEP, ("remote:latest", "remote:keep_last=1", "remote:keep_every=20")),
+    }
+    # Off (0) keeps nothing; a tier whose table lacks the setting is not asked.
+    p = planner.plan([view(s) for s in (10, 30)], LocalRetention(),
+                     remote.model_copy(update={"keep_first": 0}), disk, NOW)
+    assert [i.remote for i in p.items] == [planner.Action.DELETE, planner.Action.KEEP]
+    with pytest.raises(ValueError, match="already"):
+        rules.keep_rule("keep_first")(keep_first)
+
+
+def test_every_keep_setting_has_its_rule_and_every_rule_its_setting() -> None:
+    settings = {name for model in (LocalRetention, RemoteRetention)
+                for name in model.model_fields if name.startswith("keep_")}
+    assert settings == set(rules.RULES)
 
 
 def _string_lists(path: Path) -> Iterator[tuple[int, set[str]]]:
