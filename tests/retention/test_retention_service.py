@@ -11,16 +11,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import BinaryIO
 
 import pytest
 from support.clock import FakeClock
+from support.passthrough import PassThrough
 
 from ckptd.api.documents import ApiContext
 from ckptd.api.door import bind_socket
 from ckptd.api.server import UnixHttpServer
 from ckptd.backends import Backend, LocalBackend
-from ckptd.backends.base import SMALL_OBJECT_MAX, ObjectMeta, Source
 from ckptd.cli.main import main as cli_main
 from ckptd.client import Client
 from ckptd.clock import SYSTEM, Clock
@@ -41,46 +40,16 @@ REMOTE_ONLY_STEPS = (1, 2, 3, 4, 5, 6)  # keep_last=1 remotely: 1..5 go, 6 stays
 FAILED = [(s, "remote", "failed") for s in REMOTE_ONLY_STEPS[:-1]]
 
 
-class OverlapRecorder:
+class OverlapRecorder(PassThrough):
     """A Backend whose deletes take a while and then fail transiently, so every run tries the
     same deletes again; it records the threads that call it and the most calls in flight."""
 
     def __init__(self, inner: Backend, delay: float = 0.02) -> None:
-        self.inner, self.delay = inner, delay
+        super().__init__(inner)
+        self.delay = delay
         self._lock = threading.Lock()
         self.active = self.max_active = self.deletes = 0
         self.threads: set[int] = set()
-
-    @property
-    def url(self) -> str:
-        return self.inner.url
-
-    @property
-    def part_size(self) -> int:
-        return self.inner.part_size
-
-    @property
-    def md5_etags(self) -> bool:
-        return self.inner.md5_etags
-
-    def put(self, key: str, src: Source, size: int | None = None, *,
-            create_only: bool = False, if_match: str | None = None) -> ObjectMeta:
-        return self.inner.put(key, src, size, create_only=create_only, if_match=if_match)
-
-    def get(self, key: str, dst: BinaryIO, etag: str | None = None) -> int:
-        return self.inner.get(key, dst, etag=etag)
-
-    def get_bytes(self, key: str, limit: int = SMALL_OBJECT_MAX) -> bytes:
-        return self.inner.get_bytes(key, limit)
-
-    def get_versioned(self, key: str, limit: int = SMALL_OBJECT_MAX) -> tuple[bytes, str]:
-        return self.inner.get_versioned(key, limit)
-
-    def stat(self, key: str) -> ObjectMeta:
-        return self.inner.stat(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
-        return self.inner.list(prefix)
 
     def delete(self, key: str) -> None:
         with self._lock:
