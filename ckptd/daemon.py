@@ -35,6 +35,7 @@ from ckptd.service.health import Health
 from ckptd.service.lease import Leases
 from ckptd.service.metrics import Metrics, MetricsServer
 from ckptd.service.observe import SafeTimes, root_samples, summary
+from ckptd.service.memory import MemoryService
 from ckptd.service.persist import PersistService
 from ckptd.service.recovery import StateDirLock
 from ckptd.service.retention import RUN_BOUND_S as RETENTION_S
@@ -134,14 +135,19 @@ class Daemon:
         store.set_on_commit(SafeTimes(store, self.metrics, self.clock, self.effects))
         self.scanner.set_roots(self.roots())
         leases.tick()  # takes what is free, then scans and publishes only those
+        self.memory = MemoryService(lambda: self.config, self.roots,
+                                    lambda peer, what: self.persist.check_peer(peer, what),
+                                    self.clock)
         self.persist = PersistService(store, self.roots, self.scanner.wake,
                                       lambda: self.config.daemon.socket,
                                       lambda: self.config.daemon.socket_group,
                                       calls=self.supervisor.calls, nets=self.retention.nets,
-                                      clock=self.clock)
+                                      clock=self.clock, own=self.memory.own,
+                                      kept=self.memory.kept)
+        self.metrics.set_memory(self.memory.held)
         self.ctx = ApiContext(store, self.roots, self.changes, self.scanner, self.workers,
                               self.retention, self.discovery, self.supervisor, self.metrics,
-                              leases, self.persist, clock=self.clock)
+                              leases, self.persist, clock=self.clock, memory=self.memory)
         self.server = UnixHttpServer(sock, self.ctx)
         self.health = Health(self.supervisor, self.workers, self.scanner, store, self.ctx,
                              lambda: self.config.daemon.scan_interval, STOP_GRACE_S)
@@ -177,6 +183,7 @@ class Daemon:
         sup.add("discovery", self.discovery.run, halt=self.discovery.wake)
         sup.add("retention", self.retention.run, halt=self.retention.wake)
         sup.add("persist", self.persist.run)
+        sup.add("memory", self.memory.run, halt=self.memory.wake)
         for name in self.workers.names:
             sup.add(name, functools.partial(self.workers.run, name), halt=self.workers.wake)
 

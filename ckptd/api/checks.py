@@ -145,3 +145,19 @@ def _limits(path: str) -> tuple[int, int]:
         return os.pathconf(path, "PC_NAME_MAX"), os.pathconf(path, "PC_PATH_MAX")
     except (OSError, ValueError):
         return 255, 4096
+
+
+def memory_request(body: Any) -> tuple[str, int, int]:
+    """`POST /v1/memory/open`'s body: `{"root", "step", "rank"}`, each checked."""
+    if not isinstance(body, dict) or set(body) - {"root", "step", "rank"}:
+        raise HttpError(400, "bad_request", 'the body must be {"root", "step", "rank"}')
+    root = body.get("root")
+    if not isinstance(root, str) or not root:
+        raise HttpError(400, "bad_field", "root must be a root's name")
+    values = []
+    for name, high in (("step", MAX_STEP - 1), ("rank", (1 << 16) - 1)):
+        value = body.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+            raise HttpError(400, "bad_field", f"{name} must be an integer from 0 to {high}")
+        values.append(value)
+    return text(root, "root", 128), values[0], values[1]

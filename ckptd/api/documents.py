@@ -17,7 +17,9 @@ from ckptd import __version__
 from ckptd.api import checks
 from ckptd.api.seams import (
     Discovery,
+    Memory,
     MetricsText,
+    NoMemory,
     NoPersist,
     NoRootLeases,
     Persist,
@@ -46,7 +48,7 @@ class ApiContext:
                  changes: Changes, scan: Scan, workers: Workers, retention: Retention,
                  discovery: Discovery, services: Services, metrics: MetricsText,
                  leases: RootLeases | None = None, persist: Persist | None = None,
-                 clock: Clock = SYSTEM) -> None:
+                 clock: Clock = SYSTEM, memory: Memory | None = None) -> None:
         """`clock`: the daemon's, which readers' holds and registrations are timed by."""
         self.clock = clock
         self.store = store
@@ -60,6 +62,7 @@ class ApiContext:
         self.metrics = metrics
         self.leases: RootLeases = leases if leases is not None else NoRootLeases()
         self.persist: Persist = persist if persist is not None else NoPersist()
+        self.memory: Memory = memory if memory is not None else NoMemory()
         self.started = clock.monotonic()
         self.stopping = threading.Event()
         self.problem: str | None = None  # why the daemon stopped acting (set by the daemon)
@@ -104,7 +107,8 @@ class ApiContext:
                 "in_flight": self.workers.in_flight() + self.persist.in_flight(),
                 "flushing": [{"root": r, "step": s}
                              for r, s in self.workers.flushing().items()],
-                "services": self.services.health(), "problem": self.problem}
+                "services": self.services.health(), "problem": self.problem,
+                "memory": self.memory.status_json()}
 
     def root_status(self, root: RootConfig) -> dict[str, Any]:
         info = self.store.root_info(root.name)

@@ -67,18 +67,31 @@ class Prefixed(io.RawIOBase):
 
 
 class Writer(io.BufferedIOBase):
-    """A socket's writer that sends every byte it is given (a plain SocketIO may send part)."""
+    """A socket's writer that sends every byte it is given (a plain SocketIO may send part);
+    descriptors given to `attach` go (SCM_RIGHTS) with the first bytes written after it."""
 
     def __init__(self, conn: socket.socket) -> None:
         self._conn = conn
+        self._fds: list[int] = []
 
     def writable(self) -> bool:
         return True
 
+    def attach(self, fds: list[int]) -> None:
+        self._fds = list(fds)
+
     def write(self, data: Any) -> int:
-        self._conn.sendall(data)
         with memoryview(data) as view:
-            return view.nbytes
+            n = view.nbytes
+            if self._fds and n:
+                fds, self._fds = self._fds, []
+                sent = self._conn.sendmsg(
+                    [view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                if sent < n:
+                    self._conn.sendall(view[sent:])
+                return n
+        self._conn.sendall(data)
+        return n
 
 
 # -- the connection loop -------------------------------------------------------------------------

@@ -5,7 +5,10 @@ Holds no state and no logic of its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from ckptd.config import RootConfig
@@ -87,6 +90,30 @@ class NoPersist:
 
     def in_flight(self) -> list[dict[str, Any]]:
         return []
+
+
+class Memory(Protocol):
+    def open(self, root: str, step: int, rank: int, peer: tuple[int, int, int]
+             ) -> AbstractContextManager[tuple[dict[str, Any], list[int]]]:
+        """The state a load of `rank` at `step` reads from memory: the answer's document and
+        the descriptors that go with it (closed on the way out); HttpError 404 naming each
+        tier and why it cannot serve the step."""
+        ...
+
+    def status_json(self) -> dict[str, Any]: ...
+
+
+class NoMemory:
+    """No memory service (a bare context in tests): nothing is kept."""
+
+    @contextlib.contextmanager
+    def open(self, root: str, step: int, rank: int, peer: tuple[int, int, int]
+             ) -> Iterator[tuple[dict[str, Any], list[int]]]:
+        raise HttpError(404, "not_in_memory", "this daemon keeps no state in memory")
+        yield {}, []  # pragma: no cover
+
+    def status_json(self) -> dict[str, Any]:
+        return {"own_bytes": 0, "peer_bytes": 0, "roots": []}
 
 
 class NoRootLeases:

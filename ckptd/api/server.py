@@ -52,6 +52,7 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("POST", r"^/v1/flush", "flush"),
     ("POST", r"^/v1/persist", "persist"),
     ("GET", r"^/v1/persist/(?P<job>[0-9a-f]{1,64})", "persist_outcome"),
+    ("POST", r"^/v1/memory/open", "memory_open"),
     ("GET", _ROOT + "/checkpoints", "list"),
     ("POST", _ROOT + "/checkpoints", "register"),
     ("GET", _ROOT + "/latest", "latest"),
@@ -93,7 +94,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.passed_fds = fds
             conn.rfile = io.BufferedReader(Prefixed(first, self.connection))
         self.rfile = conn.rfile
-        self.wfile = Writer(self.connection)
+        self.writer = Writer(self.connection)
+        self.wfile = self.writer
 
     def handle(self) -> None:
         """The requests the client has sent: one, and more only if they are already here
@@ -146,6 +148,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             body = self._body() if method in ("POST", "PUT") else None
             status, payload = self._route(method, url.path, query, body)
+            if status < 0:
+                return  # answered by the handler itself (descriptors went with it)
         except HttpError as err:
             status, payload = err.status, {"error": err.code, "message": err.message}
         except Exception as exc:  # broad: never let a bug kill the connection thread silently
@@ -248,9 +252,23 @@ class Handler(BaseHTTPRequestHandler):
                 os.close(fd)
             raise HttpError(400, "no_arena", "send exactly one arena descriptor (SCM_RIGHTS)"
                             " with the first bytes of a new connection")
+        return 202, self.ctx.persist.accept(fds[0], body, self._peer())
+
+    def _peer(self) -> tuple[int, int, int]:
+        """The client's (pid, uid, gid), as the kernel gives them (SO_PEERCRED)."""
         pid, uid, gid = struct.unpack("3i", self.connection.getsockopt(
             socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        return 202, self.ctx.persist.accept(fds[0], body, (pid, uid, gid))
+        return pid, uid, gid
+
+    def h_memory_open(self, body: Any, **_: Any) -> tuple[int, Any]:
+        """A restarted trainer's state from memory: the kept arenas' descriptors go with the
+        answer's first bytes (SCM_RIGHTS), as the save's came with the request's."""
+        self._not_stopping()
+        root, step, rank = checks.memory_request(body)
+        with self.ctx.memory.open(root, step, rank, self._peer()) as (doc, fds):
+            self.writer.attach(fds)
+            self._send(200, doc)
+        return -1, None
 
     def h_persist_outcome(self, job: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         timeout = checks.number(query.get("timeout", "0"), "timeout", 0.0, MAX_WAIT_S)

@@ -238,9 +238,23 @@ def _listen(value: str) -> str:
     return value
 
 
-def _split_listen(value: str) -> tuple[str, int] | None:
+def _peer_listen(value: str) -> str:
+    """`memory.listen` / `memory.advertise`: an address as `_listen` takes, or port 0 (an
+    ephemeral port, advertised as bound: for tests and single-host jobs)."""
+    if not value:
+        return value
+    if _split_listen(value, any_port=True) is None:
+        raise BadValue(
+            f'{_show(value)} is not an address: use "IP:PORT", e.g. "10.0.0.5:9465",'
+            ' "[::1]:9465", or ":PORT" for every interface'
+        )
+    return value
+
+
+def _split_listen(value: str, any_port: bool = False) -> tuple[str, int] | None:
     host, sep, port = value.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+    low = 0 if any_port else 1
+    if not sep or not (port.isascii() and port.isdigit()) or not low <= int(port) < 65536:
         return None
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

@@ -20,7 +20,14 @@ from ckptd.config.errors import _key_path, _unknown_key, _validate
 from ckptd.config.fields import (
     _show,
 )
-from ckptd.config.schema import Config, DaemonConfig, MetricsConfig, RootConfig, _Model
+from ckptd.config.schema import (
+    Config,
+    DaemonConfig,
+    MemoryConfig,
+    MetricsConfig,
+    RootConfig,
+    _Model,
+)
 from ckptd.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/ckptd/ckptd.toml")
@@ -42,7 +49,7 @@ def find_config(explicit: str | os.PathLike[str] | None = None) -> Path | None:
 
 
 _M = TypeVar("_M", bound=_Model)
-_TOP_KEYS = ("daemon", "metrics", "defaults", "roots")
+_TOP_KEYS = ("daemon", "metrics", "memory", "defaults", "roots")
 _ROOT_ONLY = ("name", "path")
 
 
@@ -96,14 +103,18 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, *, source: str = "conf
     problems += [_unknown_key(key, key, _TOP_KEYS) for key in data if key not in _TOP_KEYS]
     daemon = _daemon(data, env or {}, context, problems)
     metrics = _section("metrics", MetricsConfig, data, context, problems)
+    memory = _section("memory", MemoryConfig, data, context, problems)
+    if memory is not None and memory.secret_file:  # relative to the config file, as paths are
+        memory = memory.model_copy(update={"secret_file": str(
+            context["base_dir"] / Path(memory.secret_file).expanduser())})
     defaults = _table(data, "defaults", problems)
     _check_defaults(defaults, context, problems)
     defaults = {key: value for key, value in defaults.items() if key not in _ROOT_ONLY}
     roots = _roots(data, defaults, context, problems)
     problems += _overlaps(daemon.state_dir if daemon else None, roots)
-    if daemon is None or metrics is None or problems:
+    if daemon is None or metrics is None or memory is None or problems:
         raise ConfigError(_summary(source, problems))
-    return Config(daemon=daemon, metrics=metrics,
+    return Config(daemon=daemon, metrics=metrics, memory=memory,
                   roots=tuple(r for r in roots.values() if r.path.name != "*"),
                   globs=tuple(r for r in roots.values() if r.path.name == "*"))
 

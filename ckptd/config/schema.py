@@ -18,6 +18,7 @@ from pydantic import (
     SecretStr,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic.fields import FieldInfo
 
@@ -49,6 +50,7 @@ from ckptd.config.fields import (
     _lease_timeout,
     _listen,
     _node,
+    _peer_listen,
     _one_of,
     _redact_url,
     _root_name,
@@ -100,6 +102,41 @@ class MetricsConfig(_Model):
     def address(self) -> tuple[str, int] | None:
         """(host, port) to listen on, or None when /metrics is served on the socket only."""
         return _split_listen(self.listen) if self.listen else None
+
+
+class MemoryConfig(_Model):
+    """[memory]: the state kept in memory for a restart, and the copies peers hold
+    (docs/MEMORY.md)."""
+
+    keep: Flag = True
+    replicas: Annotated[int, Field(ge=0, le=16), Expect("a whole number from 0 to 16")] = 0
+    listen: Annotated[str, AfterValidator(_peer_listen), Expect("a string")] = ""
+    advertise: Annotated[str, AfterValidator(_peer_listen), Expect("a string")] = ""
+    secret_file: Text = ""
+    max_bytes: Free = FreeSpace(percent=25.0)
+    max_bandwidth: Rate = None
+    # A peer that sends nothing for this long is skipped (and one that does not answer).
+    timeout: PositiveDuration = 30.0
+
+    @model_validator(mode="after")
+    def _peers_need_a_secret(self) -> MemoryConfig:
+        if self.replicas > 0 and not self.secret_file:
+            raise ValueError("memory.replicas > 0 needs memory.secret_file (the job's shared"
+                             " secret every peer request proves)")
+        if self.listen and not self.secret_file:
+            raise ValueError("memory.listen needs memory.secret_file: peers are answered only"
+                             " with the job's shared secret")
+        return self
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) to listen on for peers, or None when this daemon takes no peer
+        requests."""
+        return _split_listen(self.listen, any_port=True) if self.listen else None
+
+    def cap_bytes(self, ram: int) -> int:
+        """`max_bytes` in bytes, given the machine's memory."""
+        return self.max_bytes.required(ram)
 
 
 class CodecConfig(_Model):
@@ -205,6 +242,7 @@ class RootConfig(_Model):
 class Config(_Model):
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     roots: tuple[RootConfig, ...] = ()
     # Entries whose path ends in "/*": one root per directory under it (docs/OPERATIONS.md).
     globs: tuple[RootConfig, ...] = ()
@@ -229,6 +267,7 @@ class Config(_Model):
         return {
             "daemon": _plain(self.daemon),
             "metrics": _plain(self.metrics),
+            "memory": _plain(self.memory),
             "roots": [_plain(root) for root in self.roots + self.globs],
         }
 
@@ -244,6 +283,8 @@ def needs_restart(old: Config, new: Config) -> list[str]:
     """The keys whose change a reload cannot apply (they take effect at the next start)."""
     keys = [f"daemon.{k}" for k in _READ_AT_START
             if getattr(old.daemon, k) != getattr(new.daemon, k)]
+    keys += [f"memory.{k}" for k in ("listen", "advertise", "secret_file")
+             if getattr(old.memory, k) != getattr(new.memory, k)]
     return keys + (["metrics.listen"] if old.metrics != new.metrics else [])
 
 

@@ -58,6 +58,8 @@ class Metrics:
         self._health: Callable[[], tuple[bool, Sequence[Any]]] = lambda: (False, ())
         self.registry.register(_RootCollector(lambda: self._samples()))
         self.registry.register(_HealthCollector(lambda: self._health(), clock))
+        self._memory: Callable[[], Iterable[tuple[str, int, int]]] = lambda: ()
+        self.registry.register(_MemoryCollector(lambda: self._memory()))
         self._define_activity()
         self._define_daemon(version, clock.time())
         if process:  # process_resident_memory_bytes etc.: the bounded-memory promise, visible
@@ -135,6 +137,11 @@ class Metrics:
         """Where health comes from at each scrape: (degraded, the calls past their bound,
         each with who, stage, root, step and `quiet_s(now)` as `supervisor.Call` has)."""
         self._health = health
+
+    def set_memory(self, held: Callable[[], Iterable[tuple[str, int, int]]]) -> None:
+        """What `ckptd_memory_held_bytes` reads at scrape time: (root, bytes kept for this
+        node's trainers, bytes held for peers) per root."""
+        self._memory = held
 
     def set_roots(self, names: Iterable[str]) -> None:
         """The configured roots (at start and after each reload): a new root's counters and
@@ -356,3 +363,25 @@ def _only_metrics(app: Any) -> Any:
         return app(environ, start_response)
 
     return serve
+
+
+_MEMORY_DOC = ("Bytes of checkpoint state held in memory: tier=own, the arenas kept for this"
+               " node's restarted trainers; tier=peers, the replicas held for other nodes.")
+
+
+class _MemoryCollector(Collector):
+    """`ckptd_memory_held_bytes{tier, root}`, read at scrape time."""
+
+    def __init__(self, held: Callable[[], Iterable[tuple[str, int, int]]]) -> None:
+        self._held = held
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("ckptd_memory_held_bytes", _MEMORY_DOC, labels=["tier", "root"])
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("ckptd_memory_held_bytes", _MEMORY_DOC,
+                                   labels=["tier", "root"])
+        for root, own, peers in self._held():
+            family.add_metric(["own", root], float(own))
+            family.add_metric(["peers", root], float(peers))
+        yield family

@@ -28,6 +28,7 @@ from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.errors import BadValue, HttpError
 from ckptd.log import get_logger
+from ckptd.memory.own import Kept, KeptFile, OwnArenas
 from ckptd.retention import executor
 from ckptd.retention.views import StoreNets
 from ckptd.service.supervisor import Calls
@@ -60,16 +61,21 @@ class PersistService:
     def __init__(self, store: Store, roots: Callable[[], Mapping[str, RootConfig]],
                  wake_scan: Callable[[], None], socket_path: Callable[[], Path],
                  socket_group: Callable[[], str], calls: Calls | None = None, *,
-                 nets: AbstractContextManager[Any], clock: Clock = SYSTEM) -> None:
+                 nets: AbstractContextManager[Any], clock: Clock = SYSTEM,
+                 own: OwnArenas | None = None,
+                 kept: Callable[[Kept], None] | None = None) -> None:
         """`calls`: the supervisor's call board, where each save's write says what it is
         busy with; its bytes written are its progress. `nets`: the lock pins and readers'
         holds take, under which an earlier save of a step saved again is replaced. `clock`:
-        what a save is timed and registered by (the stop's grace is a real wait)."""
+        what a save is timed and registered by (the stop's grace is a real wait). `own`: where
+        a written arena is kept for a restart (None: let go once written); `kept` is told of
+        each state kept (replication)."""
         self.store, self.roots, self.wake_scan = store, roots, wake_scan
         self.nets = nets
         self.clock = clock
         self.calls = calls if calls is not None else Calls(clock)
         self._socket_path, self._socket_group = socket_path, socket_group
+        self.own, self._kept = own, kept
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
         self._lock = threading.Lock()
         self._stopping = False
@@ -103,12 +109,18 @@ class PersistService:
                       peer_pid=job.peer_pid, job=job.id)
         return {"id": job.id, "root": job.req.root, "step": job.req.step}
 
-    def _check(self, fd: int, body: Any, peer: tuple[int, int, int]) -> _Job:
+    def check_peer(self, peer: tuple[int, int, int], what: str) -> None:
+        """403 unless the client (pid, uid, gid) is the daemon's user or in the socket's
+        group: the only clients that may hand over an arena or be handed one."""
         pid, uid, gid = peer
         if not arena.peer_allowed(uid, arena.peer_groups(pid, gid), os.geteuid(),
                                   self._group_id()):
             raise HttpError(403, "forbidden", f"uid {uid} is neither the daemon's user nor in"
-                            " the socket's group: it may not hand over an arena")
+                            f" the socket's group: it may not {what}")
+
+    def _check(self, fd: int, body: Any, peer: tuple[int, int, int]) -> _Job:
+        pid = peer[0]
+        self.check_peer(peer, "hand over an arena")
         try:
             size = arena.check_memfd(fd)
             _check_access(fd)
@@ -181,6 +193,7 @@ class PersistService:
         who = f"persist-{job.id[:8]}"
         self.calls.begin(who, "persist", job.req.root, job.req.step, STALL_BOUND_S,
                          progress=lambda: job.cancel.written)
+        written = None
         try:
             mm = mmap.mmap(job.fd, job.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             written = self._write(job, mm)
@@ -195,6 +208,8 @@ class PersistService:
         finally:
             if mm is not None:
                 self._release(mm, job.req.generation, arena_state)
+            if written is not None and arena_state is arena.State.PERSISTED:
+                self._keep(job, written)
             os.close(job.fd)
             self.calls.end(who)
             job.done.set()
@@ -219,6 +234,25 @@ class PersistService:
                                 metrics if isinstance(metrics, dict) else {}, self.clock.time())
             self.wake_scan()
         return written
+
+    def _keep(self, job: _Job, written: stage.Written) -> None:
+        """Keep the persisted arena for a restart (its descriptor, no copy), with the hash of
+        each file as it was written from it."""
+        if self.own is None:
+            return
+        hashes = {str(e["path"]): str(e["hash"]) for e in written.files}
+        req = job.req
+        files = tuple(KeptFile(f.path, f.component, f.offset, f.size, hashes[f.path])
+                      for f in req.files if f.path in hashes)
+        if len(files) != len(req.files):
+            return  # not every file's hash came back: nothing to check a load against
+        kept = Kept(req.root, req.rank, req.world_size, req.step, req.generation,
+                    os.dup(job.fd), job.size, files, dict(req.head))
+        self.own.keep(kept)
+        self.log.info("memory_kept", root=req.root, step=req.step, rank=req.rank,
+                      bytes=kept.nbytes)
+        if self._kept is not None:
+            self._kept(kept)
 
     @staticmethod
     def _release(mm: mmap.mmap, generation: int, state: arena.State) -> None:

@@ -23,7 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptd.errors import BadInput, BadValue, CkptdError, ConfigError, NotFound, ValidationFailed
+from ckptd.errors import (
+    BadInput,
+    BadValue,
+    CkptdError,
+    ConfigError,
+    CorruptData,
+    NotFound,
+    ValidationFailed,
+)
 from ckptd.lifecycle import answers
 from ckptd.model import CKPTD_DIR, Local
 from ckptd.restore import answer
@@ -64,32 +72,120 @@ def load(
 ) -> tuple[int, dict[str, Any]]:
     """Load a checkpoint's state into the given objects in place; return `(step, meta)`.
 
-    `meta` is meta.json's content plus `path` and, when the checkpoint has one, `extra`.
-    `source`: "local" reads the root's disk (restoring a compressed copy first); "remote"
-    streams the step straight from the root's remote (`config=` or `remote=`, as
-    `ckptd.dcp.StorageReader`), no staging disk; "auto" (default): local when the step is
-    here, else the remote.
+    `meta` is meta.json's content plus `path`, `source` (which tier served it: `memory`,
+    `peer:<node>`, `local` or `remote`) and, when the checkpoint has one, `extra`.
+    `source`: "memory" reads the state the daemon keeps in memory (this node's, else a
+    peer's copy) and nothing else; "local" reads the root's disk (restoring a compressed copy
+    first); "remote" streams the step straight from the root's remote (`config=` or
+    `remote=`, as `ckptd.dcp.StorageReader`), no staging disk; "auto" (default): memory when
+    it holds the chosen step whole, else local when the step is here, else the remote.
     """
-    if source not in ("auto", "local", "remote"):
-        raise BadValue(f"source must be 'auto', 'local' or 'remote', not {source!r}")
+    if source not in ("auto", "memory", "local", "remote"):
+        raise BadValue(f"source must be 'auto', 'memory', 'local' or 'remote', not {source!r}")
     opts = _LoadOpts(map_location, strict, upcast_bf16, assign)
     objs = (model, optimizer, scheduler, scaler, ema)
     name = root_name or Path(path_or_root).resolve().name
+    if source in ("auto", "memory"):
+        served = _load_memory(Path(path_or_root), name, step, objs, rank, restore_rng, opts,
+                              client, only=source == "memory")
+        if served is not None:
+            return served
     if source == "remote":
-        return _load_remote(name, step, objs, rank, restore_rng, opts, config, remote)
+        return _sourced(_load_remote(name, step, objs, rank, restore_rng, opts, config, remote),
+                        "remote")
     try:
         found = _locate(path_or_root, step, root_name, client, stream=source == "auto")
     except NotFound as local:
         if source == "local":
             raise
         try:
-            return _load_remote(name, step, objs, rank, restore_rng, opts, config, remote)
+            return _sourced(_load_remote(name, step, objs, rank, restore_rng, opts, config,
+                                         remote), "remote")
         except (NotFound, ConfigError) as far:
             raise NotFound(f"{local}; and from the remote: {far}") from None
     if isinstance(found, int):  # only the remote has it: streamed, never staged on disk
-        return _load_remote(name, found, objs, rank, restore_rng, opts, config, remote)
+        return _sourced(_load_remote(name, found, objs, rank, restore_rng, opts, config,
+                                     remote), "remote")
     with _hold(found, root_name, client):
-        return _load_into(found, *objs, rank, restore_rng, opts)
+        return _sourced(_load_into(found, *objs, rank, restore_rng, opts), "local")
+
+
+def _sourced(loaded: tuple[int, dict[str, Any]], source: str) -> tuple[int, dict[str, Any]]:
+    loaded[1]["source"] = source
+    return loaded
+
+
+def _load_memory(path: Path, name: str, step: int | str, objs: tuple[Any, ...],
+                 rank: int | None, restore_rng: bool, opts: _LoadOpts, client: Any,
+                 only: bool) -> tuple[int, dict[str, Any]] | None:
+    """The chosen step from the state the daemon keeps in memory, or None (with `only`:
+    NotFound naming each tier and why) when it holds no whole copy of it."""
+    from ckptd.torch import _memory
+
+    if not path.is_dir() or (path / "meta.json").is_file():
+        if only:
+            raise NotFound(f"{path}: a load from memory takes a root directory")
+        return None  # a step directory or a file names itself: read it
+    chosen: Any = step
+    if step == "latest":
+        info = _ask_latest(path, name, client)
+        chosen = info.get("step") if info is not None else None
+        if chosen is None:
+            if only:
+                raise NotFound(f"{name}: the daemon names no valid step to load from memory")
+            return None
+    r = _rank_world(None, None)[0] if rank is None else rank
+    if client is None:
+        from ckptd.client import Client
+
+        client = Client()
+    try:
+        doc, fds = _memory.open_state(client.socket, name, int(chosen), r, timeout=600.0)
+        state = _memory.MemoryState(doc, fds)
+    except CkptdError as exc:
+        if only:
+            raise NotFound(f"step {chosen} of {name} from memory: {exc}") from None
+        level = logging.WARNING if "peer " in str(exc) or "hash" in str(exc) else logging.INFO
+        log.log(level, "ckptd.torch: step %s of %s not from memory (%s); reading it from disk"
+                " or the remote", chosen, name, exc)
+        return None
+    try:
+        loaded = _from_arenas(state, int(chosen), objs, r, restore_rng, opts)
+    except _memory.TornState as exc:
+        if only:
+            raise
+        log.warning("ckptd.torch: %s; reading step %s from disk or the remote", exc, chosen)
+        return None
+    finally:
+        state.close()
+    return loaded
+
+
+def _from_arena(state: Any, name: str, map_location: Any) -> Callable[[bool], Any]:
+    return lambda _mmap: _torch_load(state.file(name), map_location)
+
+
+def _from_arenas(state: Any, step: int, objs: tuple[Any, ...], rank: int, restore_rng: bool,
+                 opts: _LoadOpts) -> tuple[int, dict[str, Any]]:
+    states = {c: _from_arena(state, n, opts.map_location)
+              for c, n in _meta.component_names(rank).items() if n in state.files}
+    _check_wanted(states, objs, state.where)
+    meta = {**state.head, "files": state.entries(), "path": state.where,
+            "source": state.source}
+    if "extra.pt" in state.files:
+        meta["extra"] = _torch_load(state.file("extra.pt"), opts.map_location)
+    _apply_all(states, objs, state.where, opts)
+    rng_name = f"rng.rank{rank}.pt"
+    if restore_rng:
+        _restore_rng(_torch_load(state.file(rng_name), "cpu") if rng_name in state.files
+                     else None, state.where)
+    try:
+        state.check_whole()
+    except CorruptData as exc:
+        from ckptd.torch._memory import TornState
+
+        raise TornState(f"{exc} while it was read") from None
+    return step, meta
 
 
 def _load_remote(name: str, step: int | str, objs: tuple[Any, ...], rank: int | None,
@@ -426,7 +522,7 @@ def _restore(name: str, step: int, root: Path) -> Path:
 
 # ----------------------------------------------------------------------------------- helpers
 
-def _torch_load(path: Path, map_location: Any, mmap: bool = False) -> Any:
+def _torch_load(path: Path | Any, map_location: Any, mmap: bool = False) -> Any:
     """torch.load that never runs code from the file: weights_only, always."""
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)

@@ -38,9 +38,13 @@ class Meta:
 
     def component_files(self, rank: int) -> dict[str, str]:
         """Component -> file name, of the components a load of `rank` reads, as listed."""
-        names = {"model": "model.pt", "ema": "ema.pt", "scheduler": "scheduler.pt",
-                 "scaler": "scaler.pt", "optimizer": f"optim.rank{rank}.pt"}
-        return {c: n for c, n in names.items() if n in self.files}
+        return {c: n for c, n in component_names(rank).items() if n in self.files}
+
+
+def component_names(rank: int) -> dict[str, str]:
+    """Component -> the file a load of `rank` reads it from (wherever the files are)."""
+    return {"model": "model.pt", "ema": "ema.pt", "scheduler": "scheduler.pt",
+            "scaler": "scaler.pt", "optimizer": f"optim.rank{rank}.pt"}
 
 
 def read(path: Path, step: int | None = None) -> Meta:
