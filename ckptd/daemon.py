@@ -33,9 +33,9 @@ from ckptd.service.effects import Effects
 from ckptd.service.globs import GlobRoots
 from ckptd.service.health import Health
 from ckptd.service.lease import Leases
+from ckptd.service.memory import MemoryService
 from ckptd.service.metrics import Metrics, MetricsServer
 from ckptd.service.observe import SafeTimes, root_samples, summary
-from ckptd.service.memory import MemoryService
 from ckptd.service.persist import PersistService
 from ckptd.service.recovery import StateDirLock
 from ckptd.service.retention import RUN_BOUND_S as RETENTION_S
