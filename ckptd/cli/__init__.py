@@ -3,4 +3,4 @@ what runs without a daemon or beside it: `verify`, `doctor`, the terminal render
 daemon's documents (`render`), the probes' yes or no (`probe`), the preemption flush and its
 wait (`flush`), `ckptd wait` (`wait`), the `--json` documents, errors and terminal progress
 (`output`), shell completion scripts (`completion`), and the child process `ckptd.torch.load`
-restores in (`restore_child`)."""
+restores in (`restore_child`), and `ckptd memory fetch` (`memory`)."""

@@ -287,6 +287,22 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_memory(args: argparse.Namespace) -> int:
+    from ckptd.cli import memory
+
+    cfg = _load_config(args, required=True)
+    doc = memory.run(args, cfg)
+    if args.json:
+        print_json(doc)
+    else:
+        print(f"fetched {doc['root']} step {doc['step']} of node {doc['node']}: ranks"
+              f" {doc['ranks']} from {', '.join(doc['sources'])} into {doc['to']}"
+              + ("" if doc["complete"] else " (not every rank: no meta.json written)"))
+        for why in doc["skipped"]:
+            print(f"  skipped: {why}", file=sys.stderr)
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from ckptd.cli.verify import verify_path
     from ckptd.config import check_trusted_globals
@@ -386,7 +402,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "register": cmd_register, "wait": lambda a: _wait(a, _socket(a)),
     "pin": lambda a: _pin(a, "PUT"), "unpin": lambda a: _pin(a, "DELETE"),
     "hold": cmd_hold, "prune": cmd_prune,
-    "restore": cmd_restore, "flush": cmd_flush, "probe": cmd_probe,
+    "restore": cmd_restore, "flush": cmd_flush, "probe": cmd_probe, "memory": cmd_memory,
     "verify": cmd_verify, "config": cmd_config,
     "demo": cmd_demo, "doctor": cmd_doctor, "completion": cmd_completion,
 }

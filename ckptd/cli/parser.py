@@ -61,6 +61,7 @@ exit codes: 0 ok, 1 no/invalid, 2 usage, 69 daemon unreachable or unable to do i
 75 state dir locked, 78 bad config or environment (docs/CLI.md)."""
 
 _COMMAND_EXAMPLES = {
+    "memory": "  ckptd memory fetch llm-7b 1200 --node n3 --to /scratch/n3-state",
     "run": "  ckptd run --config /etc/ckptd/ckptd.toml\n"
            "  ckptd run --config ./ckptd.toml --socket /tmp/ckptd-test.sock",
     "status": "  ckptd status\n  ckptd status --watch 5\n  ckptd status --json | jq .roots",
@@ -178,6 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--node", metavar="ID",
                        help="multi-node root: node ID's files and the commit record"
                             " (default: this node's)")
+    s = cmd("memory", "restoring from memory (docs/MEMORY.md)")
+    msub = s.add_subparsers(dest="memory_command", required=True, parser_class=_Parser)
+    m = msub.add_parser("fetch", parents=[common],
+                        help="fetch one node's state of a step back from the peers that hold"
+                             " it, as a replaced node does, and write its files")
+    m.add_argument("root")
+    m.add_argument("step", type=_nonneg_int)
+    m.add_argument("--node", required=True, metavar="ID", help="whose state (its daemon.node)")
+    m.add_argument("--to", required=True, help="directory to write step-<STEP>/ into")
     s = cmd("verify", "validate one checkpoint offline (no daemon needed)")
     s.add_argument("path")
     s.add_argument("--deep", action="store_true", help="also load tensors and scan for NaN/Inf")

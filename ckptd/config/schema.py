@@ -59,7 +59,7 @@ from ckptd.config.fields import (
     check_trusted_globals,
     node_of_host,
 )
-from ckptd.errors import NotFound
+from ckptd.errors import BadValue, NotFound
 from ckptd.model import MetricMode, RootOptions
 from ckptd.units import (
     FreeSpace,
@@ -121,10 +121,10 @@ class MemoryConfig(_Model):
     @model_validator(mode="after")
     def _peers_need_a_secret(self) -> MemoryConfig:
         if self.replicas > 0 and not self.secret_file:
-            raise ValueError("memory.replicas > 0 needs memory.secret_file (the job's shared"
+            raise BadValue("memory.replicas > 0 needs memory.secret_file (the job's shared"
                              " secret every peer request proves)")
         if self.listen and not self.secret_file:
-            raise ValueError("memory.listen needs memory.secret_file: peers are answered only"
+            raise BadValue("memory.listen needs memory.secret_file: peers are answered only"
                              " with the job's shared secret")
         return self
 

@@ -70,7 +70,8 @@ def test_every_command_answers_json(inproc_daemon: Any, tmp_path: Path,
     saved = save_single(d.roots["r1"], 1)
     assert d.client.wait("r1", 1, until="uploaded", timeout=60)
     argvs = _argvs(d, tmp_path, saved)
-    assert set(_commands()) == set(argvs) | {"run", "demo"} == set(COMMANDS)
+    # run and demo: each in its own test; memory fetch: tests/memory/test_memory_peers.py
+    assert set(_commands()) == set(argvs) | {"run", "demo", "memory"} == set(COMMANDS)
     docs = {}
     for name, argv in argvs.items():
         code, doc, err = _run([*argv, "--json"], capsys)
