@@ -143,9 +143,10 @@ def peers(backend: Backend, root: str, limit: int = MAX_PEERS) -> list[PeerEntry
     listed = islice(backend.list(prefix), limit + 1)
     keys = sorted(meta.key for meta in listed)
     log = get_logger()
-    if len(keys) > limit:
-        log.warning("peer_entries_over_limit", root=root, limit=limit)
-        keys = keys[:limit]
+    for key in keys[limit:]:
+        log.warning("peer_entry_skipped", root=root, key=key,
+                    error=f"over the {limit} entries read under {prefix}")
+    keys = keys[:limit]
     out: list[PeerEntry] = []
     for key in keys:
         try:
