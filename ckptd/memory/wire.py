@@ -24,6 +24,7 @@ The body ends after the last trailer: `decode_files` reads its stream to the end
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import struct
@@ -182,7 +183,7 @@ def encode(h: ReplicaHead, raw: Callable[[ReplicaFile], memoryview], codec: str,
     its frames end, so the body is never whole). Memory: the chunk, the encoder's blocks and
     one chunk's output. BadValue for a head the receiver would refuse or a bad codec."""
     data = head_bytes(h)
-    make_encoder(codec, _sink(_Out()), level=level, min_saving=min_saving).close()  # the args
+    make_encoder(codec, io.BytesIO(), level=level, min_saving=min_saving).close()  # the args
     yield _U32.pack(len(data)) + data + xxhash.xxh3_64_intdigest(data).to_bytes(8, "little")
     buf = bytearray(min(CHUNK, max((f.size for f in h.files), default=0)))
     for f in h.files:
@@ -198,7 +199,8 @@ def _encode_file(f: ReplicaFile, source: memoryview, buf: bytearray, codec: str,
     hasher = xxhash.xxh3_128()
     sent: str | None = None  # the codec the prelude named
     own = memoryview(buf)
-    with make_encoder(codec, _sink(out), level=level, min_saving=min_saving) as enc:
+    # The codec only calls read, readinto or write on its streams: these objects have them.
+    with make_encoder(codec, cast(BinaryIO, out), level=level, min_saving=min_saving) as enc:
         for at in range(0, f.size, CHUNK):
             n = min(CHUNK, f.size - at)
             own[:n] = view[at:at + n]  # copied first: what is hashed is what is encoded
@@ -225,10 +227,6 @@ def _encode_file(f: ReplicaFile, source: memoryview, buf: bytearray, codec: str,
 def _small(doc: dict[str, Any]) -> bytes:
     data = json.dumps(doc, separators=(",", ":")).encode()
     return _U32.pack(len(data)) + data
-
-
-def _sink(obj: object) -> BinaryIO:
-    return cast(BinaryIO, obj)  # the codec uses only read, readinto or write
 
 
 class _Out:
@@ -293,12 +291,13 @@ def read_head(stream: BinaryIO) -> ReplicaHead:
 
 
 def decode_files(stream: BinaryIO, h: ReplicaHead,
-                 dest: Callable[[ReplicaFile], memoryview]) -> None:
+                 dest: Callable[[ReplicaFile], memoryview], *, threads: int = 1) -> None:
     """After `read_head`: decode each file of `h` into `dest(f)` (a writable view of exactly
     f.size bytes) and check its xxh3-128, then that the stream ends. CorruptData naming the
-    file for anything wrong (framing, lengths, codec, hash); BadValue for a bad `dest` view."""
+    file for anything wrong (framing, lengths, codec, hash); BadValue for a bad `dest` view.
+    `threads` > 1 decodes a zstd-bytegroup file's blocks on that many threads."""
     for f in h.files:
-        _decode_file(stream, f, _target(dest(f), f))
+        _decode_file(stream, f, _target(dest(f), f), threads)
     if stream.read(1):
         raise CorruptData("replica: bytes after the last file")
 
@@ -310,12 +309,12 @@ def _target(view: memoryview, f: ReplicaFile) -> memoryview:
     return out.cast("B")
 
 
-def _decode_file(stream: BinaryIO, f: ReplicaFile, view: memoryview) -> None:
+def _decode_file(stream: BinaryIO, f: ReplicaFile, view: memoryview, threads: int) -> None:
     codec = _codec(_small_doc(stream, f, "prelude", {"codec"}), f)
     frames = _Frames(stream, f, stored_bound(codec, f.size))
     into = _Into(view, f)
     try:
-        decode_stream(codec, _sink(frames), _sink(into))
+        decode_stream(codec, cast(BinaryIO, frames), cast(BinaryIO, into), threads=threads)
         if frames.read(1):
             raise CorruptData("frames left after the stored object's end")
     except CorruptData as exc:

@@ -60,11 +60,11 @@ def _body(data: dict[str, bytes], codec: str, h: ReplicaHead | None = None) -> b
     return b"".join(wire.encode(h, lambda f: memoryview(data[f.path]), codec, 3, 0.03))
 
 
-def _decode(body: bytes) -> tuple[ReplicaHead, dict[str, bytes]]:
+def _decode(body: bytes, threads: int = 1) -> tuple[ReplicaHead, dict[str, bytes]]:
     stream = io.BytesIO(body)
     h = wire.read_head(stream)
     out = {f.path: bytearray(f.size) for f in h.files}
-    wire.decode_files(stream, h, lambda f: memoryview(out[f.path]))
+    wire.decode_files(stream, h, lambda f: memoryview(out[f.path]), threads=threads)
     return h, {p: bytes(b) for p, b in out.items()}
 
 
@@ -106,6 +106,7 @@ def test_incompressible_bytes_round_trip(size: int) -> None:
     data = {"model.pt": random.Random(size).randbytes(size)}
     for codec in CODECS:
         assert _decode(_body(data, codec))[1] == data
+        assert _decode(_body(data, codec), threads=3)[1] == data
 
 
 def test_weights_shrink(files: dict[str, bytes]) -> None:
@@ -346,3 +347,12 @@ def test_a_hostile_literal_in_a_head_is_refused_or_bounded(path: list[int], raw:
             wire.parse_head(_splice(VALID, path, raw))
         except CorruptData:
             pass
+
+
+def test_a_destination_of_the_wrong_shape_is_refused(files: dict[str, bytes]) -> None:
+    body = _body(files, "zstd")
+    for dest in (lambda f: memoryview(bytes(f.size)), lambda f: memoryview(bytearray(f.size + 1))):
+        stream = io.BytesIO(body)
+        h = wire.read_head(stream)
+        with pytest.raises(BadValue, match="writable view"):
+            wire.decode_files(stream, h, dest)
