@@ -64,6 +64,8 @@ def check_address(address: object) -> tuple[str, int]:
         raise BadValue(f"address {_show(address)}: port must be 1 to 65535")
     if host.startswith("[") and host.endswith("]"):
         ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = _ip(host[1:-1], address)
+        if ip is not None and ip.version != 6:
+            raise BadValue(f"address {_show(address)}: only an IPv6 address goes in brackets")
     elif _HOST.fullmatch(host) and len(host) <= 253:
         ip = _ip(host, address) if host.replace(".", "").isdigit() else None
     else:

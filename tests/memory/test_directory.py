@@ -93,7 +93,7 @@ def test_dialable_addresses(address: str) -> None:
 @pytest.mark.parametrize("address", [
     "host", "host:", ":9465", "host:0", "host:65536", "host:09", "host:+9", "host:9465 ",
     "0.0.0.0:9465", "[::]:9465", "::1:9465", "[zz]:1", "a b:1", "-host:1", "host-:1",
-    "1.2.3:4", "1.2.3.256:4", "h" * 300 + ":1", 9465, None])
+    "1.2.3:4", "1.2.3.256:4", "[1.2.3.4]:5", "h" * 300 + ":1", 9465, None])
 def test_undialable_addresses(address: Any) -> None:
     with pytest.raises(BadValue):
         d.check_address(address)
