@@ -265,7 +265,8 @@ def _frame(group: list[bytes], size: int) -> Iterator[bytes]:
     pending = [_U32.pack(size)]
     for piece in group:
         if len(piece) >= _BIG:
-            yield b"".join(pending)
+            if pending:
+                yield b"".join(pending)
             pending = []
             yield piece
         else:

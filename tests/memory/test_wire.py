@@ -57,7 +57,9 @@ def _head(data: dict[str, bytes], node: str = "n1", step: int = 7) -> ReplicaHea
 
 def _body(data: dict[str, bytes], codec: str, h: ReplicaHead | None = None) -> bytes:
     h = h or _head(data)
-    return b"".join(wire.encode(h, lambda f: memoryview(data[f.path]), codec, 3, 0.03))
+    pieces = list(wire.encode(h, lambda f: memoryview(data[f.path]), codec, 3, 0.03))
+    assert all(pieces)  # an empty piece would end a chunked HTTP body early
+    return b"".join(pieces)
 
 
 def _decode(body: bytes, threads: int = 1) -> tuple[ReplicaHead, dict[str, bytes]]:
@@ -293,6 +295,7 @@ def test_memory_stays_bounded_for_a_big_file(codec: str) -> None:
             biggest = total = 0
             body = io.BytesIO()
             for piece in wire.encode(h, lambda f: src, codec, 3, 0.03):
+                assert piece  # an empty piece would end a chunked HTTP body early
                 biggest = max(biggest, len(piece))
                 total += len(piece)
                 if codec != "none":
@@ -356,3 +359,19 @@ def test_a_destination_of_the_wrong_shape_is_refused(files: dict[str, bytes]) ->
         h = wire.read_head(stream)
         with pytest.raises(BadValue, match="writable view"):
             wire.decode_files(stream, h, dest)
+
+
+def test_frames_of_big_and_small_pieces() -> None:
+    out = wire._Out()
+    pieces = [b"a" * (300 << 10), b"b" * (300 << 10), b"c", b"d" * (9 << 20)]
+    for p in pieces:
+        out.write(memoryview(p))
+    sent = list(out.frames())
+    assert all(sent) and out.size == 0
+    body, frames = b"".join(sent), []
+    while body:
+        n = struct.unpack_from("<I", body)[0]
+        assert 0 < n <= wire.FRAME_OUT
+        frames.append(body[4:4 + n])
+        body = body[4 + n:]
+    assert b"".join(frames) == b"".join(pieces)
