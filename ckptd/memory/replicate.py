@@ -22,7 +22,7 @@ from typing import Any
 from ckptd.backends.base import Backend
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import MemoryConfig, RootConfig
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, InternalError
 from ckptd.log import get_logger
 from ckptd.memory import directory, own, proof, wire
 from ckptd.memory.own import Kept, KeptFile
@@ -126,8 +126,9 @@ class Peers:
 
                 body = wire.encode(head, raw, root.compress.codec, root.compress.level,
                                    root.compress.min_saving)
-                answer = self.client.put_replica(address, root.name, k.rank, k.step,
-                                                 wire.head_bytes(head), _after_head(body))
+                data = wire.head_bytes(head)
+                answer = self.client.put_replica(address, root.name, k.rank, k.step, data,
+                                                 _after_head(body, data))
         except CkptdError as exc:
             self.log.warning("memory_replica_failed", root=root.name, step=k.step, rank=k.rank,
                              peer=peer, address=address, error=str(exc))
@@ -261,6 +262,11 @@ def _mapped(fd: int, size: int) -> Iterator[memoryview]:
             mm.close()
 
 
-def _after_head(body: Iterator[bytes]) -> Iterator[bytes]:
-    """The encoded body without its length-prefixed head (the client sends that itself)."""
-    return body
+def _after_head(body: Iterator[bytes], head: bytes) -> Iterator[bytes]:
+    """The encoded body without its length-prefixed head (the client sends that itself,
+    signed): from the head's checksum on."""
+    first = next(body)
+    if first[4:4 + len(head)] != head:
+        raise InternalError("the replica's encoder did not begin with its head")
+    yield first[4 + len(head):]
+    yield from body
