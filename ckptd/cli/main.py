@@ -289,8 +289,10 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     from ckptd.cli import memory
+    from ckptd.log import configure
 
     cfg = _load_config(args, required=True)
+    configure("json" if args.json else "auto", "info", stream=sys.stderr)  # stdout: the answer
     doc = memory.run(args, cfg)
     if args.json:
         print_json(doc)

@@ -34,6 +34,7 @@ BackendFor = Callable[[RootConfig], "Backend | None"]
 # This node's entry is written again this often (peers choose among entries fresher than
 # STALE_S, so a node gone for good stops being sent replicas).
 REPUBLISH_S = 60.0
+RETRY_FIRST_S = 2.0  # a state not yet with its peers is tried again after this, doubling
 STALE_S = 600.0
 
 
@@ -58,7 +59,9 @@ class Peers:
                                      node, timeout_s=cfg.timeout)
         self._held_by: dict[str, dict[str, int]] = {}  # root -> peer node -> step it holds
         self._published: dict[str, float] = {}  # root -> when this node's entry was written
-        self._tried: dict[str, set[tuple[int, int, int]]] = {}  # root -> states offered
+        self._tried: dict[str, set[tuple[int, int, int]]] = {}  # root -> states placed
+        self._retry_at: dict[str, float] = {}  # root -> when to try placing its states again
+        self._backoff: dict[str, float] = {}
         self._lock = threading.Lock()
         self.log = get_logger()
 
@@ -93,8 +96,10 @@ class Peers:
             mine = [k for k in kept if k.root == root.name]
             due = self.clock.time() - self._published.get(root.name, -1e18) >= REPUBLISH_S
             states = {(k.rank, k.step, k.generation) for k in mine}
-            if not due and states <= self._tried.get(root.name, set()):
-                continue  # each state was offered to the peers, and this node's entry is fresh
+            if not due and (states <= self._tried.get(root.name, set())
+                            or self.clock.time() < self._retry_at.get(root.name, 0.0)):
+                continue  # each state is with its peers (or waits to be tried again), and
+                # this node's entry is fresh
             try:
                 entries = self._publish(backend, root)
             except CkptdError as exc:
@@ -112,7 +117,14 @@ class Peers:
                         return
                     if k.sent.get(peer) != (k.step, k.generation):
                         self._send(root, k, peer, addresses[peer])
-            self._tried[root.name] = states
+            placed = all(sum(k.sent.get(p) == (k.step, k.generation) for p in targets)
+                         >= self.cfg.replicas for k in mine)
+            if placed:
+                self._tried[root.name], self._backoff[root.name] = states, RETRY_FIRST_S
+            else:  # too few peers yet, or a send failed: look again soon, then less often
+                wait = self._backoff.get(root.name, RETRY_FIRST_S)
+                self._retry_at[root.name] = self.clock.time() + wait
+                self._backoff[root.name] = min(wait * 2, REPUBLISH_S)
             with contextlib.suppress(CkptdError):
                 self._publish(backend, root)
 

@@ -22,6 +22,7 @@ from ckptd.memory.own import Kept, OwnArenas
 from ckptd.service.workers import lower_priority
 
 CheckPeer = Callable[[tuple[int, int, int], str], None]
+LOOK_EVERY_S = 2.0  # the replication loop's pace when nothing wakes it
 
 
 class MemoryService:
@@ -121,10 +122,10 @@ class MemoryService:
         lower_priority()
         try:
             while not stop.is_set():
-                self._wake.wait(5.0)
                 self._wake.clear()
-                if self.peers is not None and not stop.is_set():
+                if self.peers is not None:
                     self.peers.replicate(self.own.all(), stop)
+                self._wake.wait(LOOK_EVERY_S)
         finally:
             if stop.is_set():
                 if self.peers is not None:

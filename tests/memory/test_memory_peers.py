@@ -35,8 +35,9 @@ opt = torch.optim.Adam(model.parameters())
 model(torch.randn(4, 384)).sum().backward()
 opt.step()
 torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, sys.argv[2])
-h = ckpt.save(sys.argv[1], int(sys.argv[4]), model=model, optimizer=opt, blocking=False)
-assert h.wait(60) and h.error is None, h.error
+blocking = sys.argv[5] == "blocking"
+h = ckpt.save(sys.argv[1], int(sys.argv[4]), model=model, optimizer=opt, blocking=blocking)
+assert blocking or (h.wait(60) and h.error is None), h.error
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -80,12 +81,13 @@ class Node:
         return self.handle.roots["job"]
 
     def run(self, code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "CKPTD_SOCKET": str(self.handle.socket)}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "CKPTD_SOCKET": str(self.handle.socket),
+               "CKPTD_CONFIG": str(self.handle.config)}
         return subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
                               text=True, env=env, timeout=timeout, check=False)
 
-    def save(self, step: int, expected: Path, seed: int = 1) -> None:
-        done = self.run(SAVE_AND_DIE, str(self.root), str(expected), str(seed), str(step))
+    def save(self, step: int, expected: Path, seed: int = 1, how: str = "async") -> None:
+        done = self.run(SAVE_AND_DIE, str(self.root), str(expected), str(seed), str(step), how)
         assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
 
     def load(self, expected: Path, source: str = "auto") -> dict[str, Any]:
@@ -171,15 +173,15 @@ def test_a_replaced_node_gets_its_state_back_from_its_peer(cluster: Any, tmp_pat
     assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
 
 
-def test_a_peer_down_or_holding_an_older_step_is_skipped(cluster: Any, tmp_path: Path) -> None:
+def test_a_peer_holding_an_older_step_or_down_is_skipped(cluster: Any, tmp_path: Path) -> None:
     n0, n1 = cluster("n0", "n1")
     n0.save(3, tmp_path / "e3.pt", seed=3)
     n0.wait_uploaded(3)
     n0.wait_held_by("n1", 3)
-    n1.handle.stop()  # step 7 never reaches n1: it holds step 3 of n0
-    n0.save(7, tmp_path / "e7.pt", seed=7)
+    # step 7 is saved in the trainer's own process (no arena kept): n1 still holds step 3
+    n0.save(7, tmp_path / "e7.pt", seed=7, how="blocking")
     n0.wait_uploaded(7)
-    n1.handle.start()  # a restarted peer holds nothing (replicas live in its memory)
+    assert [(h["node"], h["step"]) for h in n1.memory()["holding_for"]] == [("n0", 3)]
     n0.replace()
     wait_until(lambda: any(c["step"] == 7 for c in n0.handle.client.checkpoints("job") or []),
                30, "step 7 found in the bucket")
@@ -187,7 +189,14 @@ def test_a_peer_down_or_holding_an_older_step_is_skipped(cluster: Any, tmp_path:
     got = n0.load(tmp_path / "e7.pt")
     assert (got["step"], got["source"], got["same"]) == (7, "remote", True), got["stderr"]
     assert time.monotonic() - started < 60
-    assert "peer n1" in got["stderr"]  # the skipped peer is named in the warning
+    assert "peer n1" in got["stderr"], got["stderr"]  # the skipped peer is named
+    assert "step 3" in got["stderr"], got["stderr"]  # and what it holds instead
+    n1.handle.kill9()  # the peer is down: skipped as fast, the bucket serves
+    n0.handle.kill9()
+    n0.handle.start()
+    got = n0.load(tmp_path / "e7.pt")
+    assert (got["step"], got["source"], got["same"]) == (7, "remote", True), got["stderr"]
+    assert "peer n1" in got["stderr"], got["stderr"]
 
 
 def _serve_once(behave: str, stop: threading.Event) -> tuple[str, threading.Thread]:
