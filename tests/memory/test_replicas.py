@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from ckptd.errors import HttpError
+from ckptd.errors import BadValue, HttpError
 from ckptd.memory.replicas import Replicas
 
 
@@ -139,3 +139,13 @@ def test_many_threads_keep_the_books_straight() -> None:
     assert r.reserved_bytes() == 0
     assert r.held_bytes() == sum(e["bytes"] for n in range(4)
                                  for e in r.index("a", f"n{n}")) == 800
+
+
+def test_an_upload_that_fails_leaves_the_held_step_in_place() -> None:
+    r = Replicas(1000, Clock())
+    r.put("a", "n1", 0, 5, [b"x" * 100], 100)
+    with r.begin("a", "n1", 0, 6) as up:
+        up.grow(300)
+    assert r.get("a", "n1", 0, 5) == [b"x" * 100] and r.reserved_bytes() == 0
+    with pytest.raises(BadValue):
+        up.commit([b"late"])  # an upload given back is over
