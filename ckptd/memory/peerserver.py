@@ -398,7 +398,6 @@ class PeerServer:
         self._thread = threading.Thread(target=self._loop.run, name="ckptd-peers",
                                         daemon=True)
         self._thread.start()
-        get_logger().info("peer_server_listening", host=self.address[0], port=self.address[1])
 
     def _answer(self, conn: Conn) -> bool:
         try:
