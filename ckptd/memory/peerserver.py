@@ -279,6 +279,9 @@ class PeerHandler(BaseHTTPRequestHandler):
 
     def _put(self, proven: Proven, args: dict[str, Any], te: str | None,
              length: str | None) -> dict[str, Any]:
+        for name in ("Transfer-Encoding", "Content-Length"):
+            if len(self.headers.get_all(name) or []) > 1:
+                raise HttpError(400, "bad_request", f"{name} given more than once")
         body = httpbody.Body(self.rfile, httpbody.framing(te, length))
         with self.replicas.begin(**args, expect=body.length or 0) as upload:
             prefix, head = read_head(body, upload)

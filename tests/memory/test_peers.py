@@ -73,6 +73,7 @@ def test_another_nodes_replicas_are_forbidden(peer: Peer) -> None:
         with pytest.raises(PeerError) as info:
             call()
         assert info.value.status == 403 and info.value.code == "not_yours"
+        assert "may not touch" in str(info.value) and peer.addr in str(info.value)
     path = "/v1/peer/replicas/r/n1/0/8"
     head = head_of("r", "n1", 0, 8)
     status, data = raw(peer.addr, "PUT", path,

@@ -133,6 +133,15 @@ def test_a_length_over_the_cap_is_refused_before_the_body() -> None:
         p.server.close()
 
 
+def test_a_put_with_two_lengths_is_a_400(peer: Peer) -> None:
+    path = "/v1/peer/replicas/r/n1/0/1"
+    with connect(peer) as sock:
+        sock.sendall(request("PUT", path, body_sha=hashlib.sha256(b"{}").hexdigest())[:-2]
+                     + b"Content-Length: 10\r\nContent-Length: 12\r\n\r\n" + b"x" * 12)
+        (status, data), = answers(sock, 1)
+    assert status == 400 and "more than once" in small_error(data)["message"]
+
+
 def test_a_put_with_content_length_is_taken(peer: Peer) -> None:
     path = "/v1/peer/replicas/r/n1/2/9"
     head = head_of("r", "n1", 2, 9)
