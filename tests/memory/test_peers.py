@@ -244,3 +244,13 @@ def test_ipv6_loopback_when_there_is_one() -> None:
         assert client().health(p.addr)["status"] == "ok"
     finally:
         p.server.close()
+
+
+def test_a_refused_put_reads_the_refusal_not_a_broken_pipe(peer: Peer) -> None:
+    wrong = PeerClient(b"another secret", "n1", timeout_s=2.0)
+    for _ in range(3):
+        with pytest.raises(PeerError) as info:
+            wrong.put_replica(peer.addr, "r", 0, 1, head_of("r", "n1", 0, 1),
+                              (b"z" * 65536 for _ in range(128)))
+        assert info.value.status == 401 and info.value.code == "bad_proof", info.value
+    assert peer.replicas.held_bytes() == 0 and peer.replicas.reserved_bytes() == 0
