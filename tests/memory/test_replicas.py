@@ -149,3 +149,15 @@ def test_an_upload_that_fails_leaves_the_held_step_in_place() -> None:
     assert r.get("a", "n1", 0, 5) == [b"x" * 100] and r.reserved_bytes() == 0
     with pytest.raises(BadValue):
         up.commit([b"late"])  # an upload given back is over
+
+
+def test_the_count_of_replicas_is_bounded_too() -> None:
+    r = Replicas(10**6, Clock(), max_replicas=3)
+    for rank, step in ((0, 4), (1, 2), (2, 6)):
+        r.put("a", "n1", rank, step, [b"x"], 1)
+    r.put("a", "n1", 0, 5, [b"y"], 1)  # a held key: nothing dropped
+    r.put("a", "n1", 3, 7, [b"z"], 1)  # a new one: the oldest step (2) goes
+    assert [e["rank"] for e in r.index("a", "n1")] == [0, 2, 3]
+    with pytest.raises(HttpError) as info:
+        r.put("a", "n1", 4, 1, [b"w"], 1)  # older than all held: refused
+    assert info.value.status == 507 and r.reserved_bytes() == 0
