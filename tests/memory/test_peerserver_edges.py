@@ -9,6 +9,7 @@ import json
 import socket
 import struct
 import time
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given
@@ -166,3 +167,39 @@ def test_any_path_is_a_route_or_an_http_error(path: str) -> None:
     else:
         assert route in ("health", "index", "replica")
         assert all(isinstance(v, str | int) for v in args.values())
+
+
+request_bytes = st.one_of(
+    st.binary(max_size=300),
+    st.lists(st.sampled_from([b"GET ", b"PUT ", b"/v1/peer/health", b"/v1/peer/replicas/r/n1/0/1",
+                              b" HTTP/1.1\r\n", b"\r\n", b"Content-Length: 5\r\n",
+                              b"Transfer-Encoding: chunked\r\n", b"X-Ckptd-Node: n1\r\n",
+                              b"X-Ckptd-Proof: " + b"0" * 64 + b"\r\n", b"5\r\nhello\r\n",
+                              b"\x00", b"\xff" * 3]), max_size=12).map(b"".join))
+
+
+@pytest.fixture(scope="module")
+def holding() -> Iterator[Peer]:
+    p = Peer(timeout_s=1.0)
+    p.replicas.put("r", "n1", 0, 1, [b"SECRET-STATE"], 12)
+    yield p
+    p.server.close()
+
+
+@fuzz(40)
+@given(data=request_bytes)
+def test_any_bytes_sent_get_an_answer_but_never_a_500_or_state(holding: Peer,
+                                                              data: bytes) -> None:
+    p = holding
+    with connect(p) as sock:
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+            got = b""
+            while chunk := sock.recv(65536):
+                got += chunk
+        except OSError:
+            got = b""
+    assert not got.startswith(b"HTTP/1.1 5"), got
+    assert b"SECRET" not in got and b"holder" not in got
+    assert p.replicas.reserved_bytes() == 0
