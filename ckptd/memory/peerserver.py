@@ -24,7 +24,7 @@ from typing import Any
 
 from ckptd import __version__
 from ckptd.api.door import Conn, ConnectionLoop, Prefixed, Writer
-from ckptd.errors import BadInput, HttpError
+from ckptd.errors import BadInput, HttpError, InternalError
 from ckptd.inputs import loads
 from ckptd.log import get_logger
 from ckptd.memory import httpbody
@@ -137,6 +137,32 @@ class _Pieces:
         return self.chunks
 
 
+class _Reader(Prefixed):
+    """A connection's reader. Until a request's proof is checked, its reads wait at most until
+    `deadline`: a client that trickles a request's head holds a thread for at most the
+    timeout in all, not per read."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        super().__init__(b"", sock)
+        self._sock, self._timeout = sock, timeout
+        self.deadline: float | None = None
+
+    def readinto(self, buf: Any) -> int | None:
+        if self.deadline is not None and self._sock.gettimeout() != 0.0:  # 0: Conn.more
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request's head did not arrive in time")
+            self._sock.settimeout(min(self._timeout, left))
+        return super().readinto(buf)
+
+    def hurry(self) -> None:
+        self.deadline = time.monotonic() + self._timeout
+
+    def unhurry(self) -> None:
+        self.deadline = None
+        self._sock.settimeout(self._timeout)
+
+
 class PeerHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"ckptd/{__version__}"
@@ -149,8 +175,10 @@ class PeerHandler(BaseHTTPRequestHandler):
         self.connection = conn.sock
         self.connection.settimeout(self.timeout)
         if conn.rfile is None:
-            conn.rfile = io.BufferedReader(Prefixed(b"", self.connection), 64 * 1024)
+            reader = _Reader(self.connection, self.timeout or 30.0)
+            conn.rfile = io.BufferedReader(reader, 64 * 1024)
         self.rfile = conn.rfile
+        self.reader: _Reader = conn.rfile.raw  # type: ignore[assignment]
         self.wfile = Writer(self.connection)
         self.body_left = False  # a body this request sent that was not read
 
@@ -159,6 +187,13 @@ class PeerHandler(BaseHTTPRequestHandler):
         self.handle_one_request()
         while not self.close_connection and self.request.more():
             self.handle_one_request()
+
+    def handle_one_request(self) -> None:
+        self.reader.hurry()
+        try:
+            super().handle_one_request()
+        finally:
+            self.reader.unhurry()
 
     def finish(self) -> None:
         """The reader outlives this request (bytes sent ahead stay in it): never closed here."""
@@ -199,6 +234,7 @@ class PeerHandler(BaseHTTPRequestHandler):
         self.body_left = te is not None or (length is not None and length.strip() != "0")
         try:
             proven = self.verifier.check(method, self.path, self.headers)
+            self.reader.unhurry()  # a proven peer's body may take its time, read by read
             route, args = parse_target(self.path)
             if route == "health":
                 self._allow(method, "GET")
@@ -243,6 +279,9 @@ class PeerHandler(BaseHTTPRequestHandler):
 
     def _put(self, proven: Proven, args: dict[str, Any], te: str | None,
              length: str | None) -> dict[str, Any]:
+        for name in ("Transfer-Encoding", "Content-Length"):
+            if len(self.headers.get_all(name) or []) > 1:
+                raise HttpError(400, "bad_request", f"{name} given more than once")
         body = httpbody.Body(self.rfile, httpbody.framing(te, length))
         with self.replicas.begin(**args, expect=body.length or 0) as upload:
             prefix, head = read_head(body, upload)
@@ -349,7 +388,7 @@ class PeerServer:
     @property
     def address(self) -> tuple[str, int]:
         if self._loop is None:
-            raise HttpError(503, "not_started", "the peer server is not started")
+            raise InternalError("the peer server is not started")
         host, port = self._loop.listener.getsockname()[:2]
         return host, port
 
@@ -362,7 +401,6 @@ class PeerServer:
         self._thread = threading.Thread(target=self._loop.run, name="ckptd-peers",
                                         daemon=True)
         self._thread.start()
-        get_logger().info("peer_server_listening", host=self.address[0], port=self.address[1])
 
     def _answer(self, conn: Conn) -> bool:
         try:

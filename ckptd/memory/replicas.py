@@ -18,6 +18,9 @@ from ckptd.clock import SYSTEM, Clock
 from ckptd.errors import BadValue, HttpError
 
 Key = tuple[str, str, int]  # (root, node, rank)
+# Replicas held at once, whatever their sizes: each costs some memory of its own beyond the
+# bytes counted, so many tiny ones must not outgrow the cap.
+MAX_REPLICAS = 100_000
 
 
 @dataclass(frozen=True)
@@ -64,13 +67,14 @@ class Upload:
 
 
 class Replicas:
-    """What is held for peers, at most `max_bytes` in all: the bytes held plus the room taken
-    by uploads still arriving. Thread-safe."""
+    """What is held for peers, at most `max_bytes` in all (the bytes held plus the room taken
+    by uploads still arriving) and at most `max_replicas` replicas. Thread-safe."""
 
-    def __init__(self, max_bytes: int, clock: Clock = SYSTEM) -> None:
+    def __init__(self, max_bytes: int, clock: Clock = SYSTEM,
+                 max_replicas: int = MAX_REPLICAS) -> None:
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise BadValue(f"max_bytes: {max_bytes!r} is not a size in bytes")
-        self.max_bytes = max_bytes
+        self.max_bytes, self.max_replicas = max_bytes, max_replicas
         self._clock = clock
         self._lock = threading.Lock()
         self._held: dict[Key, Replica] = {}
@@ -134,6 +138,16 @@ class Replicas:
                                 f" {self._reserved_total} arriving (max {self.max_bytes})")
             self._remove((victim.root, victim.node, victim.rank))
 
+    def _make_place(self, step: int) -> None:
+        """Drop the oldest replica while `max_replicas` are held (one of a step at most
+        `step`), else HttpError 507. Under the lock."""
+        while len(self._held) >= self.max_replicas:
+            victim = self._oldest()
+            if victim is None or victim.step > step:
+                raise HttpError(507, "full", f"this daemon holds {len(self._held)} replicas"
+                                f" of newer steps already (max {self.max_replicas})")
+            self._remove((victim.root, victim.node, victim.rank))
+
     def _commit(self, upload: Upload, chunks: list[bytes]) -> Replica:
         nbytes = sum(len(c) for c in chunks)
         if nbytes > upload.reserved:
@@ -143,6 +157,8 @@ class Replicas:
         root, node, rank = upload.key
         with self._lock:
             self._not_stale(upload.key, upload.step)
+            if upload.key not in self._held:
+                self._make_place(upload.step)
             upload.done = True
             self._reserved_total -= upload.reserved
             upload.reserved = 0

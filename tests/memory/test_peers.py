@@ -6,73 +6,15 @@ the client's bandwidth cap."""
 from __future__ import annotations
 
 import hashlib
-import http.client
-import json
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
+from peerkit import Peer, client, head_of, proven, raw, small_error
 
 from ckptd.memory.peerclient import PeerClient, PeerError, parse_addr
-from ckptd.memory.peerserver import PeerServer
-from ckptd.memory.proof import EMPTY_SHA256, Verifier, sign
-from ckptd.memory.replicas import Replicas
-
-SECRET = b"the-job-secret"
-
-
-def head_of(root: str, node: str, rank: int, step: int, **extra: Any) -> bytes:
-    return json.dumps({"root": root, "node": node, "rank": rank, "step": step, **extra}).encode()
-
-
-class Peer:
-    def __init__(self, max_bytes: int = 64 << 20, timeout_s: float = 2.0,
-                 host: str = "127.0.0.1") -> None:
-        self.replicas = Replicas(max_bytes)
-        self.server = PeerServer((host, 0), Verifier(SECRET), self.replicas, "holder",
-                                 timeout_s=timeout_s)
-        self.server.start()
-        h, port = self.server.address
-        self.addr = f"[{h}]:{port}" if ":" in h else f"{h}:{port}"
-
-
-@pytest.fixture
-def peer() -> Iterator[Peer]:
-    p = Peer()
-    yield p
-    p.server.close()
-
-
-def client(node: str = "n1", **kw: Any) -> PeerClient:
-    return PeerClient(SECRET, node, timeout_s=kw.pop("timeout_s", 2.0), **kw)
-
-
-def raw(addr: str, method: str, path: str, headers: dict[str, str] | None = None,
-        body: bytes | None = None) -> tuple[int, bytes]:
-    host, port = parse_addr(addr)
-    conn = http.client.HTTPConnection(host, port, timeout=5)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
-def proven(method: str, path: str, node: str = "n1", body_sha: str = EMPTY_SHA256,
-           secret: bytes = SECRET) -> dict[str, str]:
-    return sign(secret, method, path, body_sha, node, time.time())
-
-
-def small_error(data: bytes) -> dict[str, Any]:
-    doc = json.loads(data)
-    assert set(doc) == {"error", "message"}, doc
-    assert len(data) < 400
-    return dict(doc)
 
 
 def test_health_index_put_and_read_back_verbatim(peer: Peer) -> None:
@@ -105,12 +47,10 @@ def test_no_proof_or_a_wrong_one_is_a_401_with_no_state(peer: Peer) -> None:
     with pytest.raises(PeerError) as info:
         PeerClient(b"other", "n1").open_replica(peer.addr, "r", 0, 7)
     assert info.value.status == 401 and peer.addr in str(info.value)
-    with pytest.raises(PeerError) as info:  # a replayed request
-        headers = proven("GET", "/v1/peer/health")
-        raw(peer.addr, "GET", "/v1/peer/health", headers)
-        status, data = raw(peer.addr, "GET", "/v1/peer/health", headers)
-        raise PeerError(peer.addr, small_error(data)["error"], status)
-    assert info.value.status == 401 and "replayed" in str(info.value)
+    headers = proven("GET", "/v1/peer/health")
+    assert raw(peer.addr, "GET", "/v1/peer/health", headers)[0] == 200
+    status, data = raw(peer.addr, "GET", "/v1/peer/health", headers)  # replayed
+    assert status == 401 and small_error(data)["error"] == "replayed"
 
 
 def test_a_put_without_a_valid_proof_reads_no_body_and_keeps_nothing(peer: Peer) -> None:
@@ -133,6 +73,7 @@ def test_another_nodes_replicas_are_forbidden(peer: Peer) -> None:
         with pytest.raises(PeerError) as info:
             call()
         assert info.value.status == 403 and info.value.code == "not_yours"
+        assert "may not touch" in str(info.value) and peer.addr in str(info.value)
     path = "/v1/peer/replicas/r/n1/0/8"
     head = head_of("r", "n1", 0, 8)
     status, data = raw(peer.addr, "PUT", path,
@@ -303,3 +244,13 @@ def test_ipv6_loopback_when_there_is_one() -> None:
         assert client().health(p.addr)["status"] == "ok"
     finally:
         p.server.close()
+
+
+def test_a_refused_put_reads_the_refusal_not_a_broken_pipe(peer: Peer) -> None:
+    wrong = PeerClient(b"another secret", "n1", timeout_s=2.0)
+    for _ in range(3):
+        with pytest.raises(PeerError) as info:
+            wrong.put_replica(peer.addr, "r", 0, 1, head_of("r", "n1", 0, 1),
+                              (b"z" * 65536 for _ in range(128)))
+        assert info.value.status == 401 and info.value.code == "bad_proof", info.value
+    assert peer.replicas.held_bytes() == 0 and peer.replicas.reserved_bytes() == 0

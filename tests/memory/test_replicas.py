@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from ckptd.errors import HttpError
+from ckptd.errors import BadValue, HttpError
 from ckptd.memory.replicas import Replicas
 
 
@@ -139,3 +139,25 @@ def test_many_threads_keep_the_books_straight() -> None:
     assert r.reserved_bytes() == 0
     assert r.held_bytes() == sum(e["bytes"] for n in range(4)
                                  for e in r.index("a", f"n{n}")) == 800
+
+
+def test_an_upload_that_fails_leaves_the_held_step_in_place() -> None:
+    r = Replicas(1000, Clock())
+    r.put("a", "n1", 0, 5, [b"x" * 100], 100)
+    with r.begin("a", "n1", 0, 6) as up:
+        up.grow(300)
+    assert r.get("a", "n1", 0, 5) == [b"x" * 100] and r.reserved_bytes() == 0
+    with pytest.raises(BadValue):
+        up.commit([b"late"])  # an upload given back is over
+
+
+def test_the_count_of_replicas_is_bounded_too() -> None:
+    r = Replicas(10**6, Clock(), max_replicas=3)
+    for rank, step in ((0, 4), (1, 2), (2, 6)):
+        r.put("a", "n1", rank, step, [b"x"], 1)
+    r.put("a", "n1", 0, 5, [b"y"], 1)  # a held key: nothing dropped
+    r.put("a", "n1", 3, 7, [b"z"], 1)  # a new one: the oldest step (2) goes
+    assert [e["rank"] for e in r.index("a", "n1")] == [0, 2, 3]
+    with pytest.raises(HttpError) as info:
+        r.put("a", "n1", 4, 1, [b"w"], 1)  # older than all held: refused
+    assert info.value.status == 507 and r.reserved_bytes() == 0
