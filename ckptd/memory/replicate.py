@@ -256,12 +256,12 @@ class Peers:
                 wire.decode_files(stream, head, lambda f: view[at[f.path]:at[f.path] + f.size])
                 own.seal_persisted(mm, head.generation, size)
             except BaseException:
-                view.release()
-                mm.close()
-                os.close(fd)
+                os.close(fd)  # the pages go once the mapping does too
                 raise
-            view.release()
-            mm.close()
+            finally:
+                view.release()
+                with contextlib.suppress(BufferError):  # a failed decode's traceback may still
+                    mm.close()  # hold a slice: then it is unmapped when that is collected
         files = tuple(KeptFile(f.path, f.component, at[f.path], f.size, f.hash)
                       for f in head.files)
         return Kept(root.name, rank, head.world_size, step, head.generation, fd, size, files,

@@ -69,7 +69,12 @@ class MemoryService:
         why: list[str] = []
         kept = self._own(root, step, rank, why)
         if kept is None and self.peers is not None:
-            kept = self.peers.fetch(cfg, step, rank, why)
+            try:
+                kept = self.peers.fetch(cfg, step, rank, why)
+            except Exception as exc:  # broad: the peer tier failing is a tier skipped, not a 500
+                self.log.error("memory_peers_failed", root=root, step=step, rank=rank,
+                               error=f"{type(exc).__name__}: {exc}", exc_info=True)
+                why.append(f"peers: {type(exc).__name__}: {exc}")
             for k in kept or ():
                 self.own.keep(k)
         if kept is None:

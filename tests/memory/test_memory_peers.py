@@ -283,3 +283,45 @@ def test_a_request_without_the_secret_or_for_another_node_gets_no_state(cluster:
     with pytest.raises(PeerError, match="403"):
         with other.open_replica(entries["n1"], "job", 0, 2, "n0"):
             pass
+
+
+def test_a_flipped_byte_in_a_peers_copy_is_skipped(cluster: Any, tmp_path: Path) -> None:
+    """A peer (holding the secret) serves this node's replica with one byte flipped inside a
+    file's stored bytes: the replaced node refuses it before a byte is used, names the peer,
+    and the next tier gives the exact state."""
+    from ckptd.backends import make_backend
+    from ckptd.memory import directory, proof
+    from ckptd.memory.peerclient import PeerClient
+    from ckptd.memory.peerserver import PeerServer
+    from ckptd.memory.replicas import Replicas
+
+    n0, n1 = cluster("n0", "n1")
+    n0.save(6, tmp_path / "e6.pt")
+    n0.wait_uploaded(6)
+    n0.wait_held_by("n1", 6)
+    backend = make_backend(f"file://{tmp_path / 'remote'}")
+    address = {e.node: e.address for e in directory.peers(backend, "job")}["n1"]
+    with PeerClient(SECRET, "n0", 5.0).open_replica(address, "job", 0, 6) as stream:
+        body = bytearray(stream.read())
+    head_len = int.from_bytes(body[:4], "little")
+    at = 4 + head_len + 8 + (len(body) - head_len) // 2  # well inside the files' frames
+    body[at] ^= 0x01
+    n1.handle.kill9()
+    held = Replicas(1 << 30)
+    held.put("job", "n0", 0, 6, [bytes(body)], len(body))
+    server = PeerServer(("127.0.0.1", 0), proof.Verifier(SECRET), held, "n9", timeout_s=5.0)
+    server.start()
+    try:
+        host, port = server.address[:2]
+        directory.publish(backend, "job", directory.PeerEntry("n9", f"{host}:{port}",
+                                                              time.time(), ()))
+        n0.replace()
+        wait_until(lambda: any(c["step"] == 6 for c in n0.handle.client.checkpoints("job") or []),
+                   30, "step 6 found in the bucket")
+        got = n0.load(tmp_path / "e6.pt")
+    finally:
+        server.stop()
+        server.close()
+    assert (got["step"], got["source"], got["same"]) == (6, "remote", True), got["stderr"]
+    assert "peer n9" in got["stderr"] and "peer n1" in got["stderr"], got["stderr"]
+    assert '"memory_peer_skipped"' in n0.handle.log_text()

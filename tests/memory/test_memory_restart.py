@@ -150,3 +150,82 @@ def test_memory_serves_only_the_chosen_step(inproc_daemon: Any, tmp_path: Path) 
                   source="memory")
     step, meta = ckpt.load(d.roots["r1"], 2, model=model, optimizer=opt, client=d.client)
     assert (step, meta["source"]) == (2, "local") and same(model, opt, older)
+
+
+KILLED_MID_SAVE = """
+import os, signal, sys, torch, ckptd.torch as ckpt
+from ckptd import arena
+from ckptd.torch import _async
+torch.manual_seed(1)
+model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
+opt = torch.optim.Adam(model.parameters())
+model(torch.randn(4, 512)).sum().backward()
+opt.step()
+torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, sys.argv[2])
+h = ckpt.save(sys.argv[1], 8, model=model, optimizer=opt, blocking=False)
+assert h.wait(60) and h.error is None, h.error
+# the next save begins: the header says writing, generation + 1 (what the trainer's copy does
+# first), and the trainer is killed before that save is handed over
+fd = _async._get_arena().fd
+h = arena.read_header(os.pread(fd, 32, 0))
+os.pwrite(fd, arena.pack_header(arena.State.WRITING, h.generation + 1, h.used), 0)
+os.pwrite(fd, b"\\xff" * 4096, arena.DATA_OFFSET + 100)  # and the copy tears the old bytes
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_trainer_killed_mid_save_leaves_its_rank_on_the_files(inproc_daemon: Any,
+                                                                 tmp_path: Path) -> None:
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    done = run_py(KILLED_MID_SAVE, d.socket, str(d.roots["r1"]), str(tmp_path / "e8.pt"))
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert d.wait_for("r1", 8)["state"] == "valid"
+    expected = torch.load(tmp_path / "e8.pt", weights_only=True)
+    model, opt = fresh()
+    with pytest.raises(NotFound, match="not whole"):
+        ckpt.load(d.roots["r1"], model=model, optimizer=opt, client=d.client, source="memory")
+    step, meta = ckpt.load(d.roots["r1"], model=model, optimizer=opt, client=d.client)
+    assert (step, meta["source"]) == (8, "local") and same(model, opt, expected)
+
+
+TWO_RANKS = """
+import os, signal, sys, torch, ckptd.torch as ckpt
+rank = int(sys.argv[3])
+torch.manual_seed(rank)
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+opt = torch.optim.Adam(model.parameters())
+model(torch.randn(4, 256)).sum().backward()
+opt.step()
+torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, sys.argv[2])
+h = ckpt.save(sys.argv[1], 11, model=model, optimizer=opt, rank=rank, world_size=2,
+              blocking=False)
+assert h.wait(60) and h.error is None, h.error
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_two_ranks_restart_from_memory_each_with_its_own_optimizer(inproc_daemon: Any,
+                                                                     tmp_path: Path) -> None:
+    """Rank 1's load reads its own kept arena and rank 0's (the model): the model is rank
+    0's, the optimizer state rank 1's own, both exactly."""
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CKPTD_SOCKET": str(d.socket)}
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(d.roots["r1"]),
+                               str(tmp_path / f"rank{r}.pt"), str(r)], env=env,
+                              stderr=subprocess.PIPE, text=True) for r in (1, 0)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == -signal.SIGKILL, err[-3000:]
+    assert d.wait_for("r1", 11)["state"] == "valid"
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    for rank, own in ((0, rank0), (1, rank1)):
+        torch.manual_seed(50)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        step, meta = ckpt.load(d.roots["r1"], model=model, optimizer=opt, rank=rank,
+                               client=d.client, source="memory")
+        assert (step, meta["source"]) == (11, "memory")
+        assert same(model, opt, {"model": rank0["model"], "opt": own["opt"]})
