@@ -72,6 +72,7 @@ def render_status(doc: dict[str, Any]) -> str:
     warnings = [r for r in doc["roots"] if r.get("preflight") and not r["preflight"]["ok"]]
     for r in warnings:
         out += ["", f"capacity warning for {r['name']}: {r['preflight']['message']}"]
+    out += _memory(doc.get("memory") or {})
     if doc["in_flight"]:
         out += ["", "in flight:"]
         for w in doc["in_flight"]:
@@ -79,6 +80,23 @@ def render_status(doc: dict[str, Any]) -> str:
                        f"{progress_bar(w.get('done_bytes', 0), w.get('total_bytes', 0))} "
                        f"{_size(w.get('done_bytes'))}/{_size(w.get('total_bytes'))}")
     return "\n".join(out)
+
+
+def _memory(memory: dict[str, Any]) -> list[str]:
+    """Per root, the state held in memory: kept for this node's trainers, held for peers,
+    and who holds whose (docs/MEMORY.md)."""
+    lines = []
+    for r in memory.get("roots") or []:
+        held_by = ", ".join(f"{h['node']} (step {h['step']})" for h in r.get("held_by") or [])
+        holding = ", ".join(f"{h['node']} (step {h['step']}, {_size(h['bytes'])})"
+                            for h in r.get("holding_for") or [])
+        if not (r.get("own_bytes") or r.get("peer_bytes") or held_by):
+            continue
+        lines.append(f"  {r['name']}: kept {_size(r.get('own_bytes'))} for this node's"
+                     f" trainers, {_size(r.get('peer_bytes'))} for peers"
+                     + (f"; this node's state held by {held_by}" if held_by else "")
+                     + (f"; holding {holding}" if holding else ""))
+    return ["", "in memory:", *lines] if lines else []
 
 
 def _waiting_for(u: dict[str, Any]) -> str:

@@ -82,6 +82,9 @@ def test_a_restarted_trainer_loads_the_latest_step_from_memory(inproc_daemon: An
     line = next(x for x in metrics.splitlines()
                 if x.startswith('ckptd_memory_held_bytes{root="r1",tier="own"}'))
     assert float(line.split()[-1]) == r1["own_bytes"]
+    from ckptd.cli.render import render_status
+
+    assert "r1: kept " in render_status(d.client.status())  # `ckptd status` says it too
     # auto takes memory first; local says so when memory is not asked
     model2, opt2 = fresh()
     assert ckpt.load(d.roots["r1"], model=model2, optimizer=opt2,
