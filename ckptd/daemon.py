@@ -142,8 +142,7 @@ class Daemon:
                                       lambda: self.config.daemon.socket,
                                       lambda: self.config.daemon.socket_group,
                                       calls=self.supervisor.calls, nets=self.retention.nets,
-                                      clock=self.clock, own=self.memory.own,
-                                      kept=self.memory.kept)
+                                      clock=self.clock, keep=self.memory.keep)
         self.memory.start_peers(cfg.daemon.node_id, self.backends.get)
         self.metrics.set_memory(self.memory.held)
         self.ctx = ApiContext(store, self.roots, self.changes, self.scanner, self.workers,

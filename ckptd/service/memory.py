@@ -10,6 +10,7 @@ checkpoint file and never reads the store.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -97,8 +98,15 @@ class MemoryService:
 
     # -- the persist service's hook ---------------------------------------------------------
 
-    def kept(self, kept: Kept) -> None:
-        """A save's arena was kept: send it to the peers soon."""
+    def keep(self, kept: Kept) -> None:
+        """A save's arena was written: keep it for a restart (its descriptor is now this
+        service's) and send it to the peers soon; let it go when [memory] keep is false."""
+        if not self.config().memory.keep or kept.root not in self.roots():
+            os.close(kept.fd)
+            return
+        self.own.keep(kept)
+        self.log.info("memory_kept", root=kept.root, step=kept.step, rank=kept.rank,
+                      bytes=kept.nbytes)
         self._wake.set()
 
     # -- status and metrics -----------------------------------------------------------------
@@ -128,6 +136,8 @@ class MemoryService:
         try:
             while not stop.is_set():
                 self._wake.clear()
+                for gone in {k.root for k in self.own.all()} - set(self.roots()):
+                    self.own.forget(gone)  # a root that left the config: its states go too
                 if self.peers is not None:
                     self.peers.replicate(self.own.all(), stop)
                 self._wake.wait(LOOK_EVERY_S)

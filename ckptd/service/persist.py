@@ -28,7 +28,7 @@ from ckptd.clock import SYSTEM, Clock
 from ckptd.config import RootConfig
 from ckptd.errors import BadValue, HttpError
 from ckptd.log import get_logger
-from ckptd.memory.own import Kept, KeptFile, OwnArenas
+from ckptd.memory.own import Kept, KeptFile
 from ckptd.retention import executor
 from ckptd.retention.views import StoreNets
 from ckptd.service.supervisor import Calls
@@ -63,20 +63,19 @@ class PersistService:
                  wake_scan: Callable[[], None], socket_path: Callable[[], Path],
                  socket_group: Callable[[], str], calls: Calls | None = None, *,
                  nets: AbstractContextManager[Any], clock: Clock = SYSTEM,
-                 own: OwnArenas | None = None,
-                 kept: Callable[[Kept], None] | None = None) -> None:
+                 keep: Callable[[Kept], None] | None = None) -> None:
         """`calls`: the supervisor's call board, where each save's write says what it is
         busy with; its bytes written are its progress. `nets`: the lock pins and readers'
         holds take, under which an earlier save of a step saved again is replaced. `clock`:
-        what a save is timed and registered by (the stop's grace is a real wait). `own`: where
-        a written arena is kept for a restart (None: let go once written); `kept` is told of
-        each state kept (replication)."""
+        what a save is timed and registered by (the stop's grace is a real wait). `keep`: given
+        each written arena's state (its own descriptor, a dup) to keep for a restart (None:
+        the arena is let go once written)."""
         self.store, self.roots, self.wake_scan = store, roots, wake_scan
         self.nets = nets
         self.clock = clock
         self.calls = calls if calls is not None else Calls(clock)
         self._socket_path, self._socket_group = socket_path, socket_group
-        self.own, self._kept = own, kept
+        self._keep_state = keep
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
         self._lock = threading.Lock()
         self._stopping = False
@@ -239,7 +238,7 @@ class PersistService:
     def _keep(self, job: _Job, written: stage.Written) -> None:
         """Keep the persisted arena for a restart (its descriptor, no copy), with the hash of
         each file as it was written from it."""
-        if self.own is None:
+        if self._keep_state is None:
             return
         hashes = {str(e["path"]): str(e["hash"]) for e in written.files}
         req = job.req
@@ -247,13 +246,8 @@ class PersistService:
                       for f in req.files if f.path in hashes)
         if len(files) != len(req.files):
             return  # not every file's hash came back: nothing to check a load against
-        kept = Kept(req.root, req.rank, req.world_size, req.step, req.generation,
-                    os.dup(job.fd), job.size, files, dict(req.head))
-        self.own.keep(kept)
-        self.log.info("memory_kept", root=req.root, step=req.step, rank=req.rank,
-                      bytes=kept.nbytes)
-        if self._kept is not None:
-            self._kept(kept)
+        self._keep_state(Kept(req.root, req.rank, req.world_size, req.step, req.generation,
+                              os.dup(job.fd), job.size, files, dict(req.head)))
 
     @staticmethod
     def _release(mm: mmap.mmap, generation: int, state: arena.State) -> None:

@@ -232,3 +232,17 @@ def test_two_ranks_restart_from_memory_each_with_its_own_optimizer(inproc_daemon
                                client=d.client, source="memory")
         assert (step, meta["source"]) == (11, "memory")
         assert same(model, opt, {"model": rank0["model"], "opt": own["opt"]})
+
+
+def test_keep_false_keeps_nothing(inproc_daemon: Any, tmp_path: Path) -> None:
+    d = inproc_daemon(roots=[{"name": "r1"}], start=False)
+    with open(d.config, "a") as f:
+        f.write("\n[memory]\nkeep = false\n")
+    d.start()
+    expected = saved_by_a_killed_trainer(d, tmp_path, 9)
+    assert d.client.status()["memory"]["own_bytes"] == 0
+    model, opt = fresh()
+    with pytest.raises(NotFound, match="keep is false"):
+        ckpt.load(d.roots["r1"], model=model, optimizer=opt, client=d.client, source="memory")
+    step, meta = ckpt.load(d.roots["r1"], model=model, optimizer=opt, client=d.client)
+    assert (step, meta["source"]) == (9, "local") and same(model, opt, expected)
