@@ -60,10 +60,12 @@ class Kept:
     def nbytes(self) -> int:
         return sum(f.size for f in self.files)
 
-    def whole(self) -> str | None:
-        """None when the arena still holds this generation persisted; else why not."""
+    def whole(self, fd: int | None = None) -> str | None:
+        """None when the arena (through `fd`, default the kept descriptor) still holds this
+        generation persisted; else why not."""
         try:
-            header = arena.read_header(os.pread(self.fd, arena.DATA_OFFSET, 0))
+            header = arena.read_header(os.pread(self.fd if fd is None else fd,
+                                                arena.DATA_OFFSET, 0))
         except (OSError, Malformed) as exc:
             return f"its arena's header cannot be read ({exc})"
         if header.generation != self.generation or header.state is not arena.State.PERSISTED:
@@ -95,38 +97,46 @@ class OwnArenas:
         if old is not None and old.fd != kept.fd:
             _close(old.fd)
 
-    def lookup(self, root: str, step: int, rank: int) -> list[Kept]:
-        """The states a load of `rank` at `step` reads: its own, and rank 0's (which holds the
-        model) when it is another rank; NotFound saying why when any is not here whole."""
+    @contextlib.contextmanager
+    def lookup(self, root: str, step: int, rank: int) -> Iterator[list[tuple[Kept, int]]]:
+        """The states a load of `rank` at `step` reads (its own, and rank 0's, which holds the
+        model, when it is another rank), each with a duplicate of its descriptor taken under
+        the registry's lock (a save replacing the state meanwhile closes only the registry's
+        own), closed on the way out; NotFound saying why when any is not here whole."""
         wanted = [rank] if rank == 0 else [rank, 0]
-        found: list[Kept] = []
-        with self._lock:
-            for r in wanted:
-                kept = self._kept.get((root, r))
-                if kept is None:
-                    raise NotFound(f"this node's daemon keeps no state of rank {r} of {root!r}")
-                if kept.step != step:
-                    raise NotFound(f"this node's daemon keeps step {kept.step} of rank {r} of"
-                                   f" {root!r}, not step {step}")
-                found.append(kept)
-        for kept in found:
-            why = kept.whole()
-            if why is not None:
-                self.drop(kept)
-                raise NotFound(f"the kept step {step} of rank {kept.rank} of {root!r} is not"
-                               f" whole: {why}")
-        return found
+        found: list[tuple[Kept, int]] = []
+        try:
+            with self._lock:
+                for r in wanted:
+                    kept = self._kept.get((root, r))
+                    if kept is None:
+                        raise NotFound(f"this node's daemon keeps no state of rank {r} of"
+                                       f" {root!r}")
+                    if kept.step != step:
+                        raise NotFound(f"this node's daemon keeps step {kept.step} of rank {r}"
+                                       f" of {root!r}, not step {step}")
+                    found.append((kept, os.dup(kept.fd)))
+            for kept, fd in found:
+                why = kept.whole(fd)
+                if why is not None:
+                    self.drop(kept)
+                    raise NotFound(f"the kept step {step} of rank {kept.rank} of {root!r} is"
+                                   f" not whole: {why}")
+            yield found
+        finally:
+            for _, fd in found:
+                _close(fd)
 
     @contextlib.contextmanager
-    def handed(self, kept: list[Kept]) -> Iterator[list[int]]:
-        """Duplicates of the kept states' descriptors, closed on the way out."""
-        fds: list[int] = []
+    def borrowed(self) -> Iterator[list[tuple[Kept, int]]]:
+        """Every kept state with a duplicate of its descriptor (taken under the lock), closed
+        on the way out: what replication reads while saves may replace the states."""
+        with self._lock:
+            pairs = [(k, os.dup(k.fd)) for k in self._kept.values()]
         try:
-            for k in kept:
-                fds.append(os.dup(k.fd))
-            yield fds
+            yield pairs
         finally:
-            for fd in fds:
+            for _, fd in pairs:
                 _close(fd)
 
     def drop(self, kept: Kept) -> None:

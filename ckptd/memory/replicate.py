@@ -86,16 +86,16 @@ class Peers:
 
     # -- sending ----------------------------------------------------------------------------
 
-    def replicate(self, kept: list[Kept], stop: threading.Event) -> None:
+    def replicate(self, kept: list[tuple[Kept, int]], stop: threading.Event) -> None:
         """Publish this node in each uploading root's directory and send each kept state to
         the root's chosen peers, those not sent yet."""
         for root in self.roots().values():
             backend = self.backend_for(root)
             if backend is None or stop.is_set():
                 continue
-            mine = [k for k in kept if k.root == root.name]
+            mine = [(k, fd) for k, fd in kept if k.root == root.name]
             due = self.clock.time() - self._published.get(root.name, -1e18) >= REPUBLISH_S
-            states = {(k.rank, k.step, k.generation) for k in mine}
+            states = {(k.rank, k.step, k.generation) for k, _ in mine}
             if not due and (states <= self._tried.get(root.name, set())
                             or self.clock.time() < self._retry_at.get(root.name, 0.0)):
                 continue  # each state is with its peers (or waits to be tried again), and
@@ -111,14 +111,14 @@ class Peers:
             addresses = {e.node: e.address for e in entries
                          if e.node != self.node and e.updated >= fresh}
             targets = directory.choose(sorted(addresses), self.node, self.cfg.replicas)
-            for k in mine:
+            for k, fd in mine:
                 for peer in targets:
                     if stop.is_set():
                         return
                     if k.sent.get(peer) != (k.step, k.generation):
-                        self._send(root, k, peer, addresses[peer])
+                        self._send(root, k, fd, peer, addresses[peer])
             placed = all(sum(k.sent.get(p) == (k.step, k.generation) for p in targets)
-                         >= self.cfg.replicas for k in mine)
+                         >= self.cfg.replicas for k, _ in mine)
             if placed:
                 self._tried[root.name], self._backoff[root.name] = states, RETRY_FIRST_S
             else:  # too few peers yet, or a send failed: look again soon, then less often
@@ -137,14 +137,15 @@ class Peers:
             self._published[root.name] = self.clock.time()
         return directory.peers(backend, root.name)
 
-    def _send(self, root: RootConfig, k: Kept, peer: str, address: str) -> None:
+    def _send(self, root: RootConfig, k: Kept, fd: int, peer: str, address: str) -> None:
+        """Send `k` (read through `fd`, a duplicate of its descriptor) to `peer`."""
         head = wire.ReplicaHead(root.name, self.node, k.step, k.rank, k.world_size,
                                 k.generation, tuple(wire.ReplicaFile(f.path, f.component,
                                                                      f.size, f.hash)
                                                     for f in k.files), k.head)
         started = self.clock.monotonic()
         try:
-            with _mapped(k.fd, k.size) as view:
+            with _mapped(fd, k.size) as view:
                 offsets = {f.path: f for f in k.files}
 
                 def raw(f: wire.ReplicaFile) -> memoryview:

@@ -68,33 +68,44 @@ class MemoryService:
         if cfg is None:
             raise HttpError(404, "no_root", f"no root named {root!r} in the config")
         why: list[str] = []
-        kept = self._own(root, step, rank, why)
-        if kept is None and self.peers is not None:
-            try:
-                kept = self.peers.fetch(cfg, step, rank, why)
-            except Exception as exc:  # broad: the peer tier failing is a tier skipped, not a 500
-                self.log.error("memory_peers_failed", root=root, step=step, rank=rank,
-                               error=f"{type(exc).__name__}: {exc}", exc_info=True)
-                why.append(f"peers: {type(exc).__name__}: {exc}")
-            for k in kept or ():
-                self.own.keep(k)
-        if kept is None:
-            raise HttpError(404, "not_in_memory", "; ".join(why))
-        doc = {"root": root, "step": step, "rank": rank, "source": kept[0].source,
-               "arenas": [k.json() for k in kept]}
-        with self.own.handed(kept) as fds:
-            yield doc, fds
-        self.log.info("memory_served", root=root, step=step, rank=rank, source=kept[0].source)
+        with contextlib.ExitStack() as stack:
+            found = None
+            if not self.config().memory.keep:
+                why.append("memory: memory.keep is false")
+            else:
+                try:
+                    found = stack.enter_context(self.own.lookup(root, step, rank))
+                except NotFound as exc:
+                    why.append(f"memory: {exc}")
+                if found is None and self.peers is not None and \
+                        self._from_peers(cfg, step, rank, why):
+                    try:
+                        found = stack.enter_context(self.own.lookup(root, step, rank))
+                    except NotFound as exc:  # replaced by a save meanwhile
+                        why.append(f"peers: {exc}")
+            if found is None:
+                raise HttpError(404, "not_in_memory", "; ".join(why))
+            yield self._answer(root, step, rank, found)
 
-    def _own(self, root: str, step: int, rank: int, why: list[str]) -> list[Kept] | None:
-        if not self.config().memory.keep:
-            why.append("memory: memory.keep is false")
-            return None
+    def _answer(self, root: str, step: int, rank: int, found: list[tuple[Kept, int]]
+                ) -> tuple[dict[str, Any], list[int]]:
+        source = found[0][0].source
+        self.log.info("memory_served", root=root, step=step, rank=rank, source=source)
+        return ({"root": root, "step": step, "rank": rank, "source": source,
+                 "arenas": [k.json() for k, _ in found]}, [fd for _, fd in found])
+
+    def _from_peers(self, cfg: RootConfig, step: int, rank: int, why: list[str]) -> bool:
+        """Fetch the states from a peer and keep them; False (why said) when none could."""
         try:
-            return self.own.lookup(root, step, rank)
-        except NotFound as exc:
-            why.append(f"memory: {exc}")
-            return None
+            fetched = self.peers.fetch(cfg, step, rank, why)
+        except Exception as exc:  # broad: the peer tier failing is a tier skipped, not a 500
+            self.log.error("memory_peers_failed", root=cfg.name, step=step, rank=rank,
+                           error=f"{type(exc).__name__}: {exc}", exc_info=True)
+            why.append(f"peers: {type(exc).__name__}: {exc}")
+            return False
+        for k in fetched or ():
+            self.own.keep(k)
+        return fetched is not None
 
     # -- the persist service's hook ---------------------------------------------------------
 
@@ -139,7 +150,8 @@ class MemoryService:
                 for gone in {k.root for k in self.own.all()} - set(self.roots()):
                     self.own.forget(gone)  # a root that left the config: its states go too
                 if self.peers is not None:
-                    self.peers.replicate(self.own.all(), stop)
+                    with self.own.borrowed() as pairs:
+                        self.peers.replicate(pairs, stop)
                 self._wake.wait(LOOK_EVERY_S)
         finally:
             if stop.is_set():
