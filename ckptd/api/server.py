@@ -267,7 +267,10 @@ class Handler(BaseHTTPRequestHandler):
         root, step, rank = checks.memory_request(body)
         with self.ctx.memory.open(root, step, rank, self._peer()) as (doc, fds):
             self.writer.attach(fds)
-            self._send(200, doc)
+            try:
+                self._send(200, doc)
+            finally:
+                self.writer.attach([])  # never sent with a later answer, whatever happened
         return -1, None
 
     def h_persist_outcome(self, job: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:

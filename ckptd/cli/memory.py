@@ -58,7 +58,7 @@ def fetch(cfg: Config, root_name: str, step: int, node: str, to: Path) -> dict[s
 def _write(k: Kept, out: Path) -> list[dict[str, Any]]:
     entries = []
     for f in k.files:
-        fd = os.open(out / f.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        fd = os.open(out / f.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             done = 0
             while done < f.size:

@@ -283,7 +283,8 @@ def needs_restart(old: Config, new: Config) -> list[str]:
     """The keys whose change a reload cannot apply (they take effect at the next start)."""
     keys = [f"daemon.{k}" for k in _READ_AT_START
             if getattr(old.daemon, k) != getattr(new.daemon, k)]
-    keys += [f"memory.{k}" for k in ("listen", "advertise", "secret_file")
+    keys += [f"memory.{k}" for k in ("listen", "advertise", "secret_file", "replicas",
+                                      "max_bytes", "max_bandwidth", "timeout")
              if getattr(old.memory, k) != getattr(new.memory, k)]
     return keys + (["metrics.listen"] if old.metrics != new.metrics else [])
 

@@ -9,6 +9,8 @@ caller stamps `updated`), never dials a peer.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import json
 import re
@@ -82,30 +84,40 @@ def _ip(text: str, address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Addres
         raise BadValue(f"address {_show(address)}: {_show(text)} is not an IP address") from None
 
 
-def entry_json(entry: PeerEntry) -> bytes:
-    """The entry as stored; BadValue for an entry `parse_entry` would refuse."""
-    doc = {"node": entry.node, "address": entry.address, "updated": entry.updated,
-           "held_by": [{"node": n, "step": s} for n, s in entry.held_by]}
+def entry_json(entry: PeerEntry, secret: bytes = b"") -> bytes:
+    """The entry as stored (with a `secret`, sealed: its HMAC-SHA256 in `seal`); BadValue
+    for an entry `parse_entry` would refuse."""
+    doc: dict[str, Any] = {"node": entry.node, "address": entry.address,
+                           "updated": entry.updated,
+                           "held_by": [{"node": n, "step": s} for n, s in entry.held_by]}
     try:
+        if secret:
+            doc["seal"] = _seal(secret, doc)
         data = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode() + b"\n"
     except (TypeError, ValueError) as exc:
         raise BadValue(f"peer entry of {_show(entry.node)} is not JSON: {exc}") from None
     try:
-        parse_entry(data, f"{entry.node}.json")
+        parse_entry(data, f"{entry.node}.json", secret)
     except CorruptData as exc:
         raise BadValue(str(exc)) from None
     return data
 
 
-def parse_entry(data: bytes, key: str) -> PeerEntry:
+def parse_entry(data: bytes, key: str, secret: bytes = b"") -> PeerEntry:
     """The entry stored under `key` (whose last part must be `<node>.json` of the entry's
-    node), strictly checked; Malformed (a CorruptData) otherwise."""
+    node), strictly checked; with a `secret`, only an entry it sealed; Malformed (a
+    CorruptData) otherwise."""
     if len(data) > MAX_ENTRY:
         raise Malformed(f"{key}: {len(data)} bytes, over {MAX_ENTRY}")
     try:
         doc = inputs.loads(data, key)
-        if not isinstance(doc, dict) or set(doc) != _KEYS:
+        if not isinstance(doc, dict) or set(doc) - {"seal"} != _KEYS:
             raise Malformed(f"{key}: not an object with exactly {sorted(_KEYS)}")
+        seal = doc.pop("seal", None)
+        if secret and (not isinstance(seal, str)
+                       or not hmac.compare_digest(seal, _seal(secret, doc))):
+            raise Malformed(f"{key}: not sealed with the job's secret (written by a daemon"
+                            " without it, or changed since)")
         node = check_node(doc["node"])
         if f"{node}.json" != key.rpartition("/")[2]:
             raise Malformed(f"{key}: the entry of node {node!r} under another node's key")
@@ -129,16 +141,23 @@ def _held_by(listing: Any, key: str) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def publish(backend: Backend, root: str, entry: PeerEntry) -> None:
-    """Write (overwrite) this node's entry; BadValue for a bad entry, storage errors as the
-    backend raises them."""
-    backend.put(peer_key(root, check_node(entry.node)), entry_json(entry))
+def _seal(secret: bytes, doc: dict[str, Any]) -> str:
+    body = json.dumps(doc, allow_nan=False, separators=(",", ":"), sort_keys=True)
+    return hmac.new(secret, b"ckptd-peer-entry\n" + body.encode(), hashlib.sha256).hexdigest()
 
 
-def peers(backend: Backend, root: str, limit: int = MAX_PEERS) -> list[PeerEntry]:
+def publish(backend: Backend, root: str, entry: PeerEntry, secret: bytes = b"") -> None:
+    """Write (overwrite) this node's entry (sealed with `secret` when given); BadValue for a
+    bad entry, storage errors as the backend raises them."""
+    backend.put(peer_key(root, check_node(entry.node)), entry_json(entry, secret))
+
+
+def peers(backend: Backend, root: str, limit: int = MAX_PEERS, secret: bytes = b""
+          ) -> list[PeerEntry]:
     """Every node's entry of `root`, by node (at most `limit` entries listed and read, each
     at most MAX_ENTRY bytes). An entry that is malformed, oversized, under a key that is not
-    `<node>.json`, or of another node than its key says is skipped with a warning
+    `<node>.json`, of another node than its key says, or (with a `secret`) not sealed with
+    it is skipped with a warning
     (`peer_entry_skipped`); one deleted meanwhile is skipped quietly. Other storage errors
     propagate."""
     prefix = peers_prefix(root)
@@ -155,7 +174,7 @@ def peers(backend: Backend, root: str, limit: int = MAX_PEERS) -> list[PeerEntry
             if not key.startswith(prefix) or not key.endswith(".json") or (
                     "/" in key[len(prefix):]):
                 raise Malformed(f"{key}: not a peer entry's key")
-            out.append(parse_entry(backend.get_bytes(key, MAX_ENTRY), key))
+            out.append(parse_entry(backend.get_bytes(key, MAX_ENTRY), key, secret))
         except ObjectNotFound:
             continue
         except CorruptData as exc:

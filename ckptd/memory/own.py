@@ -88,21 +88,39 @@ class OwnArenas:
         self._kept: dict[tuple[str, int], Kept] = {}
         self._lock = threading.Lock()
 
-    def keep(self, kept: Kept) -> None:
-        """Keep `kept` (its fd is now this registry's), replacing the rank's earlier state."""
+    def keep(self, kept: Kept, over_newer: bool = True) -> bool:
+        """Keep `kept` (its fd is now this registry's), replacing the rank's earlier state;
+        with `over_newer` False (a state fetched from a peer) not over a state of a newer
+        step: then `kept` is let go and False returned."""
         kept.kept_at = self.clock.time()
         with self._lock:
-            old = self._kept.pop((kept.root, kept.rank), None)
-            self._kept[(kept.root, kept.rank)] = kept
+            old = self._kept.get((kept.root, kept.rank))
+            if old is not None and not over_newer and old.step > kept.step:
+                old = kept  # closed below: the newer state stays
+            else:
+                self._kept[(kept.root, kept.rank)] = kept
         if old is not None and old.fd != kept.fd:
             _close(old.fd)
+        elif old is kept:
+            _close(kept.fd)
+            return False
+        return True
+
+    def missing(self, root: str, step: int, rank: int) -> list[int]:
+        """The ranks a load of `rank` at `step` reads (its own, rank 0's) not kept whole."""
+        wanted = [rank] if rank == 0 else [rank, 0]
+        with self._lock:
+            kept = {r: self._kept.get((root, r)) for r in wanted}
+        return [r for r, k in kept.items()
+                if k is None or k.step != step or k.whole() is not None]
 
     @contextlib.contextmanager
     def lookup(self, root: str, step: int, rank: int) -> Iterator[list[tuple[Kept, int]]]:
         """The states a load of `rank` at `step` reads (its own, and rank 0's, which holds the
-        model, when it is another rank), each with a duplicate of its descriptor taken under
-        the registry's lock (a save replacing the state meanwhile closes only the registry's
-        own), closed on the way out; NotFound saying why when any is not here whole."""
+        model, when it is another rank), each with a read-only descriptor of its arena opened
+        under the registry's lock (a save replacing the state meanwhile closes only the
+        registry's own; a client handed it can read the arena, never write it), closed on the
+        way out; NotFound saying why when any is not here whole."""
         wanted = [rank] if rank == 0 else [rank, 0]
         found: list[tuple[Kept, int]] = []
         try:
@@ -115,7 +133,7 @@ class OwnArenas:
                     if kept.step != step:
                         raise NotFound(f"this node's daemon keeps step {kept.step} of rank {r}"
                                        f" of {root!r}, not step {step}")
-                    found.append((kept, os.dup(kept.fd)))
+                    found.append((kept, reopen_read_only(kept.fd)))
             for kept, fd in found:
                 why = kept.whole(fd)
                 if why is not None:
@@ -131,9 +149,11 @@ class OwnArenas:
     def borrowed(self) -> Iterator[list[tuple[Kept, int]]]:
         """Every kept state with a duplicate of its descriptor (taken under the lock), closed
         on the way out: what replication reads while saves may replace the states."""
-        with self._lock:
-            pairs = [(k, os.dup(k.fd)) for k in self._kept.values()]
+        pairs: list[tuple[Kept, int]] = []
         try:
+            with self._lock:
+                for k in self._kept.values():
+                    pairs.append((k, os.dup(k.fd)))
             yield pairs
         finally:
             for _, fd in pairs:
@@ -161,6 +181,11 @@ class OwnArenas:
 
     def held_bytes(self, root: str | None = None) -> int:
         return sum(k.nbytes for k in self.all() if root is None or k.root == root)
+
+
+def reopen_read_only(fd: int) -> int:
+    """A new descriptor of the same memfd, open for reading only."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
 def fill(size: int, header_generation: int = 1) -> tuple[int, memoryview, Any]:

@@ -34,7 +34,10 @@ BackendFor = Callable[[RootConfig], "Backend | None"]
 # This node's entry is written again this often (peers choose among entries fresher than
 # STALE_S, so a node gone for good stops being sent replicas).
 REPUBLISH_S = 60.0
-RETRY_FIRST_S = 2.0  # a state not yet with its peers is tried again after this, doubling
+RETRY_FIRST_S = 2.0
+# A replaced node asks at most this many peers, within this many [memory] timeouts in all.
+MAX_TRIED = 8
+FETCH_ROUNDS = 4  # a state not yet with its peers is tried again after this, doubling
 STALE_S = 600.0
 
 
@@ -50,13 +53,16 @@ class Peers:
                  backend_for: BackendFor, clock: Clock = SYSTEM) -> None:
         self.cfg, self.node, self.roots, self.backend_for = cfg, node, roots, backend_for
         self.clock = clock
-        secret = proof.read_secret(Path(cfg.secret_file))
+        secret = self._secret = proof.read_secret(Path(cfg.secret_file))
         self.client = PeerClient(secret, node, cfg.timeout, cfg.max_bandwidth)
         self.replicas = Replicas(cfg.cap_bytes(machine_memory()), clock)
         self.server: PeerServer | None = None
         if cfg.address is not None:
-            self.server = PeerServer(cfg.address, proof.Verifier(secret, clock), self.replicas,
-                                     node, timeout_s=cfg.timeout)
+            # a proof signed before this daemon started is refused: a request recorded for the
+            # daemon this one replaces cannot be replayed to it (its nonces were forgotten)
+            self.server = PeerServer(cfg.address, proof.Verifier(secret, clock,
+                                                                 not_before=clock.time()),
+                                     self.replicas, node, timeout_s=cfg.timeout)
         self._held_by: dict[str, dict[str, int]] = {}  # root -> peer node -> step it holds
         self._published: dict[str, float] = {}  # root -> when this node's entry was written
         self._tried: dict[str, set[tuple[int, int, int]]] = {}  # root -> states placed
@@ -93,7 +99,8 @@ class Peers:
             backend = self.backend_for(root)
             if backend is None or stop.is_set():
                 continue
-            mine = [(k, fd) for k, fd in kept if k.root == root.name]
+            # a state whose arena moved on (the trainer's next save began) is not sent
+            mine = [(k, fd) for k, fd in kept if k.root == root.name and k.whole(fd) is None]
             due = self.clock.time() - self._published.get(root.name, -1e18) >= REPUBLISH_S
             states = {(k.rank, k.step, k.generation) for k, _ in mine}
             if not due and (states <= self._tried.get(root.name, set())
@@ -133,9 +140,9 @@ class Peers:
             held = tuple(sorted(self._held_by.get(root.name, {}).items()))
         if self.address:
             directory.publish(backend, root.name, directory.PeerEntry(
-                self.node, self.address, self.clock.time(), held))
+                self.node, self.address, self.clock.time(), held), self._secret)
             self._published[root.name] = self.clock.time()
-        return directory.peers(backend, root.name)
+        return directory.peers(backend, root.name, secret=self._secret)
 
     def _send(self, root: RootConfig, k: Kept, fd: int, peer: str, address: str) -> None:
         """Send `k` (read through `fd`, a duplicate of its descriptor) to `peer`."""
@@ -153,7 +160,7 @@ class Peers:
                     return view[at.offset:at.offset + at.size]
 
                 body = wire.encode(head, raw, root.compress.codec, root.compress.level,
-                                   root.compress.min_saving)
+                                   root.compress.min_saving, key=self._secret)
                 data = wire.head_bytes(head)
                 answer = self.client.put_replica(address, root.name, k.rank, k.step, data,
                                                  _after_head(body, data))
@@ -170,36 +177,45 @@ class Peers:
 
     # -- fetching ---------------------------------------------------------------------------
 
-    def fetch(self, root: RootConfig, step: int, rank: int, why: list[str]) -> list[Kept] | None:
-        """The states a load of `rank` at `step` reads (its own and rank 0's), from the
-        peers that hold this node's copy; None (with each peer's reason in `why`) when no
-        peer has all of them whole."""
+    def fetch(self, root: RootConfig, step: int, ranks: list[int], why: list[str]
+              ) -> list[Kept] | None:
+        """The states of `ranks` at `step` (those a load needs that this daemon lacks), from
+        the peers that hold this node's copy: the peers its entry names first, then the
+        others listed and fresh, at most MAX_TRIED, within FETCH_ROUNDS x [memory] timeout in
+        all; None (with each peer's reason in `why`) when not every rank came back whole."""
         backend = self.backend_for(root)
         if backend is None:
             why.append(f"peers: root {root.name!r} has no upload url to find its peers by")
             return None
         try:
-            entries = directory.peers(backend, root.name)
+            entries = directory.peers(backend, root.name, secret=self._secret)
         except CkptdError as exc:
             why.append(f"peers: the directory in the bucket cannot be read ({exc})")
             return None
         mine = next((e for e in entries if e.node == self.node), None)
         hinted = [n for n, _ in (mine.held_by if mine is not None else ())]
         others = {e.node: e.address for e in entries if e.node != self.node}
-        order = [n for n in hinted if n in others] + sorted(set(others) - set(hinted))
+        fresh = {e.node for e in entries if e.updated >= self.clock.time() - STALE_S}
+        order = [n for n in hinted if n in others] + sorted(
+            (set(others) & fresh) - set(hinted))
+        order = order[:MAX_TRIED]
         if not order:
             why.append(f"peers: no peer of {root.name!r} is listed in the bucket")
             return None
+        deadline = self.clock.monotonic() + FETCH_ROUNDS * self.cfg.timeout
         got: list[Kept] = []
-        for r in ([rank] if rank == 0 else [rank, 0]):
-            k = self._fetch_rank(root, step, r, order, others, why)
-            if k is None:
-                for g in got:
-                    with contextlib.suppress(OSError):
-                        os.close(g.fd)
-                return None
-            got.append(k)
-        return got
+        try:
+            for r in sorted(ranks):  # rank 0 (the model) first
+                k = self._fetch_rank(root, step, r, order, others, why, deadline)
+                if k is None:
+                    return None
+                got.append(k)
+            done, got = got, []
+            return done
+        finally:
+            for g in got:  # not every rank came back: none is kept
+                with contextlib.suppress(OSError):
+                    os.close(g.fd)
 
     def fetch_all(self, root: RootConfig, step: int, why: list[str]) -> list[Kept]:
         """Every rank's state of this node at `step` that some peer holds (`ckptd memory
@@ -208,8 +224,8 @@ class Peers:
         if backend is None:
             why.append(f"peers: root {root.name!r} has no upload url to find its peers by")
             return []
-        addresses = {e.node: e.address for e in directory.peers(backend, root.name)
-                     if e.node != self.node}
+        entries = directory.peers(backend, root.name, secret=self._secret)
+        addresses = {e.node: e.address for e in entries if e.node != self.node}
         ranks: set[int] = set()
         for peer, address in sorted(addresses.items()):
             try:
@@ -225,8 +241,13 @@ class Peers:
         return got
 
     def _fetch_rank(self, root: RootConfig, step: int, rank: int, order: list[str],
-                    addresses: dict[str, str], why: list[str]) -> Kept | None:
+                    addresses: dict[str, str], why: list[str], deadline: float | None = None
+                    ) -> Kept | None:
         for peer in order:
+            if deadline is not None and self.clock.monotonic() > deadline:
+                why.append(f"peers: out of time ({FETCH_ROUNDS} x memory.timeout) before"
+                           f" peer {peer} was asked for rank {rank}")
+                return None
             try:
                 k = self._fetch_one(root, step, rank, peer, addresses[peer])
             except CkptdError as exc:
@@ -245,12 +266,15 @@ class Peers:
     def _fetch_one(self, root: RootConfig, step: int, rank: int, peer: str, address: str
                    ) -> Kept:
         with self.client.open_replica(address, root.name, rank, step) as stream:
-            head = wire.read_head(stream)
+            head = wire.read_head(stream, key=self._secret)
             if (head.root, head.node, head.step, head.rank) != (root.name, self.node, step,
                                                                rank):
                 raise CkptdError(f"it answered with step {head.step} of rank {head.rank} of"
                                  f" node {head.node} of {head.root!r}")
             offsets, size = own.layout([f.size for f in head.files])
+            if size > machine_memory():
+                raise CkptdError(f"its replica claims {size} bytes, more than this machine's"
+                                 " memory")
             fd, view, mm = own.fill(size, head.generation)
             try:
                 at = dict(zip((f.path for f in head.files), offsets, strict=True))

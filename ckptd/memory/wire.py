@@ -8,6 +8,9 @@ file I/O of its own and never decides which peer gets what.
 The body, every integer a little-endian u32 unless said otherwise:
 
     L | head JSON (L bytes, at most 1 MiB) | u64 xxh3-64 of the head JSON
+        | 32 bytes HMAC-SHA256 of the head JSON with the job's secret (the seal; between
+          daemons always: a replica fetched back is used only when a holder of the secret
+          wrote its head, and the head names every file's hash)
     then for each file, in the head's order:
         P | prelude JSON {"codec": c}            (P at most 4 KiB)
         n | n bytes                              (a frame: 1 <= n <= MAX_FRAME), repeated
@@ -24,6 +27,8 @@ The body ends after the last trailer: `decode_files` reads its stream to the end
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import json
 import re
@@ -176,15 +181,18 @@ def _show(value: object) -> str:
 
 
 def encode(h: ReplicaHead, raw: Callable[[ReplicaFile], memoryview], codec: str, level: int,
-           min_saving: float) -> Iterator[bytes]:
+           min_saving: float, key: bytes = b"") -> Iterator[bytes]:
     """The whole body of `h`, streamed. Each file's bytes come from `raw(f)` (a view of exactly
     f.size bytes), copied CHUNK at a time into a private buffer that is hashed and encoded: a
     file whose hash is not `f.hash` "changed while it was sent" (CorruptData, raised before
     its frames end, so the body is never whole). Memory: the chunk, the encoder's blocks and
-    one chunk's output. BadValue for a head the receiver would refuse or a bad codec."""
+    one chunk's output. BadValue for a head the receiver would refuse or a bad codec. With a
+    `key` (the job's secret), the head's checksum is followed by its seal (HMAC-SHA256 of
+    the head JSON): a reader with the key accepts only a head a holder of it wrote."""
     data = head_bytes(h)
     make_encoder(codec, io.BytesIO(), level=level, min_saving=min_saving).close()  # the args
-    yield _U32.pack(len(data)) + data + xxhash.xxh3_64_intdigest(data).to_bytes(8, "little")
+    yield (_U32.pack(len(data)) + data + xxhash.xxh3_64_intdigest(data).to_bytes(8, "little")
+           + (_seal(key, data) if key else b""))
     buf = bytearray(min(CHUNK, max((f.size for f in h.files), default=0)))
     for f in h.files:
         yield from _encode_file(f, raw(f), buf, codec, level, min_saving)
@@ -278,9 +286,10 @@ def _frame(group: list[bytes], size: int) -> Iterator[bytes]:
 # -- decoding -----------------------------------------------------------------------------------
 
 
-def read_head(stream: BinaryIO) -> ReplicaHead:
+def read_head(stream: BinaryIO, key: bytes = b"") -> ReplicaHead:
     """The head at the start of a body read from `stream`; CorruptData (Malformed for a head
-    that does not parse) otherwise. Leaves `stream` at the first file."""
+    that does not parse) otherwise. With a `key`, the head must carry its seal (`encode`'s),
+    else CorruptData before the head is parsed. Leaves `stream` at the first file."""
     size = _u32(stream, "replica head length")
     if size > MAX_HEAD:
         raise CorruptData(f"replica head: {size} bytes, over {MAX_HEAD}")
@@ -288,7 +297,15 @@ def read_head(stream: BinaryIO) -> ReplicaHead:
     check = _read_exact(stream, 8, "replica head checksum")
     if xxhash.xxh3_64_intdigest(data) != int.from_bytes(check, "little"):
         raise CorruptData("replica head: checksum mismatch")
+    if key and not hmac.compare_digest(_read_exact(stream, 32, "replica head seal"),
+                                       _seal(key, data)):
+        raise CorruptData("replica head: its seal is not the job's secret's (a replica not"
+                          " written by a holder of the secret)")
     return parse_head(data)
+
+
+def _seal(key: bytes, head: bytes) -> bytes:
+    return hmac.new(key, b"ckptd-replica-head\n" + head, hashlib.sha256).digest()
 
 
 def decode_files(stream: BinaryIO, h: ReplicaHead,

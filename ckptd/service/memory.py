@@ -37,6 +37,7 @@ class MemoryService:
         self.own = OwnArenas(clock)
         self.peers: Any = None  # the peer side (`memory.replicate.Peers`), when configured
         self._wake = threading.Event()
+        self._fetching = threading.Lock()
         self.log = get_logger()
 
     def start_peers(self, node: str, backend_for: Callable[[RootConfig], Any]) -> None:
@@ -77,12 +78,15 @@ class MemoryService:
                     found = stack.enter_context(self.own.lookup(root, step, rank))
                 except NotFound as exc:
                     why.append(f"memory: {exc}")
-                if found is None and self.peers is not None and \
-                        self._from_peers(cfg, step, rank, why):
-                    try:
-                        found = stack.enter_context(self.own.lookup(root, step, rank))
-                    except NotFound as exc:  # replaced by a save meanwhile
-                        why.append(f"peers: {exc}")
+                if found is None and self.peers is not None:
+                    with self._fetching:  # one fetch at a time: a rank that waited for
+                        # another's fetch (rank 0's state is every rank's) finds it kept
+                        missing = self.own.missing(root, step, rank)
+                        if not missing or self._from_peers(cfg, step, missing, why):
+                            try:
+                                found = stack.enter_context(self.own.lookup(root, step, rank))
+                            except NotFound as exc:  # replaced by a save meanwhile
+                                why.append(f"peers: {exc}")
             if found is None:
                 raise HttpError(404, "not_in_memory", "; ".join(why))
             yield self._answer(root, step, rank, found)
@@ -94,17 +98,19 @@ class MemoryService:
         return ({"root": root, "step": step, "rank": rank, "source": source,
                  "arenas": [k.json() for k, _ in found]}, [fd for _, fd in found])
 
-    def _from_peers(self, cfg: RootConfig, step: int, rank: int, why: list[str]) -> bool:
-        """Fetch the states from a peer and keep them; False (why said) when none could."""
+    def _from_peers(self, cfg: RootConfig, step: int, ranks: list[int], why: list[str]
+                    ) -> bool:
+        """Fetch `ranks`' states from a peer and keep them (never over a newer step's);
+        False (why said) when not all could be."""
         try:
-            fetched = self.peers.fetch(cfg, step, rank, why)
+            fetched = self.peers.fetch(cfg, step, ranks, why)
         except Exception as exc:  # broad: the peer tier failing is a tier skipped, not a 500
-            self.log.error("memory_peers_failed", root=cfg.name, step=step, rank=rank,
+            self.log.error("memory_peers_failed", root=cfg.name, step=step, ranks=ranks,
                            error=f"{type(exc).__name__}: {exc}", exc_info=True)
             why.append(f"peers: {type(exc).__name__}: {exc}")
             return False
         for k in fetched or ():
-            self.own.keep(k)
+            self.own.keep(k, over_newer=False)
         return fetched is not None
 
     # -- the persist service's hook ---------------------------------------------------------
@@ -149,6 +155,8 @@ class MemoryService:
                 self._wake.clear()
                 for gone in {k.root for k in self.own.all()} - set(self.roots()):
                     self.own.forget(gone)  # a root that left the config: its states go too
+                if not self.config().memory.keep:
+                    self.own.forget()  # keep = false since a reload
                 if self.peers is not None:
                     with self.own.borrowed() as pairs:
                         self.peers.replicate(pairs, stop)

@@ -172,18 +172,25 @@ def _from_arenas(state: Any, step: int, objs: tuple[Any, ...], rank: int, restor
     _check_wanted(states, objs, state.where)
     meta = {**state.head, "files": state.entries(), "path": state.where,
             "source": state.source}
-    if "extra.pt" in state.files:
-        meta["extra"] = _torch_load(state.file("extra.pt"), opts.map_location)
-    _apply_all(states, objs, state.where, opts)
-    rng_name = f"rng.rank{rank}.pt"
-    if restore_rng:
-        _restore_rng(_torch_load(state.file(rng_name), "cpu") if rng_name in state.files
-                     else None, state.where)
+    from ckptd.torch._memory import TornState
+
+    try:
+        if "extra.pt" in state.files:
+            meta["extra"] = _torch_load(state.file("extra.pt"), opts.map_location)
+        _apply_all(states, objs, state.where, opts)
+        rng_name = f"rng.rank{rank}.pt"
+        if restore_rng:
+            _restore_rng(_torch_load(state.file(rng_name), "cpu") if rng_name in state.files
+                         else None, state.where)
+    except Exception as exc:  # torn under the read (it fails the parse), or a real failure
+        try:
+            state.check_whole()
+        except CorruptData as torn:
+            raise TornState(f"{torn} while it was read ({type(exc).__name__})") from None
+        raise
     try:
         state.check_whole()
     except CorruptData as exc:
-        from ckptd.torch._memory import TornState
-
         raise TornState(f"{exc} while it was read") from None
     return step, meta
 

@@ -242,7 +242,8 @@ def test_a_slow_or_dying_peer_is_skipped_within_the_timeout(cluster: Any, tmp_pa
     address, thread = _serve_once(behave, stop)
     try:
         backend = make_backend(f"file://{tmp_path / 'remote'}")
-        directory.publish(backend, "job", directory.PeerEntry("n9", address, time.time(), ()))
+        directory.publish(backend, "job", directory.PeerEntry("n9", address, time.time(), ()),
+                          SECRET)
         n0.replace()
         wait_until(lambda: any(c["step"] == 4 for c in n0.handle.client.checkpoints("job") or []),
                    30, "step 4 found in the bucket")
@@ -268,7 +269,7 @@ def test_a_request_without_the_secret_or_for_another_node_gets_no_state(cluster:
     from ckptd.memory import directory
 
     entries = {e.node: e.address for e in directory.peers(
-        make_backend(f"file://{tmp_path / 'remote'}"), "job")}
+        make_backend(f"file://{tmp_path / 'remote'}"), "job", secret=SECRET)}
     host, port = entries["n1"].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(b"GET /v1/peer/replicas/job/n0/0/2 HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -300,7 +301,7 @@ def test_a_flipped_byte_in_a_peers_copy_is_skipped(cluster: Any, tmp_path: Path)
     n0.wait_uploaded(6)
     n0.wait_held_by("n1", 6)
     backend = make_backend(f"file://{tmp_path / 'remote'}")
-    address = {e.node: e.address for e in directory.peers(backend, "job")}["n1"]
+    address = {e.node: e.address for e in directory.peers(backend, "job", secret=SECRET)}["n1"]
     with PeerClient(SECRET, "n0", 5.0).open_replica(address, "job", 0, 6) as stream:
         body = bytearray(stream.read())
     head_len = int.from_bytes(body[:4], "little")
@@ -314,7 +315,7 @@ def test_a_flipped_byte_in_a_peers_copy_is_skipped(cluster: Any, tmp_path: Path)
     try:
         host, port = server.address[:2]
         directory.publish(backend, "job", directory.PeerEntry("n9", f"{host}:{port}",
-                                                              time.time(), ()))
+                                                              time.time(), ()), SECRET)
         n0.replace()
         wait_until(lambda: any(c["step"] == 6 for c in n0.handle.client.checkpoints("job") or []),
                    30, "step 6 found in the bucket")
