@@ -156,3 +156,16 @@ def test_any_bytes_are_an_entry_or_refused(data: bytes) -> None:
         d.parse_entry(data, "n1.json")
     except CorruptData:
         pass
+
+
+def test_with_a_secret_only_entries_it_sealed_are_read(tmp_path: Path) -> None:
+    """A bucket writer without the job's secret cannot list an address peers would dial."""
+    from ckptd.backends import make_backend
+    from ckptd.memory import directory as d
+
+    backend = make_backend(f"file://{tmp_path / 'remote'}")
+    d.publish(backend, "job", d.PeerEntry("n0", "127.0.0.1:9000", 1e9, ()), b"secret")
+    d.publish(backend, "job", d.PeerEntry("n1", "127.0.0.1:9001", 1e9, ()))  # no seal
+    d.publish(backend, "job", d.PeerEntry("n2", "127.0.0.1:9002", 1e9, ()), b"other")
+    assert [e.node for e in d.peers(backend, "job", secret=b"secret")] == ["n0"]
+    assert [e.node for e in d.peers(backend, "job")] == ["n0", "n1", "n2"]

@@ -246,3 +246,34 @@ def test_keep_false_keeps_nothing(inproc_daemon: Any, tmp_path: Path) -> None:
         ckpt.load(d.roots["r1"], model=model, optimizer=opt, client=d.client, source="memory")
     step, meta = ckpt.load(d.roots["r1"], model=model, optimizer=opt, client=d.client)
     assert (step, meta["source"]) == (9, "local") and same(model, opt, expected)
+
+
+def test_a_state_torn_while_it_is_read_is_torn_not_a_bad_pickle(inproc_daemon: Any,
+                                                                  tmp_path: Path) -> None:
+    """Whole when checked, then the trainer's next save begins and zeroes model.pt while the
+    load reads it: TornState (auto goes on to the next tier), not a parse error. The arena is
+    handed to the loader read-only; the test writes through its own descriptor."""
+    import fcntl
+    import mmap
+
+    from ckptd import arena
+    from ckptd.torch import _memory
+    from ckptd.torch._load import _from_arenas, _LoadOpts
+
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    saved_by_a_killed_trainer(d, tmp_path, 7)
+    doc, fds = _memory.open_state(str(d.socket), "r1", 7, 0, timeout=30)
+    assert fcntl.fcntl(fds[0], fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+    (kept,) = d._d().memory.own.all()
+    state = _memory.MemoryState(doc, fds)  # mapped and hashed: whole
+    with mmap.mmap(os.dup(kept.fd), kept.size) as mm:
+        arena.set_state(mm, arena.State.WRITING, kept.generation + 1)
+        f = next(f for f in kept.files if f.path == "model.pt")
+        mm[f.offset:f.offset + f.size] = b"\x00" * f.size
+    model, opt = fresh()
+    try:
+        with pytest.raises(_memory.TornState, match="while it was read"):
+            _from_arenas(state, 7, (model, opt, None, None, None), 0, False,
+                         _LoadOpts("cpu", True, False, False))
+    finally:
+        state.close()

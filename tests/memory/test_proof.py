@@ -220,3 +220,24 @@ def test_any_header_values_are_a_proof_or_an_http_error(values: dict[str, str],
         assert err.status in (401, 503)
     else:
         assert got.node == headers[proof.NODE]
+
+
+def test_a_proof_signed_before_the_server_started_is_refused() -> None:
+    """A request recorded for the daemon this one replaced cannot be replayed to it."""
+    from ckptd.errors import HttpError as _HttpError
+    from ckptd.memory import proof as p
+
+    secret = b"0123456789abcdef"
+    headers = p.sign(secret, "GET", "/v1/peer/health", p.EMPTY_SHA256, "n0", 1000.0)
+
+    class At:
+        def time(self) -> float:
+            return 1010.0
+
+        def monotonic(self) -> float:
+            return 0.0
+
+    assert p.Verifier(secret, At()).check("GET", "/v1/peer/health", headers).node == "n0"  # type: ignore[arg-type]
+    with pytest.raises(_HttpError, match="start"):
+        p.Verifier(secret, At(), not_before=1005.0).check(  # type: ignore[arg-type]
+            "GET", "/v1/peer/health", headers)

@@ -375,3 +375,27 @@ def test_frames_of_big_and_small_pieces() -> None:
         frames.append(body[4:4 + n])
         body = body[4 + n:]
     assert b"".join(frames) == b"".join(pieces)
+
+
+def test_a_head_sealed_with_another_secret_or_none_is_refused_with_the_key() -> None:
+    """Between daemons the head carries its seal (an HMAC of the job's secret): a replica
+    whose head a holder of the secret did not write is refused before its head is parsed."""
+    import io as _io
+
+    from ckptd.memory import wire as w
+
+    raw = b"\x01" * 5000
+    f = w.ReplicaFile("model.pt", "model", len(raw), xxhash.xxh3_128_hexdigest(raw))
+    head = w.ReplicaHead("job", "n0", 3, 0, 1, 1, (f,),
+                         {"format": "ckptd-native/1", "step": 3, "world_size": 1})
+
+    def body(key: bytes) -> bytes:
+        return b"".join(w.encode(head, lambda _: memoryview(raw), "zstd", 3, 0.0, key=key))
+
+    good = body(b"the job's secret")
+    assert w.read_head(_io.BytesIO(good), key=b"the job's secret") == head
+    for bad in (body(b"another secret"), body(b"")):
+        with pytest.raises(CorruptData, match="seal|checksum|replica"):
+            stream = _io.BytesIO(bad)
+            w.read_head(stream, key=b"the job's secret")
+            w.decode_files(stream, head, lambda g: memoryview(bytearray(g.size)))
