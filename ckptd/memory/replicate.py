@@ -37,6 +37,8 @@ REPUBLISH_S = 60.0
 RETRY_FIRST_S = 2.0
 # A replaced node asks at most this many peers, within this many [memory] timeouts in all.
 MAX_TRIED = 8
+# A fetch is what a replaced node's trainer waits for: its blocks decode on every core.
+DECODE_THREADS = max(1, min(8, os.cpu_count() or 1))
 FETCH_ROUNDS = 4  # a state not yet with its peers is tried again after this, doubling
 STALE_S = 600.0
 
@@ -278,7 +280,8 @@ class Peers:
             fd, view, mm = own.fill(size, head.generation)
             try:
                 at = dict(zip((f.path for f in head.files), offsets, strict=True))
-                wire.decode_files(stream, head, lambda f: view[at[f.path]:at[f.path] + f.size])
+                wire.decode_files(stream, head, lambda f: view[at[f.path]:at[f.path] + f.size],
+                                  threads=DECODE_THREADS)
                 own.seal_persisted(mm, head.generation, size)
             except BaseException:
                 os.close(fd)  # the pages go once the mapping does too

@@ -162,7 +162,17 @@ def _load_memory(path: Path, name: str, step: int | str, objs: tuple[Any, ...],
 
 
 def _from_arena(state: Any, name: str, map_location: Any) -> Callable[[bool], Any]:
-    return lambda _mmap: _torch_load(state.file(name), map_location)
+    return lambda _mmap: _arena_load(state, name, map_location)
+
+
+def _arena_load(state: Any, name: str, map_location: Any) -> Any:
+    """One component from a kept arena, as `_torch_load` reads a file (weights only)."""
+    try:
+        return state.load(name, map_location)
+    except pickle.UnpicklingError as exc:
+        raise ValidationFailed("unsafe_pickle", f"{state.where}/{name}: refused, it needs more"
+                               f" than plain tensors and containers to load ({exc})",
+                               f"{state.where}/{name}") from exc
 
 
 def _from_arenas(state: Any, step: int, objs: tuple[Any, ...], rank: int, restore_rng: bool,
@@ -176,11 +186,11 @@ def _from_arenas(state: Any, step: int, objs: tuple[Any, ...], rank: int, restor
 
     try:
         if "extra.pt" in state.files:
-            meta["extra"] = _torch_load(state.file("extra.pt"), opts.map_location)
+            meta["extra"] = _arena_load(state, "extra.pt", opts.map_location)
         _apply_all(states, objs, state.where, opts)
         rng_name = f"rng.rank{rank}.pt"
         if restore_rng:
-            _restore_rng(_torch_load(state.file(rng_name), "cpu") if rng_name in state.files
+            _restore_rng(_arena_load(state, rng_name, "cpu") if rng_name in state.files
                          else None, state.where)
     except Exception as exc:  # torn under the read (it fails the parse), or a real failure
         try:

@@ -143,7 +143,10 @@ class MemoryState:
                               f" arenas and came with {len(fds)} descriptors")
         for entry, fd in zip(arenas, fds, strict=True):
             size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            # Copy-on-write: the tensors a load makes point into these pages (no copy), and a
+            # write to one (an optimizer step) copies that page, never touching the arena.
+            # Pages not written still show the arena, so its header is read live.
+            mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
             self._maps.append(mm)
             generation = int(entry["generation"])
             self._arenas.append((mm, generation))
@@ -180,6 +183,24 @@ class MemoryState:
             raise NotFound(f"{self.where} holds no {name}")
         return io.BufferedReader(_View(self.files[name][0]), buffer_size=1 << 20)
 
+    def load(self, name: str, map_location: Any) -> Any:
+        """`name`'s object, read as `torch.load(weights_only=True, mmap=True)` reads a file:
+        each tensor's storage a slice of the file's pages (here the arena's, copy-on-write),
+        none copied; torch's own read (one copy per storage) where that is not to be had."""
+        import torch
+        import torch.serialization as ts
+
+        overall = getattr(ts, "_load", None)
+        if overall is None or "overall_storage" not in _parameters(overall) or \
+                map_location not in ("cpu", None) and map_location != torch.device("cpu"):
+            return torch.load(self.file(name), map_location=map_location, weights_only=True)
+        view = self.files[name][0]
+        unpickler, reader = (getattr(ts, "_weights_only_unpickler"),  # noqa: B009
+                             getattr(ts, "_open_zipfile_reader"))  # noqa: B009
+        with reader(self.file(name)) as opened:
+            storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+            return overall(opened, map_location, unpickler, overall_storage=storage)
+
     def entries(self) -> list[dict[str, Any]]:
         return [{k: f[k] for k in ("path", "component", "size", "hash")}
                 for _, f in self.files.values()]
@@ -192,6 +213,15 @@ class MemoryState:
             except BufferError:
                 pass  # a view still referenced: unmapped when collected
         self._maps.clear()
+
+
+def _parameters(fn: Any) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 class TornState(CkptdError):

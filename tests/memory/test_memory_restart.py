@@ -277,3 +277,23 @@ def test_a_state_torn_while_it_is_read_is_torn_not_a_bad_pickle(inproc_daemon: A
                          _LoadOpts("cpu", True, False, False))
     finally:
         state.close()
+
+
+def test_training_on_after_a_load_from_memory_leaves_the_kept_state_whole(
+        inproc_daemon: Any, tmp_path: Path) -> None:
+    """The loaded tensors point into the arena's pages copy-on-write (the optimizer's state
+    keeps them): training on writes private copies, never the kept state, which a second
+    restart loads again exactly."""
+    d = inproc_daemon(roots=[{"name": "r1"}])
+    expected = saved_by_a_killed_trainer(d, tmp_path, 12)
+    model, opt = fresh()
+    ckpt.load(d.roots["r1"], model=model, optimizer=opt, client=d.client, source="memory")
+    for _ in range(3):  # in-place writes into every parameter and every Adam buffer
+        opt.zero_grad()
+        model(torch.randn(4, 512)).sum().backward()
+        opt.step()
+    assert not same(model, opt, expected)
+    again, again_opt = fresh()
+    step, meta = ckpt.load(d.roots["r1"], model=again, optimizer=again_opt, client=d.client,
+                           source="memory")
+    assert (step, meta["source"]) == (12, "memory") and same(again, again_opt, expected)
