@@ -1,11 +1,17 @@
 """Memory benchmark: what restoring from memory gains (SPEC.md "Restoring from memory"), each
-way beside its baseline in one run. A trainer saves a model + Adam state asynchronously into a
-root of a real `ckptd run` daemon and is SIGKILLed; fresh processes then load it from the
-daemon's memory and, with the step's files evicted from the page cache, from local files.
+way beside its baseline in one run, on real `ckptd run` daemons (bench/memory_nodes.py):
+
+1. restart: a trainer saves model + Adam asynchronously and is SIGKILLed; fresh processes load
+   the step from this node's daemon's memory, and from local files with a cold page cache.
+2. peers: two daemons (n0, n1) share a root's name and a bucket (the test SeaweedFS server);
+   n1 holds n0's replica; n0 is replaced (killed, disks wiped, a new daemon with the same id)
+   and a fresh trainer loads from its peer, and from the bucket (source="remote").
+3. a training loop's step time while n0 sends a new step to n1, against the loop idle.
+4. n1's peak RSS beyond the replica bytes it holds.
 
 Every load is its own process; `load_s` is the load call alone, timed inside the child; wall
-time and peak RSS come from GNU time. Usage (a check in under a minute: --size 64MB --repeat 1):
-python bench/memory_bench.py [--size 1.6GB] [--repeat 3] [--json F]
+time and peak RSS come from GNU time. Usage (a check in under a minute: --size 64MB --repeat 1
+--only restart): python bench/memory_bench.py [--size 1.6GB] [--repeat 3] [--json F]
 """
 
 from __future__ import annotations
@@ -14,146 +20,44 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "tests"))  # the config helpers the tests use
+sys.path.insert(0, str(REPO / "tests"))  # the SeaweedFS launcher the tests use
 
+import s3server  # noqa: E402
 import upload_bench as ub  # noqa: E402  (eviction, child timing)
-from support.config import write_layout  # noqa: E402
+from memory_nodes import (  # noqa: E402
+    ROOT,
+    STEP,
+    Daemon,
+    Result,
+    environment,
+    events,
+    load_child,
+    memory_of,
+    node,
+    replace,
+    replicated,
+    save_and_kill,
+    show,
+    vm_hwm,
+    worker,
+)
 
-from ckptd.client import Client  # noqa: E402
 from ckptd.units import parse_size  # noqa: E402
 
-WORKER = str(HERE / "memory_worker.py")
-ROOT = "bench"
-STEP = 1
 RESTART = ("memory", "local")  # the rows of the restart, in a round's order (next one reversed)
-
-
-@dataclass
-class Result:
-    wall_s: float = 0.0
-    load_s: float = 0.0  # the load call alone, in the child
-    peak_rss: int = 0
-    cpu_s: float = 0.0
-    source: str = ""  # meta["source"]: which tier served it
-    error: str = ""
-
-
-class Daemon:
-    """One `ckptd run` process with its config; stopped by its PID."""
-
-    def __init__(self, base: Path, sock: Path, roots: list[dict[str, Any]], env: dict[str, str],
-                 memory: dict[str, Any] | None = None, **daemon_keys: Any) -> None:
-        self.layout = write_layout(base, sock, roots, log_level="info", **daemon_keys)
-        if memory:
-            from support.config import toml_value
-
-            with open(self.layout.config, "a") as f:
-                f.write("\n[memory]\n" + "".join(f"{k} = {toml_value(v)}\n"
-                                                 for k, v in memory.items()))
-        self.env = dict(env, CKPTD_SOCKET=str(sock))
-        self.log = base / "daemon.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def client(self) -> Client:
-        return Client(self.layout.socket, timeout=30.0)
-
-    def root(self, name: str = ROOT) -> Path:
-        return self.layout.roots[name]
-
-    def start(self) -> Daemon:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ckptd", "run", "--config",
-                                          str(self.layout.config)], stdout=log,
-                                         stderr=subprocess.STDOUT, env=self.env)
-        c = Client(self.layout.socket, timeout=1.0)
-        deadline = time.monotonic() + 60
-        while not self.layout.socket.exists() or c.health() is None:
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise SystemExit(f"the daemon did not start: {self.log_tail()}")
-            time.sleep(0.05)
-        return self
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(sig)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
-
-    def wait(self, step: int, until: str, timeout: float = 1800.0) -> None:
-        if not self.client.wait(ROOT, step, until, timeout=timeout):
-            raise SystemExit(f"step {step} never {until}: {self.log_tail()}")
-
-
-def environment(scratch: Path) -> dict[str, str]:
-    """The children's environment; their bytecode cached (as a user's install has it) and
-    warmed once, so no timed start compiles torch."""
-    env = dict(os.environ, AWS_EC2_METADATA_DISABLED="true")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env["PYTHONPYCACHEPREFIX"] = str(scratch / "pycache")
-    subprocess.run([sys.executable, "-c", "import torch, xxhash, ckptd.torch, ckptd.cli.main, "
-                    "ckptd.backends"], env=env, check=True)
-    return env
-
-
-def worker(*argv: str) -> list[str]:
-    return [sys.executable, WORKER, *argv]
-
-
-def save_and_kill(d: Daemon, size: int, expect: Path, step: int = STEP) -> dict[str, Any]:
-    """A trainer saves `step` with blocking=False into `d`'s root and is SIGKILLed; returns
-    what it said (its copy and persist times) once the daemon holds the step valid."""
-    proc = subprocess.run(worker("save", "--root", str(d.root()), "--step", str(step), "--size",
-                                 str(size), "--expect", str(expect)),
-                          capture_output=True, env=d.env, check=False)
-    if proc.returncode != -signal.SIGKILL:
-        raise SystemExit(f"the saving trainer exited {proc.returncode}:\n"
-                         f"{proc.stderr.decode(errors='replace')[-3000:]}")
-    d.wait(step, "valid")
-    lines = proc.stdout.decode().strip().splitlines()
-    return json.loads(lines[-1]) if lines else {}
-
-
-def load_child(env: dict[str, str], root: Path, source: str, expect: Path,
-               *extra: str) -> Result:
-    """One fresh process loading the step from `source`; a failure is recorded, not raised."""
-    try:
-        stdout, wall, cpu, rss = ub.run_child(worker("load", "--root", str(root), "--step",
-                                                     str(STEP), "--source", source, "--expect",
-                                                     str(expect), *extra), env)
-    except SystemExit as exc:
-        text = str(exc.code).strip().splitlines()
-        return Result(error=text[-1][:300] if text else "failed")
-    out = json.loads(stdout.strip().splitlines()[-1])
-    return Result(wall, out["load_s"], rss, cpu, out["source"])
-
-
-def show(name: str, r: Result) -> None:
-    if r.error:
-        print(f"  {name}: FAILED: {r.error}", flush=True)
-        return
-    print(f"  {name}: load {r.load_s:.2f} s, wall {r.wall_s:.1f} s, CPU {r.cpu_s:.1f} s, "
-          f"peak RSS {r.peak_rss / 2**20:,.0f} MiB, source {r.source}", flush=True)
+PEER = ("peer", "bucket")  # a replaced node's load: from its peer, or with source=remote
+PARTS = ("restart", "peers")
 
 
 # -- 1. a restart on a healthy node: this node's daemon vs local files, cold cache -------------
@@ -182,6 +86,106 @@ def restart(work: Path, env: dict[str, str], size: int, repeat: int) -> dict[str
     files = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
     return {"state_bytes": info["state_bytes"], "width": info["width"],
             "layers": info["layers"], "files_bytes": files, "save": saved, "rounds": rounds}
+
+
+# -- 2-4. a replaced node from its peer; training beside replication; the peer's memory --------
+
+
+def peers(work: Path, env: dict[str, str], size: int, repeat: int, train_rounds: int,
+          server: Any, weed: Path) -> dict[str, Any]:
+    base = work / "peers"
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    secret = base / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    n1 = node(base, "n1", env, server, secret).start()
+    n0 = node(base, "n0", env, server, secret).start()
+    expect = base / "expect.json"
+    try:
+        saved = save_and_kill(n0, size, expect)
+        n0.wait(STEP, "uploaded")
+        saved["replicated_s"] = replicated(n0, "n1", STEP)
+        files = sum(p.stat().st_size for p in (n0.root() / f"step-{STEP}").rglob("*")
+                    if p.is_file())
+        held = [h for h in memory_of(n1).get("holding_for", []) if h.get("node") == "n0"]
+        rounds = []
+        for n in range(repeat):
+            print(f"peers: round {n + 1} of {repeat}", flush=True)
+            got: dict[str, Result] = {}
+            for way in (PEER if n % 2 == 0 else PEER[::-1]):
+                replace(n0)
+                ub.evict(weed)  # the bucket's volumes cold
+                got[way] = load_child(n0.env, n0.root(), "auto" if way == "peer" else "remote",
+                                      expect, "--config", str(n0.layout.config))
+                if way == "peer" and got[way].source not in ("", "peer:n1"):
+                    got[way].error = f"served by {got[way].source}, not peer:n1"
+                show(way, got[way])
+            rounds.append({k: asdict(v) for k, v in got.items()})
+        rss = {"vm_hwm": vm_hwm(n1.proc.pid) if n1.proc else 0,
+               "peer_bytes": memory_of(n1)["peer_bytes_total"]}
+        training = [train_round(base, n0, n1, size, expect, 10 + k) for k in range(train_rounds)]
+    finally:
+        n0.stop()
+        n1.stop()
+    info = json.loads(expect.read_text())
+    return {"state_bytes": info["state_bytes"], "files_bytes": files, "save": saved,
+            "replica_bytes": sum(h.get("bytes", 0) for h in held), "holding_for": held,
+            "rounds": rounds, "rss": rss, "training": training}
+
+
+def train_round(base: Path, n0: Daemon, n1: Daemon, size: int, expect: Path,
+                step: int) -> dict[str, Any]:
+    """The same training loop idle, then while n0 sends a new step's state to n1. The peer is
+    down while the step is saved and uploaded (n0's send to it fails), so what runs beside the
+    second loop is the replication alone, started by bringing n1 back."""
+    n1.stop()
+    save_and_kill(n0, size, expect, step)
+    n0.wait(step, "uploaded")
+    stdout, _, _, _ = ub.run_child(worker("train", "--steps", "30"), n0.env)
+    idle = json.loads(stdout.strip().splitlines()[-1])["steps"]
+    ready, until = base / "train-ready", base / "train-until"
+    for f in (ready, until):
+        f.unlink(missing_ok=True)
+    loop = subprocess.Popen(worker("train", "--ready", str(ready), "--until", str(until)),
+                            stdout=subprocess.PIPE, env=n0.env)
+    try:
+        while not ready.exists() and loop.poll() is None:
+            time.sleep(0.01)
+        n1.start()
+        replicated(n0, "n1", step)
+    finally:
+        until.write_text("stop")
+        out, _ = loop.communicate(timeout=600)
+    busy = json.loads(out.decode().strip().splitlines()[-1])["steps"]
+    window = next(((e["ts"] - e["seconds"], e["ts"]) for e in events(n0, "memory_replicated")
+                   if e.get("step") == step and e.get("peer") == "n1"), None)
+    if window is None:
+        raise SystemExit(f"n0 logged no replication of step {step}")
+    beside = [b - a for a, b in busy if b > window[0] and a < window[1]]
+    alone = [b - a for a, b in idle]
+    print(f"  training: idle {statistics.median(alone):.3f} s a step, while replicating "
+          f"{statistics.median(beside) if beside else float('nan'):.3f} s ({len(beside)} "
+          f"steps over {window[1] - window[0]:.1f} s of sending)", flush=True)
+    return {"idle": alone, "replicating": beside, "window_s": window[1] - window[0]}
+
+
+def with_server(work: Path, env: dict[str, str], size: int, repeat: int,
+                train_rounds: int) -> dict[str, Any]:
+    """The peer rows against a fresh test SeaweedFS server; why not, when peers are missing."""
+    try:
+        import ckptd.memory.peerclient  # noqa: F401
+    except ImportError as exc:
+        return {"error": f"this ckptd has no peer tier ({exc})"}
+    weed = work / "weed"
+    shutil.rmtree(weed, ignore_errors=True)
+    server = s3server.start_server(weed)
+    try:
+        ub.warm_up(server)
+        return peers(work, env, size, repeat, train_rounds, server, weed)
+    finally:
+        s3server.stop_server(server)
+        shutil.rmtree(weed, ignore_errors=True)
 
 
 # -- the figures ---------------------------------------------------------------------------------
@@ -215,6 +219,24 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
                         " call", per_round(rounds, "memory", "local", "load_s"), 0.25,
                         first_error(rounds, "memory", "local"),
                         walls=per_round(rounds, "memory", "local", "wall_s")))
+    pd = doc.get("peers")
+    if pd is None:
+        return out
+    rounds, why = pd.get("rounds", []), pd.get("error", "")
+    out.append(goal("peer", "a replaced node from its peer / from the bucket, load call",
+                    per_round(rounds, "peer", "bucket", "load_s"), 0.5,
+                    why or first_error(rounds, "peer", "bucket"),
+                    walls=per_round(rounds, "peer", "bucket", "wall_s")))
+    sent = [pd["replica_bytes"] / pd["files_bytes"]] if pd.get("replica_bytes") else []
+    out.append(goal("peer_bytes", "bytes on the peer link (the replica n1 holds) / the step's "
+                    "files", sent, 0.9, why or "n1 reported no replica bytes"))
+    out.append(goal("train", "training step time while n0 replicates / idle", [
+        statistics.median(t["replicating"]) / statistics.median(t["idle"])
+        for t in pd.get("training", []) if t["replicating"] and t["idle"]], 1.05,
+        why or "no training step overlapped a replication"))
+    rss = [(pd["rss"]["vm_hwm"] - pd["rss"]["peer_bytes"]) / 2**20] if "rss" in pd else []
+    out.append(goal("rss", "n1's peak RSS (VmHWM) − the replica bytes it holds, MiB", rss, 200,
+                    why))
     return out
 
 
@@ -249,10 +271,20 @@ def report(doc: dict[str, Any]) -> str:
         lines += [f"restart: {r['state_bytes'] / 1e6:,.0f} MB fp32 MLP {r['layers']} x "
                   f"{r['width']}^2 + Adam, files {r['files_bytes'] / 1e6:,.0f} MB", "",
                   *table("restart", r["rounds"], RESTART), ""]
+    pd = doc.get("peers", {})
+    if pd.get("rounds"):
+        lines += [f"peers: state {pd['state_bytes'] / 1e6:,.0f} MB, files "
+                  f"{pd['files_bytes'] / 1e6:,.0f} MB, replica held by n1 "
+                  f"{pd['replica_bytes'] / 1e6:,.0f} MB, replicated "
+                  f"{pd['save']['replicated_s']:.1f} s after the step was uploaded", "",
+                  *table("replaced node", pd["rounds"], PEER), ""]
+    elif pd:
+        lines += [f"peers: not measured: {pd.get('error', '')}", ""]
     for g in doc["goals"]:
         verdict = "not measured" if g["met"] is None else ("met" if g["met"] else "NOT met")
         walls = f" (child wall {fig(g['walls'])})" if g.get("walls") else ""
-        lines.append(f"- {g['goal']} ≤ {g['limit']}: {fig(g['values'])}{walls} → {verdict}"
+        fmt = "{:.0f}" if g["id"] == "rss" else "{:.2f}"
+        lines.append(f"- {g['goal']} ≤ {g['limit']}: {fig(g['values'], fmt)}{walls} → {verdict}"
                      + (f" ({g['why']})" if g["why"] else ""))
     return "\n".join(lines)
 
@@ -261,11 +293,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="1.6GB", help="model + Adam state, e.g. 1.6GB or 64MB")
     p.add_argument("--repeat", type=int, default=3, help="rounds; the table shows medians")
-    p.add_argument("--only", default="", help="comma-separated parts: restart")
+    p.add_argument("--train-rounds", type=int, default=0, help="training-loop rounds (0: as"
+                   " --repeat)")
+    p.add_argument("--only", default="", help="comma-separated parts: " + ",".join(PARTS))
     p.add_argument("--workdir", type=Path, default=HERE / "out" / "memory")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    parts = set(filter(None, args.only.split(","))) or {"restart"}
+    parts = set(filter(None, args.only.split(","))) or set(PARTS)
     work = args.workdir.resolve()
     scratch = work / "scratch"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -277,8 +311,12 @@ def main() -> None:
     try:
         if "restart" in parts:
             doc["restart"] = restart(work, env, size, args.repeat)
+        if "peers" in parts:
+            doc["peers"] = with_server(work, env, size, args.repeat,
+                                       args.train_rounds or args.repeat)
     finally:
-        shutil.rmtree(work / "restart", ignore_errors=True)
+        for part in PARTS:
+            shutil.rmtree(work / part, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
     doc["goals"] = goals(doc)
     print(report(doc))

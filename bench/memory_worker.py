@@ -71,7 +71,8 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     started = time.perf_counter()
     step, meta = ckptd.torch.load(args.root, args.step, model=model, optimizer=opt,
-                                  source=args.source, remote=args.remote or None)
+                                  source=args.source, remote=args.remote or None,
+                                  config=args.config or None)
     loaded = time.perf_counter()
     checked = check(flat_state(model, opt), doc["tensors"])
     if step != args.step:
@@ -82,9 +83,10 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    """`--steps` steps of fixed work (matmuls of a `--width` square on the CPU); each step's
-    time. Signals `--ready` (a file) after a warm-up step, so the parent can start the
-    replication the loop is to run beside."""
+    """Steps of fixed work (matmuls of a `--width` square on the CPU): `--steps` of them, or
+    with `--until` (a file) as many as run until it appears. Writes `--ready` (a file) after a
+    warm-up step, so the parent can start what the loop is to run beside; each step's start
+    and end (epoch seconds) are returned."""
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -93,18 +95,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     (a @ b).sum().item()
     if args.ready:
         Path(args.ready).write_text("ready")
-    if args.go:
-        while not Path(args.go).exists():
-            time.sleep(0.01)
-    steps = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
+    steps: list[tuple[float, float]] = []
+
+    def more() -> bool:
+        if args.until:
+            return not Path(args.until).exists() and len(steps) < 100_000
+        return len(steps) < int(args.steps)
+
+    while more():
+        t = time.time()
         c = a
         for _ in range(args.matmuls):
             c = torch.tanh(c @ b)
         c.sum().item()
-        steps.append(time.perf_counter() - t)
-    return {"steps_s": steps, "total_s": sum(steps), "threads": torch.get_num_threads()}
+        steps.append((t, time.time()))
+    return {"steps": steps, "threads": torch.get_num_threads()}
 
 
 def main() -> None:
@@ -117,13 +122,14 @@ def main() -> None:
     p.add_argument("--expect", default="")
     p.add_argument("--source", default="auto", choices=["auto", "memory", "local", "remote"])
     p.add_argument("--remote", default="", help="the root's remote url, for source=remote")
+    p.add_argument("--config", default="", help="the daemon's config, for the root's remote")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--matmuls", type=int, default=4)
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     p.add_argument("--ready", default="", help="a file written once warmed up")
-    p.add_argument("--go", default="", help="a file to wait for before the timed steps")
+    p.add_argument("--until", default="", help="run steps until this file exists")
     args = p.parse_args()
     if args.command == "save":
         save_and_die(args)
