@@ -144,6 +144,7 @@ class Daemon:
                                       calls=self.supervisor.calls, nets=self.retention.nets,
                                       clock=self.clock, own=self.memory.own,
                                       kept=self.memory.kept)
+        self.memory.start_peers(cfg.daemon.node_id, self.backends.get)
         self.metrics.set_memory(self.memory.held)
         self.ctx = ApiContext(store, self.roots, self.changes, self.scanner, self.workers,
                               self.retention, self.discovery, self.supervisor, self.metrics,

@@ -22,7 +22,7 @@ from typing import Any
 from ckptd.backends.base import Backend
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import MemoryConfig, RootConfig
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, InternalError
 from ckptd.log import get_logger
 from ckptd.memory import directory, own, proof, wire
 from ckptd.memory.own import Kept, KeptFile
@@ -31,6 +31,10 @@ from ckptd.memory.peerserver import PeerServer
 from ckptd.memory.replicas import Replicas
 
 BackendFor = Callable[[RootConfig], "Backend | None"]
+# This node's entry is written again this often (peers choose among entries fresher than
+# STALE_S, so a node gone for good stops being sent replicas).
+REPUBLISH_S = 60.0
+STALE_S = 600.0
 
 
 def machine_memory() -> int:
@@ -53,6 +57,8 @@ class Peers:
             self.server = PeerServer(cfg.address, proof.Verifier(secret, clock), self.replicas,
                                      node, timeout_s=cfg.timeout)
         self._held_by: dict[str, dict[str, int]] = {}  # root -> peer node -> step it holds
+        self._published: dict[str, float] = {}  # root -> when this node's entry was written
+        self._tried: dict[str, set[tuple[int, int, int]]] = {}  # root -> states offered
         self._lock = threading.Lock()
         self.log = get_logger()
 
@@ -84,6 +90,11 @@ class Peers:
             backend = self.backend_for(root)
             if backend is None or stop.is_set():
                 continue
+            mine = [k for k in kept if k.root == root.name]
+            due = self.clock.time() - self._published.get(root.name, -1e18) >= REPUBLISH_S
+            states = {(k.rank, k.step, k.generation) for k in mine}
+            if not due and states <= self._tried.get(root.name, set()):
+                continue  # each state was offered to the peers, and this node's entry is fresh
             try:
                 entries = self._publish(backend, root)
             except CkptdError as exc:
@@ -91,14 +102,17 @@ class Peers:
                 continue
             if self.cfg.replicas <= 0:
                 continue
-            addresses = {e.node: e.address for e in entries if e.node != self.node}
+            fresh = self.clock.time() - STALE_S
+            addresses = {e.node: e.address for e in entries
+                         if e.node != self.node and e.updated >= fresh}
             targets = directory.choose(sorted(addresses), self.node, self.cfg.replicas)
-            for k in (k for k in kept if k.root == root.name):
+            for k in mine:
                 for peer in targets:
                     if stop.is_set():
                         return
                     if k.sent.get(peer) != (k.step, k.generation):
                         self._send(root, k, peer, addresses[peer])
+            self._tried[root.name] = states
             with contextlib.suppress(CkptdError):
                 self._publish(backend, root)
 
@@ -108,6 +122,7 @@ class Peers:
         if self.address:
             directory.publish(backend, root.name, directory.PeerEntry(
                 self.node, self.address, self.clock.time(), held))
+            self._published[root.name] = self.clock.time()
         return directory.peers(backend, root.name)
 
     def _send(self, root: RootConfig, k: Kept, peer: str, address: str) -> None:
@@ -126,8 +141,9 @@ class Peers:
 
                 body = wire.encode(head, raw, root.compress.codec, root.compress.level,
                                    root.compress.min_saving)
-                answer = self.client.put_replica(address, root.name, k.rank, k.step,
-                                                 wire.head_bytes(head), _after_head(body))
+                data = wire.head_bytes(head)
+                answer = self.client.put_replica(address, root.name, k.rank, k.step, data,
+                                                 _after_head(body, data))
         except CkptdError as exc:
             self.log.warning("memory_replica_failed", root=root.name, step=k.step, rank=k.rank,
                              peer=peer, address=address, error=str(exc))
@@ -207,6 +223,9 @@ class Peers:
                 continue
             self.log.info("memory_fetched", root=root.name, step=step, rank=rank, peer=peer,
                           bytes=k.nbytes)
+            k.sent[peer] = (k.step, k.generation)  # that peer holds it already
+            with self._lock:
+                self._held_by.setdefault(root.name, {})[peer] = step
             return k
         return None
 
@@ -261,6 +280,11 @@ def _mapped(fd: int, size: int) -> Iterator[memoryview]:
             mm.close()
 
 
-def _after_head(body: Iterator[bytes]) -> Iterator[bytes]:
-    """The encoded body without its length-prefixed head (the client sends that itself)."""
-    return body
+def _after_head(body: Iterator[bytes], head: bytes) -> Iterator[bytes]:
+    """The encoded body without its length-prefixed head (the client sends that itself,
+    signed): from the head's checksum on."""
+    first = next(body)
+    if first[4:4 + len(head)] != head:
+        raise InternalError("the replica's encoder did not begin with its head")
+    yield first[4 + len(head):]
+    yield from body

@@ -42,6 +42,16 @@ def latest_key(root_name: str) -> str:
     return f"{root_name}/{LATEST_NAME}"
 
 
+def peers_prefix(root_name: str) -> str:
+    """Where the daemons of a root say how to reach them (`ckptd.memory.directory`)."""
+    return f"{root_name}/_peers/"
+
+
+def peer_key(root_name: str, node: str) -> str:
+    """One node's entry under `peers_prefix`."""
+    return f"{peers_prefix(root_name)}{node}.json"
+
+
 def manifest_exists(backend: Backend, root_name: str, step: int) -> bool:
     """Whether the bucket holds `step` committed: its MANIFEST.json exists (one HEAD; not
     read). What the store records of it is `lifecycle.answers.is_committed`."""

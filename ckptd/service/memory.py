@@ -16,9 +16,10 @@ from typing import Any
 
 from ckptd.clock import SYSTEM, Clock
 from ckptd.config import Config, RootConfig
-from ckptd.errors import HttpError, NotFound
+from ckptd.errors import ConfigError, HttpError, NotFound
 from ckptd.log import get_logger
 from ckptd.memory.own import Kept, OwnArenas
+from ckptd.service.workers import lower_priority
 
 CheckPeer = Callable[[tuple[int, int, int], str], None]
 
@@ -35,6 +36,25 @@ class MemoryService:
         self.peers: Any = None  # the peer side (`memory.replicate.Peers`), when configured
         self._wake = threading.Event()
         self.log = get_logger()
+
+    def start_peers(self, node: str, backend_for: Callable[[RootConfig], Any]) -> None:
+        """Take part among the peers when [memory] has a secret: serve them (with a listen
+        address) and send to or fetch from them. ConfigError for a secret that cannot be read
+        or an address that cannot be bound."""
+        cfg = self.config().memory
+        if not cfg.secret_file:
+            return
+        from ckptd.memory.replicate import Peers
+
+        peers = Peers(cfg, node, self.roots, backend_for, self.clock)
+        try:
+            peers.start()
+        except OSError as exc:
+            peers.close()
+            raise ConfigError(f"memory.listen = {cfg.listen!r}: {exc.strerror or exc}") from None
+        self.peers = peers
+        self.log.info("memory_peers_ready", node=node, address=peers.address,
+                      replicas=cfg.replicas)
 
     # -- the socket API ---------------------------------------------------------------------
 
@@ -98,6 +118,7 @@ class MemoryService:
 
     def run(self, stop: threading.Event) -> None:
         """Replicate what was kept, as it is kept, until stop; then let every state go."""
+        lower_priority()
         try:
             while not stop.is_set():
                 self._wake.wait(5.0)

@@ -32,6 +32,7 @@ from ckptd.memory.own import Kept, KeptFile, OwnArenas
 from ckptd.retention import executor
 from ckptd.retention.views import StoreNets
 from ckptd.service.supervisor import Calls
+from ckptd.service.workers import lower_priority
 from ckptd.store import Store
 
 MAX_IN_FLIGHT = 32
@@ -187,7 +188,7 @@ class PersistService:
     # -- the work ---------------------------------------------------------------------------
 
     def _work(self, job: _Job) -> None:
-        _idle_priority()
+        lower_priority()
         started = self.clock.monotonic()
         mm: mmap.mmap | None = None
         who = f"persist-{job.id[:8]}"
@@ -293,14 +294,3 @@ def _check_access(fd: int) -> None:
         how = {os.O_RDONLY: "read-only", os.O_WRONLY: "write-only"}.get(mode, f"mode {mode}")
         raise BadValue(f"the arena descriptor is open {how}; pass the memfd itself (open"
                          " for reading and writing)")
-
-
-def _idle_priority() -> None:
-    """Persist threads run at idle CPU priority, like the stage workers."""
-    try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except OSError:
-            pass
