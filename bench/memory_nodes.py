@@ -67,6 +67,7 @@ class Daemon:
         return Path(self.layout.roots[name])
 
     def start(self) -> Daemon:
+        """Start it and wait until it answers."""
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "ckptd", "run", "--config",
                                           str(self.layout.config)], stdout=log,

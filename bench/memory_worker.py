@@ -84,9 +84,9 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Steps of fixed work (matmuls of a `--width` square on the CPU): `--steps` of them, or
-    with `--until` (a file) as many as run until it appears. Writes `--ready` (a file) after a
-    warm-up step, so the parent can start what the loop is to run beside; each step's start
-    and end (epoch seconds) are returned."""
+    with `--until` (a file) as many as run until it appears, then `--steps` more. Writes
+    `--ready` (a file) after a warm-up step, so the parent can start what the loop is to run
+    beside; each step's start and end (epoch seconds) are returned."""
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -96,11 +96,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.ready:
         Path(args.ready).write_text("ready")
     steps: list[tuple[float, float]] = []
+    last = 0 if args.until else int(args.steps)
 
     def more() -> bool:
-        if args.until:
-            return not Path(args.until).exists() and len(steps) < 100_000
-        return len(steps) < int(args.steps)
+        nonlocal last
+        if not last and (Path(args.until).exists() or len(steps) >= 100_000):
+            last = len(steps) + int(args.steps)
+        return not last or len(steps) < last
 
     while more():
         t = time.time()
