@@ -95,6 +95,10 @@ def restart(work: Path, env: dict[str, str], size: int, repeat: int) -> dict[str
 
 def peers(work: Path, env: dict[str, str], size: int, repeat: int, train_rounds: int,
           server: Any, weed: Path) -> dict[str, Any]:
+    """n0 saves and is SIGKILLed, its step uploaded and held by n1; then, each round, n0 is
+    replaced before each load (else its new daemon keeps the fetched state as its own and the
+    next load reads tier 1). n1's VmHWM is read after the loads, before the training rounds
+    restart it."""
     base = work / "peers"
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
