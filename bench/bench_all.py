@@ -4,7 +4,7 @@ their spread; printed, and written into docs/PERFORMANCE.md between the make-ben
 its ratios drawn into docs/performance.svg (bench/plot.py).
 
 Usage: python bench/bench_all.py [--repeat 3] [--size 2GB] [--files 10000] [--skip codec]
-       [--resume-size 1.6GB] [--no-write]
+       [--resume-size 1.6GB] [--memory-size 1.6GB] [--no-write]
 """
 
 from __future__ import annotations
@@ -251,6 +251,66 @@ def resume_rows(doc: dict[str, Any]) -> list[Row]:
     ]
 
 
+def memory_rows(doc: dict[str, Any]) -> list[Row]:
+    """Rows from `bench/memory_bench.py --json` (`ckptd-memory-bench/1`): a restart from this
+    node's daemon's memory, a replaced node from its peer, training beside the replication and
+    the peer daemon's memory, on real `ckptd run` daemons."""
+    if doc.get("schema") != "ckptd-memory-bench/1":
+        return [Row("restoring from memory", "", "", "", "—", "—",
+                    "not measured: memory_bench --json gave no ckptd-memory-bench/1 document")]
+    goals, peers = {g["id"]: g for g in doc["goals"]}, doc.get("peers", {})
+
+    def loads(part: str, name: str) -> str:
+        got = [r[name]["load_s"] for r in doc.get(part, {}).get("rounds", [])
+               if name in r and not r[name]["error"]]
+        return spread(got, "{:.2f}", " s") if got else "not available"
+
+    def ratio(key: str, fmt: str = "{:.2f}", unit: str = "×", also: str = "walls",
+              said: str = "child wall") -> str:
+        g = goals.get(key) or {"values": [], "why": "not run"}
+        extra = f"; {said} {spread(g[also], fmt, unit)}" if g.get(also) else ""
+        return spread(g["values"], fmt, unit) + extra if g["values"] else f"— ({g['why'][:120]})"
+
+    def met(key: str) -> str:
+        g = goals.get(key)
+        return "not measured" if g is None or g["met"] is None else verdict(g["met"])
+
+    def steps(key: str) -> str:
+        return spread([statistics.median(t[key]) for t in peers.get("training", []) if t[key]],
+                      "{:.3f}", " s")
+
+    rows, rss = [], peers.get("rss", {})
+    if "restart" in doc:
+        gb = doc["restart"]["state_bytes"] / 1e9
+        rows.append(Row(f"restart from this node's memory, {gb:.2f} GB fp32 model+Adam state, "
+                        "from the load call to the state in place (a trainer SIGKILLed after "
+                        "an async save)", "`ckptd.torch.load(source=\"local\")`, the step's "
+                        "files evicted from the page cache", loads("restart", "local"),
+                        loads("restart", "memory"), ratio("restart"), "≤ 0.25×", met("restart")))
+    if "error" in peers:
+        rows.append(Row("a replaced node from its peer", "", "", "", "—", "—",
+                        f"not measured: {peers['error'][:160]}"))
+    if not peers or "error" in peers:
+        return rows
+    return [*rows,
+            Row(f"a replaced node from its peer, {peers['state_bytes'] / 1e9:.2f} GB (n0's daemon "
+                "killed, its disks wiped, a new daemon with the same id; source auto, served by "
+                "`peer:n1`)", "`source=\"remote\"` from the test S3 server, cold",
+                loads("peers", "bucket"), loads("peers", "peer"), ratio("peer"), "≤ 0.5×",
+                met("peer")),
+            Row("bytes on the peer link (the replica n1 holds)", "the step's files",
+                f"{peers['files_bytes'] / 1e6:,.0f} MB",
+                f"{peers.get('replica_bytes', 0) / 1e6:,.0f} MB", ratio("peer_bytes", "{:.3f}"),
+                "≤ 0.9×", met("peer_bytes")),
+            Row("training step time (CPU matmuls, both cores) while n0 sends a step to n1 on the"
+                " same machine", "the same loop's steps before and after the send",
+                steps("idle"), steps("busy"), ratio("train"), "≤ 1.05×", met("train")),
+            Row("peer daemon's peak RSS beyond the replica bytes it holds (n1)", "—", "—",
+                f"VmHWM {rss.get('vm_hwm', 0) / MiB:,.0f} MiB, holding "
+                f"{rss.get('peer_bytes', 0) / MiB:,.0f} MiB", ratio("rss", "{:+.0f}", " MiB"),
+                "≤ 200 MiB", met("rss"))]
+
+
 def hook(why: str) -> Row:
     return Row("codec rows (bf16/fp32 ratio and speed, decompress)", "zipnn", "", "", "—", "—",
                f"not measured: {why}")
@@ -299,6 +359,8 @@ def collect(args: argparse.Namespace, out: Path) -> tuple[list[Row], list[str]]:
         ("resume", [py, str(HERE / "resume_bench.py"), "--size", args.resume_size, "--repeat",
                     str(args.repeat), "--keep-inputs", "--workdir", str(args.workdir / "resume")],
          resume_rows),
+        ("memory", [py, str(HERE / "memory_bench.py"), "--size", args.memory_size, "--repeat",
+                    str(args.repeat), "--workdir", str(args.workdir / "memory")], memory_rows),
     ]
     for name, argv, to_rows in steps:
         if name in args.skip:
@@ -357,7 +419,9 @@ def main() -> None:
     p.add_argument("--size", default="2GB")
     p.add_argument("--files", type=int, default=10_000)
     p.add_argument("--resume-size", default="1.6GB", help="the resume benchmark's state")
-    p.add_argument("--skip", default="", help="comma-separated: upload,rss,many,codec,resume")
+    p.add_argument("--memory-size", default="1.6GB", help="the memory benchmark's state")
+    p.add_argument("--skip", default="", help="comma-separated: upload,rss,many,safe,codec,"
+                   "resume,memory")
     p.add_argument("--no-write", action="store_true", help="print only; leave the doc alone")
     p.add_argument("--workdir", type=Path, default=HERE / "out",
                    help="inputs (built once, kept) and results go under here")
