@@ -27,7 +27,9 @@ def test_restart_only_keys() -> None:
     old = Config()
     changed = Config.model_construct(
         daemon=old.daemon.model_copy(update={k: object() for k in type(old.daemon).model_fields}),
-        metrics=old.metrics.model_copy(update={"listen": "127.0.0.1:1"}), roots=())
+        metrics=old.metrics.model_copy(update={"listen": "127.0.0.1:1"}),
+        memory=old.memory.model_copy(update={k: object() for k in type(old.memory).model_fields
+                                             if k != "keep"}), roots=())
     keys = set(needs_restart(old, changed))
     lines = [(at, line) for at, line in doc_lines(DOCS / "OPERATIONS.md")
              if "need a restart" in line or line.startswith("| `config_reloaded`")]

@@ -258,7 +258,7 @@ def test_cli_commands(inproc_daemon: Any) -> None:
     s = d.socket
     st = json.loads(cli("status", "--json", sock=s).stdout)
     assert set(st) == {"status", "version", "uptime_s", "scans", "roots", "in_flight",
-                       "flushing", "services", "problem"}
+                       "flushing", "services", "problem", "memory"}
     assert set(st["roots"][0]) >= {"name", "path", "latest", "best", "counts", "queue",
                                    "disk_free_bytes", "last_error"}
     assert "preflight" in st["roots"][0]  # the capacity warning (retention)
