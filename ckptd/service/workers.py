@@ -377,15 +377,18 @@ class _ClaimRenewer:
                 get_logger().warning("claim_renew_failed", error=str(exc))
 
 
-def lower_priority() -> None:
-    """Run the calling thread at low CPU priority (SCHED_IDLE where allowed, else nice)."""
+def lower_priority(idle: bool = True, nice: int = NICE) -> None:
+    """Run the calling thread at low CPU priority: SCHED_IDLE where allowed (it runs only on
+    a core nothing else wants), else, or with `idle` False, `nice` (a small share even on
+    a machine kept busy, so its work is slowed, never stopped)."""
     tid = threading.get_native_id()
+    if idle:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except (AttributeError, OSError):
+            pass
     try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        return
-    except (AttributeError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, NICE)
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
     except OSError:
         pass
