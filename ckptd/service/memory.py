@@ -1,6 +1,6 @@
 """The memory service (docs/MEMORY.md): serves a restarted trainer's state from memory (the arenas
 this daemon kept, else a copy a peer holds for this node), answers peers over TCP, and sends
-the kept state to [memory] replicas peers at idle priority.
+the kept state to [memory] replicas peers at low priority (nice 19).
 
 Owns the kept arenas (`memory.own`), the replicas held for peers and the peer server; decides
 which tier serves a load of one step (never which step: the loader chose it). Never deletes a
