@@ -19,6 +19,7 @@ import struct
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -166,9 +167,10 @@ class _Reader(Prefixed):
 class PeerHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"ckptd/{__version__}"
-    verifier: Verifier  # these three are set on the subclass each server builds
+    verifier: Verifier  # these are set on the subclass each server builds
     replicas: Replicas
     node: str
+    roots: Callable[[], Iterable[str]] | None = None
 
     def setup(self) -> None:
         conn: Conn = self.request
@@ -282,6 +284,9 @@ class PeerHandler(BaseHTTPRequestHandler):
         for name in ("Transfer-Encoding", "Content-Length"):
             if len(self.headers.get_all(name) or []) > 1:
                 raise HttpError(400, "bad_request", f"{name} given more than once")
+        if self.roots is not None and args["root"] not in set(self.roots()):
+            raise HttpError(404, "no_root", f"this daemon has no root {args['root']!r}: it"
+                            " holds no replica of it")
         body = httpbody.Body(self.rfile, httpbody.framing(te, length))
         with self.replicas.begin(**args, expect=body.length or 0) as upload:
             prefix, head = read_head(body, upload)
@@ -376,10 +381,12 @@ class PeerServer:
 
     def __init__(self, listen: tuple[str, int], verifier: Verifier, replicas: Replicas,
                  node: str, timeout_s: float = 30.0, max_threads: int = 16,
-                 max_open: int = 256) -> None:
+                 max_open: int = 256, roots: Callable[[], Iterable[str]] | None = None) -> None:
+        """`roots`: the root names a replica may be held for (None: any)."""
         self._listen = listen
         self._handler = type("BoundPeerHandler", (PeerHandler,), {
-            "verifier": verifier, "replicas": replicas, "node": node, "timeout": timeout_s})
+            "verifier": verifier, "replicas": replicas, "node": node, "timeout": timeout_s,
+            "roots": staticmethod(roots) if roots is not None else None})
         self._timeout = timeout_s
         self._threads, self._max_open = max_threads, max_open
         self._loop: ConnectionLoop | None = None

@@ -128,9 +128,9 @@ class Verifier:
 
     def __init__(self, secret: bytes, clock: Clock = SYSTEM, window: float = 60.0,
                  max_nonces: int = 100_000, not_before: float | None = None) -> None:
-        """`not_before`: refuse a proof whose time is not after this (the server's start: the
-        nonces a daemon saw before it are not remembered, so their requests are refused by
-        time instead)."""
+        """`not_before`: refuse a proof whose time (whole seconds) is of a second before this
+        one (the server's start: the nonces a daemon saw before it are not remembered, so
+        their requests are refused by time instead)."""
         if not secret:
             raise BadValue("proof secret: empty")
         self._secret, self._clock = secret, clock
@@ -152,8 +152,8 @@ class Verifier:
                 raise HttpError(401, "bad_proof", f"header {name} is malformed")
         now = self._clock.time()
         sent = int(when)
-        if self._not_before is not None and sent <= self._not_before:
-            raise HttpError(401, "stale", f"{TIME} is not after this daemon's start (a request"
+        if self._not_before is not None and sent < self._not_before:
+            raise HttpError(401, "stale", f"{TIME} is before this daemon's start (a request"
                             " made before it started is not taken)")
         if abs(sent - now) > self._window:
             raise HttpError(401, "stale", f"{TIME} is {sent - now:+.0f} s from this daemon's"

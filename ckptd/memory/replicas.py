@@ -245,6 +245,11 @@ class Replicas:
                 entry["bytes"] += r.nbytes
         return [per[n] for n in sorted(per)]
 
+    def roots(self) -> set[str]:
+        """The roots some replica is held for."""
+        with self._lock:
+            return {key[0] for key in self._held}
+
     def drop(self, root: str) -> int:
         """Forget every replica held under `root`; the bytes freed."""
         with self._lock:

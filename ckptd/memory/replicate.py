@@ -64,7 +64,8 @@ class Peers:
             # daemon this one replaces cannot be replayed to it (its nonces were forgotten)
             self.server = PeerServer(cfg.address, proof.Verifier(secret, clock,
                                                                  not_before=clock.time()),
-                                     self.replicas, node, timeout_s=cfg.timeout)
+                                     self.replicas, node, timeout_s=cfg.timeout,
+                                     roots=lambda: self.roots().keys())
         self._held_by: dict[str, dict[str, int]] = {}  # root -> peer node -> step it holds
         self._published: dict[str, float] = {}  # root -> when this node's entry was written
         self._tried: dict[str, set[tuple[int, int, int]]] = {}  # root -> states placed

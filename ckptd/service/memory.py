@@ -158,6 +158,9 @@ class MemoryService:
                 self._wake.clear()
                 for gone in {k.root for k in self.own.all()} - set(self.roots()):
                     self.own.forget(gone)  # a root that left the config: its states go too
+                if self.peers is not None:
+                    for gone in self.peers.replicas.roots() - set(self.roots()):
+                        self.peers.replicas.drop(gone)  # and what peers gave us of it
                 if not self.config().memory.keep:
                     self.own.forget()  # keep = false since a reload
                 if self.peers is not None:

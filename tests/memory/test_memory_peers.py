@@ -326,3 +326,20 @@ def test_a_flipped_byte_in_a_peers_copy_is_skipped(cluster: Any, tmp_path: Path)
     assert (got["step"], got["source"], got["same"]) == (6, "remote", True), got["stderr"]
     assert "peer n9" in got["stderr"] and "peer n1" in got["stderr"], got["stderr"]
     assert '"memory_peer_skipped"' in n0.handle.log_text()
+
+
+def test_a_replica_for_a_root_this_daemon_lacks_is_refused(cluster: Any, tmp_path: Path) -> None:
+    from ckptd.backends import make_backend
+    from ckptd.memory import directory
+    from ckptd.memory.peerclient import PeerClient, PeerError
+
+    (n1,) = cluster("n1")
+    wait_until(lambda: any(e.node == "n1" for e in directory.peers(
+        make_backend(f"file://{tmp_path / 'remote'}"), "job", secret=SECRET)), 30,
+        "n1's entry in the bucket")
+    address = {e.node: e.address for e in directory.peers(
+        make_backend(f"file://{tmp_path / 'remote'}"), "job", secret=SECRET)}["n1"]
+    head = json.dumps({"root": "other", "node": "n0", "rank": 0, "step": 1}).encode()
+    with pytest.raises(PeerError, match="404"):
+        PeerClient(SECRET, "n0", 5.0).put_replica(address, "other", 0, 1, head, [b"x" * 100])
+    assert n1.memory()["peer_bytes"] == 0
