@@ -166,7 +166,10 @@ def test_a_root_that_cannot_act_is_not_ok_in_health_probe_status_and_doctor(
         assert not (real / ".ckptd").exists()  # never acted through the late link
 
         d.signal(signal.SIGHUP)  # the reload follows the link now
-        wait_until(lambda: _health(d)["status"] == "ok", 30, "the root acting after reload")
+        # The lease thread takes the root at its next look after the reload: until then the
+        # root is neither a problem nor acting, so wait for both, not for health alone.
+        wait_until(lambda: _health(d)["status"] == "ok" and _root_status(d)["acting"], 30,
+                   "the root acting after reload")
         assert _health(d)["roots_not_acting"] == []
         assert _root_status(d)["acting"] and (real / ".ckptd" / "lease.json").exists()
         assert _ckptd("probe", "ready", "--socket", str(d.socket)).returncode == 0
