@@ -15,7 +15,7 @@ from typing import BinaryIO, Protocol
 from ckptd import model
 from ckptd.codec import buffers
 from ckptd.codec.blocks import BlockPolicy
-from ckptd.codec.decoder import decode_stream
+from ckptd.codec.decoder import decode_stream, read_threads
 from ckptd.codec.encoder import (
     BLOCK_SIZE,
     SUFFIXES,
@@ -48,6 +48,7 @@ __all__ = [
     "decode_stream",
     "make_encoder",
     "read_index",
+    "read_threads",
     "register",
 ]
 

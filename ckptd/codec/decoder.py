@@ -5,10 +5,11 @@ index, truncation), raising CorruptData that names the block; never more than on
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import BinaryIO
 
@@ -23,20 +24,34 @@ from ckptd.codec.zstdframes import COPY_CHUNK, FrameStream
 from ckptd.errors import CorruptData
 
 KEEP_CODERS = 4  # idle block decoders kept for decode_block (each holds one block's arrays)
+MAX_READ_THREADS = 8
+
+
+def read_threads() -> int:
+    """How many threads a reader the user waits for decodes on: the cores this process may
+    run on (its affinity, which a cpuset or `taskset` narrows), at most MAX_READ_THREADS."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_READ_THREADS, cores))
 
 ChunkCallback = Callable[[int], None] | None
 
 
 def decode_stream(
-    codec: str, src: BinaryIO, dst: BinaryIO, chunk_cb: ChunkCallback = None, threads: int = 1
+    codec: str, src: BinaryIO, dst: BinaryIO, chunk_cb: ChunkCallback = None, threads: int = 1,
+    pool: ThreadPoolExecutor | None = None,
 ) -> int:
     """Undo `codec` from `src` into `dst`; returns the bytes written; calls `chunk_cb(n)` per
     piece written. Raises CorruptData on corruption, truncation or an unknown codec.
 
     With `threads > 1`, the blocks of a `zstd-bytegroup` object are decoded on that many
-    threads (read and written in order on the caller's), at most `threads + 1` blocks held."""
+    threads (read and written in order on the caller's), at most `threads + 1` blocks held;
+    on `pool` when given (shared by the objects a caller decodes at once, so their blocks
+    together never need more threads than the pool has), else on a pool of this call's."""
     if codec == "zstd-bytegroup":
-        return _container(src, dst, chunk_cb or _ignore, threads)
+        return _container(src, dst, chunk_cb or _ignore, threads, pool)
     decoders = {"none": _copy, "zstd": _zstd_frames}
     if codec not in decoders:
         raise CorruptData(f"unknown codec {codec!r}: cannot decode")
@@ -255,7 +270,8 @@ def _readinto(src: BinaryIO) -> Callable[[memoryview], int | None]:
     return fallback
 
 
-def _container(src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None], threads: int) -> int:
+def _container(src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None], threads: int,
+               shared: ThreadPoolExecutor | None) -> int:
     block_size, version = frame.parse_file_header(
         _read_exact(src, frame.FILE_HEADER_SIZE, "zstd-bytegroup: file header")
     )
@@ -268,6 +284,8 @@ def _container(src: BinaryIO, dst: BinaryIO, cb: Callable[[int], None], threads:
         heads = _heads(src, block_size, version, rows)
         if threads <= 1:
             total = sum(_put(dst, readers[0].decode(src, *h), cb) for h in heads)
+        elif shared is not None:
+            total = _in_parallel(src, dst, cb, heads, readers, shared)
         else:
             with ThreadPoolExecutor(threads, "ckptd-decode") as pool:
                 total = _in_parallel(src, dst, cb, heads, readers, pool)
@@ -351,6 +369,10 @@ def _in_parallel(
     finally:
         for _, done in flight:
             done.cancel()
+        # A block still decoding writes into its reader's buffers, which the caller gives
+        # back when this returns: wait for it (a pool of this call's would wait at its exit;
+        # a shared one does not).
+        wait([done for _, done in flight])
     return total
 
 

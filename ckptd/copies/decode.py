@@ -6,17 +6,45 @@ writer if given. Never more bytes than the manifest says, so a corrupt object ca
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, cast
 
 from ckptd import fileio
-from ckptd.codec import decode_stream
+from ckptd.codec import decode_stream, read_threads
 from ckptd.errors import CorruptData
 from ckptd.fileio import HASH_ALG, DropBehindReader, DurableWriter, HashSink
 from ckptd.remote.manifest import StoredFile
 
 Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How one object's blocks are decoded: on `threads` threads of `pool` (a pool shared by
+    the objects decoded at once), or on the caller's thread alone."""
+
+    threads: int = 1
+    pool: ThreadPoolExecutor | None = None
+
+
+ONE_THREAD = Decoding()
+
+
+@contextmanager
+def every_core() -> Iterator[Decoding]:
+    """A decode pool of the cores this process may use, for readers the user waits for
+    (`ckptd restore`): each object decodes on all of them, at most threads + 1 blocks held
+    per object; the daemon's own decodes stay on one thread (`ONE_THREAD`)."""
+    threads = read_threads()
+    if threads == 1:
+        yield ONE_THREAD
+        return
+    with ThreadPoolExecutor(threads, "ckptd-decode") as pool:
+        yield Decoding(threads, pool)
 
 
 class _Checker:
@@ -51,7 +79,8 @@ class _Checker:
 
 
 def decode_object(
-    src: Path, f: StoredFile, out: DurableWriter | None = None, progress: Progress | None = None
+    src: Path, f: StoredFile, out: DurableWriter | None = None, progress: Progress | None = None,
+    decoding: Decoding = ONE_THREAD,
 ) -> None:
     """Decode the stored object at `src` (streaming), checking size and hash against `f`;
     the original bytes go to `out` when given. Raises CorruptData naming the file."""
@@ -63,21 +92,23 @@ def decode_object(
         if stored != f.stored_size:
             raise CorruptData(f"{f.path}: stored object {f.key} has {stored} bytes, the "
                               f"manifest says {f.stored_size}")
-        decode_checked(cast(BinaryIO, DropBehindReader(fd)), f, out, progress)
+        decode_checked(cast(BinaryIO, DropBehindReader(fd)), f, out, progress, decoding)
     finally:
         fileio.advise(fd, 0, 0)
         os.close(fd)
 
 
 def decode_checked(src: BinaryIO, f: StoredFile, out: DurableWriter | None = None,
-                   progress: Progress | None = None) -> None:
+                   progress: Progress | None = None, decoding: Decoding = ONE_THREAD) -> None:
     """Decode the stored object read from `src` (streaming), checking size and hash against
-    `f`; the original bytes go to `out` when given. Raises CorruptData naming the file."""
+    `f`; the original bytes go to `out` when given. Raises CorruptData naming the file.
+    `decoding` says on how many threads (and which pool) one object's blocks decode."""
     if f.hash_alg != HASH_ALG:
         raise CorruptData(f"{f.path}: hash algorithm {f.hash_alg!r} is not {HASH_ALG!r}")
     checker = _Checker(f, out, progress)
     try:
-        decode_stream(f.codec, src, cast(BinaryIO, checker))
+        decode_stream(f.codec, src, cast(BinaryIO, checker), threads=decoding.threads,
+                      pool=decoding.pool)
     except CorruptData as exc:
         if str(exc).startswith(f"{f.path}: "):
             raise

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, cast
 
 from ckptd import fileio
 from ckptd.backends import Backend
-from ckptd.copies.decode import decode_checked
+from ckptd.copies.decode import ONE_THREAD, Decoding, decode_checked
 from ckptd.errors import (
     CorruptData,
     NotFound,
@@ -188,7 +188,8 @@ class _HighWater:
 
 
 def fetch_and_restore(backend: Backend, key: str, f: StoredFile, to: Path,
-                      progress: Progress | None = None) -> Path:
+                      progress: Progress | None = None, decoding: Decoding = ONE_THREAD
+                      ) -> Path:
     """Download the object at `key` and rebuild `f` under `to` from it as it arrives: checked
     against the manifest's size and hash, fsynced, its pages dropped, then renamed into place.
     A download failing transiently after bytes were decoded starts the object over (up to
@@ -205,7 +206,7 @@ def fetch_and_restore(backend: Backend, key: str, f: StoredFile, to: Path,
     for attempt in range(1, ATTEMPTS + 1):
         counted.start()
         try:
-            return _attempt(backend, key, f, dest, counted, pin)
+            return _attempt(backend, key, f, dest, counted, pin, decoding)
         except TransientError as exc:
             if attempt == ATTEMPTS:
                 raise
@@ -215,7 +216,7 @@ def fetch_and_restore(backend: Backend, key: str, f: StoredFile, to: Path,
 
 
 def _attempt(backend: Backend, key: str, f: StoredFile, dest: Path, progress: Progress,
-             pin: str | None) -> Path:
+             pin: str | None, decoding: Decoding) -> Path:
     tmp = fileio.temp_name(dest)
     out = DurableWriter(tmp, str(dest))
     pipe = Pipe(f, key)
@@ -223,7 +224,7 @@ def _attempt(backend: Backend, key: str, f: StoredFile, dest: Path, progress: Pr
                                name="ckptd-restore-fetch")
     fetcher.start()
     try:
-        decode_checked(cast(BinaryIO, pipe), f, out, progress)
+        decode_checked(cast(BinaryIO, pipe), f, out, progress, decoding)
         pipe.finish()
         out.close_durably()
         os.replace(tmp, dest)

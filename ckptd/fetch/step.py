@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.backends import Backend, backend_for_upload, make_backend, wrap_backend
-from ckptd.codec.decoder import release_idle
+from ckptd.codec.decoder import read_threads, release_idle
 from ckptd.config import find_config, load_config
 from ckptd.errors import BadValue, ConfigError, CorruptData, NotFound
 from ckptd.fetch.holds import ReaderHold, daemon_socket
@@ -26,7 +26,7 @@ StepArg = int | str
 
 # Decoding threads: decoding is CPU work and fetches run on their own pool (`fetches`), so one
 # per core; each keeps one block's workspace, so more would only add memory.
-DEFAULT_THREADS = min(8, os.cpu_count() or 1)
+DEFAULT_THREADS = read_threads()
 
 
 def open_backend(root: str, config: str | os.PathLike[str] | None = None,

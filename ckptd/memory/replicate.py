@@ -21,6 +21,7 @@ from typing import Any
 
 from ckptd.backends.base import Backend
 from ckptd.clock import SYSTEM, Clock
+from ckptd.codec import read_threads
 from ckptd.config import MemoryConfig, RootConfig
 from ckptd.errors import CkptdError, InternalError
 from ckptd.log import get_logger
@@ -38,7 +39,7 @@ RETRY_FIRST_S = 2.0
 # A replaced node asks at most this many peers, within this many [memory] timeouts in all.
 MAX_TRIED = 8
 # A fetch is what a replaced node's trainer waits for: its blocks decode on every core.
-DECODE_THREADS = max(1, min(8, os.cpu_count() or 1))
+DECODE_THREADS = read_threads()
 FETCH_ROUNDS = 4  # a state not yet with its peers is tried again after this, doubling
 STALE_S = 600.0
 

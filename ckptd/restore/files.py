@@ -22,7 +22,7 @@ from typing import TextIO
 from ckptd import fileio, layouts
 from ckptd.backends import Backend
 from ckptd.config import Config, RootConfig
-from ckptd.copies.decode import decode_object
+from ckptd.copies.decode import Decoding, decode_object, every_core
 from ckptd.copies.store import objects_dir, read_local_manifest
 from ckptd.errors import NotFound, UnsafePath
 from ckptd.fetch import pipe
@@ -48,7 +48,8 @@ TotalProgress = Callable[[int, int], None]  # (bytes restored so far, bytes in t
 # --- writing one restored file ---------------------------------------------------------------
 
 
-def _restore_file(src: Path, f: StoredFile, to: Path, progress: Progress | None) -> Path:
+def _restore_file(src: Path, f: StoredFile, to: Path, progress: Progress | None,
+                  decoding: Decoding) -> Path:
     """Decode `src` into `<to>/<f.path>` through a temp name: fsynced, checked, then renamed.
     On any failure the temp file is removed and nothing is left at the final name."""
     dest = fileio.safe_join(to, f.path)
@@ -59,7 +60,7 @@ def _restore_file(src: Path, f: StoredFile, to: Path, progress: Progress | None)
     tmp = fileio.temp_name(dest)
     out = DurableWriter(tmp, str(dest))
     try:
-        decode_object(src, f, out, progress)
+        decode_object(src, f, out, progress, decoding)
         out.close_durably()
         os.replace(tmp, dest)
         fileio.fsync_dir(dest.parent)
@@ -109,16 +110,17 @@ def restore_from_dir(
     to = Path(to)
     to.mkdir(parents=True, exist_ok=True)
     restored = []
-    for f in manifest.files:
-        src = fileio.safe_join(objects_dir, f.key)
-        if not src.is_file():
-            raise NotFound(f"{f.path}: stored object {src} is missing")
-        try:
-            restored.append(_restore_file(src, f, to, progress))
-        except FileNotFoundError as exc:
-            if str(exc.filename) != str(src):  # the target's, not the copy's: a write error
-                raise write_error(exc, str(to)) from exc
-            raise NotFound(f"{f.path}: stored object {src} is missing") from None
+    with every_core() as decoding:
+        for f in manifest.files:
+            src = fileio.safe_join(objects_dir, f.key)
+            if not src.is_file():
+                raise NotFound(f"{f.path}: stored object {src} is missing")
+            try:
+                restored.append(_restore_file(src, f, to, progress, decoding))
+            except FileNotFoundError as exc:
+                if str(exc.filename) != str(src):  # the target's, not the copy's: a write error
+                    raise write_error(exc, str(to)) from exc
+                raise NotFound(f"{f.path}: stored object {src} is missing") from None
     return _one_mtime(restored)
 
 
@@ -171,9 +173,10 @@ def restore_remote(
     prefix = step_prefix(manifest.root, manifest.step)
     safe = _Locked(progress) if progress is not None else None
     failed: Future[Path] | None = None
-    with ThreadPoolExecutor(max(1, concurrency), "ckptd-restore") as pool:
+    with every_core() as decoding, ThreadPoolExecutor(max(1, concurrency),
+                                                      "ckptd-restore") as pool:
         futures = [pool.submit(pipe.fetch_and_restore, backend, f"{prefix}/{f.key}",
-                               f, to, safe) for f in manifest.files]
+                               f, to, safe, decoding) for f in manifest.files]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((fut for fut in futures if fut in done and fut.exception()), None)
         if failed is not None:
