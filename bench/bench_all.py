@@ -184,6 +184,28 @@ def codec_rows(doc: Any) -> list[Row]:
                        spread([speed_ratio(c["input"]) for c in fp32], "{:.2f}",
                               "× zipnn's MB/s/core", "input"), "keep ≥ 1.2×",
                        verdict(all(c["met"] for c in fp32))))
+    for what, dtypes in (("bf16", ("-bf16",)), ("fp32", ("-fp32",))):
+        per = picked("decode >= 1.5x zipnn", dtypes)
+        if per:
+            mine = [by[(c["input"], "ckptd-auto")]["decompress_mb_s"]["median"] for c in per]
+            theirs = [by[(c["input"], "zipnn")]["decompress_mb_s"]["median"] for c in per]
+            out.append(Row(f"decode per core, {what} transformer weights "
+                           f"({', '.join(c['input'] for c in per)}; from disk, one thread)",
+                           "zipnn", spread(theirs, "{:.0f}", " MB/s/core", "input"),
+                           spread(mine, "{:.0f}", " MB/s/core", "input"),
+                           spread([statistics.median(c["values"]) for c in per], "{:.2f}",
+                                  "× zipnn's per CPU second", "input"), "≥ 1.5×",
+                           verdict(all(c["met"] for c in per))))
+    today = picked("encode >= today's", ("",))
+    if today:
+        same = picked("ratio <= today's", ("",))
+        out.append(Row(f"encode per core ({len(today)} inputs; stored bytes no more than "
+                       "today's on " f"{sum(c['met'] for c in same)} of {len(same)})",
+                       "ckptd with its numpy kernels (the codec before the compiled ones)",
+                       "", "", spread([statistics.median(c["values"]) for c in today], "{:.2f}",
+                                      "× today's MB/s/core", "input"),
+                       "≥ 1× (no slower)", verdict(all(c["met"] for c in today)
+                                                    and all(c["met"] for c in same))))
     dec = picked("decompress >= 1500 MB/s/core", ("",))
     dec_speeds = [by[(c["input"], "ckptd-auto")]["decompress_mb_s"]["median"] for c in dec]
     zip_dec = [r["decompress_mb_s"]["median"] for (i, e), r in by.items()
@@ -354,7 +376,8 @@ def collect(args: argparse.Namespace, out: Path) -> tuple[list[Row], list[str]]:
                   str(args.files), "--size", args.size, "--repeat", str(args.repeat), "--workdir",
                   str(args.workdir / "time-to-safe")], safe_rows),
         ("codec", [py, str(HERE / "compress_bench.py"), "--runs", str(args.repeat),
-                   "--encoders", "ckptd-auto,ckptd-auto+hash+crc,pyzstd-1,zipnn",
+                   "--encoders", "ckptd-auto,ckptd-auto+hash+crc,pyzstd-1,zipnn,"
+                   "ckptd-auto@numpy",
                    "--workdir", str(args.workdir / "compress")], codec_rows),
         ("resume", [py, str(HERE / "resume_bench.py"), "--size", args.resume_size, "--repeat",
                     str(args.repeat), "--keep-inputs", "--workdir", str(args.workdir / "resume")],

@@ -29,7 +29,10 @@ HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "bench_worker.py")
 INPUTS = str(HERE / "bench_inputs.py")
 CKPTD = ("ckptd-auto", "ckptd-bytegroup", "ckptd-none")
-ALL_CKPTD = (*CKPTD, "ckptd-auto+hash+crc")
+# `@numpy`: the same encoder with the codec's numpy kernels (CKPTD_CODEC_KERNELS=numpy), the
+# codec as it was before the compiled ones: what "no slower than today" is measured against.
+TODAY = "ckptd-auto@numpy"
+ALL_CKPTD = (*CKPTD, "ckptd-auto+hash+crc", TODAY)
 REPEATS = "2"
 BASELINES = ("zstd-cli-3", "pyzstd-3", "pyzstd-1", "zipnn")
 ENCODERS = ", ".join((*ALL_CKPTD, *BASELINES))
@@ -238,6 +241,7 @@ def table(rows: list[Row]) -> str:
 # The codec targets: ratio at most zipnn's, compress at least 1.2x zipnn's speed (one thread),
 # decompress at least 1.5 GB/s per core, no input left in page cache, one read pass.
 SPEEDUP = 1.2
+DECODE_VS_ZIPNN = 1.5  # decode per CPU second, bf16 and fp32 weights
 DECOMPRESS_MB_S = 1500.0
 CACHED_SHARE = 0.05
 ONE_PASS = 1.16
@@ -280,6 +284,18 @@ def _input_checks(name: str, auto: Row, by: dict[tuple[str, str], Row]) -> list[
         out.append(
             Check(name, f"compress >= {SPEEDUP}x zipnn", f"{spread_x(ups)}", med >= SPEEDUP, ups)
         )
+    if zip_row and name.endswith(("-bf16", "-fp32")):
+        ups = [z / a for z, a in zip(zip_row.decomp_runs, auto.decomp_runs, strict=False) if a > 0]
+        med = statistics.median(ups) if ups else 0.0
+        out.append(Check(name, f"decode >= {DECODE_VS_ZIPNN}x zipnn", spread_x(ups),
+                         med >= DECODE_VS_ZIPNN, ups))
+    today = by.get((name, TODAY))
+    if today is not None:
+        ups = [t / a for t, a in zip(today.comp_runs, auto.comp_runs, strict=False) if a > 0]
+        med = statistics.median(ups) if ups else 0.0
+        out.append(Check(name, "encode >= today's", spread_x(ups), med >= 1.0, ups))
+        ok = auto.ratio <= today.ratio + 1e-9
+        out.append(Check(name, "ratio <= today's", f"{auto.ratio:.4f} vs {today.ratio:.4f}", ok))
     speeds = auto.speeds(auto.decomp_runs)
     med = statistics.median(speeds) if speeds else 0.0
     target = f"decompress >= {DECOMPRESS_MB_S:.0f} MB/s/core"
