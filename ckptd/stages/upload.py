@@ -39,6 +39,7 @@ from ckptd.remote.keys import (
     step_objects,
 )
 from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
+from ckptd.stages.sending.big import take_over
 from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
 from ckptd.stages.sending.reader import Meter, ObjectReader, etag_matches_file, fingerprint
 
@@ -99,6 +100,9 @@ def upload_step(
     Raises TransientError (retry later) or PermanentError; on any error nothing is committed.
     """
     _check_manifest(root_name, manifest)
+    # Multipart sends the step's validation started: waited for (bounded), so the ledger and
+    # the listing below show what they completed, and those objects are not sent again.
+    take_over(backend.url, root_name, manifest.step)
     remote = step_objects(backend, root_name, manifest.step)
     committed = _existing_commit(backend, root_name, manifest, remote)
     meter = Meter(progress)
