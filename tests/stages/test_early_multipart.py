@@ -169,3 +169,24 @@ def test_the_daemon_sends_a_big_object_early_and_commits_it_once(
     backend = s3_backend(s3_server, s3_url)
     sizes = {m.key.rsplit("/", 1)[-1]: m.size for m in backend.list("r1/step-7")}
     assert max(sizes.values()) > 5 * MiB and "MANIFEST.json" in sizes
+
+
+def test_an_upload_of_the_step_cancels_an_early_send_and_none_starts_beside_it(
+        s3_server: Any, s3_url: str, tmp_path: Path) -> None:
+    objects, _manifest = _step(tmp_path, 8, size=60 * MiB)
+    rec = Recording(s3_backend(s3_server, s3_url))
+    before = set(_open_uploads(s3_server))
+    sender = EarlySender(rec, ROOT, 8, objects, concurrency=2)
+    sender.offer(BIG, objects / BIG, (objects / BIG).stat().st_size)
+    wait_until(lambda: set(_open_uploads(s3_server)) - before, 10.0,
+               "the multipart upload begun")
+    with big.uploading(rec.url, ROOT, 8):  # another save's upload of the same step
+        assert rec.in_flight == 0  # the early send stopped before the upload went on
+        again = EarlySender(rec, ROOT, 8, objects, concurrency=2)
+        again.offer(BIG, objects / BIG, (objects / BIG).stat().st_size)
+        again.finish()
+        assert big.take_over(rec.url, ROOT, 8, timeout=10.0) == 0  # left to the upload
+        assert keys_of(rec, 8) == set()
+    wait_until(lambda: set(_open_uploads(s3_server)) <= before, 10.0,
+               "the multipart upload aborted")
+    assert sender.abandon() == {}

@@ -10,6 +10,11 @@ them (at most the backend's `concurrency` parts in flight), never the whole obje
 A cancelled send fails its next read, which makes the store client abort the multipart upload
 (its parts are deleted); what completed before a cancel is handed back for discarding.
 
+Within the daemon, a step's keys are overwritten by one writer at a time (`_Gate`): at most one
+early multipart send per step, never beside the step's upload (which cancels one under way and
+holds the gate until its commit is done), and each send looks MANIFEST.json up again while it
+holds the gate, so nothing is sent into a step committed meanwhile.
+
 Never commits, never deletes, never reads the store's state beyond the lookups above.
 """
 
@@ -17,14 +22,16 @@ from __future__ import annotations
 
 import errno
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from ckptd.backends.base import Backend, ObjectMeta, bare, same_object
-from ckptd.errors import CkptdError, ObjectNotFound
+from ckptd.errors import CkptdError, ObjectNotFound, TransientError
 from ckptd.log import get_logger
+from ckptd.remote.keys import manifest_key
 from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
 from ckptd.stages.sending.reader import Meter, ObjectReader
 
@@ -38,6 +45,7 @@ CANCEL_WAIT_S = 10.0
 QUEUED_MAX = 64
 
 Sent = tuple[list[int], ObjectMeta]  # the local file's fingerprint, the stored object
+StepKey = tuple[str, str, int]  # backend URL, root, step
 
 
 class _Cancellable(ObjectReader):
@@ -70,8 +78,9 @@ class BigSends:
     uncommitted, the key not listed). Completed sends are kept in memory until `installed`
     names the copy's ledger, then recorded there as they complete, until `close`."""
 
-    def __init__(self, backend: Backend, prefix: str, ready: Callable[[str], bool]) -> None:
-        self.backend, self.prefix, self._ready = backend, prefix, ready
+    def __init__(self, backend: Backend, prefix: str, ready: Callable[[str], bool],
+                 step: StepKey) -> None:
+        self.backend, self.prefix, self._ready, self._step = backend, prefix, ready, step
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -119,7 +128,21 @@ class BigSends:
     def _send(self, key: str, src: _Cancellable) -> None:
         if self._cancel.is_set() or not self._ready(key):
             return
+        gate = _enter_early(self._step, self)
+        if gate is None:
+            return  # the step's upload, or another save's send, writes it: left to the upload
+        try:
+            self._send_alone(key, src)
+        finally:
+            _leave_early(self._step, gate)
+
+    def _send_alone(self, key: str, src: _Cancellable) -> None:
         full = f"{self.prefix}/{key}"
+        try:
+            self.backend.stat(manifest_key(self._step[1], self._step[2]))
+            return  # committed meanwhile: never written into
+        except ObjectNotFound:
+            pass
         try:
             self.backend.stat(full)
             return  # there now: never replaced, the upload stage compares it
@@ -151,6 +174,10 @@ class BigSends:
             for key, (fingerprint, meta) in self.done.items():
                 self._ledger.record(key, fingerprint, meta)
 
+    def stop(self) -> None:
+        """Cancel the send under way and the rest, without waiting."""
+        self._cancel.set()
+
     def wait(self, timeout: float) -> bool:
         """Wait up to `timeout` for every send to end; True if they all did."""
         with self._lock:
@@ -160,7 +187,7 @@ class BigSends:
     def cancel(self, timeout: float = CANCEL_WAIT_S) -> Mapping[str, ObjectMeta]:
         """Stop every send (a multipart upload in flight is aborted), wait up to `timeout`,
         close; what completed, for discarding."""
-        self._cancel.set()
+        self.stop()
         self.wait(timeout)
         return {key: meta for key, (_fp, meta) in self.close().items()}
 
@@ -180,8 +207,60 @@ class BigSends:
         return done
 
 
+class _Gate:
+    """Who overwrites one step's keys now: one early send (`early`), or uploads."""
+
+    def __init__(self) -> None:
+        self.early: BigSends | None = None
+        self.uploads = 0
+
+
+_gates: dict[StepKey, _Gate] = {}
+_gates_cond = threading.Condition()
+
+
+def _enter_early(step: StepKey, sends: BigSends) -> _Gate | None:
+    with _gates_cond:
+        gate = _gates.setdefault(step, _Gate())
+        if gate.uploads or gate.early is not None:
+            return None
+        gate.early = sends
+        return gate
+
+
+def _leave_early(step: StepKey, gate: _Gate) -> None:
+    with _gates_cond:
+        gate.early = None
+        if not gate.uploads:
+            _gates.pop(step, None)
+        _gates_cond.notify_all()
+
+
+@contextmanager
+def uploading(url: str, root_name: str, step: int) -> Iterator[None]:
+    """Held by a step's upload from its first put to its commit: an early send under way
+    for the step (another save's, or one handed over late) is cancelled and waited for, and
+    none starts meanwhile. TransientError if one does not stop in time."""
+    key = (url, root_name, step)
+    with _gates_cond:
+        gate = _gates.setdefault(key, _Gate())
+        gate.uploads += 1
+        if gate.early is not None:
+            gate.early.stop()
+        stopped = _gates_cond.wait_for(lambda: gate.early is None, CANCEL_WAIT_S)
+    try:
+        if not stopped:
+            raise TransientError(f"step {step} of {root_name}: an early send did not stop")
+        yield
+    finally:
+        with _gates_cond:
+            gate.uploads -= 1
+            if not gate.uploads and gate.early is None:
+                _gates.pop(key, None)
+
+
 # Sends handed from a step's validation to its upload: (backend URL, root, step) -> sends.
-_handoffs: dict[tuple[str, str, int], BigSends] = {}
+_handoffs: dict[StepKey, BigSends] = {}
 _handoffs_lock = threading.Lock()
 
 

@@ -84,7 +84,8 @@ class EarlySender:
         self._committed: bool | None = None  # looked up by the first put, off the reader
         self._present: frozenset[str] = frozenset()  # keys an earlier try left: not re-sent
         self._big = BigSends(backend, self.prefix,
-                             lambda key: self._uncommitted() and key not in self._present)
+                             lambda key: self._uncommitted() and key not in self._present,
+                             (backend.url, root_name, step))
 
     def _uncommitted(self) -> bool:
         """Early puts only into a step nobody committed: a committed step's objects are
