@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from support.ckpts import flip_byte
 from support.uploads import (
     ROOT,
     MiB,
@@ -166,6 +167,8 @@ def test_the_daemon_sends_a_big_object_early_and_commits_it_once(
     committed = d.wait_event("upload_committed")[0]
     assert committed["uploaded_objects"] == 0  # every object went up early, none again
     assert committed["skipped_objects"] == 2
+    sent = d.wait_event("early_upload_multipart")[0]
+    assert sent["step"] == 7 and sent["bytes"] > 5 * MiB
     backend = s3_backend(s3_server, s3_url)
     sizes = {m.key.rsplit("/", 1)[-1]: m.size for m in backend.list("r1/step-7")}
     assert max(sizes.values()) > 5 * MiB and "MANIFEST.json" in sizes
@@ -190,3 +193,22 @@ def test_an_upload_of_the_step_cancels_an_early_send_and_none_starts_beside_it(
     wait_until(lambda: set(_open_uploads(s3_server)) <= before, 10.0,
                "the multipart upload aborted")
     assert sender.abandon() == {}
+
+
+def test_an_invalid_step_leaves_no_big_object_and_no_open_upload(
+        inproc_daemon: Any, s3_server: Any, s3_url: str, tmp_path: Path) -> None:
+    d = inproc_daemon(roots=[{"name": "r1", "compress": {"codec": "none"}, "upload": upload_cfg(
+        s3_url, s3_server, part_size="5MiB", concurrency=2)}])
+    before = set(_open_uploads(s3_server))
+    staged = tmp_path / "out" / "step-9"
+    gen = torch.Generator().manual_seed(9)
+    state = {"a": torch.randn(3 << 20, generator=gen), "b": torch.randn(6 << 20, generator=gen)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(staged), thread_count=1,
+                                                        single_file_per_rank=False))
+    largest = max(staged.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    flip_byte(largest)  # read last: the 12 MiB object before it is already going up
+    staged.rename(d.roots["r1"] / "step-9")
+    assert d.wait_for("r1", 9)["state"] == "invalid"
+    backend = s3_backend(s3_server, s3_url)
+    wait_until(lambda: not list(backend.list("r1/step-9")), 20.0, "no object of the step")
+    wait_until(lambda: set(_open_uploads(s3_server)) <= before, 20.0, "no open upload")

@@ -159,6 +159,8 @@ class BigSends:
             return  # not vouched for: the upload stage sends it again
         if not same_object(after, meta):
             return  # replaced meanwhile: the upload stage compares it
+        get_logger().info("early_upload_multipart", root=self._step[1], step=self._step[2],
+                          key=key, bytes=after.size)
         with self._lock:
             self.done[key] = (fingerprint, after)
             if self._ledger is not None and not self._closed:
