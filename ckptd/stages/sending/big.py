@@ -43,6 +43,9 @@ CANCEL_WAIT_S = 10.0
 # Objects waiting for the sending thread, at most (each holds its file open: the copy's renames
 # happen meanwhile); more are left to the upload stage.
 QUEUED_MAX = 64
+# Steps whose sends wait for their upload, at most: a step superseded before its upload never
+# takes its sends over; past this many, the oldest are closed (their completions unrecorded).
+HANDOFFS_MAX = 64
 
 Sent = tuple[list[int], ObjectMeta]  # the local file's fingerprint, the stored object
 StepKey = tuple[str, str, int]  # backend URL, root, step
@@ -170,7 +173,8 @@ class BigSends:
         """The copy is in place at `objects_dir`: record what completed in its ledger, and
         what completes from now on."""
         with self._lock:
-            if self._closed:
+            if self._closed or not self._futures:
+                self._closed = True  # nothing was offered: no ledger to keep open
                 return
             self._ledger = Ledger.load(objects_dir / LEDGER_NAME, self.backend.url)
             for key, (fingerprint, meta) in self.done.items():
@@ -269,10 +273,13 @@ _handoffs_lock = threading.Lock()
 def hand_over(url: str, root_name: str, step: int, sends: BigSends) -> None:
     """Validation passed with multipart sends under way: the step's upload takes them over."""
     with _handoffs_lock:
-        old = _handoffs.pop((url, root_name, step), None)
+        old = [_handoffs.pop((url, root_name, step), None)]  # a save whose upload never came
         _handoffs[(url, root_name, step)] = sends
-    if old is not None:  # an earlier save of the step whose upload never came
-        old.close()
+        while len(_handoffs) > HANDOFFS_MAX:
+            old.append(_handoffs.pop(next(iter(_handoffs))))
+    for stale in old:
+        if stale is not None:
+            stale.close()
 
 
 def take_over(url: str, root_name: str, step: int, timeout: float = HANDOFF_WAIT_S) -> int:
