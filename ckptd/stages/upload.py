@@ -39,6 +39,7 @@ from ckptd.remote.keys import (
     step_objects,
 )
 from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile, step_prefix
+from ckptd.stages.sending.big import take_over, uploading
 from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
 from ckptd.stages.sending.reader import Meter, ObjectReader, etag_matches_file, fingerprint
 
@@ -99,6 +100,16 @@ def upload_step(
     Raises TransientError (retry later) or PermanentError; on any error nothing is committed.
     """
     _check_manifest(root_name, manifest)
+    # Multipart sends the step's validation started: waited for (bounded), so the ledger and
+    # the listing below show what they completed, and those objects are not sent again; then
+    # no early send writes the step's keys until the commit is done.
+    take_over(backend.url, root_name, manifest.step)
+    with uploading(backend.url, root_name, manifest.step):
+        return _upload(backend, root_name, objects_dir, manifest, progress, concurrency)
+
+
+def _upload(backend: Backend, root_name: str, objects_dir: Path, manifest: Manifest,
+            progress: Progress | None, concurrency: int) -> UploadResult:
     remote = step_objects(backend, root_name, manifest.step)
     committed = _existing_commit(backend, root_name, manifest, remote)
     meter = Meter(progress)

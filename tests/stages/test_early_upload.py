@@ -20,7 +20,7 @@ from support.wait import wait_until
 
 from ckptd.backends import make_backend
 from ckptd.remote.keys import manifest_key
-from ckptd.stages.sending import early
+from ckptd.stages.sending import big, early
 from ckptd.stages.sending.early import EarlySender
 
 FILES = 24
@@ -115,15 +115,18 @@ def test_an_object_already_there_is_left_as_it_is(tmp_path: Path) -> None:
     assert (tmp_path / ".upload-ledger.jsonl").read_text().count('"key":"b.bin"') == 1
 
 
-def test_objects_larger_than_a_part_are_left_to_the_upload_stage(tmp_path: Path) -> None:
+def test_objects_larger_than_a_part_are_handed_to_the_upload_stage(tmp_path: Path) -> None:
     remote = tmp_path / "remote"
     backend = make_backend(f"file://{remote}", part_size=64)
     sender = EarlySender(backend, "r", 5, tmp_path, concurrency=2)
     sender.offer("big.bin", _object(tmp_path, "big", b"x" * 65), 65)
     sender.offer("small.bin", _object(tmp_path, "small", b"x" * 64), 64)
     _idle(sender)
-    assert sender.finish() == 1
-    assert not (remote / "r" / "step-5" / "big.bin").exists()
+    assert sender.finish() == 1  # the small one, in one request; the big one is not waited for
+    sender.installed(tmp_path)
+    assert big.take_over(backend.url, "r", 5, timeout=10.0) == 1  # what the upload waits for
+    assert (remote / "r" / "step-5" / "big.bin").read_bytes() == b"x" * 65
+    assert (tmp_path / ".upload-ledger.jsonl").read_text().count('"key":"big.bin"') == 1
 
 
 def test_a_failing_store_stops_early_sending_and_never_holds_the_step(tmp_path: Path) -> None:

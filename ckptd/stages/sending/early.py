@@ -12,8 +12,9 @@ sender put and only while the step is uncommitted.
 
 Validation never waits on the store: offers beyond the queue's bound are dropped (the upload
 stage sends them), a failed put stops early sending for the step, and `finish` waits at most
-`FINISH_WAIT_S` for the puts in flight (each at most one part: larger objects are left to the upload
-stage).
+`FINISH_WAIT_S` for the puts in flight (each at most one part). Objects larger than one part go
+up as multipart uploads (`big`): `finish` does not wait for them but hands them to the step's
+upload, which waits for them and records them instead of sending them again.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ckptd.errors import CkptdError, ObjectExists, ObjectNotFound
 from ckptd.log import get_logger
 from ckptd.remote.keys import manifest_key, step_objects
 from ckptd.remote.manifest import step_prefix
+from ckptd.stages.sending.big import BigSends, hand_over
 from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
 from ckptd.stages.sending.reader import Meter, ObjectReader
 
@@ -65,7 +67,7 @@ class EarlySender:
                  concurrency: int) -> None:
         self.backend, self.root_name, self.step = backend, root_name, step
         self.prefix = step_prefix(root_name, step)
-        self.max_object = max(1, backend.part_size)  # one request each; larger: upload stage
+        self.max_object = max(1, backend.part_size)  # one request each; larger: `big`
         self.sent: dict[str, ObjectMeta] = {}
         self._fingerprints: dict[str, list[int]] = {}
         self._staging = staging
@@ -81,6 +83,9 @@ class EarlySender:
         self._checked = threading.Lock()
         self._committed: bool | None = None  # looked up by the first put, off the reader
         self._present: frozenset[str] = frozenset()  # keys an earlier try left: not re-sent
+        self._big = BigSends(backend, self.prefix,
+                             lambda key: self._uncommitted() and key not in self._present,
+                             (backend.url, root_name, step))
 
     def _uncommitted(self) -> bool:
         """Early puts only into a step nobody committed: a committed step's objects are
@@ -107,7 +112,10 @@ class EarlySender:
 
     def offer(self, key: str, path: Path, size: int) -> None:
         """`path` holds the finished object `key` (`size` bytes): send it if there is room."""
-        if self._stopped.is_set() or size > self.max_object:
+        if self._stopped.is_set():
+            return
+        if size > self.max_object:
+            self._big.offer(key, path, size)
             return
         with self._lock:
             if len(self._queue) >= QUEUE_MAX:
@@ -211,8 +219,12 @@ class EarlySender:
 
     def finish(self) -> int:
         """Validation passed: stop, and record what was sent in the staging dir's ledger, for
-        the upload stage to skip. Returns how many objects were sent."""
+        the upload stage to skip; hand the multipart sends still going to the step's upload
+        (`installed` then names the copy's ledger for them). Returns how many objects were
+        sent in single requests."""
         self._stop(FINISH_WAIT_S)
+        if self._big.any():
+            hand_over(self.backend.url, self.root_name, self.step, self._big)
         with self._lock:
             sent, fingerprints = dict(self.sent), dict(self._fingerprints)
         if not sent:
@@ -227,8 +239,19 @@ class EarlySender:
                           objects=len(sent), bytes=sum(m.size for m in sent.values()))
         return len(sent)
 
+    def installed(self, objects_dir: Path) -> None:
+        """The copy `finish` was called for is in place at `objects_dir`."""
+        self._big.installed(objects_dir)
+
     def abandon(self) -> Mapping[str, ObjectMeta]:
-        """Validation failed or was given up: stop; what was sent, for the executor."""
+        """Validation failed or was given up: stop, cancel the multipart sends (an upload in
+        flight is aborted); what was sent, for the executor."""
+        big = self._big.cancel()
         self._stop(ABANDON_WAIT_S)
         with self._lock:
-            return dict(self.sent)
+            return {**self.sent, **big}
+
+    def abandon_big(self) -> Mapping[str, ObjectMeta]:
+        """After `finish`, the copy could not be installed: cancel the multipart sends; what
+        completed, for the executor."""
+        return self._big.cancel()
