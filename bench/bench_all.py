@@ -93,8 +93,9 @@ def upload_rows(doc: dict[str, Any]) -> list[Row]:
         return f"{secs(r)}, {r['sent_bytes'] / 1e6:,.0f} MB sent"
 
     return [
-        Row(f"save, {size} fp32 model+Adam into the test S3 server: validate+compress, then"
-            " upload (the stages in one process; the daemon's whole path is the time-to-safe"
+        Row(f"the in-process save, {size} fp32 model+Adam into the test S3 server: one read"
+            " pass (validate+compress, each object sent as it is finished), then the upload"
+            " stage (the daemon's stages in one process; its whole path is the time-to-safe"
             " row)",
             "`sha256sum; zstd -T0 -3; aws s3 cp`", sent(scripted), sent(ckptd),
             f"wall {spread(save)}; bytes {ckptd['sent_bytes'] / scripted['sent_bytes']:.3f}",

@@ -1,6 +1,7 @@
-"""Upload benchmark: ckptd (validate + compress in one read pass, then upload_step) against the
-pipeline a user would script (sha256sum + zstd -T0 -3 + aws s3 cp), side by side in one run
-against the same SeaweedFS server on loopback; then restore (ckptd vs aws s3 cp + zstd -d).
+"""Upload benchmark: ckptd (validate + compress in one read pass, each object sent as soon as it
+is finished, then upload_step, as the daemon does) against the pipeline a user would script
+(sha256sum + zstd -T0 -3 + aws s3 cp), side by side in one run against the same SeaweedFS
+server on loopback; then restore (ckptd vs aws s3 cp + zstd -d).
 
 Every run is its own process; wall time and peak RSS (descendants included) come from wait4.
 Usage: python bench/upload_bench.py [--size 2GB] [--workdir DIR] [--threads 1] [--json FILE]

@@ -63,11 +63,14 @@ def _backend(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def ckptd_upload(args: argparse.Namespace) -> dict[str, object]:
-    """What the daemon does for one step: validate + compress (one read pass), upload."""
+    """What the daemon does for one step of a single-node root: validate + compress (one read
+    pass), each object sent as soon as it is finished (the early sender, large objects as
+    multipart uploads), then the upload stage, which takes those over, verifies and commits."""
     from ckptd.copies.store import objects_dir
     from ckptd.heap import return_large_buffers
     from ckptd.model import Candidate
     from ckptd.stages.compress import Stager
+    from ckptd.stages.sending.early import EarlySender
     from ckptd.stages.upload import upload_step
     from ckptd.stages.validate import validate
 
@@ -86,16 +89,18 @@ def ckptd_upload(args: argparse.Namespace) -> dict[str, object]:
         threads=args.threads,
         min_saving=0.03,
     )
+    backend = _backend(args)
     started = time.perf_counter()
+    stager.send_early(EarlySender(backend, ROOT_NAME, step, stager.staging, args.concurrency),
+                      lambda sent: None)  # a valid step: nothing sent early is discarded
     result = validate(root, cand, extra_sinks=stager.sinks_for)
     if not result.valid:
         raise SystemExit(f"invalid: {result.reason} {result.message}")
     manifest = stager.commit(result.files, {})
     compressed = time.perf_counter()
     rss_compress = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    up = upload_step(
-        _backend(args), ROOT_NAME, objects_dir(root, step), manifest, concurrency=args.concurrency
-    )
+    up = upload_step(backend, ROOT_NAME, objects_dir(root, step), manifest,
+                     concurrency=args.concurrency)
     done = time.perf_counter()
     return {
         "compress_s": compressed - started,
