@@ -133,6 +133,9 @@ def measure(repeat: int, trees: list[Path], base_env: dict[str, str] | None = No
     with tempfile.TemporaryDirectory(prefix="ckptd-startup-") as tmp:
         step, far = make_step(Path(tmp), remote)
         envs = {str(t): env_for(t, base_env) for t in trees}
+        for env in envs.values():  # with bytecode writing off, every start compiles ckptd
+            env.pop("PYTHONDONTWRITEBYTECODE", None)  # an install has its bytecode
+            env.setdefault("PYTHONPYCACHEPREFIX", str(Path(tmp) / "pycache"))
         for env in envs.values():  # bytecode written once, as an installed package has it
             one_round(env, step, far)
         rounds: dict[str, list[dict[str, Any]]] = {t: [] for t in envs}
@@ -173,8 +176,9 @@ def table_row(doc: dict[str, Any]) -> tuple[str, str, str, str, str, str, str]:
     rounds = next(iter(doc["trees"].values()))["rounds"]
     m = medians(rounds)
     ratios = sorted(r["ckptd_s"] / r["torch_s"] for r in rounds)
-    spread = (f"{statistics.median(ratios):.3f}× ({ratios[0]:.3f}–{ratios[-1]:.3f}, "
-              f"{len(ratios)} rounds)")
+    spread = f"{statistics.median(ratios):.3f}× " + (
+        f"({ratios[0]:.3f}–{ratios[-1]:.3f}, {len(ratios)} rounds)" if len(ratios) > 1
+        else "(1 round)")
     bad = m["offenders"]
     return ("start-up: fresh process to first byte (a tiny local step)", "torch import",
             f"{m['torch_s']:.2f} s", f"{m['wall_s']:.2f} s (interpreter {m['interpreter_s']:.2f},"
