@@ -46,6 +46,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ckptd.torch' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 @overload
 def save(root_dir: str | os.PathLike[str], step: int, *, model: torch.nn.Module | None = ...,
          optimizer: Stateful | None = ..., scheduler: Stateful | None = ...,

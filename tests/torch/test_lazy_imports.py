@@ -93,5 +93,6 @@ def test_the_lazy_names_are_still_there() -> None:
     assert ckpt.SaveHandle.__module__ == "ckptd.torch._async"
     assert callable(ckpt.flush)
     assert all(hasattr(ckpt, name) for name in ckpt.__all__)
+    assert set(ckpt.__all__) <= set(dir(ckpt))
     with pytest.raises(AttributeError):
         ckpt.no_such_name  # noqa: B018
