@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import plot  # bench/plot.py: the table's ratios drawn as docs/performance.svg
+import startup_bench  # bench/startup_bench.py: its row of the table
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -271,7 +272,7 @@ def resume_rows(doc: dict[str, Any]) -> list[Row]:
         Row("resume a native step (`ckptd.torch.save`) into model and optimizer",
             "`ckptd restore` + `ckptd.torch.load`", secs("ckptd restore + ckptd.torch.load"),
             secs(native), ratio("native"), "≤ 0.7×", met("native")),
-    ]
+    ] + ([Row(*startup_bench.table_row(doc["startup"]))] if "startup" in doc else [])
 
 
 def memory_rows(doc: dict[str, Any]) -> list[Row]:

@@ -26,6 +26,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests"))  # the SeaweedFS launcher the tests use
 
 import s3server  # noqa: E402
+import startup_bench  # noqa: E402  (a fresh process's start-up, its parts)
 import upload_bench as ub  # noqa: E402  (eviction, child timing, the aws environment)
 
 from ckptd.units import parse_size  # noqa: E402
@@ -280,6 +281,7 @@ def main() -> None:
         b = Bench(server, environment(server, scratch), inputs, scratch, weed, {})
         ub.warm_up(server)
         uploads = upload_all(b, args.codec)
+        startup = startup_bench.measure(args.repeat, [REPO], b.env, remote=True)
         for n in range(args.repeat):
             print(f"round {n + 1} of {args.repeat}", flush=True)
             order = chosen if n % 2 == 0 else chosen[::-1]
@@ -292,9 +294,12 @@ def main() -> None:
             shutil.rmtree(inputs, ignore_errors=True)
             (workdir / "inputs.json").unlink(missing_ok=True)
     doc = {"schema": "ckptd-resume-bench/1", "inputs": info, "uploads": uploads,
-           "stored": b.stored, "rounds": [{k: asdict(v) for k, v in r.items()} for r in rounds]}
+           "stored": b.stored, "rounds": [{k: asdict(v) for k, v in r.items()} for r in rounds],
+           "startup": startup}
     doc["goals"] = goals(doc)
     print(report(doc))
+    print("\nstart-up of a fresh process (bench/startup_bench.py):\n"
+          + startup_bench.report(startup))
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
 

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ckptd.backends.base import DEFAULT_PART_SIZE, Backend, ObjectMeta, check_key
 from ckptd.backends.local import LocalBackend
 from ckptd.backends.objstore import ObstoreBackend
 from ckptd.backends.wrappers import LimitedBackend, RetryingBackend, ThrottledBackend, TokenBucket
-from ckptd.config import RootConfig, UploadConfig
-from ckptd.config.fields import STORAGE_SCHEMES
 from ckptd.errors import PermanentError
+
+if TYPE_CHECKING:  # the config (pydantic) is imported by its readers, not by a bare URL's load
+    from ckptd.config import RootConfig, UploadConfig
 
 __all__ = [
     "DEFAULT_PART_SIZE",
@@ -50,6 +52,8 @@ def register(scheme: str, opener: Opener, example: str) -> None:
     the config then accepts such an upload URL (`example`, e.g. "mem://bucket/prefix", is how
     its error sentences show one) and `make_backend` opens it with `opener`. The backend says
     itself whether its etags are MD5s (`Backend.md5_etags`)."""
+    from ckptd.config.fields import STORAGE_SCHEMES
+
     _OPENERS[scheme] = opener
     STORAGE_SCHEMES[scheme] = example
 

@@ -5,11 +5,10 @@ the remote's committed manifests. Decides only; writes nothing (restore.files wr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ckptd import inputs
 from ckptd.backends import Backend, backend_for_upload
-from ckptd.config import RootConfig
 from ckptd.copies.store import local_steps
 from ckptd.errors import CorruptData, NotFound, ObjectNotFound, PermanentError
 from ckptd.lifecycle import answers
@@ -18,6 +17,9 @@ from ckptd.model import CKPTD_DIR
 from ckptd.remote import keys as remote
 from ckptd.remote.keys import manifest_exists
 from ckptd.remote.manifest import Manifest
+
+if TYPE_CHECKING:
+    from ckptd.config import RootConfig
 
 StepArg = int | Literal["latest"]
 Where = Literal["local", "remote"]

@@ -14,7 +14,6 @@ from typing import Any
 
 from ckptd.backends import Backend, backend_for_upload, make_backend, wrap_backend
 from ckptd.codec.decoder import read_threads, release_idle
-from ckptd.config import find_config, load_config
 from ckptd.errors import BadValue, ConfigError, CorruptData, NotFound
 from ckptd.fetch.holds import ReaderHold, daemon_socket
 from ckptd.fetch.objects import ObjectReader, ReadStats
@@ -40,6 +39,8 @@ def open_backend(root: str, config: str | os.PathLike[str] | None = None,
         endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or ""
         region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or ""
         return wrap_backend(make_backend(remote, endpoint=endpoint, region=region))
+    from ckptd.config import find_config, load_config  # pydantic: only when a config is read
+
     path = find_config(config)
     if path is None:
         raise ConfigError("no config found to read the remote of root "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ckptd import needs_torch
 from ckptd.errors import BadValue
@@ -22,12 +22,32 @@ except ModuleNotFoundError as exc:  # the slim install (`pip install ckptd`) bri
         raise
     raise ModuleNotFoundError(needs_torch("ckptd.torch"), name="torch") from None
 
-from ckptd.torch import _native, _nodelocal
-from ckptd.torch._async import SaveHandle, flush, save_async
+from ckptd.torch import _native
 from ckptd.torch._load import load, resolve
 from ckptd.torch._native import FORMAT, Stateful
 
+if TYPE_CHECKING:
+    from ckptd.torch._async import SaveHandle, flush
+
 __all__ = ["FORMAT", "SaveHandle", "Stateful", "flush", "load", "resolve", "save"]
+
+# The async save (its arena, its socket client) and the node-local writer load on first use: a
+# process that only loads never imports them (tests/torch/test_lazy_imports.py).
+_LAZY = {"SaveHandle": "ckptd.torch._async", "flush": "ckptd.torch._async"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ckptd.torch' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 @overload
@@ -81,11 +101,16 @@ def save(
     write to that node's own disk, rank 0's node also `meta.json` (a multi-node root,
     docs/MULTINODE.md); blocking only, needs torch.distributed."""
     if blocking:
+        writer = None
+        if node_local:
+            from ckptd.torch import _nodelocal
+
+            writer = _nodelocal.save
         return _native.save(root_dir, step, model=model, optimizer=optimizer,
                             scheduler=scheduler, scaler=scaler, ema=ema, extra=extra,
                             metrics=metrics, config=config, rank=rank, world_size=world_size,
                             register=register, root_name=root_name, client=client,
-                            timeout=timeout, writer=_nodelocal.save if node_local else None)
+                            timeout=timeout, writer=writer)
     if node_local:
         raise BadValue("node_local=True saves are blocking only (blocking=True)")
     if if_busy not in ("wait", "skip"):
@@ -99,5 +124,7 @@ def save(
     root.mkdir(parents=True, exist_ok=True)
     head = _native._meta_head(step, world, metrics, config)
     parts = _native._parts(rank, model, optimizer, scheduler, scaler, ema, extra)
+    from ckptd.torch._async import save_async
+
     return save_async(root, step, rank, world, parts, head, root_name or root.resolve().name,
                       client, timeout, if_busy, register)

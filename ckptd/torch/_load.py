@@ -120,12 +120,11 @@ def _load_memory(path: Path, name: str, step: int | str, objs: tuple[Any, ...],
                  only: bool) -> tuple[int, dict[str, Any]] | None:
     """The chosen step from the state the daemon keeps in memory, or None (with `only`:
     NotFound naming each tier and why) when it holds no whole copy of it."""
-    from ckptd.torch import _memory
-
     if not path.is_dir() or (path / "meta.json").is_file():
         if only:
             raise NotFound(f"{path}: a load from memory takes a root directory")
         return None  # a step directory or a file names itself: read it
+    from ckptd.torch import _memory
     chosen: Any = step
     if step == "latest":
         info = _ask_latest(path, name, client)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ckptd import arena_write, fileio, inputs
+from ckptd import fileio, inputs
 from ckptd.errors import BadInput, BadValue, ValidationFailed
 
 __all__ = ["FORMAT", "Stateful", "save"]  # the blocking writer; ckptd.torch re-exports
@@ -152,6 +152,8 @@ def _save_dist(tmp: Path, final: Path, rank: int, world: int, parts: list[Part],
     """With torch.distributed: barriers order clear -> write -> commit -> return."""
     import torch.distributed as dist
 
+    from ckptd import arena_write
+
     if rank == 0:
         _fresh_dir(tmp)
     dist.barrier()
@@ -172,6 +174,8 @@ def _save_files(tmp: Path, final: Path, rank: int, world: int, parts: list[Part]
     """Without torch.distributed: rendezvous through marker files in the tmp dir, the native
     commit protocol of `ckptd.arena_write` (rank 0's fresh `.ready` token; the others write
     under it, and again when a leftover dir's token changes under them)."""
+    from ckptd import arena_write  # the writer's side: a load never imports it
+
     with _opened(tmp.parent) as root_fd:
         def write(_tmp_fd: int) -> list[Entry]:
             return _write_parts(tmp, rank, parts)
@@ -188,6 +192,8 @@ def _save_files(tmp: Path, final: Path, rank: int, world: int, parts: list[Part]
 def _commit(tmp: Path, final: Path, meta: dict[str, Any] | None) -> None:
     """The native commit (`arena_write.commit`) of `tmp` as `final` in the trainer's process:
     meta.json last (None: a node's share, without it); the earlier save of the step goes."""
+    from ckptd import arena_write
+
     with _dirs(tmp) as (root_fd, tmp_fd):
         arena_write.commit(root_fd, tmp_fd, tmp.name, final.name, meta,
                            arena_write.replace_here(root_fd), time.monotonic() + 60,
@@ -195,6 +201,8 @@ def _commit(tmp: Path, final: Path, meta: dict[str, Any] | None) -> None:
 
 
 def _fresh_dir(tmp: Path) -> None:
+    from ckptd import arena_write
+
     _warn_leftover(tmp)
     with _opened(tmp.parent) as root_fd:
         arena_write.fresh_dir(root_fd, tmp.name)
@@ -217,6 +225,8 @@ def _opened(root: Path) -> Iterator[int]:
 @contextlib.contextmanager
 def _dirs(tmp: Path) -> Iterator[tuple[int, int]]:
     """Descriptors of the root (`tmp`'s parent) and of `tmp`, opened beneath it."""
+    from ckptd import arena_write
+
     with _opened(tmp.parent) as root_fd, arena_write.opendir(root_fd, tmp.name) as tmp_fd:
         yield root_fd, tmp_fd
 

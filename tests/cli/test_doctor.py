@@ -198,3 +198,30 @@ def test_odd_files_where_doctor_looks_are_said_not_tracebacks(tmp_path: Path,
     cfg.write_text(render_config(daemon, []))
     rc, doc = _doctor(cfg, "--unit", str(tmp_path / "no.service"))
     assert _by_what(doc)["roots"]["status"] == "warning" and doc["ok"]
+
+
+@pytest.mark.parametrize(("env", "status", "says"), [
+    ("auto", "ok", "c ("),
+    ("numpy", "ok", "numpy (no compiled kernels: CKPTD_CODEC_KERNELS=numpy)"),
+    ("avx9", "problem", "CKPTD_CODEC_KERNELS"),
+])
+def test_it_says_which_codec_kernels_run(tmp_path: Path, short_dir: Path, env: str,
+                                         status: str, says: str) -> None:
+    if env == "auto":
+        pytest.importorskip("ckptd.codec._planes", reason="the compiled kernels are not built")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(render_config({"state_dir": str(tmp_path / "state"),
+                                  "socket": str(short_dir / "s.sock")}, []))
+    run_env = {**os.environ, "CKPTD_CODEC_KERNELS": env}
+    done = subprocess.run([sys.executable, "-m", "ckptd", "doctor", "--config", str(cfg),
+                           "--json", "--no-remote", "--unit", str(tmp_path / "no.service")],
+                          capture_output=True, text=True, timeout=120, env=run_env)
+    assert "Traceback" not in done.stderr, done.stderr
+    doc = json.loads(done.stdout)
+    check = _by_what(doc)["codec kernels"]
+    assert check["status"] == status and says in check["message"], check
+    assert doc["codec_kernels"] == check["message"]
+    text = subprocess.run([sys.executable, "-m", "ckptd", "doctor", "--config", str(cfg),
+                           "--no-remote", "--unit", str(tmp_path / "no.service")],
+                          capture_output=True, text=True, timeout=120, env=run_env).stdout
+    assert f"codec kernels: {check['message']}" in text

@@ -234,3 +234,14 @@ def test_the_environment_forces_the_numpy_path(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv(kernels.ENV)
     kernels.reset()
     assert kernels.name() == "c"
+
+
+def test_describe_says_which_kernels_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.ENV, "c")
+    kernels.reset()
+    assert kernels.describe() in ("c (AVX2)", "c (baseline)")
+    monkeypatch.setenv(kernels.ENV, "numpy")
+    kernels.reset()
+    assert kernels.describe() == f"numpy (no compiled kernels: {kernels.ENV}=numpy)"
+    monkeypatch.delenv(kernels.ENV)
+    kernels.reset()
