@@ -4,7 +4,7 @@ their spread; printed, and written into docs/PERFORMANCE.md between the make-ben
 its ratios drawn into docs/performance.svg (bench/plot.py).
 
 Usage: python bench/bench_all.py [--repeat 3] [--size 2GB] [--files 10000] [--skip codec]
-       [--resume-size 1.6GB] [--memory-size 1.6GB] [--no-write]
+       [--resume-size 1.6GB] [--memory-size 1.6GB] [--steps-files N] [--no-write]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 import plot  # bench/plot.py: the table's ratios drawn as docs/performance.svg
 import startup_bench  # bench/startup_bench.py: its row of the table
+import steps_bench  # bench/steps_bench.py: ten steps in one root, its command and its rows
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -377,6 +378,7 @@ def collect(args: argparse.Namespace, out: Path) -> tuple[list[Row], list[str]]:
         ("safe", [py, str(HERE / "time_to_safe_bench.py"), "--case", "both", "--files",
                   str(args.files), "--size", args.size, "--repeat", str(args.repeat), "--workdir",
                   str(args.workdir / "time-to-safe")], safe_rows),
+        ("steps", steps_bench.bench_all_argv(py, args), steps_bench.bench_all_rows),
         ("codec", [py, str(HERE / "compress_bench.py"), "--runs", str(args.repeat),
                    "--encoders", "ckptd-auto,ckptd-auto+hash+crc,pyzstd-1,zipnn,"
                    "ckptd-auto@numpy",
@@ -445,8 +447,9 @@ def main() -> None:
     p.add_argument("--files", type=int, default=10_000)
     p.add_argument("--resume-size", default="1.6GB", help="the resume benchmark's state")
     p.add_argument("--memory-size", default="1.6GB", help="the memory benchmark's state")
-    p.add_argument("--skip", default="", help="comma-separated: upload,rss,many,safe,codec,"
-                   "resume,memory")
+    p.add_argument("--steps-files", type=int, default=0, help="the steps row's (--files)")
+    p.add_argument("--skip", default="", help="comma-separated: upload,rss,many,safe,steps,"
+                   "codec,resume,memory")
     p.add_argument("--no-write", action="store_true", help="print only; leave the doc alone")
     p.add_argument("--workdir", type=Path, default=HERE / "out",
                    help="inputs (built once, kept) and results go under here")

@@ -171,14 +171,14 @@ def run_ckptd(server: s3server.S3Server, source: Path, work: Path, prefix: str,
     return {"wall_s": wall, "stages": stages(work / "state" / "state.db", t0)}
 
 
-def stages(db: Path, t0: float) -> dict[str, float]:
+def stages(db: Path, t0: float, step: int = STEP) -> dict[str, float]:
     """Seconds from the rename to each first transition of the step, by target."""
     con = sqlite3.connect(db)
     try:
         rows = con.execute("SELECT event, target, at FROM transitions WHERE root=? AND step=?"
-                           " ORDER BY id", (ROOT, STEP)).fetchall()
-        created = con.execute("SELECT created FROM checkpoints WHERE root=? AND step=?",
-                              (ROOT, STEP)).fetchone()
+                           " ORDER BY id", (ROOT, step)).fetchall()
+        created = con.execute("SELECT created FROM checkpoints WHERE root=? AND step=?"
+                              " ORDER BY id LIMIT 1", (ROOT, step)).fetchone()
     finally:
         con.close()
     out: dict[str, float] = {}

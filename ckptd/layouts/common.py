@@ -45,8 +45,10 @@ def join(directory: str, name: str) -> str:
     return f"{directory}/{name}" if directory else name
 
 
+@lru_cache(maxsize=1 << 16)
 def is_temp_name(name: str) -> bool:
-    """True for one path component that names something still being written."""
+    """True for one path component that names something still being written. Cached: a scan
+    asks about every file of every step the root holds, and steps share their file names."""
     return (
         name.endswith(TEMP_SUFFIXES)
         or name.endswith(UNFINISHED_SUFFIX)

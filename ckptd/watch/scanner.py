@@ -43,6 +43,11 @@ class OpenFiles:
         self._lock = threading.Lock()
         self._open: dict[str, float] = {}
 
+    def any(self) -> bool:
+        """Whether any file is marked at all (a scan asks each file only then)."""
+        with self._lock:
+            return bool(self._open)
+
     def opened(self, abspath: str, now: float) -> None:
         with self._lock:
             self._open[abspath] = now
@@ -74,6 +79,12 @@ class RootScanner:
         self.opts = opts
         self.open_files = open_files or OpenFiles()
         self._seen: dict[str, _Seen] = {}
+        # What the last scan built per file and per candidate, reused while nothing under it
+        # changed: a root keeps its finished steps, and a scan that rebuilt each of their
+        # files' records and re-hashed each of their members' stats would cost more with
+        # every step the root holds.
+        self._infos: dict[str, FileInfo] = {}
+        self._prints: dict[tuple[str, int, str], tuple[tuple[str, ...], str]] = {}
         self._contents: dict[str, tuple[int, int, bool, bytes | str]] = {}
         self._fields: dict[str, tuple[int, int, dict[str, PlainValue] | None]] = {}
         # Per path, whether a layout wants its bytes and its pickle's plain values: a function
@@ -96,12 +107,20 @@ class RootScanner:
         self.unreadable = set()
         expiry = max(OPEN_MARK_MIN_S, 6 * self.opts.settle)
         changing: set[str] = set()  # changed since an earlier scan saw them: being written
+        fresh: set[str] = set()  # new or changed since the last scan
+        marked = self.open_files.any()
         for rel, size, mtime_ns, link in self._walk(dirs):
             prev = self._seen.get(rel)
             if prev and prev.size == size and prev.mtime_ns == mtime_ns:
+                info = self._infos.get(rel)
+                if (not marked and info is not None and not info.open_for_write
+                        and info.symlink == link):
+                    seen[rel], files[rel] = prev, info  # unchanged and not open: as it was
+                    continue
                 changed_at = prev.changed_at
             else:
                 changed_at = now
+                fresh.add(rel)
                 if prev:
                     changing.add(rel)
             seen_at = prev.seen_at if prev else now
@@ -109,9 +128,11 @@ class RootScanner:
             seen[rel] = _Seen(size, mtime_ns, changed_at, seen_at, first_mtime_ns)
             abspath = os.path.join(self.path, rel)
             files[rel] = FileInfo(rel, size, mtime_ns / 1e9, changed_at,
-                                  self.open_files.is_open(abspath, changed_at, now, expiry),
+                                  marked and self.open_files.is_open(abspath, changed_at, now,
+                                                                     expiry),
                                   seen_at, link, first_mtime_ns / 1e9)
-        self._seen = seen
+        fresh.update(rel for rel in self._seen if rel not in seen)  # gone since
+        self._seen, self._infos = seen, files
         self._wants = {rel: self._wants.get(rel) or (layouts.wants_content(rel, self.layout),
                                                      layouts.wants_torch_fields(rel, self.layout))
                        for rel in seen}
@@ -121,7 +142,22 @@ class RootScanner:
                         torch_fields=self._read_torch_fields(seen, files, changing),
                         bad_contents=refused)
         cands, self.unrecognised = layouts.detect_all(snap, self.opts, now, self.layout)
-        return snap, [(c, fingerprint(c, seen)) for c in cands]
+        prints = self._prints
+        self._prints = {}  # only this scan's candidates are kept
+        return snap, [(c, self._fingerprint(c, seen, fresh, prints)) for c in cands]
+
+    def _fingerprint(self, cand: Candidate, seen: dict[str, _Seen], fresh: set[str],
+                     last: dict[tuple[str, int, str], tuple[tuple[str, ...], str]]) -> str:
+        """`fingerprint` of a candidate, computed again only when its member list or one of
+        its members changed since the last scan (new, changed or gone: `fresh`)."""
+        key = (cand.path, cand.step, cand.layout)
+        hit = last.get(key)
+        if hit is not None and hit[0] == cand.files and fresh.isdisjoint(cand.files):
+            fp = hit[1]
+        else:
+            fp = fingerprint(cand, seen)
+        self._prints[key] = (cand.files, fp)
+        return fp
 
     def _walk(self, dirs: set[str]) -> Iterator[tuple[str, int, int, bool]]:
         stack = [""]
