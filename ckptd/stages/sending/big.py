@@ -279,6 +279,7 @@ def hand_over(url: str, root_name: str, step: int, sends: BigSends) -> None:
             old.append(_handoffs.pop(next(iter(_handoffs))))
     for stale in old:
         if stale is not None:
+            stale.stop()  # superseded: its objects are the later save's upload's to send
             stale.close()
 
 
