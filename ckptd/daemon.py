@@ -43,6 +43,7 @@ from ckptd.service.retention import RetentionService
 from ckptd.service.scan import Scanner
 from ckptd.service.supervisor import Call, Supervisor
 from ckptd.service.workers import Workers
+from ckptd.stages.sending import big
 from ckptd.store import Store
 
 STOP_GRACE_S, CANCEL_WAIT_S = 20.0, 5.0  # in-flight stages finish, then are cancelled
@@ -280,6 +281,7 @@ class Daemon:
         if not finished:
             self.log.warning("daemon_stop_incomplete",
                              message="in-flight stages left to resume after restart")
+        big.stop_all()  # sends whose upload never came: no thread outlives the daemon
         sup.stop("lease", "api", *(["metrics"] if self.metrics_tcp is not None else []))
         sup.stop_watch()
         self.leases.release()

@@ -6,6 +6,7 @@ stage when the store fails, and skipped by a later process that finds them in th
 from __future__ import annotations
 
 import json
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -212,3 +213,47 @@ def test_an_invalid_step_leaves_no_big_object_and_no_open_upload(
     backend = s3_backend(s3_server, s3_url)
     wait_until(lambda: not list(backend.list("r1/step-9")), 20.0, "no object of the step")
     wait_until(lambda: set(_open_uploads(s3_server)) <= before, 20.0, "no open upload")
+
+
+def test_a_handed_over_send_whose_upload_never_comes_stops_with_the_daemon(
+        s3_server: Any, s3_url: str, tmp_path: Path) -> None:
+    objects, _manifest = _step(tmp_path, 11, size=60 * MiB)
+    earlier = set(threading.enumerate())
+    rec = Recording(s3_backend(s3_server, s3_url))
+    before = set(_open_uploads(s3_server))
+    sender = EarlySender(rec, ROOT, 11, objects, concurrency=2)
+    sender.offer(BIG, objects / BIG, (objects / BIG).stat().st_size)
+    wait_until(lambda: set(_open_uploads(s3_server)) - before, 10.0,
+               "the multipart upload begun")
+    sender.finish()  # handed to an upload that the stopping daemon never runs
+    sender.installed(objects)
+    big.stop_all()  # what the daemon's stop calls
+    assert rec.in_flight == 0  # stopped, not left sending while the process exits
+    wait_until(lambda: not [t for t in threading.enumerate()
+                            if t.name.startswith("ckptd-early-big") and t not in earlier],
+               5.0, "the sending thread ended")
+    assert BIG not in keys_of(rec, 11)
+    wait_until(lambda: set(_open_uploads(s3_server)) <= before, 10.0,
+               "the multipart upload aborted")
+
+
+def test_a_send_superseded_by_a_later_save_of_the_step_stops(
+        s3_server: Any, s3_url: str, tmp_path: Path) -> None:
+    first, _manifest = _step(tmp_path / "a", 12, size=60 * MiB)
+    later, _manifest = _step(tmp_path / "b", 12, size=60 * MiB)
+    rec = Recording(s3_backend(s3_server, s3_url))
+    before = set(_open_uploads(s3_server))
+    sender = EarlySender(rec, ROOT, 12, first, concurrency=2)
+    sender.offer(BIG, first / BIG, (first / BIG).stat().st_size)
+    wait_until(lambda: set(_open_uploads(s3_server)) - before, 10.0,
+               "the multipart upload begun")
+    sender.finish()  # its upload is still queued when the step is saved again
+    # the later save validated, with its own send of the object left to its upload
+    again = big.BigSends(rec, sender.prefix, lambda key: False, (rec.url, ROOT, 12))
+    again.offer(BIG, later / BIG, (later / BIG).stat().st_size)
+    big.hand_over(rec.url, ROOT, 12, again)
+    wait_until(lambda: rec.in_flight == 0, 10.0, "the superseded send stopped")
+    assert BIG not in keys_of(rec, 12)  # not left to finish the earlier save's bytes
+    wait_until(lambda: set(_open_uploads(s3_server)) <= before, 10.0,
+               "the multipart upload aborted")
+    big.take_over(rec.url, ROOT, 12, timeout=10.0)

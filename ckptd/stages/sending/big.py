@@ -279,7 +279,21 @@ def hand_over(url: str, root_name: str, step: int, sends: BigSends) -> None:
             old.append(_handoffs.pop(next(iter(_handoffs))))
     for stale in old:
         if stale is not None:
+            stale.stop()  # superseded: its objects are the later save's upload's to send
             stale.close()
+
+
+def stop_all(timeout: float = CANCEL_WAIT_S) -> None:
+    """The daemon stops: cancel every send handed over whose upload has not taken it (a
+    multipart upload in flight is aborted), so that no sending thread outlives the daemon
+    and the process exits without sending the queued objects first."""
+    with _handoffs_lock:
+        pending = list(_handoffs.values())
+        _handoffs.clear()
+    for sends in pending:
+        sends.stop()
+    for sends in pending:
+        sends.cancel(timeout)
 
 
 def take_over(url: str, root_name: str, step: int, timeout: float = HANDOFF_WAIT_S) -> int:
