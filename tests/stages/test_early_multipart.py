@@ -66,6 +66,18 @@ def _puts_of(rec: Recording, key: str) -> int:
     return sum(1 for k in rec.puts() if k.endswith(key))
 
 
+
+def _big_send_begun(s3_server: Any, rec: Recording, step: int, objects: Path
+                    ) -> tuple[EarlySender, set[str]]:
+    """An early sender of `step` offered BIG, once its multipart upload has begun on the
+    server; with the open uploads there were before."""
+    before = set(_open_uploads(s3_server))
+    sender = EarlySender(rec, ROOT, step, objects, concurrency=2)
+    sender.offer(BIG, objects / BIG, (objects / BIG).stat().st_size)
+    wait_until(lambda: set(_open_uploads(s3_server)) - before, 10.0,
+               "the multipart upload begun")
+    return sender, before
+
 def test_a_big_object_sent_early_is_taken_over_not_sent_again(
         s3_server: Any, s3_url: str, tmp_path: Path) -> None:
     objects, manifest = _step(tmp_path, 1)
@@ -85,11 +97,7 @@ def test_an_abandoned_step_leaves_no_object_and_no_open_upload(
         s3_server: Any, s3_url: str, tmp_path: Path) -> None:
     objects, _manifest = _step(tmp_path, 2, size=60 * MiB)
     rec = Recording(s3_backend(s3_server, s3_url))
-    before = set(_open_uploads(s3_server))
-    sender = EarlySender(rec, ROOT, 2, objects, concurrency=2)
-    sender.offer(BIG, objects / BIG, (objects / BIG).stat().st_size)
-    wait_until(lambda: set(_open_uploads(s3_server)) - before, 10.0,
-               "the multipart upload begun")
+    sender, before = _big_send_begun(s3_server, rec, 2, objects)
     sent = sender.abandon()
     assert BIG not in sent
     wait_until(lambda: rec.in_flight == 0, 15.0, "the multipart send stopped")
@@ -179,11 +187,7 @@ def test_an_upload_of_the_step_cancels_an_early_send_and_none_starts_beside_it(
         s3_server: Any, s3_url: str, tmp_path: Path) -> None:
     objects, _manifest = _step(tmp_path, 8, size=60 * MiB)
     rec = Recording(s3_backend(s3_server, s3_url))
-    before = set(_open_uploads(s3_server))
-    sender = EarlySender(rec, ROOT, 8, objects, concurrency=2)
-    sender.offer(BIG, objects / BIG, (objects / BIG).stat().st_size)
-    wait_until(lambda: set(_open_uploads(s3_server)) - before, 10.0,
-               "the multipart upload begun")
+    sender, before = _big_send_begun(s3_server, rec, 8, objects)
     with big.uploading(rec.url, ROOT, 8):  # another save's upload of the same step
         assert rec.in_flight == 0  # the early send stopped before the upload went on
         again = EarlySender(rec, ROOT, 8, objects, concurrency=2)
@@ -220,11 +224,7 @@ def test_a_handed_over_send_whose_upload_never_comes_stops_with_the_daemon(
     objects, _manifest = _step(tmp_path, 11, size=60 * MiB)
     earlier = set(threading.enumerate())
     rec = Recording(s3_backend(s3_server, s3_url))
-    before = set(_open_uploads(s3_server))
-    sender = EarlySender(rec, ROOT, 11, objects, concurrency=2)
-    sender.offer(BIG, objects / BIG, (objects / BIG).stat().st_size)
-    wait_until(lambda: set(_open_uploads(s3_server)) - before, 10.0,
-               "the multipart upload begun")
+    sender, before = _big_send_begun(s3_server, rec, 11, objects)
     sender.finish()  # handed to an upload that the stopping daemon never runs
     sender.installed(objects)
     big.stop_all()  # what the daemon's stop calls
@@ -242,11 +242,7 @@ def test_a_send_superseded_by_a_later_save_of_the_step_stops(
     first, _manifest = _step(tmp_path / "a", 12, size=60 * MiB)
     later, _manifest = _step(tmp_path / "b", 12, size=60 * MiB)
     rec = Recording(s3_backend(s3_server, s3_url))
-    before = set(_open_uploads(s3_server))
-    sender = EarlySender(rec, ROOT, 12, first, concurrency=2)
-    sender.offer(BIG, first / BIG, (first / BIG).stat().st_size)
-    wait_until(lambda: set(_open_uploads(s3_server)) - before, 10.0,
-               "the multipart upload begun")
+    sender, before = _big_send_begun(s3_server, rec, 12, first)
     sender.finish()  # its upload is still queued when the step is saved again
     # the later save validated, with its own send of the object left to its upload
     again = big.BigSends(rec, sender.prefix, lambda key: False, (rec.url, ROOT, 12))
