@@ -144,7 +144,12 @@ class _BlockCoder:
 
         One-shot `decompress` into a fresh buffer: 0.65 ms per 1 MiB of nibble pairs against
         0.70-0.76 ms for `stream_reader().readinto` into a reused one, 0.74-0.83 ms for
-        `decompressobj` (bench/decode_merge_bench.py)."""
+        `decompressobj` (bench/decode_merge_bench.py). Decompressing a block's planes in
+        lockstep instead, cache-sized chunks at a time by `readinto` into reused buffers, each
+        chunk merged at once, measured 0.75-0.95x of this whole decode per CPU second (16-256
+        Ki-element chunks): zstd then streams through its own window buffer and each chunk
+        costs calls, while a 4 MiB block's planes already sit in L2/L3 for the merge
+        (bench/decode_fused_bench.py; docs/PERFORMANCE.md, "Fused decode")."""
         try:
             if zstandard.frame_content_size(stored) != size:
                 raise CorruptData(f"{where}: zstd frame does not declare {size} bytes")
