@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import io
 import struct
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 import xxhash
+import zstandard
 from support.codec_data import BLOCK, decode, encode, trained_weights
 
 from ckptd.codec import frame, nibbles, planes
@@ -217,3 +219,90 @@ def test_nibbles_that_do_not_pay_store_the_plane_raw() -> None:
     method, pieces = blocks._nibbles(pairs, escapes, 0, len(top), buffers.coders(3), ws)
     assert method == frame.METHOD_RAW
     assert b"".join(bytes(p) for p in pieces) == top.tobytes()
+
+
+def _set_content_size(zframe: bytes, size: int) -> bytes:
+    """`zframe` with its Frame_Content_Size field rewritten to `size` (same field width)."""
+    fhd = zframe[4]
+    single, did, fcs = (fhd >> 5) & 1, fhd & 3, fhd >> 6
+    at = 5 + (0 if single else 1) + (0, 1, 2, 4)[did]
+    width = (1 if single else 0, 2, 4, 8)[fcs]
+    value = size - 256 if width == 2 else size
+    assert width and 0 <= value < 1 << (8 * width)
+    return zframe[:at] + value.to_bytes(width, "little") + zframe[at + width :]
+
+
+Swap = Callable[[bytes, bytes], bytes]  # (a zstd frame, its content) -> the frame to store
+
+
+def _plane_frame_swapped(data: bytes, method: int, swap: Swap) -> tuple[bytes, int, int]:
+    """The first block of `data`'s container (header and payload) whose top plane is coded
+    with `method`, its zstd frame (the pairs frame of a nibble plane) replaced by
+    `swap(frame, content)`, every length and checksum recomputed; with its raw offset and
+    length."""
+    _, stored = encode(data, "zstd-bytegroup", block_size=frame.MIN_BLOCK << 4)
+    blocks = _blocks(stored)
+    i = next(i for i, (_, h) in enumerate(blocks) if h.planes[-1].method == method)
+    pos, head = blocks[i]
+    offset = sum(h.raw_len for _, h in blocks[:i])
+    start = pos + frame.BLOCK_FIXED_SIZE + 5 * head.width + 4
+    payload = stored[start : start + head.stored_len]
+    at = head.phase + sum(p.stored_len for p in head.planes[:-1])
+    plane = payload[at : at + head.planes[-1].stored_len]
+    if method == frame.METHOD_NIBBLES:
+        nib = frame.parse_nibbles_head(memoryview(plane), head.plane_len, "test")
+        old = plane[frame.NIBBLES_HEAD_SIZE : nib.escapes_at]
+        new = swap(old, _content(old))
+        nib = frame.NibblesHead(nib.base, nib.escape_method, nib.escapes, len(new))
+        plane = frame.pack_nibbles_head(nib) + new + plane[frame.NIBBLES_HEAD_SIZE + len(old) :]
+    else:
+        plane = swap(plane, _content(plane))
+    payload = payload[:at] + plane + payload[at + head.planes[-1].stored_len :]
+    entries = (*head.planes[:-1], frame.PlaneEntry(method, len(plane)))
+    new_head = frame.BlockHeader(
+        head.raw_len, head.width, head.transform, head.phase, head.checksum,
+        xxhash.xxh3_64_intdigest(payload), entries,
+    )
+    return frame.pack_block_header(new_head) + payload, offset, head.raw_len
+
+
+def _content(zframe: bytes) -> bytes:
+    return zstandard.ZstdDecompressor().decompress(zframe)
+
+
+def _recoded(content: bytes, declared: int) -> bytes:
+    """A zstd frame of `content` that declares `declared` bytes."""
+    return _set_content_size(zstandard.ZstdCompressor(level=3).compress(content), declared)
+
+
+@pytest.mark.parametrize(
+    ("swap", "error"),
+    [
+        (lambda f, c: f, None),  # the frame as written: decodes
+        (lambda f, c: _set_content_size(f, len(c) + 1), "does not declare"),
+        (lambda f, c: _set_content_size(f, len(c) - 1), "does not declare"),
+        (lambda f, c: _recoded(c[:-1], len(c)), "plane 1: decompression error"),  # less
+        (lambda f, c: _recoded(c + b"\x01", len(c)), "plane 1: decompression error"),  # more
+        (lambda f, c: _recoded(c[:-1] + bytes([c[-1] ^ 1]), len(c)), "checksum"),  # other bytes
+    ],
+)
+@pytest.mark.parametrize(
+    ("dtype", "method"),
+    [(torch.bfloat16, frame.METHOD_NIBBLES), (torch.float16, frame.METHOD_ZSTD)],
+)
+def test_a_plane_frame_must_hold_what_the_block_declares(
+    swap: Swap, error: str | None, dtype: torch.dtype, method: int
+) -> None:
+    """Declared sizes, frames that hold less or more than they declare, and other bytes of the
+    right length: each is CorruptData naming the block, never more output than declared."""
+    from ckptd.codec.decoder import decode_container_block
+
+    data = _weights(dtype, 0.01)
+    block, offset, raw_len = _plane_frame_swapped(data, method, swap)
+    out = bytearray(raw_len)
+    if error is None:
+        decode_container_block(memoryview(block), memoryview(out), 0, offset, frame.VERSION)
+        assert bytes(out) == data[offset : offset + raw_len]
+        return
+    with pytest.raises(CorruptData, match=f"block 0 \\(raw offset {offset}\\).*{error}"):
+        decode_container_block(memoryview(block), memoryview(out), 0, offset, frame.VERSION)
