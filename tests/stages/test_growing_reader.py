@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.stages.sending.growing import Growth, GrowingReader
+from ckptd.stages.sending.growing import GrowingReader, Growth
 from ckptd.stages.sending.reader import S3Etag
 
 PART = 1 << 16
