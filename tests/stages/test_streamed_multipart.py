@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from support.uploads import ROOT, MiB, Recording, keys_of, s3_backend
 from support.wait import wait_until
 
@@ -120,15 +121,18 @@ def test_a_failed_writer_aborts_the_send(s3_server: Any, s3_url: str, tmp_path: 
     save.stager.abort()
 
 
+@pytest.mark.parametrize("how", ["cancel", "daemon stop"])
 def test_a_cancel_while_waiting_for_bytes_ends_the_send(
-        s3_server: Any, s3_url: str, tmp_path: Path) -> None:
+        s3_server: Any, s3_url: str, tmp_path: Path, how: str) -> None:
     """The writer stops writing (a slow read pass) with the send waiting for its next bytes:
-    a cancel ends the send, with nothing stored and the multipart upload aborted."""
-    save = _Save(s3_server, s3_url, tmp_path, 24)
+    a cancel, or the daemon stopping, ends the send, with nothing stored and the multipart
+    upload aborted."""
+    save = _Save(s3_server, s3_url, tmp_path, 24 if how == "cancel" else 25)
     save.wait_sending(s3_server)
     sends = save.sender._big
     ended = threading.Event()
-    threading.Thread(target=lambda: (sends.cancel(timeout=30.0), ended.set())).start()
+    stop = (lambda: sends.cancel(timeout=30.0)) if how == "cancel" else big.stop_all
+    threading.Thread(target=lambda: (stop(), sends.wait(30.0), ended.set())).start()
     wait_until(ended.is_set, 30.0, "the cancel returned")
     assert sends.wait(0.0)  # the send ended, not left waiting for the rest of the object
     save.no_trace(s3_server)

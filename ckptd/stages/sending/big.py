@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -128,6 +129,7 @@ class BigSends:
             except (CkptdError, OSError):
                 return None
             self._queue(key, src)
+            _streaming.add(self)
             return growth
 
     def _queue(self, key: str, src: Source) -> None:
@@ -291,6 +293,10 @@ def uploading(url: str, root_name: str, step: int) -> Iterator[None]:
                 _gates.pop(key, None)
 
 
+# Sends with an object still being written: a daemon stopping stops them, whatever its read
+# passes do (such a send waits on its writer, not only on the store).
+_streaming: weakref.WeakSet[BigSends] = weakref.WeakSet()
+
 # Sends handed from a step's validation to its upload: (backend URL, root, step) -> sends.
 _handoffs: dict[StepKey, BigSends] = {}
 _handoffs_lock = threading.Lock()
@@ -312,10 +318,14 @@ def hand_over(url: str, root_name: str, step: int, sends: BigSends) -> None:
 def stop_all(timeout: float = CANCEL_WAIT_S) -> None:
     """The daemon stops: cancel every send handed over whose upload has not taken it (a
     multipart upload in flight is aborted), so that no sending thread outlives the daemon
-    and the process exits without sending the queued objects first."""
+    and the process exits without sending the queued objects first. Sends streaming an
+    object still being written are stopped too (a read pass left running no longer feeds
+    them)."""
     with _handoffs_lock:
         pending = list(_handoffs.values())
         _handoffs.clear()
+    for streaming in list(_streaming):
+        streaming.stop()
     for sends in pending:
         sends.stop()
     for sends in pending:
