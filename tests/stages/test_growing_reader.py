@@ -5,11 +5,14 @@ a cancel, no progress or a finished file other than what was read fail the read.
 from __future__ import annotations
 
 import errno
+import hashlib
+import random
 import threading
 from pathlib import Path
 
 import pytest
 
+from ckptd.backends import mapped
 from ckptd.stages.sending.growing import GrowingReader, Growth
 from ckptd.stages.sending.reader import S3Etag
 
@@ -99,4 +102,37 @@ def test_a_cancel_wakes_a_read_waiting_for_bytes(tmp_path: Path) -> None:
     cancel.set()
     reader.join(10)  # the read waits in short steps: it sees the cancel, not the 30 s stall
     assert not reader.is_alive() and failed and failed[0].errno == errno.ECANCELED
+    src.close()
+
+
+def test_a_mapping_of_the_growing_file_is_extended_as_reads_pass_its_end(
+        tmp_path: Path) -> None:
+    """The backend sends a file's pages from a mapping: for a growing file it maps further as
+    the reads pass the end mapped, and every view holds exactly the bytes read."""
+    path = tmp_path / "obj"
+    data = random.Random(3).randbytes(24 << 20)
+    path.write_bytes(data[: 2 << 20])
+    growth = Growth("obj")
+    growth.advance(2 << 20)
+    src = _reader(path, growth)
+    body = mapped.open_body(src, None, 16 << 20, "test")
+    assert body is not None
+    got = hashlib.sha256()
+
+    def send() -> None:
+        for view in body.chunks():
+            got.update(view)
+            view.release()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    with open(path, "ab", buffering=0) as out:
+        for at in range(2 << 20, len(data), 3 << 20):
+            out.write(data[at:at + (3 << 20)])
+            growth.advance(min(len(data), at + (3 << 20)))
+    growth.done("obj", len(data))
+    sender.join(10)
+    assert not sender.is_alive()
+    assert got.digest() == hashlib.sha256(data).digest() and body.length == len(data)
+    mapped.close_body(body)
     src.close()

@@ -95,8 +95,10 @@ class GrowingReader(io.RawIOBase):
     """The file at `path`, written as `growth` says, read sequentially from its start: each
     read returns only final bytes, waiting for them; EOF only once the object is finished and
     read to its end. Computes the S3 etag of the parts (`part_size`) as read; `fingerprint`
-    is the finished file's. Not seekable and not mappable (a mapping is fixed at one length):
-    the backend reads it in bounded pieces."""
+    is the finished file's. Not seekable; `grows` tells a backend that maps the file to
+    extend its mapping as the reads pass its end (`backends.mapped`)."""
+
+    grows = True
 
     def __init__(self, path: Path, growth: Growth, part_size: int, md5: bool,
                  cancel: threading.Event, stall_s: float = STALL_S) -> None:
@@ -111,6 +113,7 @@ class GrowingReader(io.RawIOBase):
         # Only objects past one part are streamed: their etag is always the multipart form.
         self._hasher = S3Etag(part_size + 1, part_size) if md5 else None
         self._pos = self._dropped = 0
+        self._hold = False
         self.size: int | None = None  # known at EOF
         self.fingerprint: list[int] | None = None
         fileio.advise(self._fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
@@ -124,28 +127,48 @@ class GrowingReader(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
+    def fileno(self) -> int:
+        return self._fd
+
+    def hold_cache(self) -> None:
+        """Stop dropping the pages behind the cursor: the backend sends them from a mapping
+        and drops them itself."""
+        self._hold = True
+
     def read(self, n: int | None = -1) -> bytes:
-        end = self.growth.wait_past(self._pos, self._cancel, self._stall_s)
-        want = min(end - self._pos, _READ_LIMIT if n is None or n < 0 else n)
-        if want <= 0:
-            self._end()
+        want = self._final(_READ_LIMIT if n is None or n < 0 else n)
+        if not want:
             return b""
         data = os.pread(self._fd, want, self._pos)
-        if len(data) != want:
-            raise OSError(errno.EIO, f"{self.path}: {len(data)} of {want} final bytes read")
-        self._account(memoryview(data))
+        self._account(memoryview(data), want)
         return data
 
     def readinto(self, buf: Any) -> int:
-        data = self.read(len(memoryview(buf).cast("B")))
-        memoryview(buf).cast("B")[: len(data)] = data
-        return len(data)
+        view = memoryview(buf).cast("B")
+        want = self._final(min(len(view), _READ_LIMIT))
+        if not want:
+            return 0
+        got = os.preadv(self._fd, [view[:want]], self._pos)
+        self._account(view[:got], want)
+        return got
 
-    def _account(self, data: memoryview) -> None:
+    def _final(self, n: int) -> int:
+        """How many bytes (at most `n`) may be read at the cursor, waiting for them; 0 at the
+        finished object's end."""
+        end = self.growth.wait_past(self._pos, self._cancel, self._stall_s)
+        want = min(end - self._pos, n)
+        if want <= 0:
+            self._end()
+            return 0
+        return want
+
+    def _account(self, data: memoryview, want: int) -> None:
+        if len(data) != want:
+            raise OSError(errno.EIO, f"{self.path}: {len(data)} of {want} final bytes read")
         if self._hasher is not None:
             self._hasher.update(self._pos, data)
         self._pos += len(data)
-        if self._pos - self._dropped >= _DROP_STEP:
+        if not self._hold and self._pos - self._dropped >= _DROP_STEP:
             fileio.advise(self._fd, self._dropped, self._pos - self._dropped)
             self._dropped = self._pos
 
