@@ -32,7 +32,9 @@ class MappableSource(Protocol):
     """A put source backed by a regular file whose bytes the backend may map and send directly.
 
     `hold_cache()` tells it to stop dropping pages behind its read cursor: the pages it read
-    are sent from the mapping later, and the backend drops them once they are sent."""
+    are sent from the mapping later, and the backend drops them once they are sent. A source
+    with a true `grows` attribute is a file still being written whose reads return only final
+    bytes: the mapping is then extended as the reads pass its end."""
 
     def fileno(self) -> int: ...
 
@@ -51,7 +53,9 @@ class MappedBody:
     in flight (the client's parts); everything before that is dropped from the page cache. The
     pages the client touches while sending are unmapped from this process every 50 ms by the
     trimmer (they stay valid: a file mapping re-reads them on the next touch), so sending costs
-    no resident memory beyond them, whatever the part size and concurrency.
+    no resident memory beyond them, whatever the part size and concurrency. For a growing
+    source a longer mapping replaces the last one when a read passes its end; the earlier ones
+    are unmapped as soon as the client has let go of their views.
     """
 
     def __init__(self, src: MappableSource, depth: int, where: str) -> None:
@@ -62,6 +66,8 @@ class MappedBody:
         self.start = src.tell()
         self.length = os.fstat(self._fd).st_size
         self._map = mmap.mmap(self._fd, self.length, mmap.MAP_SHARED, mmap.PROT_READ)
+        self._grows = bool(getattr(src, "grows", False))
+        self._old: list[mmap.mmap] = []  # replaced mappings some view may still hold
         self._lock = threading.Lock()
         self.handed = self.start  # end of the last view handed out
         self._trimmed = self.start  # pages before this are out of the mapping and the cache
@@ -95,16 +101,42 @@ class MappedBody:
     def view(self, pos: int, n: int) -> memoryview:
         """Bytes [pos, pos + n) of the file, which the source has just read."""
         if pos + n > self.length:
-            raise PermanentError(f"put {self.where}: the source grew while being sent")
+            if not self._grows:
+                raise PermanentError(f"put {self.where}: the source grew while being sent")
+            self._extend(pos + n)
         with self._lock:
             self.handed = pos + n
         return memoryview(self._map)[pos : pos + n]
+
+    def _extend(self, need: int) -> None:
+        """Map the growing file to its current end (at least `need` bytes, which the source
+        has read and so are final)."""
+        length = os.fstat(self._fd).st_size
+        if length < need:
+            raise PermanentError(f"put {self.where}: the source read past the file's end")
+        new = mmap.mmap(self._fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
+        with self._lock:
+            old, self._map, self.length = self._map, new, length
+            old.madvise(mmap.MADV_DONTNEED)  # views of it stay valid: re-read on touch
+            self._old.append(old)
+            self._release_old()
+
+    def _release_old(self) -> None:
+        keep = []
+        for old in self._old:
+            try:
+                old.close()
+            except BufferError:
+                keep.append(old)  # a view still in flight: tried again at the next trim
+        self._old = keep
 
     def trim(self) -> None:
         """Unmap the pages sent so far (and drop from the cache those surely done with)."""
         with self._lock:
             if self._map.closed:
                 return
+            if self._old:
+                self._release_old()
             lo = _page_floor(max(self.start, self.handed - self.depth - _VIEW))
             if self.handed > lo:
                 self._map.madvise(mmap.MADV_DONTNEED, lo, self.handed - lo)
@@ -120,10 +152,9 @@ class MappedBody:
             if self._map.closed:
                 return
             self._map.madvise(mmap.MADV_DONTNEED, 0, self.length)
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # a view still held somewhere: unmapped when it is released
+            self._old.append(self._map)
+            self._release_old()  # a view still held somewhere: unmapped when it is released
+            self._old.clear()
         fileio.advise(self._fd, 0, 0)
 
 

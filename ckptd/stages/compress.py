@@ -25,6 +25,7 @@ from ckptd.fileio import DurableWriter, Sink, write_error
 from ckptd.model import FileRecord
 from ckptd.remote.manifest import MANIFEST_NAME, Manifest, StoredFile
 from ckptd.stages.sending.early import EarlySender
+from ckptd.stages.sending.growing import Growth
 
 
 @dataclass(frozen=True)
@@ -39,28 +40,58 @@ class _Stored:
 
 
 class _ObjectSink:
-    """One file's encoder, fed by the validation read pass; records what it wrote on finish."""
+    """One file's encoder, fed by the validation read pass; records what it wrote on finish.
+
+    With `early`, the object is offered when finished, or, once it has passed `early`'s part
+    size while still being written, streamed: the encoder only appends through `out` (its
+    index or seek table comes last), so every byte written is final and the sender is told
+    how far it may read (`Growth`), then that the object is finished, or that it failed."""
 
     def __init__(self, rel: str, tmp: Path, make: Callable[[BinaryIO], Encoder],
-                 on_done: Callable[[str, Path, int], None] | None = None) -> None:
+                 early: EarlySender | None = None) -> None:
         self.rel, self.tmp = rel, tmp
-        self.on_done = on_done
+        self.early = early
+        self._stream_past = early.max_object if early is not None else 0
+        self.growth: Growth | None = None
         self.out = DurableWriter(tmp, f"the compressed copy of {rel}")
         self.encoder = make(cast(BinaryIO, self.out))
         self.result: _Stored | None = None
 
     def update(self, offset: int, view: memoryview) -> None:
         self.encoder.update(offset, view)
+        if self.growth is not None:
+            self.growth.advance(self.out.size)
+        elif self._stream_past and self.out.size > self._stream_past:
+            self._stream_past = 0  # asked once; if refused, offered when finished
+            assert self.early is not None
+            # The suffix is settled once bytes are written (`auto` writes only its container).
+            self.growth = self.early.stream(self.rel + self.encoder.suffix, self.tmp)
+            if self.growth is not None:
+                self.growth.advance(self.out.size)
 
     def finish(self, total: int) -> None:
-        self.encoder.finish(total)
-        self.out.close_written()  # made durable with the others at commit (`fsync_many`)
+        try:
+            self.encoder.finish(total)
+            self.out.close_written()  # made durable with the others at commit (`fsync_many`)
+        except BaseException:
+            self._fail("the object's encoding failed")
+            raise
         enc = self.encoder
         self.result = _Stored(self.tmp, enc.codec, enc.suffix, enc.raw_size, enc.stored_size)
-        if self.on_done is not None:  # its object, as the manifest will name it
-            self.on_done(self.rel + enc.suffix, self.tmp, enc.stored_size)
+        key = self.rel + enc.suffix  # its object, as the manifest will name it
+        if self.growth is not None:
+            self.growth.done(key, self.out.size)
+            if self.growth.streamed():
+                return
+        if self.early is not None:
+            self.early.offer(key, self.tmp, enc.stored_size)
+
+    def _fail(self, why: str) -> None:
+        if self.growth is not None:
+            self.growth.fail(why)
 
     def close(self) -> None:
+        self._fail("the object was not finished")
         self.encoder.close()
         self.out.close()
 
@@ -120,9 +151,7 @@ class Stager:
             dest.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise write_error(exc, f"the staging dir {self.staging}") from exc
-        early = self._early
-        sink = _ObjectSink(rel, fileio.temp_name(dest), self._make,
-                           early.offer if early is not None else None)
+        sink = _ObjectSink(rel, fileio.temp_name(dest), self._make, self._early)
         self._sinks[rel] = sink
         return [sink]
 

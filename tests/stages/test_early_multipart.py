@@ -178,6 +178,7 @@ def test_the_daemon_sends_a_big_object_early_and_commits_it_once(
     assert committed["skipped_objects"] == 2
     sent = d.wait_event("early_upload_multipart")[0]
     assert sent["step"] == 7 and sent["bytes"] > 5 * MiB
+    assert sent["streamed"] is True  # begun while the object was still being written
     backend = s3_backend(s3_server, s3_url)
     sizes = {m.key.rsplit("/", 1)[-1]: m.size for m in backend.list("r1/step-7")}
     assert max(sizes.values()) > 5 * MiB and "MANIFEST.json" in sizes

@@ -1,5 +1,6 @@
-"""Objects larger than one part sent early, as multipart uploads started as soon as the object is
-finished on local disk, and their hand-off from the validating job to the upload job
+"""Objects larger than one part sent early, as multipart uploads started as soon as the object
+being written has passed one part (its parts read as they become final: `growing`), or when it
+is finished on local disk, and their hand-off from the validating job to the upload job
 (docs/UPLOAD.md, "Sending early").
 
 A multipart upload cannot be create-only on every store, so these objects go only into keys
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -32,6 +34,7 @@ from ckptd.backends.base import Backend, ObjectMeta, bare, same_object
 from ckptd.errors import CkptdError, ObjectNotFound, TransientError
 from ckptd.log import get_logger
 from ckptd.remote.keys import manifest_key
+from ckptd.stages.sending.growing import GrowingReader, Growth
 from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
 from ckptd.stages.sending.reader import Meter, ObjectReader
 
@@ -75,6 +78,9 @@ class _Cancellable(ObjectReader):
             raise OSError(errno.ECANCELED, "early send cancelled")
 
 
+Source = _Cancellable | GrowingReader
+
+
 class BigSends:
     """One step's multipart early sends, one object at a time on one thread (each with the
     backend's parts in flight). `ready(key)` says whether the key may be written (the step
@@ -88,7 +94,7 @@ class BigSends:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._futures: list[Future[None]] = []
-        self._queued: set[_Cancellable] = set()  # opened, not yet being sent
+        self._queued: set[Source] = set()  # opened, not yet being sent
         self.done: dict[str, Sent] = {}
         self._ledger: Ledger | None = None
         self._closed = False
@@ -107,16 +113,36 @@ class BigSends:
             if src.size != size:
                 src.close()
                 return
-            self._queued.add(src)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, "ckptd-early-big")
-            self._futures.append(self._pool.submit(self._guarded, key, src))
+            self._queue(key, src)
+
+    def stream(self, key: str, path: Path) -> Growth | None:
+        """`path` is being written, append-only, as the object `key` and is past one part
+        already: send it as it grows. The Growth its writer reports to (a send that ends
+        without the finished object is aborted), or None: then offer it when finished."""
+        with self._lock:
+            if self._closed or self._cancel.is_set() or len(self._queued) >= QUEUED_MAX:
+                return None
+            growth = Growth(key)
+            try:
+                src = GrowingReader(path, growth, self.backend.part_size,
+                                    self.backend.md5_etags, self._cancel)
+            except (CkptdError, OSError):
+                return None
+            self._queue(key, src)
+            _streaming.add(self)
+            return growth
+
+    def _queue(self, key: str, src: Source) -> None:
+        self._queued.add(src)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, "ckptd-early-big")
+        self._futures.append(self._pool.submit(self._guarded, key, src))
 
     def any(self) -> bool:
         with self._lock:
             return bool(self._futures)
 
-    def _guarded(self, key: str, src: _Cancellable) -> None:
+    def _guarded(self, key: str, src: Source) -> None:
         with self._lock:
             if src not in self._queued:
                 return  # closed meanwhile
@@ -128,7 +154,7 @@ class BigSends:
             get_logger().info("early_upload_stopped", key=f"{self.prefix}/{key}",
                               error=repr(exc))
 
-    def _send(self, key: str, src: _Cancellable) -> None:
+    def _send(self, key: str, src: Source) -> None:
         if self._cancel.is_set() or not self._ready(key):
             return
         gate = _enter_early(self._step, self)
@@ -139,7 +165,7 @@ class BigSends:
         finally:
             _leave_early(self._step, gate)
 
-    def _send_alone(self, key: str, src: _Cancellable) -> None:
+    def _send_alone(self, key: str, src: Source) -> None:
         full = f"{self.prefix}/{key}"
         try:
             self.backend.stat(manifest_key(self._step[1], self._step[2]))
@@ -152,6 +178,7 @@ class BigSends:
         except ObjectNotFound:
             pass
         try:
+            # A growing object's size is known at its end, where the source checks it.
             meta = self.backend.put(full, cast(BinaryIO, src), src.size)
             sent_md5, fingerprint = src.etag(), src.fingerprint
             after = self.backend.stat(full)
@@ -160,10 +187,11 @@ class BigSends:
             return
         if sent_md5 is not None and meta.etag and bare(meta.etag) != sent_md5:
             return  # not vouched for: the upload stage sends it again
-        if not same_object(after, meta):
+        if not same_object(after, meta) or fingerprint is None or after.size != fingerprint[0]:
             return  # replaced meanwhile: the upload stage compares it
         get_logger().info("early_upload_multipart", root=self._step[1], step=self._step[2],
-                          key=key, bytes=after.size)
+                          key=key, bytes=after.size,
+                          streamed=isinstance(src, GrowingReader))
         with self._lock:
             self.done[key] = (fingerprint, after)
             if self._ledger is not None and not self._closed:
@@ -265,6 +293,10 @@ def uploading(url: str, root_name: str, step: int) -> Iterator[None]:
                 _gates.pop(key, None)
 
 
+# Sends with an object still being written: a daemon stopping stops them, whatever its read
+# passes do (such a send waits on its writer, not only on the store).
+_streaming: weakref.WeakSet[BigSends] = weakref.WeakSet()
+
 # Sends handed from a step's validation to its upload: (backend URL, root, step) -> sends.
 _handoffs: dict[StepKey, BigSends] = {}
 _handoffs_lock = threading.Lock()
@@ -286,10 +318,14 @@ def hand_over(url: str, root_name: str, step: int, sends: BigSends) -> None:
 def stop_all(timeout: float = CANCEL_WAIT_S) -> None:
     """The daemon stops: cancel every send handed over whose upload has not taken it (a
     multipart upload in flight is aborted), so that no sending thread outlives the daemon
-    and the process exits without sending the queued objects first."""
+    and the process exits without sending the queued objects first. Sends streaming an
+    object still being written are stopped too (a read pass left running no longer feeds
+    them)."""
     with _handoffs_lock:
         pending = list(_handoffs.values())
         _handoffs.clear()
+    for streaming in list(_streaming):
+        streaming.stop()
     for sends in pending:
         sends.stop()
     for sends in pending:

@@ -13,8 +13,9 @@ sender put and only while the step is uncommitted.
 Validation never waits on the store: offers beyond the queue's bound are dropped (the upload
 stage sends them), a failed put stops early sending for the step, and `finish` waits at most
 `FINISH_WAIT_S` for the puts in flight (each at most one part). Objects larger than one part go
-up as multipart uploads (`big`): `finish` does not wait for them but hands them to the step's
-upload, which waits for them and records them instead of sending them again.
+up as multipart uploads (`big`), begun as soon as the object being written passes one part
+(`stream`): `finish` does not wait for them but hands them to the step's upload, which waits
+for them and records them instead of sending them again.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ckptd.log import get_logger
 from ckptd.remote.keys import manifest_key, step_objects
 from ckptd.remote.manifest import step_prefix
 from ckptd.stages.sending.big import BigSends, hand_over
+from ckptd.stages.sending.growing import Growth
 from ckptd.stages.sending.ledger import LEDGER_NAME, Ledger
 from ckptd.stages.sending.reader import Meter, ObjectReader
 
@@ -127,6 +129,14 @@ class EarlySender:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._threads, "ckptd-early")
             self._futures.append(self._pool.submit(self._drain))
+
+    def stream(self, key: str, path: Path) -> Growth | None:
+        """`path`, still being written append-only as `key`, is past one part: send it as it
+        grows (`BigSends.stream`). The Growth to report its progress to, or None: then offer
+        it when finished."""
+        if self._stopped.is_set():
+            return None
+        return self._big.stream(key, path)
 
     def pending(self) -> int:
         """Offers queued or being put now."""

@@ -42,7 +42,7 @@ class Meter:
                 self._progress(n)
 
 
-class _S3Etag:
+class S3Etag:
     """A read-pass sink computing S3's etag of the bytes: the MD5 for a single-part object,
     else the MD5 of the parts' MD5s and "-<parts>" (parts of `part_size`, as the backend puts)."""
 
@@ -87,7 +87,7 @@ def etag_matches_file(meta: ObjectMeta, path: Path, size: int, part_size: int) -
     parts = -(-size // part_size) if size > part_size else 0
     if etag.count("-") != (1 if parts else 0) or (parts and not etag.endswith(f"-{parts}")):
         return False  # not the shape our own put would produce: cannot be compared
-    sink = _S3Etag(size, part_size)
+    sink = S3Etag(size, part_size)
     try:
         fileio.read_pass(path, [sink])
     except (OSError, CkptdError):
@@ -124,7 +124,7 @@ class ObjectReader(io.RawIOBase):
         self._meter = meter
         self._pos = self._high = self._dropped = 0
         self._hold = False
-        self._hasher: _S3Etag | None = _S3Etag(self.size, part_size) if md5 else None
+        self._hasher: S3Etag | None = S3Etag(self.size, part_size) if md5 else None
         self._md5 = md5
         self._part_size = part_size
         fileio.advise(self._fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
@@ -151,7 +151,7 @@ class ObjectReader(io.RawIOBase):
         self._pos = max(0, base + pos)
         # A retry starts over: hash afresh from 0; from anywhere else the hash is lost.
         fresh = self._md5 and self._pos == 0
-        self._hasher = _S3Etag(self.size, self._part_size) if fresh else None
+        self._hasher = S3Etag(self.size, self._part_size) if fresh else None
         return self._pos
 
     def read(self, n: int | None = -1) -> bytes:
