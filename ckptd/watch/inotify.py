@@ -8,12 +8,15 @@ to threads that hold the interpreter lock, beside the validating thread that nee
 those directories unwatched means the kernel never queues their events (measured in
 docs/PERFORMANCE.md, "Time to safe").
 
-What an event does, the same as before: a write marks the file open (`OpenFiles.opened`), a
-close after writing or a rename away marks it closed, and any event wakes the scanner, which
-alone decides what changed (a full scan). A lost event costs only latency: the scanner also runs
-every scan interval. New directories get their watches when they appear (created or moved in),
-a queue overflow re-adds every root's watches, and a root that goes away is forgotten, so the
-scan loop's next `watch` adds it again when it is back. Must not scan or decide anything.
+What an event does: a write marks the file open (`OpenFiles.opened`), a close after writing or
+a rename away marks it closed, every event names its directory as changed (`OpenFiles.touched`)
+and wakes the scanner, which lists again only the directories named since its last walk while
+this watcher vouches for the root (`OpenFiles.vouch`: every directory watched). A queue overflow
+says events were lost (`OpenFiles.lost`: the next walk lists every directory) and re-adds every
+root's watches; a watch that cannot be added ends the vouching for its root. New directories
+get their watches when they appear (created or moved in), and a root that goes away is
+forgotten, so the scan loop's next `watch` adds it again when it is back. Must not scan or
+decide anything.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Scan roots into Snapshots and Candidates, and the fingerprint that says a checkpoint's files
 changed.
 
-Owns the walk of each root (never following a symlink out of it), per-file change tracking,
-and the open-for-write marks a watcher (`ckptd.watch.watcher`) keeps for it. Must not decide
-completeness (layouts do), watch for events, or touch the store.
+Owns per-file change tracking, and the open-for-write marks and changed directories a watcher
+(`ckptd.watch.watcher`) keeps for it; the walk (never following a symlink out of the root) is
+`ckptd.watch.walk`, the checkpoint directories kept as judged `ckptd.watch.kept`. Must not
+decide completeness (layouts do), watch for events, or touch the store.
 """
 
 from __future__ import annotations
