@@ -21,7 +21,7 @@ from ckptd.clock import SYSTEM
 from ckptd.model import RootOptions
 from ckptd.watch import scanner as scanner_mod
 from ckptd.watch.inotify import Inotify
-from ckptd.watch.scanner import FULL_WALK_S, RootScanner
+from ckptd.watch.scanner import FULL_WALK_S, OpenFiles, RootScanner
 
 FILES = 20  # data files per step
 
@@ -61,6 +61,26 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> Counts:
     return c
 
 
+class Sync:
+    """Waits until a watcher has read every event raised before: inotify queues events in
+    order, and a file made in this directory of its own raises the last one."""
+
+    def __init__(self, watcher: Inotify, d: Path) -> None:
+        d.mkdir(exist_ok=True)
+        self.d, self.marks, self.n = d, OpenFiles(), 0
+        assert watcher.watch(str(d), self.marks)
+
+    def __call__(self) -> None:
+        self.marks.take()
+
+        def poke() -> bool:
+            self.n += 1
+            (self.d / f"s{self.n}").touch()
+            return bool(self.marks.take()[0])
+
+        wait_until(poke, 5.0, "the watcher reading its queue")
+
+
 @pytest.fixture
 def kernel() -> Iterator[Inotify]:
     w = Inotify(lambda: None, SYSTEM)
@@ -74,6 +94,7 @@ class Root:
 
     def __init__(self, path: Path, kernel: Inotify, counts: Counts) -> None:
         self.path, self.counts = path, counts
+        self.sync = Sync(kernel, path.parent / (path.name + "-sync"))
         self.sc = RootScanner("r", path, "dcp", RootOptions(settle=0.0))
         self.twin = RootScanner("r", path, "dcp", RootOptions(settle=0.0))  # no watcher
         assert kernel.watch(str(path), self.sc.open_files)
@@ -81,7 +102,7 @@ class Root:
 
     def scan(self) -> list[tuple[Any, str]]:
         """One scan; what it reports is what the same scan by a full walk reports."""
-        time.sleep(0.05)  # the watcher's thread reads the events of what the test just did
+        self.sync()  # the watcher's thread has read the events of what the test just did
         self.now += 1
         _, full = self.twin.scan(self.now)
         self.counts.stats.clear()
@@ -191,29 +212,22 @@ def test_after_an_overflow_every_directory_is_listed(
         pytest.skip(f"max_queued_events is {queued}: too many files to overflow it here")
     write_step(tmp_path, 100)
     write_step(tmp_path, 200)
-    wakes: list[int] = []
-    w = Inotify(lambda: wakes.append(1), SYSTEM)
-    w.start()
-    root = Root(tmp_path, w, counts)
-    root.settled()
-    w.stop()
-    w = Inotify(lambda: wakes.append(1), SYSTEM)  # a reader not running yet
     (tmp_path / "noise").mkdir()
+    idle = Inotify(lambda: None, SYSTEM)  # a reader never started
+    root = Root(tmp_path, idle, counts)
+    idle.stop()
+    w = Inotify(lambda: None, SYSTEM)  # the one that reads, from after the overflow
     try:
         assert w.watch(str(tmp_path), root.sc.open_files)
-        root.settled()
+        for i in range(3):  # no event yet: the walk settles without waiting on the watcher
+            root.sc.scan(root.now + i)
+        assert root.sc.walk.listed == 0
+        root.now += 3
         for i in range(queued // 2 + 100):
             (tmp_path / "noise" / f"f{i}").touch()
         w.start()
-        seen = [-1]
-
-        def drained() -> bool:  # no wake for a while: every event, the overflow too, read
-            time.sleep(0.3)
-            was, seen[0] = seen[0], len(wakes)
-            return was == seen[0]
-
-        wait_until(drained, 10.0, "the overflow read")
-        root.scan()
+        root.sync = Sync(w, tmp_path.parent / (tmp_path.name + "-sync2"))
+        root.scan()  # after the overflow was read: the sync's event came after it
         assert root.sc.walk.reused == 0 and root.sc.walk.listed == 4
     finally:
         w.stop()
