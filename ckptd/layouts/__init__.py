@@ -7,7 +7,8 @@ Pure: functions of a `Snapshot`, `RootOptions` and `now`; no I/O, no clock. The 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 
 from ckptd import inputs
 from ckptd.errors import BadValue
@@ -28,8 +29,8 @@ from ckptd.layouts.base import Layout, ReadsTorchFields, TrustsGlobals, WritesPo
 from ckptd.model import MAX_STEP, Candidate, RootOptions, Snapshot
 
 __all__ = [
-    "Layout", "auto_order", "content_kind", "detect", "get", "names", "pointer_files",
-    "register", "trusted_globals", "wants_content", "wants_torch_fields",
+    "Layout", "auto_order", "content_kind", "detect", "detect_ranked", "get", "names",
+    "pointer_files", "register", "trusted_globals", "wants_content", "wants_torch_fields",
 ]
 
 # The registry, filled by `register` only: every layout by name, in docs/LAYOUTS.md's table
@@ -147,22 +148,40 @@ def detect_all(snap: Snapshot, opts: RootOptions, now: float, layout: str = "aut
     newest mtime among their files, then by layout order): the store keeps the last one and
     records the one before as superseded.
     """
+    ranked, bad = detect_ranked(snap, opts, now, layout)
+    return [cand for _, cand in ranked], bad
+
+
+def detect_ranked(snap: Snapshot, opts: RootOptions, now: float, layout: str = "auto",
+                  view: Snapshot | None = None, kept: Sequence[tuple[int, Candidate]] = (),
+                  kept_bad: Iterable[str] = ()) -> tuple[list[tuple[int, Candidate]], list[str]]:
+    """`detect_all`, each candidate with the place of its recognizer in the root's plan. A
+    caller that knows some directories' checkpoints as a run of this function judged them
+    (their files and those of their ancestors unchanged since, all complete) passes them as
+    `kept`, with the unrecognised paths under them (`kept_bad`), and a `view`: `snap` without
+    those directories, the only snapshot the recognizers see; `snap` decides the order."""
     claimed: set[str] = set()
     found: list[tuple[int, Candidate]] = []
     for rank, lay in enumerate(_plan(layout)):
-        batch = lay.candidates(snap, opts, now, frozenset(claimed))
+        batch = lay.candidates(view or snap, opts, now, frozenset(claimed))
         for cand in batch:
             claimed.update(cand.files)
             found.append((rank, cand))
     bad = {c.path for _, c in found if not 0 <= c.step < MAX_STEP}
     found = [(r, c) for r, c in found if 0 <= c.step < MAX_STEP]
-    bad.update(_look_alikes(snap, claimed, [c.path for _, c in found]))
+    bad.update(_look_alikes(view or snap, claimed, [c.path for _, c in found]))
+    bad.update(kept_bad)
+    found.extend(kept)
     # Metadata the scanner refused to read (a link, not a regular file, over its cap) that
     # made no checkpoint invalid (a framework's `latest`, a tracker): reported here.
-    judged = {f for _, c in found if c.invalid_reason for f in c.files}
-    bad.update(rel for rel in snap.bad_contents if rel not in judged)
-    found.sort(key=lambda rc: (rc[1].step, common.written_at(snap, rc[1]), rc[0], rc[1].path))
-    return [cand for _, cand in found], sorted(bad)
+    if snap.bad_contents:
+        judged = {f for _, c in found if c.invalid_reason for f in c.files}
+        bad.update(rel for rel in snap.bad_contents if rel not in judged)
+    # The newest mtime orders two candidates of one step; other steps need no look at files.
+    steps = Counter(c.step for _, c in found)
+    found.sort(key=lambda rc: (rc[1].step, common.written_at(snap, rc[1])
+                               if steps[rc[1].step] > 1 else 0.0, rc[0], rc[1].path))
+    return found, sorted(bad)
 
 
 # A weights file by its suffix: what a user would call a checkpoint.

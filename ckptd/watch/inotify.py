@@ -8,12 +8,15 @@ to threads that hold the interpreter lock, beside the validating thread that nee
 those directories unwatched means the kernel never queues their events (measured in
 docs/PERFORMANCE.md, "Time to safe").
 
-What an event does, the same as before: a write marks the file open (`OpenFiles.opened`), a
-close after writing or a rename away marks it closed, and any event wakes the scanner, which
-alone decides what changed (a full scan). A lost event costs only latency: the scanner also runs
-every scan interval. New directories get their watches when they appear (created or moved in),
-a queue overflow re-adds every root's watches, and a root that goes away is forgotten, so the
-scan loop's next `watch` adds it again when it is back. Must not scan or decide anything.
+What an event does: a write marks the file open (`OpenFiles.opened`), a close after writing or
+a rename away marks it closed, every event names its directory as changed (`OpenFiles.touched`)
+and wakes the scanner, which lists again only the directories named since its last walk while
+this watcher vouches for the root (`OpenFiles.vouch`: every directory watched). A queue overflow
+says events were lost (`OpenFiles.lost`: the next walk lists every directory) and re-adds every
+root's watches; a watch that cannot be added ends the vouching for its root. New directories
+get their watches when they appear (created or moved in), and a root that goes away is
+forgotten, so the scan loop's next `watch` adds it again when it is back. Must not scan or
+decide anything.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from ckptd.model import is_own
 
 IN_ACCESS = 0x00000001
 IN_MODIFY = 0x00000002
+IN_ATTRIB = 0x00000004
 IN_CLOSE_WRITE = 0x00000008
 IN_CLOSE_NOWRITE = 0x00000010
 IN_OPEN = 0x00000020
@@ -51,18 +55,27 @@ IN_EXCL_UNLINK = 0x04000000
 IN_ISDIR = 0x40000000
 # What a read raises, and a watch must not ask for: reads (validation's own) change nothing.
 IN_OPEN_ALL = IN_ACCESS | IN_OPEN | IN_CLOSE_NOWRITE
-MASK = (IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+# IN_ATTRIB: a file's mtime set back (`touch -d`, `cp -p`) changes its fingerprint and is
+# written to no directory; the scan reuses what a directory held unless an event names it.
+MASK = (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
         | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR | IN_DONT_FOLLOW | IN_EXCL_UNLINK)
 _HEAD = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then the name
 _READ = 1 << 16  # bytes per read: whole events only, each at most 16 + NAME_MAX + 1
 
 
 class Marks(Protocol):
-    """Where a root's open-for-writing marks go (`ckptd.watch.scanner.OpenFiles`)."""
+    """Where a root's open-for-writing marks and changed directories go
+    (`ckptd.watch.scanner.OpenFiles`), and whether the watches vouch for the whole root."""
 
     def opened(self, abspath: str, now: float) -> None: ...
 
     def closed(self, abspath: str) -> None: ...
+
+    def touched(self, abs_dir: str) -> None: ...
+
+    def vouch(self, on: bool) -> None: ...
+
+    def lost(self) -> None: ...
 
 
 class _Libc:
@@ -124,6 +137,9 @@ class Inotify:
         if self._closed:
             return
         self._closed = True
+        with self._lock:
+            for marks in self._roots.values():
+                marks.vouch(False)  # no event is read from now on
         os.write(self._stop_w, b"x")
         if self._thread.ident is not None:
             self._thread.join(timeout=5)
@@ -144,12 +160,16 @@ class Inotify:
                 return False
             self._roots[root] = marks
             self._add_below(root, root)
+            # Vouched only when every directory got its watch; from a full walk on.
+            marks.vouch(root not in self._short)
             return True
 
     def unwatch(self, path: str | os.PathLike[str]) -> None:
         root = os.fspath(path)
         with self._lock:
-            self._roots.pop(root, None)
+            marks = self._roots.pop(root, None)
+            if marks is not None:
+                marks.vouch(False)
             self._short.discard(root)
             for wd in [wd for wd, (r, _) in self._dirs.items() if r == root]:
                 self._forget(wd, remove=True)
@@ -168,10 +188,15 @@ class Inotify:
         wd = int(self._libc.add(self._fd, os.fsencode(directory), mask))
         if wd < 0:
             err = ctypes.get_errno()
+            if err in (errno.ENOENT, errno.ENOTDIR):
+                return None  # gone meanwhile: its parent's event says so
+            marks = self._roots.get(root)
+            if marks is not None:
+                marks.vouch(False)  # a directory no event covers: every scan walks it all
             if err in (errno.ENOSPC, errno.ENOMEM) and root not in self._short:
-                self._short.add(root)  # once per root: the scans still find everything
                 get_logger().warning("watch_incomplete", root=root, directory=directory,
                                      error=os.strerror(err))
+            self._short.add(root)  # once per root: the scans still find everything
             return None
         old = self._dirs.get(wd)
         if old is not None:
@@ -250,6 +275,9 @@ class Inotify:
                 if entry is None:
                     continue
                 root, directory = entry
+                marks = self._roots.get(root)
+                if marks is not None:
+                    marks.touched(directory)
                 if mask & IN_IGNORED:  # the directory is gone (or its watch was removed)
                     self._forget(wd)
                     if directory == root:
@@ -267,6 +295,8 @@ class Inotify:
                     continue
                 path = os.path.join(directory, name)
                 if mask & IN_ISDIR:
+                    if marks is not None:
+                        marks.touched(path)
                     if mask & IN_MOVED_FROM:
                         moved_from[cookie] = path
                     elif mask & IN_MOVED_TO and cookie in moved_from:
@@ -274,7 +304,6 @@ class Inotify:
                     elif mask & (IN_CREATE | IN_MOVED_TO) and self._add(root, path) is not None:
                         self._add_below(root, path)
                 else:
-                    marks = self._roots.get(root)
                     if marks is not None and mask & IN_MODIFY:
                         marks.opened(path, now)
                     elif marks is not None and mask & (IN_CLOSE_WRITE | IN_MOVED_FROM):
@@ -285,7 +314,8 @@ class Inotify:
                     self._forget(wd, remove=True)
             if overflow:
                 get_logger().info("watch_overflow", roots=len(self._roots))
-                for root in list(self._roots):
+                for root, marks in list(self._roots.items()):
+                    marks.lost()  # the next scan lists every directory again
                     self._add_below(root, root)
                 woke = True
         if woke:

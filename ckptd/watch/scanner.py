@@ -1,18 +1,20 @@
 """Scan roots into Snapshots and Candidates, and the fingerprint that says a checkpoint's files
 changed.
 
-Owns the walk of each root (never following a symlink out of it), per-file change tracking,
-and the open-for-write marks a watcher (`ckptd.watch.watcher`) keeps for it. Must not decide
-completeness (layouts do), watch for events, or touch the store.
+Owns per-file change tracking, and the open-for-write marks and changed directories a watcher
+(`ckptd.watch.watcher`) keeps for it; the walk (never following a symlink out of the root) is
+`ckptd.watch.walk`, the checkpoint directories kept as judged `ckptd.watch.kept`. Must not
+decide completeness (layouts do), watch for events, or touch the store.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,29 @@ from typing import Any
 from ckptd import fileio, inputs, layouts
 from ckptd.errors import BadInput, UnsafePath
 from ckptd.formats import torchhead
-from ckptd.model import Candidate, FileInfo, PlainValue, RootOptions, Snapshot, is_own
+from ckptd.model import Candidate, FileInfo, PlainValue, RootOptions, Snapshot
+from ckptd.watch import kept
+from ckptd.watch.walk import Listing, Walk, relative_dirs
 
 # An "opened for writing" mark with no close event expires after this long without change:
 # inotify may never report the close of a file written into a just-created directory.
 OPEN_MARK_MIN_S = 30.0
+# Every directory is listed again at least this often, whatever the watcher vouches for: an
+# event inotify never raises (a write through a hard link elsewhere, through a shared mapping)
+# costs at most this long. A directory listed the same keeps its records and its verdicts.
+FULL_WALK_S = 60.0
+
+
+@dataclass(eq=False)
+class _DirRecord:
+    """One directory's share of a scan: kept while its listing is kept and none is open."""
+
+    listing: Listing
+    seen: dict[str, _Seen]
+    files: dict[str, FileInfo]
+    open: bool  # a file in it is marked open: its mark may expire, so it is built each scan
+    wants: list[str]  # its files some layout wants the bytes of
+    fields: list[str]  # its files some layout wants the pickle's plain values of
 
 
 @dataclass
@@ -37,11 +57,17 @@ class _Seen:
 
 
 class OpenFiles:
-    """Files the watcher saw opened/modified for writing and not yet closed, per root."""
+    """What the watcher tells one root's scanner: the files it saw opened/modified for writing
+    and not yet closed, and the directories it saw change since the last walk. Only while it
+    vouches for the root (every directory watched, no event lost since) does the walk reuse
+    the listings of the directories it did not report."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[str, float] = {}
+        self._dirty: set[str] = set()
+        self._vouched = False
+        self._lost = True
 
     def any(self) -> bool:
         """Whether any file is marked at all (a scan asks each file only then)."""
@@ -51,10 +77,39 @@ class OpenFiles:
     def opened(self, abspath: str, now: float) -> None:
         with self._lock:
             self._open[abspath] = now
+            self._dirty.add(os.path.dirname(abspath))
 
     def closed(self, abspath: str) -> None:
         with self._lock:
             self._open.pop(abspath, None)
+            self._dirty.add(os.path.dirname(abspath))
+
+    def touched(self, abs_dir: str) -> None:
+        """Something in this directory changed (an entry made, written, renamed or gone)."""
+        with self._lock:
+            self._dirty.add(abs_dir)
+
+    def vouch(self, on: bool) -> None:
+        """The watcher now watches every directory of the root (True), or cannot (False). A
+        new vouch starts with one full walk: events before the watches existed were missed."""
+        with self._lock:
+            self._vouched = on
+            self._lost = True
+
+    def lost(self) -> None:
+        """Events were lost (a queue overflow): the next walk lists every directory."""
+        with self._lock:
+            self._lost = True
+
+    def take(self) -> tuple[frozenset[str], bool]:
+        """The directories changed (or whose files' marks changed) since the last call, and
+        whether the next walk must list every directory; resets both. Called by a scan before
+        it walks: an event that lands during the walk is kept for the next one."""
+        with self._lock:
+            dirty, self._dirty = frozenset(self._dirty), set()
+            full = self._lost or not self._vouched
+            self._lost = False
+            return dirty, full
 
     def is_open(self, abspath: str, changed_at: float, now: float, expiry: float) -> bool:
         with self._lock:
@@ -92,7 +147,13 @@ class RootScanner:
         # otherwise ask every layout about every file each time).
         self._wants: dict[str, tuple[bool, bool]] = {}
         self._real_root = os.path.realpath(path)
-        self._top = top  # which top-level entries (name, is_dir) to walk; None = all
+        # The walk keeps each directory's listing, this scanner each directory's records.
+        self.walk = Walk(path, self._real_root, top, stat_member)
+        self._records: dict[str, _DirRecord] = {}
+        self._full_at = 0.0  # when the walk last listed every directory
+        self._units: dict[str, kept.Unit] = {}  # checkpoint directories judged, not changed
+        self._registrations: dict[int, tuple[str, ...]] = {}
+        self.kept = 0  # checkpoint directories the last scan kept as judged
         # Directories (root-relative; "" = the root) the last scan could not read.
         self.unreadable: set[str] = set()
         # Paths that look like checkpoints but carry a step no checkpoint can have.
@@ -100,16 +161,89 @@ class RootScanner:
 
     def scan(self, now: float, registrations: dict[int, tuple[str, ...]] | None = None
              ) -> tuple[Snapshot, list[tuple[Candidate, str]]]:
-        """One full scan: the snapshot and every candidate with its fingerprint."""
-        files: dict[str, FileInfo] = {}
-        dirs: set[str] = set()
-        seen: dict[str, _Seen] = {}
-        self.unreadable = set()
+        """One scan: the snapshot and every candidate with its fingerprint. Directories the
+        watcher vouches did not change keep the records the last scan built for them."""
+        changed, full = self.open_files.take()
+        dirty = relative_dirs(os.fspath(self.path), changed)
+        if full or now - self._full_at >= FULL_WALK_S or now < self._full_at:
+            full, self._full_at = True, now
+        listings = self.walk.run(None if full else dirty)
+        self.unreadable = self.walk.unreadable
         expiry = max(OPEN_MARK_MIN_S, 6 * self.opts.settle)
         changing: set[str] = set()  # changed since an earlier scan saw them: being written
         fresh: set[str] = set()  # new or changed since the last scan
         marked = self.open_files.any()
-        for rel, size, mtime_ns, link in self._walk(dirs):
+        files: dict[str, FileInfo] = {}
+        seen: dict[str, _Seen] = {}
+        dirs: set[str] = set()
+        records: dict[str, _DirRecord] = {}
+        for rel_dir, (listing, same) in listings.items():
+            rec = self._records.get(rel_dir)
+            if not (same and rec is not None and rec.listing is listing and not rec.open
+                    and rel_dir not in dirty):
+                rec = self._record(listing, now, marked, expiry, changing, fresh)
+            records[rel_dir] = rec
+            seen.update(rec.seen)
+            files.update(rec.files)
+            dirs.update(listing.subdirs)
+        for rel_dir, old in self._records.items():  # gone since: whole directories, or files
+            new = records.get(rel_dir)
+            if new is not old:
+                gone = [rel for rel in old.seen if new is None or rel not in new.seen]
+                fresh.update(gone)
+                for rel in gone:
+                    self._wants.pop(rel, None)
+        self._records, self._seen, self._infos = records, seen, files
+        contents, refused = self._read_contents(seen, files, records)
+        snap = Snapshot(files=files, dirs=frozenset(dirs), contents=contents,
+                        registrations=dict(registrations or {}),
+                        torch_fields=self._read_torch_fields(seen, files, changing, records),
+                        bad_contents=refused)
+        ranked, self.unrecognised = self._detect(snap, records, now)
+        prints = self._prints
+        self._prints = {}  # only this scan's candidates are kept
+        return snap, [(c, self._fingerprint(c, seen, fresh, prints)) for _, c in ranked]
+
+    def _detect(self, snap: Snapshot, records: dict[str, _DirRecord], now: float
+                ) -> tuple[list[tuple[int, Candidate]], list[str]]:
+        """The layouts' verdicts, over the files of the directories not kept as judged
+        (`ckptd.watch.kept`), with the kept ones' candidates as the last scan found them."""
+        units = [u for u in self._units.values() if kept.still(u, records)]
+        if snap.registrations != self._registrations:
+            units = []  # a registration may claim any file: judge every one again
+        self._registrations = snap.registrations
+        view = None
+        if units:
+            frozen = kept.frozen_dirs(units)
+            files: dict[str, FileInfo] = {}
+            for rel_dir, rec in records.items():
+                if rel_dir not in frozen:
+                    files.update(rec.files)
+            view = dataclasses.replace(snap, files=files, dirs=snap.dirs - frozen)
+        ranked, bad = layouts.detect_ranked(
+            snap, self.opts, now, self.layout, view=view,
+            kept=[rc for u in units for rc in u.ranked], kept_bad=[b for u in units for b in u.bad])
+        self.kept = len(units)
+        self._units = kept.choose(ranked, bad, records, {u.path: u for u in units})
+        return ranked, bad
+
+    def _record(self, listing: Listing, now: float, marked: bool, expiry: float,
+                changing: set[str], fresh: set[str]) -> _DirRecord:
+        """One directory's file records from its listing: a file whose size and mtime did not
+        change and that is not open keeps the record the last scan built."""
+        seen: dict[str, _Seen] = {}
+        files: dict[str, FileInfo] = {}
+        wants: list[str] = []
+        fields: list[str] = []
+        for rel, size, mtime_ns, link in listing.files:
+            want = self._wants.get(rel)
+            if want is None:
+                want = self._wants[rel] = (layouts.wants_content(rel, self.layout),
+                                           layouts.wants_torch_fields(rel, self.layout))
+            if want[0]:
+                wants.append(rel)
+            if want[1]:
+                fields.append(rel)
             prev = self._seen.get(rel)
             if prev and prev.size == size and prev.mtime_ns == mtime_ns:
                 info = self._infos.get(rel)
@@ -131,20 +265,8 @@ class RootScanner:
                                   marked and self.open_files.is_open(abspath, changed_at, now,
                                                                      expiry),
                                   seen_at, link, first_mtime_ns / 1e9)
-        fresh.update(rel for rel in self._seen if rel not in seen)  # gone since
-        self._seen, self._infos = seen, files
-        self._wants = {rel: self._wants.get(rel) or (layouts.wants_content(rel, self.layout),
-                                                     layouts.wants_torch_fields(rel, self.layout))
-                       for rel in seen}
-        contents, refused = self._read_contents(seen, files)
-        snap = Snapshot(files=files, dirs=frozenset(dirs), contents=contents,
-                        registrations=dict(registrations or {}),
-                        torch_fields=self._read_torch_fields(seen, files, changing),
-                        bad_contents=refused)
-        cands, self.unrecognised = layouts.detect_all(snap, self.opts, now, self.layout)
-        prints = self._prints
-        self._prints = {}  # only this scan's candidates are kept
-        return snap, [(c, self._fingerprint(c, seen, fresh, prints)) for c in cands]
+        return _DirRecord(listing, seen, files, any(i.open_for_write for i in files.values()),
+                          wants, fields)
 
     def _fingerprint(self, cand: Candidate, seen: dict[str, _Seen], fresh: set[str],
                      last: dict[tuple[str, int, str], tuple[tuple[str, ...], str]]) -> str:
@@ -152,47 +274,16 @@ class RootScanner:
         its members changed since the last scan (new, changed or gone: `fresh`)."""
         key = (cand.path, cand.step, cand.layout)
         hit = last.get(key)
-        if hit is not None and hit[0] == cand.files and fresh.isdisjoint(cand.files):
+        if hit is not None and (hit[0] is cand.files  # a kept candidate: nothing changed
+                                or hit[0] == cand.files and fresh.isdisjoint(cand.files)):
             fp = hit[1]
         else:
             fp = fingerprint(cand, seen)
         self._prints[key] = (cand.files, fp)
         return fp
 
-    def _walk(self, dirs: set[str]) -> Iterator[tuple[str, int, int, bool]]:
-        stack = [""]
-        while stack:
-            rel_dir = stack.pop()
-            try:
-                entries = list(os.scandir(os.path.join(self.path, rel_dir)))
-            except FileNotFoundError:
-                continue  # vanished mid-scan; the next scan sees the truth
-            except OSError:
-                self.unreadable.add(rel_dir)  # EACCES, EIO, a stale NFS handle
-                continue
-            for entry in entries:
-                rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-                if is_own(entry.name):
-                    continue  # `.ckptd/`, ckptd's temp files and a restore's staging dir
-                if not rel_dir and self._top is not None and not self._top(
-                        entry.name, entry.is_dir(follow_symlinks=False)):
-                    continue
-                try:
-                    st, escapes = stat_member(self._real_root, entry.path)
-                except OSError:
-                    continue  # vanished mid-scan
-                if escapes:
-                    # Reported as a file so its checkpoint completes and validation refuses it
-                    # (unsafe_path); never followed, never descended.
-                    yield rel, st.st_size, st.st_mtime_ns, True
-                elif stat.S_ISDIR(st.st_mode):
-                    if not entry.is_symlink():  # a symlinked dir is never descended
-                        dirs.add(rel)
-                        stack.append(rel)
-                elif stat.S_ISREG(st.st_mode):
-                    yield rel, st.st_size, st.st_mtime_ns, entry.is_symlink()
-
-    def _read_contents(self, seen: dict[str, _Seen], files: Mapping[str, FileInfo]
+    def _read_contents(self, seen: dict[str, _Seen], files: Mapping[str, FileInfo],
+                       records: Mapping[str, _DirRecord]
                        ) -> tuple[dict[str, bytes], dict[str, str]]:
         """The bytes of the small files layouts asked for, read through the bounded reader
         once per size, mtime and kind of entry (a link's stat is its target's); and the ones
@@ -201,9 +292,8 @@ class RootScanner:
         out: dict[str, bytes] = {}
         refused: dict[str, str] = {}
         cache: dict[str, tuple[int, int, bool, bytes | str]] = {}
-        for rel, s in seen.items():
-            if not self._wants[rel][0]:
-                continue
+        for rel in (rel for rec in records.values() for rel in rec.wants):
+            s = seen[rel]
             link = files[rel].symlink
             hit = self._contents.get(rel)
             data: bytes | str | None
@@ -223,15 +313,17 @@ class RootScanner:
 
 
     def _read_torch_fields(self, seen: dict[str, _Seen], files: Mapping[str, FileInfo],
-                           changing: set[str]) -> dict[str, dict[str, PlainValue]]:
+                           changing: set[str], records: Mapping[str, _DirRecord]
+                           ) -> dict[str, dict[str, PlainValue]]:
         """The plain values of the pickles layouts asked for, from each file's first bytes:
         once per size and mtime, and not while the file changes from scan to scan (a large
         file being written would be read and parsed at every scan it wakes)."""
         out: dict[str, dict[str, PlainValue]] = {}
         cache: dict[str, tuple[int, int, dict[str, PlainValue] | None]] = {}
-        for rel, s in seen.items():
-            if rel in changing or not self._wants[rel][1]:
+        for rel in (rel for rec in records.values() for rel in rec.fields):
+            if rel in changing:
                 continue
+            s = seen[rel]
             hit = self._fields.get(rel)
             if hit and hit[0] == s.size and hit[1] == s.mtime_ns:
                 fields = hit[2]
