@@ -346,3 +346,17 @@ def test_real_path_agrees_with_resolve_along_links(tmp_path: Path) -> None:
             except (OSError, RuntimeError):
                 got = "loop"
             assert got == want, path
+
+
+def test_fsync_many_attempts_every_item_and_raises_the_first_in_order(tmp_path: Path) -> None:
+    """Past a failing item the rest are still synced, and what is raised is the failure of
+    the earliest item, whichever thread met it first."""
+    paths = [tmp_path / f"f{i}" for i in range(200)]
+    for p in paths:
+        p.write_bytes(b"x")
+    items: list[Path] = [*paths]
+    items[150] = tmp_path / "gone-late"
+    items[40] = tmp_path / "gone-early"
+    with pytest.raises(FileNotFoundError) as info:
+        fileio.fsync_many(items, drop=True)
+    assert info.value.filename == str(tmp_path / "gone-early")
