@@ -116,7 +116,7 @@ def fsync_many(files: Sequence[int | str | os.PathLike[str]], drop: bool = False
         while (i := next(order)) < len(files):
             try:
                 one(files[i])
-            except BaseException as exc:  # noqa: BLE001 - raised below, after every item
+            except BaseException as exc:  # broad: raised below, once every item is tried
                 failed[i] = exc
 
     threads = min(FSYNC_THREADS, len(files))
