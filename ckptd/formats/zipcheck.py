@@ -29,6 +29,7 @@ from ckptd.formats.zipdir import (
     data_offset,
     is_zip_magic,
     read_archives,
+    read_archives_fd,
 )
 from ckptd.model import Reason
 
@@ -43,6 +44,7 @@ __all__ = [
     "is_zip_magic",
     "open_stored_member",
     "read_archives",
+    "read_archives_fd",
     "read_member",
     "zip_members",
 ]
@@ -123,6 +125,17 @@ class ZipCrcSink:
         on_capture: Callable[[ZipEntry, bytes], None] | None = None,
     ) -> ZipCrcSink:
         return cls(str(path), read_archives(path), capture, on_capture)
+
+    @classmethod
+    def for_fd(
+        cls,
+        fd: int,
+        path: str | os.PathLike[str],
+        capture: Callable[[str], bool] = is_pickle_member,
+        on_capture: Callable[[ZipEntry, bytes], None] | None = None,
+    ) -> ZipCrcSink:
+        """As `for_file`, reading the directories through `fd`, which the caller keeps open."""
+        return cls(str(path), read_archives_fd(fd, str(path)), capture, on_capture)
 
     def update(self, offset: int, view: memoryview) -> None:
         end = offset + len(view)

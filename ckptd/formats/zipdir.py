@@ -64,15 +64,21 @@ def read_archives(path: str | os.PathLike[str]) -> list[ZipArchive]:
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        end = os.fstat(fd).st_size
-        archives: list[ZipArchive] = []
-        while end > 0 or not archives:
-            archive = _read_archive(fd, end, str(path), outermost=not archives)
-            archives.append(archive)
-            end = archive.start
-        return archives[::-1]
+        return read_archives_fd(fd, str(path))
     finally:
         os.close(fd)
+
+
+def read_archives_fd(fd: int, path: str) -> list[ZipArchive]:
+    """`read_archives` of a file the caller holds open (`path` only names it in messages): no
+    second open, which through /proc/self/fd costs a path walk per file of a many-file step."""
+    end = os.fstat(fd).st_size
+    archives: list[ZipArchive] = []
+    while end > 0 or not archives:
+        archive = _read_archive(fd, end, path, outermost=not archives)
+        archives.append(archive)
+        end = archive.start
+    return archives[::-1]
 
 
 def read_archive(fd: int, end: int, path: str) -> ZipArchive:

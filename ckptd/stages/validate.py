@@ -134,7 +134,7 @@ class _Run:
         for m in self.members:
             self._check_size(m)
         for m in self.members:
-            m.kind = _kind(m.rel, _head(m.path) if m.size else b"")
+            m.kind = _kind(m.rel, os.pread(m.fd, 8, 0) if m.size else b"")
         for m in sorted(self.members, key=_pass_order):
             self._read(m)
         self._check_dcp_items()
@@ -226,7 +226,7 @@ class _Run:
                     refs[entry.name[: -len("data.pkl")]] = list(read.refs)
                     self.fields.setdefault(m.rel, read.fields)  # the outermost archive's
 
-        sink = zipcheck.ZipCrcSink.for_file(m.path, on_capture=scan)
+        sink = zipcheck.ZipCrcSink.for_fd(m.fd, m.path, on_capture=scan)
         m.archives = sink.archives
         if _is_torch_name(m.rel) and not all(map(_is_torch_archive, m.archives)):
             raise ValidationFailed(Reason.BAD_HEADER, f"{m.rel}: a zip without data.pkl", m.rel)
@@ -359,11 +359,6 @@ def _is_torch_name(rel: str) -> bool:
 def _expects_payload(rel: str) -> bool:
     name = posixpath.basename(rel)
     return name == ".metadata" or posixpath.splitext(name)[1].lower() in _PAYLOAD_EXTS
-
-
-def _head(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(8)
 
 
 def _kind(rel: str, head: bytes) -> str:

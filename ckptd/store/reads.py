@@ -14,7 +14,7 @@ from ckptd.lifecycle import answers
 from ckptd.lifecycle.table import Event, Policy, Status
 from ckptd.model import CheckpointRecord, FileRecord, MetricMode, State, Tier
 from ckptd.remote.manifest import StoredFile
-from ckptd.store.rows import record_of, status_of
+from ckptd.store.rows import RECORD_COLUMNS, record_of, status_of
 
 # The highest step SQLite's INTEGER holds: "no bound" for `_answerable`.
 _TOP = 2**63 - 1
@@ -87,18 +87,18 @@ class Reads:
         return frozenset(int(r["step"]) for r in rows)
 
     def checkpoints(self, root: str) -> list[CheckpointRecord]:
-        rows = self._rows("SELECT * FROM checkpoints WHERE root=? AND superseded=0 ORDER BY step",
-                          (root,))
+        rows = self._rows(f"SELECT {RECORD_COLUMNS} FROM checkpoints"  # noqa: S608
+                          " WHERE root=? AND superseded=0 ORDER BY step", (root,))
         return [record_of(r) for r in rows]
 
     def checkpoint(self, root: str, step: int) -> CheckpointRecord | None:
-        rows = self._rows("SELECT * FROM checkpoints WHERE root=? AND step=? AND superseded=0",
-                          (root, step))
+        rows = self._rows(f"SELECT {RECORD_COLUMNS} FROM checkpoints"  # noqa: S608
+                          " WHERE root=? AND step=? AND superseded=0", (root, step))
         return record_of(rows[0]) if rows else None
 
     def status(self, root: str, step: int) -> Status | None:
-        rows = self._rows("SELECT * FROM checkpoints WHERE root=? AND step=? AND superseded=0",
-                          (root, step))
+        rows = self._rows("SELECT state, local, remote, copy FROM checkpoints"
+                          " WHERE root=? AND step=? AND superseded=0", (root, step))
         return status_of(rows[0]) if rows else None
 
     def files(self, checkpoint_id: int) -> list[FileRecord]:
@@ -131,7 +131,8 @@ class Reads:
         """The rows `answers` may choose from, newest first: valid ones with a copy somewhere,
         of steps up to `below`. A pre-filter only (the rows of pruned steps pile up); the
         choice is the shared function's."""
-        rows = self._rows(f"SELECT * FROM checkpoints WHERE root=? AND superseded=0"  # noqa: S608
+        rows = self._rows(f"SELECT {RECORD_COLUMNS} FROM checkpoints"  # noqa: S608
+                          " WHERE root=? AND superseded=0"
                           f" AND {ANSWERABLE} AND step<=? ORDER BY step DESC LIMIT ?",
                           (root, below, limit))
         return [record_of(r) for r in rows]

@@ -69,6 +69,14 @@ def status_of(r: sqlite3.Row) -> Status:
     return Status(State(r["state"]), Local(r["local"]), Remote(r["remote"]), r["copy"] == "ready")
 
 
+# The columns `record_of` and `status_of` read: a read that answers records selects these,
+# not `*`, which would copy each row's member list (hundreds of KB for a 10,000-file step) out
+# of SQLite for every status, listing, latest or metrics read.
+RECORD_COLUMNS = ("id, root, step, layout, path, state, local, remote, copy, bytes,"
+                  " stored_bytes, metrics, reason, message, pinned, created, completed,"
+                  " fingerprint, adopted")
+
+
 def record_of(r: sqlite3.Row) -> CheckpointRecord:
     return CheckpointRecord(
         id=int(r["id"]), root=r["root"], step=int(r["step"]), layout=r["layout"],

@@ -316,3 +316,47 @@ def test_fsync_many_syncs_paths_and_descriptors_and_reports_the_first_error(
         os.close(fd)
     with pytest.raises(OSError):  # a descriptor no file is open on (EBADF)
         fileio.fsync_many([paths[0], 1 << 20])
+
+
+def test_real_path_agrees_with_resolve_along_links(tmp_path: Path) -> None:
+    """safe_join's quick resolution names every path as Path.resolve does: links inside and
+    out, dangling and looping links, names not there yet, a file where a directory should be."""
+    from itertools import product
+
+    from ckptd.fileio.paths import real_path
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "f").write_text("x")
+    (tmp_path / "a" / "in").symlink_to("b")
+    (tmp_path / "a" / "out").symlink_to("/etc")
+    (tmp_path / "a" / "dangling").symlink_to("nowhere")
+    (tmp_path / "a" / "up").symlink_to("../..")
+    (tmp_path / "a" / "loop1").symlink_to("loop2")
+    (tmp_path / "a" / "loop2").symlink_to("loop1")
+    names = ["a", "b", "in", "out", "dangling", "up", "f", "new", "loop1"]
+    for depth in (1, 2, 3):
+        for parts in product(names, repeat=depth):
+            path = str(tmp_path.joinpath(*parts))
+            try:
+                want: str = str(Path(path).resolve())
+            except (OSError, RuntimeError):
+                want = "loop"
+            try:
+                got = real_path(path)
+            except (OSError, RuntimeError):
+                got = "loop"
+            assert got == want, path
+
+
+def test_fsync_many_attempts_every_item_and_raises_the_first_in_order(tmp_path: Path) -> None:
+    """Past a failing item the rest are still synced, and what is raised is the failure of
+    the earliest item, whichever thread met it first."""
+    paths = [tmp_path / f"f{i}" for i in range(200)]
+    for p in paths:
+        p.write_bytes(b"x")
+    items: list[Path] = [*paths]
+    items[150] = tmp_path / "gone-late"
+    items[40] = tmp_path / "gone-early"
+    with pytest.raises(FileNotFoundError) as info:
+        fileio.fsync_many(items, drop=True)
+    assert info.value.filename == str(tmp_path / "gone-early")
