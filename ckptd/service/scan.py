@@ -58,6 +58,9 @@ class Scanner:
         self._pending: set[str] = set()
         self._conflicts: set[tuple[str, int]] = set()
         self._bad_logged: dict[str, set[str]] = {}  # per root: refused metadata already logged
+        # Per root: each candidate's newest member mtime by (path, fingerprint), as the last
+        # scan found it: a kept step's is not recomputed over its files at every scan.
+        self._newest: dict[str, dict[tuple[str, str], float]] = {}
         self.beat = clock.monotonic()
         # Full scans finished since start: a test waits on it ("not after two more scans").
         self.scans = 0
@@ -149,7 +152,7 @@ class Scanner:
             now = self.clock.time()
             snap, found = scanner.scan(now, self._registrations(root.name))
             changes = self.store.sync_root(
-                root.name, [Found(c, fp, _newest(snap, c)) for c, fp in found], now,
+                root.name, self._found(root.name, snap, found), now,
                 unreadable=frozenset(scanner.unreadable), adopt=self.may_adopt(root.name))
         self._give_up_stale(root, snap, [c for c, _ in found if not c.complete], now)
         self._report_bad(root.name, snap.bad_contents)
@@ -167,6 +170,22 @@ class Scanner:
         for ch in changes:
             self.log.info(ch.event, root=root.name, step=ch.step, layout=ch.layout, path=ch.path,
                           detail=ch.detail or None)
+
+    def _found(self, root: str, snap: Snapshot, found: list[tuple[Candidate, str]]
+               ) -> list[Found]:
+        """The scan's candidates as the store takes them, with their newest member mtimes:
+        the fingerprint digests every member's mtime, so an unchanged one keeps its value."""
+        last = self._newest.get(root, {})
+        now: dict[tuple[str, str], float] = {}
+        out = []
+        for c, fp in found:
+            newest = last.get((c.path, fp))
+            if newest is None:
+                newest = _newest(snap, c)
+            now[(c.path, fp)] = newest
+            out.append(Found(c, fp, newest))
+        self._newest[root] = now
+        return out
 
     def _report_bad(self, root: str, bad: Mapping[str, str]) -> None:
         """Metadata the bounded reader refused (a link, a FIFO, over its cap): counted in the

@@ -18,6 +18,7 @@ from ckptd.lifecycle.table import (
 from ckptd.model import State
 from ckptd.store.core import Core
 from ckptd.store.rows import (
+    RECORD_COLUMNS,
     Found,
     SyncChange,
     expected_json,
@@ -26,6 +27,10 @@ from ckptd.store.rows import (
     overlaps,
     status_of,
 )
+
+# What a scan reads of a row: a record's columns and the upload claim (`Core._apply`), never
+# the member list (`_files` reads it when a candidate's fingerprint differs from the row's).
+_COLUMNS = RECORD_COLUMNS + ", claim_owner, claim_stage, claim_expires"
 
 _SCAN_EVENTS = {Event.FOUND_PENDING: "", Event.FOUND_COMPLETE: "checkpoint_complete",
                 Event.RESAVED: "checkpoint_superseded", Event.VANISHED: "checkpoint_vanished",
@@ -80,17 +85,18 @@ class Sync(Core):
                   adopt: bool = False) -> SyncChange | None:
         c = f.candidate
         row = db.execute(
-            "SELECT * FROM checkpoints WHERE root=? AND step=? AND superseded=0", (root, c.step)
-        ).fetchone()
+            f"SELECT {_COLUMNS} FROM checkpoints WHERE root=? AND step=? AND superseded=0",
+            (root, c.step)).fetchone()
         metrics = {**c.metrics, **reg_metrics}
         if row is None:
             self._insert_found(db, root, f, metrics, now, pinned=False, adopted=adopt)
             return SyncChange("checkpoint_discovered", c.step, c.layout, c.path,
                               ("adopted; " if adopt else "")
                               + ("complete" if c.complete else c.waiting_for))
-        fewer = set(c.files) < set(json.loads(row["files"]))
+        same_files = row["fingerprint"] == f.fingerprint  # it digests the member paths
+        fewer = not same_files and set(c.files) < set(_files(db, int(row["id"])))
         seen = Sighting(complete=c.complete,
-                        same_save=row["fingerprint"] == f.fingerprint and row["path"] == c.path,
+                        same_save=same_files and row["path"] == c.path,
                         fewer_files=fewer, same_path=row["path"] == c.path,
                         fresh=fewer and f.newest_mtime > max(float(row["created"]),
                                                              self._last_change(db, row["id"])))
@@ -123,8 +129,8 @@ class Sync(Core):
     def _sync_gone(self, db: sqlite3.Connection, root: str, seen: set[int],
                    unreadable: frozenset[str], now: float) -> list[SyncChange]:
         changes = []
-        rows = db.execute("SELECT * FROM checkpoints WHERE root=? AND superseded=0"
-                          " AND local='present'", (root,)).fetchall()
+        rows = db.execute(f"SELECT {_COLUMNS} FROM checkpoints WHERE root=? AND"
+                          " superseded=0 AND local='present'", (root,)).fetchall()
         for r in rows:
             if r["step"] in seen or overlaps(r["path"], unreadable):
                 continue
@@ -148,3 +154,10 @@ def _found_fields(f: Found, metrics: dict[str, float], now: float) -> dict[str, 
     return {"layout": c.layout, "path": c.path, "files": json.dumps(list(c.files)),
             "expected": expected_json(c), "metrics": metrics_json(metrics),
             "fingerprint": f.fingerprint, "completed": now if c.complete else None, "bytes": 0}
+
+
+def _files(db: sqlite3.Connection, cid: int) -> list[str]:
+    """A row's member list, read only when a scan's candidate may differ from it (a 10,000-file
+    step's list is hundreds of KB: a scan must not copy every kept step's out of SQLite)."""
+    return list(json.loads(db.execute("SELECT files FROM checkpoints WHERE id=?",
+                                      (cid,)).fetchone()["files"]))
