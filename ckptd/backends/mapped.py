@@ -140,6 +140,10 @@ class MappedBody:
             lo = _page_floor(max(self.start, self.handed - self.depth - _VIEW))
             if self.handed > lo:
                 self._map.madvise(mmap.MADV_DONTNEED, lo, self.handed - lo)
+            for old in self._old:  # a growing source's replaced mappings: views still sent
+                end = min(len(old), self.handed)
+                if end > lo:
+                    old.madvise(mmap.MADV_DONTNEED, lo, end - lo)
             done = self.handed - self.depth
             if done > self._dropped:
                 fileio.advise(self._fd, self._dropped, done - self._dropped)

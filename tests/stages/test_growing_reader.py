@@ -136,3 +136,42 @@ def test_a_mapping_of_the_growing_file_is_extended_as_reads_pass_its_end(
     assert got.digest() == hashlib.sha256(data).digest() and body.length == len(data)
     mapped.close_body(body)
     src.close()
+
+
+def _resident(path: Path) -> int:
+    """Bytes of `path`'s mappings resident in this process (/proc/self/smaps)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            ours = line.endswith(" " + str(path))
+        elif ours and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total
+
+
+def test_views_of_a_replaced_mapping_are_trimmed_too(tmp_path: Path) -> None:
+    """A growing file's mapping is replaced as reads pass its end, while the client may still
+    send views of the one before: the trimmer drops those pages too, so a streamed object
+    costs no more resident memory than a finished one."""
+    path = tmp_path / "obj"
+    part = 8 << 20
+    path.write_bytes(b"\1" * part)
+    growth = Growth("obj")
+    growth.advance(part)
+    src = _reader(path, growth)
+    body = mapped.open_body(src, None, 16 << 20, "test")
+    assert body is not None
+    first = body.view(0, part)
+    with open(path, "ab", buffering=0) as out:
+        out.write(b"\2" * part)
+    growth.advance(2 * part)
+    second = body.view(part, part)  # past the mapped end: a new mapping replaces the first
+    assert bytes(first) == b"\1" * part and bytes(second) == b"\2" * part  # every page touched
+    assert _resident(path) >= part  # the first mapping's pages, held by its view
+    body.trim()
+    assert _resident(path) < 1 << 20
+    first.release()
+    second.release()
+    mapped.close_body(body)
+    src.close()
