@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from support.ckpts import save_single
-from support.config import render_config
+from support.config import render_config, without_disk_floor
 
 from ckptd.cli import doctor
 from ckptd.config import load_config
@@ -46,10 +46,10 @@ def test_a_sound_setup_passes_with_a_real_s3_remote(tmp_path: Path, short_dir: P
     cfg = tmp_path / "c.toml"
     cfg.write_text(render_config(
         {"state_dir": str(tmp_path / "state"), "socket": str(short_dir / "s.sock")},
-        [{"name": "r", "path": str(root), "upload": {
+        [without_disk_floor({"name": "r", "path": str(root), "upload": {
             "url": s3_url, "endpoint": s3_server.endpoint, "region": s3_server.region,
             "access_key_id": s3_server.access_key,
-            "secret_access_key": s3_server.secret_key}}]))
+            "secret_access_key": s3_server.secret_key}})]))
     rc, doc = _doctor(cfg, "--unit", str(tmp_path / "no.service"))
     checks = _by_what(doc)
     assert rc == 0 and doc["ok"], doc

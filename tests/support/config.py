@@ -53,15 +53,30 @@ class Layout:
     roots: dict[str, Path]
 
 
+def without_disk_floor(root: dict[str, Any]) -> dict[str, Any]:
+    """`root` with `retention.local.min_free = "0"` unless it sets its own: the default (10 %
+    of the file system) makes retention delete beyond its rules on a host disk that is more
+    than 90 % full, so a test of anything else must not inherit it from the machine it runs
+    on. Tests of the floor set it (or a fake disk) themselves."""
+    root = dict(root)
+    retention = dict(root.get("retention", {}))
+    local = dict(retention.get("local", {}))
+    local.setdefault("min_free", "0")
+    retention["local"] = local
+    root["retention"] = retention
+    return root
+
+
 def write_layout(base: Path, sock: Path, roots: list[dict[str, Any]] | None = None,
                  **daemon_keys: Any) -> Layout:
     """Create the roots (under `base/roots/<name>` unless a root gives `path`) and write
-    `base/ckptd.toml`: 1s scans, 300ms settle, JSON debug logs unless overridden."""
+    `base/ckptd.toml`: 1s scans, 300ms settle, JSON debug logs, no free-space floor
+    (`without_disk_floor`) unless overridden."""
     roots = roots if roots is not None else [{"name": "r1"}]
     root_paths: dict[str, Path] = {}
     rendered = []
     for r in roots:
-        r = dict(r)
+        r = without_disk_floor(r)
         path = Path(r.pop("path", base / "roots" / r["name"]))
         path.mkdir(parents=True, exist_ok=True)
         root_paths[r["name"]] = path

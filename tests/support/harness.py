@@ -15,7 +15,7 @@ from ckptd.client import Client
 from ckptd.config import load_config
 from ckptd.daemon import Daemon
 from ckptd.store import Store
-from support.config import render_config
+from support.config import render_config, without_disk_floor
 
 
 class Harness:
@@ -30,7 +30,8 @@ class Harness:
                            "scan_interval": "1s", "workers": 1}
         if root.pop("uploads", False):
             root["upload"] = {"url": f"file://{tmp / 'remote'}"}
-        self.root_cfg = {"name": "r", "path": str(self.root), "settle": "200ms", **root}
+        self.root_cfg = without_disk_floor(
+            {"name": "r", "path": str(self.root), "settle": "200ms", **root})
         self.write_config()
         self.daemon = Daemon(load_config(self.config_path), self.config_path,
                              store_factory=store_factory)
