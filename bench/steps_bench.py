@@ -11,8 +11,11 @@ the daemon's CPU seconds over that step (/proc/<pid>/stat, its children included
 Each round is a fresh daemon, root and bucket prefix; `bench_all.py` runs one per round and
 times `aws` for the first and the last step only (`--aws 1,10`).
 
+`--profile PREFIX` runs the daemon under `cpu_sampler.py`: step i's CPU by stack is written to
+`PREFIX.<2i>.txt` (odd parts are the time between steps).
+
 Usage: python bench/steps_bench.py [--steps 10] [--files 10000] [--aws 1,10] [--repeat 1]
-       [--workdir DIR] [--json FILE]
+       [--workdir DIR] [--json FILE] [--profile PREFIX]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,12 +44,33 @@ from upload_bench import drop_prefix, evict, warm_up  # noqa: E402
 FIRST = 100  # the first step's number; the next ones follow by 100
 SCHEMA = "ckptd-steps-bench/1"
 SAMPLER = ["-m", "ckptd"]
+PROFILED: list[str] = []  # cpu_sampler.py's command prefix under --profile
 
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime + cutime + cstime of a process, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """A process's user and system CPU seconds (its waited-for children included)."""
+    f = [int(x) for x in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:15]]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (f[0] + f[2]) / tick, (f[1] + f[3]) / tick
+
+
+def memory_state() -> dict[str, float]:
+    """The machine's free memory and page cache (GB), and the total time tasks stalled on
+    memory so far (s, /proc/pressure/memory `some`): what reclaim costs whoever allocates."""
+    info = {k: int(v.split()[0]) for k, v in
+            (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())}
+    out = {"free_gb": info["MemFree"] / 1e6, "cache_gb": info["Cached"] / 1e6}
+    try:
+        some = Path("/proc/pressure/memory").read_text().split("\n")[0]
+        out["stall_s"] = int(some.rsplit("total=", 1)[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
 
 
 def start_daemon(cfg: Path, work: Path) -> tuple[subprocess.Popen[bytes], Any]:
@@ -53,7 +78,7 @@ def start_daemon(cfg: Path, work: Path) -> tuple[subprocess.Popen[bytes], Any]:
 
     env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true"}
     log = open(work / "daemon.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, *SAMPLER, "run", "--config", str(cfg)],
+    proc = subprocess.Popen([sys.executable, *PROFILED, *SAMPLER, "run", "--config", str(cfg)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     client = Client(work / "ckptd.sock", timeout=10.0, strict=True)
     deadline = time.monotonic() + 60
@@ -85,6 +110,12 @@ def wait_uploaded(client: Any, proc: subprocess.Popen[bytes], work: Path, step: 
         time.sleep(0.02)
 
 
+def cut(proc: subprocess.Popen[bytes]) -> None:
+    """Under --profile: the sampler writes what it gathered since the last cut."""
+    if PROFILED:
+        os.kill(proc.pid, signal.SIGUSR2)
+
+
 def pick(st: dict[str, float], *keys: str) -> float | None:
     for k in keys:
         for name, v in st.items():
@@ -110,16 +141,23 @@ def run_steps(server: s3server.S3Server, source: Path, work: Path, prefix: str, 
             evict(staged)
             time.sleep(1.0)  # let the daemon go idle after the copy's page-cache churn
             cpu0, scans0 = cpu_seconds(proc.pid), client.status()["scans"]
+            split0, mem0 = cpu_split(proc.pid), memory_state()
             server0 = cpu_seconds(server.process.pid)
+            cut(proc)
             t0 = time.time()
             staged.rename(work / "root" / f"step-{step}")
             wait_uploaded(client, proc, work, step)
             wall = time.time() - t0
+            cut(proc)
             cpu = cpu_seconds(proc.pid) - cpu0
+            split, mem = cpu_split(proc.pid), memory_state()
             scans = client.status()["scans"] - scans0
             server_cpu = cpu_seconds(server.process.pid) - server0
             st = stages(work / "state" / "state.db", t0, step)
             row = {"step": i, "t0": t0, "wall_s": wall, "cpu_s": cpu, "server_cpu_s": server_cpu,
+                   "user_s": split[0] - split0[0], "sys_s": split[1] - split0[1],
+                   "free_gb": mem0["free_gb"], "cache_gb": mem0["cache_gb"],
+                   "stall_s": mem.get("stall_s", 0.0) - mem0.get("stall_s", 0.0),
                    "scans": scans, "stages": st,
                    "complete_s": pick(st, "found_complete->", "detected"),
                    "valid_s": pick(st, "validated->"), "verified_s": pick(st, "uploaded->")}
@@ -143,8 +181,9 @@ def line(row: dict[str, Any]) -> str:
     aws = f"  aws {row['aws_s']:6.1f}" if "aws_s" in row else ""
     return (f"step {row['step']:2d}: complete {fmt(row['complete_s'])}  valid "
             f"{fmt(row['valid_s'])}  verified {fmt(row['verified_s'])}  wall "
-            f"{row['wall_s']:6.1f}  cpu {row['cpu_s']:6.1f}  server cpu "
-            f"{row['server_cpu_s']:6.1f}  scans {row['scans']:3d}{aws}")
+            f"{row['wall_s']:6.1f}  cpu {row['cpu_s']:6.1f} (sys {row.get('sys_s', 0):5.1f})  "
+            f"server cpu {row['server_cpu_s']:6.1f}  scans {row['scans']:3d}  free "
+            f"{row.get('free_gb', 0):5.1f} GB  stall {row.get('stall_s', 0):5.2f}{aws}")
 
 
 def main() -> None:
@@ -155,7 +194,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ckptd-steps"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--profile", help="a file prefix: the daemon's CPU by stack, per step")
     args = ap.parse_args()
+    if args.profile:
+        PROFILED[:] = [str(HERE / "cpu_sampler.py"), "--out", str(Path(args.profile).resolve())]
     aws_at = {int(x) for x in args.aws.split(",") if x}
     args.workdir.mkdir(parents=True, exist_ok=True)
     inputs = args.workdir / f"inputs-{args.files}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -68,17 +68,31 @@ def _shared(store: Store, root: RootConfig, records: list[CheckpointRecord]) -> 
     """Steps on disk whose files, or whose directory, hold another on-disk checkpoint's
     file: a file belongs to one checkpoint, so a delete never reaches past its own."""
     present = [r for r in records if r.local is Local.PRESENT]
+    return shared_steps({r.step: store.members(r.id) for r in present},
+                        {r.step: r.path for r in present if _real_dir(root.path / r.path)})
+
+
+def shared_steps(members: dict[int, Iterable[str]], dirs: dict[int, str]) -> frozenset[int]:
+    """`_shared` on plain values: each step's member paths, and the directory of each step that
+    is one. A step is shared when one of its files is another step's too, or when a file under
+    its directory (at any depth) is another step's. One pass over the files, each looked up by
+    its parent directories: the cost follows the files held, not files times steps."""
     owners: dict[str, set[int]] = {}
-    for r in present:
-        for f in store.members(r.id):
-            owners.setdefault(f, set()).add(r.step)
+    for step, files in members.items():
+        for f in files:
+            owners.setdefault(f, set()).add(step)
     shared = {s for steps in owners.values() if len(steps) > 1 for s in steps}
-    for r in present:
-        if _real_dir(root.path / r.path):
-            prefix = r.path.rstrip("/") + "/"
-            if any(f.startswith(prefix) and steps - {r.step}
-                   for f, steps in owners.items()):
-                shared.add(r.step)
+    under: dict[str, list[int]] = {}
+    for step, path in dirs.items():
+        under.setdefault(path.rstrip("/"), []).append(step)
+    if under:
+        for f, steps in owners.items():
+            cut = f.find("/")
+            while cut >= 0:  # f[:cut] is each directory f lies under ("" for a leading "/")
+                for step in under.get(f[:cut], ()):
+                    if len(steps) > 1 or step not in steps:
+                        shared.add(step)
+                cut = f.find("/", cut + 1)
     return frozenset(shared)
 
 

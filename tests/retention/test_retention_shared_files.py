@@ -12,6 +12,7 @@ from writers import save_torch
 from ckptd.config import parse_config
 from ckptd.lifecycle.table import Event
 from ckptd.model import Candidate, FileRecord, Local, ValidationResult
+from ckptd.retention.views import shared_steps
 from ckptd.service.retention import RetentionService
 from ckptd.store import Found, Store
 
@@ -61,3 +62,44 @@ def test_the_table_refuses_what_retention_did_not_do(h: Harness) -> None:
     assert h.client.wait("r", 2, until="valid", timeout=30)
     assert not h.daemon.store.record("r", 2, Event.PRUNED_REMOTE)  # never uploaded
     wait_until(lambda: h.daemon.store.status("r", 2) is not None, what="a row")
+
+
+def _shared_by_definition(members: dict[int, list[str]], dirs: dict[int, str]) -> set[int]:
+    """The shared-files rule as written: every file of every step against every other step."""
+    shared = set()
+    for step, files in members.items():
+        for other, theirs in members.items():
+            if other != step and set(files) & set(theirs):
+                shared.add(step)
+    for step, path in dirs.items():
+        prefix = path.rstrip("/") + "/"
+        if any(f.startswith(prefix) for other, theirs in members.items() if other != step
+               for f in theirs):
+            shared.add(step)
+    return shared
+
+
+def test_shared_steps_matches_the_rule_on_random_trees() -> None:
+    """The one-pass lookup by parent directory decides as the rule does: a step whose files
+    another step holds, or whose directory holds another step's file at any depth (nested
+    steps, a file registered alone inside a directory step, look-alike prefixes such as
+    `step-1` and `step-10`, a trailing slash, a leading one)."""
+    import random
+
+    rng = random.Random(7)
+    names = ["step-1", "step-10", "step-1/sub", "a/step-2", "a", "", "/abs", "step-1/"]
+    leaves = ["model.pt", "optim.pt", "x", "sub/y", ".metadata"]
+    for _ in range(400):
+        members: dict[int, list[str]] = {}
+        dirs: dict[int, str] = {}
+        for step in rng.sample(range(1, 9), rng.randint(1, 5)):
+            base = rng.choice(names)
+            files = [f"{base.rstrip('/')}/{leaf}" if base else leaf
+                     for leaf in rng.sample(leaves, rng.randint(1, 3))]
+            members[step] = files
+            if rng.random() < 0.6:
+                dirs[step] = base
+            elif rng.random() < 0.5:  # a single registered file, its path its own
+                members[step] = files[:1]
+        assert shared_steps(members, dirs) == _shared_by_definition(members, dirs), (members,
+                                                                                      dirs)
