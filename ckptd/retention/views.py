@@ -5,10 +5,12 @@ Reads the store and the disk; decides nothing and deletes nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
-from collections.abc import Callable, Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -64,15 +66,36 @@ def guards_for(store: Store, root: RootConfig, now: float,
     )
 
 
+# Per root, the inputs of the last `_shared` answer (each present step's path, whether it is a
+# directory now and its member list as stored) and the answer: the nets are read before every
+# delete, and between two saves they see the same lists. Compared whole, never by a digest.
+_SHARED_LAST: dict[str, tuple[tuple[tuple[int, str, bool, str], ...], frozenset[int]]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
 def _shared(store: Store, root: RootConfig, records: list[CheckpointRecord]) -> frozenset[int]:
     """Steps on disk whose files, or whose directory, hold another on-disk checkpoint's
-    file: a file belongs to one checkpoint, so a delete never reaches past its own."""
+    file: a file belongs to one checkpoint, so a delete never reaches past its own. Worked
+    out again only when a present step, its path, its being a directory or its member list
+    changed since the root's last answer (`_SHARED_LAST`)."""
     present = [r for r in records if r.local is Local.PRESENT]
-    return shared_steps({r.step: store.members(r.id) for r in present},
-                        {r.step: r.path for r in present if _real_dir(root.path / r.path)})
+    texts = store.member_texts([r.id for r in present])
+    key = tuple(sorted((r.step, r.path, _real_dir(root.path / r.path), texts.get(r.id, "[]"))
+                       for r in present))
+    with _SHARED_LOCK:
+        last = _SHARED_LAST.get(root.name)
+    if last is not None and last[0] == key:
+        return last[1]
+    members: dict[int, list[str]] = {}
+    for step, _, _, text in key:
+        members.setdefault(step, []).extend(json.loads(text))
+    answer = shared_steps(members, {step: path for step, path, is_dir, _ in key if is_dir})
+    with _SHARED_LOCK:
+        _SHARED_LAST[root.name] = (key, answer)
+    return answer
 
 
-def shared_steps(members: dict[int, Iterable[str]], dirs: dict[int, str]) -> frozenset[int]:
+def shared_steps(members: Mapping[int, Iterable[str]], dirs: Mapping[int, str]) -> frozenset[int]:
     """`_shared` on plain values: each step's member paths, and the directory of each step that
     is one. A step is shared when one of its files is another step's too, or when a file under
     its directory (at any depth) is another step's. One pass over the files, each looked up by

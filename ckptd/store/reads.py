@@ -62,6 +62,17 @@ class Reads:
         rows = self._rows("SELECT files FROM checkpoints WHERE id=?", (checkpoint_id,))
         return tuple(json.loads(rows[0]["files"])) if rows else ()
 
+    def member_texts(self, checkpoint_ids: Sequence[int]) -> dict[int, str]:
+        """Each checkpoint's member list as stored, unparsed (`members` parses one), by id:
+        for a caller that keeps what it derived from the lists while they read the same."""
+        out: dict[int, str] = {}
+        for i in range(0, len(checkpoint_ids), 500):
+            chunk = list(checkpoint_ids[i:i + 500])
+            sql = f"SELECT id, files FROM checkpoints WHERE id IN ({','.join('?' * len(chunk))})"
+            for r in self._rows(sql, chunk):
+                out[int(r["id"])] = r["files"]
+        return out
+
     def stored_files(self, checkpoint_id: int) -> list[StoredFile]:
         rows = self._rows("SELECT * FROM files WHERE checkpoint_id=? ORDER BY path",
                           (checkpoint_id,))

@@ -6,12 +6,14 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 from support import Harness, wait_until
 from writers import save_torch
 
 from ckptd.config import parse_config
 from ckptd.lifecycle.table import Event
 from ckptd.model import Candidate, FileRecord, Local, ValidationResult
+from ckptd.retention import views
 from ckptd.retention.views import shared_steps
 from ckptd.service.retention import RetentionService
 from ckptd.store import Found, Store
@@ -103,3 +105,40 @@ def test_shared_steps_matches_the_rule_on_random_trees() -> None:
                 members[step] = files[:1]
         assert shared_steps(members, dirs) == _shared_by_definition(members, dirs), (members,
                                                                                       dirs)
+
+
+def test_the_shared_files_net_is_worked_out_again_only_when_a_list_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nets are read before every delete: a second read with nothing changed reuses the
+    last answer; a member list that changed in the store is seen at the next read."""
+    root = tmp_path / "r"
+    (root / "step-300").mkdir(parents=True)
+    for name in ("model.pt", "meta.pt"):
+        save_torch(root / "step-300" / name)
+    cfg = parse_config({"daemon": {"state_dir": str(tmp_path / "state"),
+                                   "socket": str(tmp_path / "s")},
+                        "roots": [{"name": "shared-memo", "path": str(root)}]}, tmp_path)
+    store = Store(tmp_path / "state.db")
+
+    def sync(dcp_files: tuple[str, ...], fp: str) -> None:
+        found = [Found(Candidate("registered", 5, "step-300/model.pt", ("step-300/model.pt",),
+                                 True), "a"),
+                 Found(Candidate("dcp", 300, "step-300", dcp_files, True), fp)]
+        store.sync_root("shared-memo", found, 1.0)
+        while (job := store.claim("w", 2.0, 60)) is not None:
+            res = ValidationResult(True, files=tuple(FileRecord(f, 1, "h", "x")
+                                                     for f in job.files))
+            assert store.finish_validation(job, "w", job.checkpoint.fingerprint, res, 2.0)
+
+    calls = []
+    real = views.shared_steps
+    monkeypatch.setattr(views, "shared_steps", lambda *a: calls.append(a) or real(*a))
+    sync(("step-300/meta.pt",), "b")
+    assert views.guards_for(store, cfg.roots[0], 3.0).shared == {300}  # its dir holds 5's file
+    assert views.guards_for(store, cfg.roots[0], 3.0).shared == {300}
+    assert len(calls) == 1
+    sync(("step-300/meta.pt", "step-300/model.pt"), "c")  # re-saved: now it lists that file
+    rec = store.checkpoint("shared-memo", 300)
+    assert rec is not None and rec.local is Local.PRESENT and rec.fingerprint == "c"
+    assert views.guards_for(store, cfg.roots[0], 3.0).shared == {5, 300}
+    assert len(calls) == 2
