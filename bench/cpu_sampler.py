@@ -7,7 +7,7 @@ it is in now. SIGUSR2 writes the stacks gathered so far to `<out>.<n>.txt` (coll
 one file per step; the rest is written at exit. Sampling costs the process some CPU itself
 (it holds the GIL while it walks the stacks), so compare files of one run, not absolute times.
 
-Usage: python bench/cpu_sampler.py --out PREFIX [--interval 0.005] -m MODULE [ARGS...]
+Usage: python bench/cpu_sampler.py --out PREFIX [--interval 0.005] (-m MODULE | SCRIPT) [ARGS...]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 
 
@@ -30,7 +31,7 @@ class Sampler:
         self.cpu: dict[int, float] = {}
         self.parts = 0
         self.lock = threading.Lock()
-        self.me = threading.get_ident()
+        self.me = 0  # the sampling thread, which never samples itself
 
     @staticmethod
     def _stack(frame: FrameType | None) -> str:
@@ -62,6 +63,7 @@ class Sampler:
         self.cpu = seen
 
     def run(self) -> None:
+        self.me = threading.get_ident()
         while True:
             time.sleep(self.interval)
             try:
@@ -83,14 +85,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--interval", type=float, default=0.005)
-    ap.add_argument("-m", dest="module", required=True)
+    ap.add_argument("-m", dest="module")
     args, rest = ap.parse_known_args()
+    if not args.module and not rest:
+        ap.error("name a module (-m) or a script")
     sampler = Sampler(args.out, args.interval)
     threading.Thread(target=sampler.run, name="cpu-sampler", daemon=True).start()
     signal.signal(signal.SIGUSR2, sampler.dump)
     atexit.register(sampler.dump)
-    sys.argv = [args.module, *rest]
-    runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+    if args.module:
+        sys.argv = [args.module, *rest]
+        runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = rest
+        sys.path.insert(0, str(Path(rest[0]).resolve().parent))
+        runpy.run_path(rest[0], run_name="__main__")
 
 
 if __name__ == "__main__":

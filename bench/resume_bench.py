@@ -32,6 +32,7 @@ import upload_bench as ub  # noqa: E402  (eviction, child timing, the aws enviro
 from ckptd.units import parse_size  # noqa: E402
 
 WORKER = str(HERE / "resume_worker.py")
+PROFILE: list[Any] = []  # under --profile: [the file prefix, how many loads ran so far]
 UPLOAD_WORKER = str(HERE / "upload_worker.py")
 STEP = 1
 # The rows, in the order of the table; a round runs them in this order, the next one reversed.
@@ -70,7 +71,8 @@ class Bench:
         return str(self.server.url(prefix))
 
     def worker(self, *argv: str) -> list[str]:
-        return [sys.executable, WORKER, *argv, "--expect", str(self.inputs / "expect.json")]
+        return [sys.executable, *_profiled(), WORKER, *argv, "--expect",
+                str(self.inputs / "expect.json")]
 
     def child(self, argv: list[str]) -> tuple[dict[str, Any], float, int]:
         """One child's JSON answer, wall time and peak RSS; SystemExit with its error."""
@@ -85,6 +87,14 @@ class Bench:
         out["phases"] = {k: v for k, v in out.items() if k.endswith("_s")}
         out["phases"]["rest_s"] = wall - sum(out["phases"].values())  # start, exit
         return out, wall, rss
+
+
+def _profiled() -> list[str]:
+    """Under --profile: cpu_sampler.py's command prefix, one file prefix per process."""
+    if not PROFILE:
+        return []
+    PROFILE[1] += 1
+    return [str(HERE / "cpu_sampler.py"), "--out", f"{PROFILE[0]}.{PROFILE[1]}"]
 
 
 def server_cpu(server: Any) -> float:
@@ -265,7 +275,11 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=HERE / "out" / "resume")
     p.add_argument("--json", type=Path)
     p.add_argument("--keep-inputs", action="store_true", help="keep the built checkpoint")
+    p.add_argument("--profile", help="a file prefix: each loading process's CPU by stack "
+                   "(cpu_sampler.py: <prefix>.<n>.1.txt for the n-th process run)")
     args = p.parse_args()
+    if args.profile:
+        PROFILE[:] = [str(Path(args.profile).resolve()), 0]
     os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
     chosen = [VARIANTS[int(i)] for i in args.only.split(",") if i] or list(VARIANTS)
     workdir = args.workdir.resolve()
