@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import Harness, wait_until
 from writers import save_torch
 
-from ckptd.config import parse_config
+from ckptd.config import Config, parse_config
 from ckptd.lifecycle.table import Event
 from ckptd.model import Candidate, FileRecord, Local, ValidationResult
 from ckptd.retention import views
@@ -19,20 +20,24 @@ from ckptd.service.retention import RetentionService
 from ckptd.store import Found, Store
 
 
-def test_retention_never_deletes_past_a_checkpoints_own_files(tmp_path: Path) -> None:
-    """Two rows that hold one file (a directory checkpoint holding a file another step
-    registered): deleting the older would delete part of the newer. The shared-files net
-    refuses it; the planner asked for it (keep_last = 1)."""
+def _step_300(tmp_path: Path, root_table: dict[str, Any]) -> tuple[Path, Config, Store]:
+    """A root holding `step-300/` (two torch files), its config and a fresh store."""
     root = tmp_path / "r"
     (root / "step-300").mkdir(parents=True)
     for name in ("model.pt", "meta.pt"):
         save_torch(root / "step-300" / name)
     cfg = parse_config({"daemon": {"state_dir": str(tmp_path / "state"),
                                    "socket": str(tmp_path / "s")},
-                        "roots": [{"name": "r", "path": str(root), "retention": {
-                            "local": {"keep_last": 1, "keep_best": 0, "min_free": "0"}}}]},
-                       tmp_path)
-    store = Store(tmp_path / "state.db")
+                        "roots": [{**root_table, "path": str(root)}]}, tmp_path)
+    return root, cfg, Store(tmp_path / "state.db")
+
+
+def test_retention_never_deletes_past_a_checkpoints_own_files(tmp_path: Path) -> None:
+    """Two rows that hold one file (a directory checkpoint holding a file another step
+    registered): deleting the older would delete part of the newer. The shared-files net
+    refuses it; the planner asked for it (keep_last = 1)."""
+    root, cfg, store = _step_300(tmp_path, {"name": "r", "retention": {
+        "local": {"keep_last": 1, "keep_best": 0, "min_free": "0"}}})
     found = [Found(Candidate("registered", 5, "step-300/model.pt", ("step-300/model.pt",),
                              True), "a"),
              Found(Candidate("dcp", 300, "step-300", ("step-300/meta.pt", "step-300/model.pt"),
@@ -111,14 +116,7 @@ def test_the_shared_files_net_is_worked_out_again_only_when_a_list_changes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The nets are read before every delete: a second read with nothing changed reuses the
     last answer; a member list that changed in the store is seen at the next read."""
-    root = tmp_path / "r"
-    (root / "step-300").mkdir(parents=True)
-    for name in ("model.pt", "meta.pt"):
-        save_torch(root / "step-300" / name)
-    cfg = parse_config({"daemon": {"state_dir": str(tmp_path / "state"),
-                                   "socket": str(tmp_path / "s")},
-                        "roots": [{"name": "shared-memo", "path": str(root)}]}, tmp_path)
-    store = Store(tmp_path / "state.db")
+    _, cfg, store = _step_300(tmp_path, {"name": "shared-memo"})
 
     def sync(dcp_files: tuple[str, ...], fp: str) -> None:
         found = [Found(Candidate("registered", 5, "step-300/model.pt", ("step-300/model.pt",),
