@@ -59,8 +59,8 @@ class Reads:
 
     def members(self, checkpoint_id: int) -> tuple[str, ...]:
         """Root-relative member files as the layout reported them."""
-        rows = self._rows("SELECT files FROM checkpoints WHERE id=?", (checkpoint_id,))
-        return tuple(json.loads(rows[0]["files"])) if rows else ()
+        text = self.member_texts([checkpoint_id]).get(checkpoint_id)
+        return tuple(json.loads(text)) if text is not None else ()
 
     def member_texts(self, checkpoint_ids: Sequence[int]) -> dict[int, str]:
         """Each checkpoint's member list as stored, unparsed (`members` parses one), by id:
