@@ -134,7 +134,8 @@ class ZipCrcSink:
         capture: Callable[[str], bool] = is_pickle_member,
         on_capture: Callable[[ZipEntry, bytes], None] | None = None,
     ) -> ZipCrcSink:
-        """As `for_file`, reading the directories through `fd`, which the caller keeps open."""
+        """As `for_file`, reading the directories through `fd`, which the caller keeps open;
+        `path` only names the file in messages (its name in the root, not the fd's link)."""
         return cls(str(path), read_archives_fd(fd, str(path)), capture, on_capture)
 
     def update(self, offset: int, view: memoryview) -> None:
@@ -348,16 +349,20 @@ class _MemberReader(io.RawIOBase):
         super().close()
 
 
-def open_stored_member(path: str | os.PathLike[str], entry: ZipEntry) -> BinaryIO:
+def open_stored_member(path: str | os.PathLike[str], entry: ZipEntry,
+                       name: str | None = None) -> BinaryIO:
     """A buffered reader over a stored member's bytes, for scanning a member too big to hold in
-    memory (a second read of that member only). Raises ValidationFailed for a compressed one."""
+    memory (a second read of that member only). Raises ValidationFailed for a compressed one.
+    `name` names the file in messages (default `path`: give it when `path` is a
+    /proc/self/fd link)."""
+    name = str(path) if name is None else name
     if entry.method != 0:
         raise ValidationFailed(
-            Reason.BAD_HEADER, f"{path}: compressed member {entry.name} too big to scan", str(path)
+            Reason.BAD_HEADER, f"{name}: compressed member {entry.name} too big to scan", name
         )
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        start = data_offset(fd, entry, str(path))
+        start = data_offset(fd, entry, name)
     except BaseException:
         os.close(fd)
         raise

@@ -226,14 +226,14 @@ class _Run:
                     refs[entry.name[: -len("data.pkl")]] = list(read.refs)
                     self.fields.setdefault(m.rel, read.fields)  # the outermost archive's
 
-        sink = zipcheck.ZipCrcSink.for_fd(m.fd, m.path, on_capture=scan)
+        sink = zipcheck.ZipCrcSink.for_fd(m.fd, m.rel, on_capture=scan)
         m.archives = sink.archives
         if _is_torch_name(m.rel) and not all(map(_is_torch_archive, m.archives)):
             raise ValidationFailed(Reason.BAD_HEADER, f"{m.rel}: a zip without data.pkl", m.rel)
 
         def after() -> None:
             for entry in [] if opaque else sink.uncaptured:  # too big to keep: read it again
-                with zipcheck.open_stored_member(m.path, entry) as f:
+                with zipcheck.open_stored_member(m.path, entry, m.rel) as f:
                     self._note(m, picklescan.scan_pickle(f, f"{m.rel}:{entry.name}",
                                                          self.allowed))
                 fileio.drop_cache(m.path)
