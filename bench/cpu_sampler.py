@@ -2,10 +2,13 @@
 
 Every `--interval` seconds a thread reads each thread's stack and its CPU clock
 (`pthread_getcpuclockid`); the CPU a thread used since the last sample is charged to the stack
-it is in now. SIGUSR2 writes the stacks gathered so far to `<out>.<n>.txt` (collapsed: one
-`frame;frame;... cpu_ms` line per stack, biggest first) and starts again, so a bench can cut
-one file per step; the rest is written at exit. Sampling costs the process some CPU itself
-(it holds the GIL while it walks the stacks), so compare files of one run, not absolute times.
+it is in now, so work that ends between two samples (a 4 MiB block decoded in 3 ms) is charged
+to where the thread waits next: an idle pool worker's loop or a condition wait shows CPU that
+was spent in the work before it. SIGUSR2 writes the stacks gathered so far to
+`<out>.<n>.txt` (collapsed: one `frame;frame;... cpu_ms` line per stack, biggest first) and
+starts again, so a bench can cut one file per step; the rest is written at exit. Sampling
+costs the process some CPU itself (it holds the GIL while it walks the stacks), so compare
+files of one run, not absolute times.
 
 Usage: python bench/cpu_sampler.py --out PREFIX [--interval 0.005] (-m MODULE | SCRIPT) [ARGS...]
 """
