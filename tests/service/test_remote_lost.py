@@ -26,12 +26,15 @@ def test_a_remote_copy_absent_from_every_listing_for_lost_after_s_is_lost(
     shutil.rmtree(remote / "r1" / "step-4")  # gone from the remote, not by ckptd
 
     def listed_after(seconds: float) -> dict[int, dict[str, Any]]:
-        """Move the clock, let the lease catch up, and list the root (a fresh listing, as
-        it is older than MIN_AGE_S)."""
+        """Move the clock, let the lease catch up, have the root listed (a fresh listing, as
+        the last is older than MIN_AGE_S) and wait for that listing, so that it is taken at
+        this time of the clock, not after the next move; then the root's steps as `ls` has
+        them."""
         clock.advance(seconds)
         d.wake_lease()
         wait_until(lambda: d.client.status()["roots"][0]["acting"], 30,
                    "the root's lease renewed on the moved clock")
+        d.list_remote("r1")
         return {c["step"]: c for c in d.client.checkpoints("r1")}
 
     first = listed_after(MIN_AGE_S + 1)  # absent from a listing, from now on

@@ -118,6 +118,12 @@ class InProcessDaemon:
         """A look at every root's lease now (after a test moved the clock, say)."""
         self._d().leases.wake()
 
+    def list_remote(self, root: str, timeout: float = 60.0) -> None:
+        """A fresh listing of `root`'s remote by the daemon's discovery thread, waited for. A
+        client's `ls` waits for one at most REQUEST_WAIT_S, then answers from the store: on a
+        loaded machine the listing can come after a test has moved the clock again."""
+        self._d().discovery.request(root, wait_s=timeout)
+
     @property
     def store(self) -> Store:
         """The daemon's store, for read-only queries."""
