@@ -11,7 +11,6 @@ import fcntl
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,13 @@ from typing import Any
 
 import pytest
 import torch
+from support.ports import rendezvous_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 WORLD = 2
 ROOT = "llm"
 ROWS, COLS = 8192, 2048  # the sharded weight: 64 MiB, 32 MiB (8 blocks of 4 MiB) per rank
 JOB_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def full_state(seed: int) -> dict[str, Any]:
@@ -45,7 +39,7 @@ def run_job(base: Path) -> list[dict[str, Any]]:
     out = base / "out"
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_SOCKET", "CKPTD_CONFIG")}
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(rendezvous_port()),
                 "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1",
                 # each rank runs this file, whose imports need tests/ (support) on its path
                 "PYTHONPATH": os.pathsep.join(filter(None, [

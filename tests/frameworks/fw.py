@@ -9,7 +9,6 @@ import filecmp
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from support.ports import rendezvous_port
+
 from ckptd.service.lease import pid_alive
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -61,7 +56,7 @@ LIVE: list[Rank] = []  # ranks started by the current test; `reap()` ends what t
 
 def start_ranks(script: str, args: list[str], world: int = 1, **env: str) -> list[Rank]:
     """`scripts/<script>` once per rank with torchrun's variables (RANK, WORLD_SIZE, ...)."""
-    base = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+    base = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rendezvous_port()),
                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), **env)
     return [Rank([sys.executable, str(SCRIPTS / script), *args],
                  {**base, "RANK": str(r), "LOCAL_RANK": str(r)})

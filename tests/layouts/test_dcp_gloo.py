@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from support.config import SETTLE_S
+from support.ports import rendezvous_port
 from support.published import published_step
 from support.wait import wait_scans
 
@@ -31,17 +31,11 @@ WORLD = 2
 ROWS, COLS = 512, 256  # the sharded weight: 512 KiB, 256 KiB per rank
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def dcp_save(ckpt_dir: Path, seed: int, die_rank: int = -1, timeout: float = 60.0
              ) -> list[int]:
     """Run a 2-rank gloo DCP save of seed's state into `ckpt_dir`; the ranks' exit codes.
     With `die_rank`, that rank exits hard after writing its data, before the commit."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(rendezvous_port()),
            "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1",
            # each rank runs this file, whose imports need tests/ (support) on its path
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
